@@ -64,6 +64,8 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
     on_gpu = torch.cuda.is_available()
     cfg.validate(world_size=world_size, on_gpu=on_gpu)
+    from .compat import no_te
+    no_te.enable()
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -70,6 +70,10 @@ PROXY_MODULES = {
         ("utils.py:631 (GlobalMemoryBuffer)", "device=torch.cuda.current_device()"),
     "megatron.core.tensor_parallel.random":
         ("tensor_parallel/random.py:55,88-106,235-238 (CUDA RNG)", "torch.cuda.get_rng_state()"),
+    "megatron.core.transformer.utils":
+        ("transformer/utils.py:35 (default causal mask on cuda)", 'device="cuda"'),
+    "megatron.core.pipeline_parallel.schedules":
+        ("pipeline_parallel/schedules.py:596,983,2138 (token counters on cuda)", 'device="cuda"'),
     "megatron.core.models.common.embeddings.rotary_pos_embedding":
         ("models/common/embeddings/rotary_pos_embedding.py:162", "torch.cuda.current_device()"),
 }
@@ -141,11 +145,17 @@ class _Stream:
 _STREAM = _Stream()
 
 
+class _AnyIndex:
+    def __init__(self, value): self.value = value
+    def __getitem__(self, index): return self.value
+    def __len__(self): return 1
+
+
 class _CudaNamespace:
     """What `torch.cuda` means inside a patched megatron module on a CPU-only build."""
 
     Stream, Event = _Stream, _Event
-    default_generators = types.MappingProxyType({0: _torch.default_generator})
+    default_generators = _AnyIndex(_torch.default_generator)  # indexed by "the current device"
     current_stream = default_stream = staticmethod(lambda *a, **k: _STREAM)
     stream = staticmethod(lambda s=None: contextlib.nullcontext())
     synchronize = empty_cache = set_device = staticmethod(lambda *a, **k: None)
@@ -231,7 +241,8 @@ def _resolve(module, qualname: str):
 def _recompile(module, qualname: str) -> None:
     """Recompile `module.qualname` from its source with tensor-method calls rewritten."""
     owner, name = _resolve(module, qualname)
-    func = inspect.getattr_static(owner, name)
+    raw = inspect.getattr_static(owner, name)
+    func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
     tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
     fdef = tree.body[0]
     fdef.decorator_list = []
@@ -248,7 +259,7 @@ def _recompile(module, qualname: str) -> None:
     new = namespace["_factory"](owner if isinstance(owner, type) else None)
     new.__qualname__, new.__doc__, new.__wrapped__ = func.__qualname__, func.__doc__, func
     new.__defaults__, new.__kwdefaults__ = func.__defaults__, func.__kwdefaults__
-    setattr(owner, name, new)
+    setattr(owner, name, type(raw)(new) if isinstance(raw, (staticmethod, classmethod)) else new)
     if owner is module:  # rebind `from x import f` copies held by other megatron modules
         for other in list(sys.modules.values()):
             if other is not None and other is not module and getattr(other, "__name__", "").startswith("megatron"):
@@ -312,6 +323,7 @@ def upstream_source(patch: Patch) -> str:
         return inspect.getsource(module)
     owner, attr = _resolve(module, qualname)
     func = inspect.getattr_static(owner, attr)
+    func = getattr(func, "__func__", func)
     return inspect.getsource(getattr(func, "__wrapped__", func))
 
 

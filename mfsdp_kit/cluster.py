@@ -1,0 +1,379 @@
+"""Engines for a notebook: `start` an ipyparallel cluster whose engines are one torch.distributed world.
+
+`start(n=2)` does what torchrun does for a script, but for `%%px` cells: it launches n engines
+(ipyparallel's own launchers: local processes by default, `engines="mpi" | "slurm" | "ssh"` for
+several nodes), gives each a rank that does not depend on ipyparallel's engine ids, picks a free
+rendezvous port and calls `mfsdp_kit.runtime.init` on every engine. The naive version -- rank :=
+engine id -- breaks on the first restart, because ipyparallel numbers new engines 2, 3, ...
+
+A dead engine is the usual way a notebook world breaks; `ClusterHandle.wait` names the rank that
+died and `restart()` rebuilds the world with the same ranks. `report(step=, total=, **metrics)`
+on engines plus `run_with_progress` on the client give per-rank progress bars.
+
+Everything binds to 127.0.0.1 unless `ip=` names another address (see docs/cluster.md).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ipyparallel as ipp
+
+from .config import EngineConfig
+
+LOCALHOST = "127.0.0.1"
+RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+"""Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+"""Where they put its rank within the node."""
+LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
+
+
+class ClusterError(RuntimeError):
+    """The engine world cannot be (or is no longer) used; the message says which rank and what to do."""
+
+
+# ---- engine side: these run on the engines (pickled by reference, so importable there) ----------
+def _first_env_int(names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def _engine_identity() -> dict:
+    """Who this engine is: pid, host and the ranks its launcher gave it (None when it gave none)."""
+    return dict(pid=os.getpid(), host=socket.gethostname(),
+                env_rank=_first_env_int(RANK_ENV), env_local_rank=_first_env_int(LOCAL_RANK_ENV))
+
+
+def _engine_free_port(addr: str) -> int:
+    """A TCP port free on this engine's host at `addr` (asked on rank 0, which hosts the rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
+def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
+                 master_addr: str, master_port: int, timeout_s: float) -> str:
+    """Join the world (env vars as torchrun sets them, then `runtime.init`); return the device."""
+    from mfsdp_kit import runtime
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
+                      master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
+    return f"{rt.device} ({rt.backend})"
+
+
+def _engine_shutdown() -> None:
+    from mfsdp_kit import runtime
+    runtime.shutdown()
+
+
+def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
+    """Publish this rank's progress to the notebook (`run_with_progress` shows it); no-op off an engine."""
+    try:
+        from ipykernel.zmqshell import ZMQInteractiveShell
+    except ImportError:
+        return
+    shell = ZMQInteractiveShell.instance() if ZMQInteractiveShell.initialized() else None
+    if getattr(shell, "data_pub", None) is None:   # a plain kernel or a script: nothing listens
+        return
+    shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
+
+
+# ---- client side ---------------------------------------------------------------------------------
+def assign_ranks(identities: dict[int, dict]) -> dict[int, tuple[int, int]]:
+    """engine id -> (rank, local_rank): the launcher's ranks when it set them all, else engine-id order.
+
+    local_rank is the launcher's too when it gave one, else the position among engines on the same host.
+    """
+    eids = sorted(identities)
+    env_ranks = [identities[e]["env_rank"] for e in eids]
+    from_launcher = None not in env_ranks and sorted(env_ranks) == list(range(len(eids)))
+    rank = {e: (identities[e]["env_rank"] if from_launcher else i) for i, e in enumerate(eids)}
+    by_rank = sorted(eids, key=rank.get)
+    out = {}
+    for e in eids:
+        local = identities[e]["env_local_rank"] if from_launcher else None
+        if local is None:
+            local = [x for x in by_rank if identities[x]["host"] == identities[e]["host"]].index(e)
+        out[e] = (rank[e], local)
+    return out
+
+
+@dataclass
+class ClusterHandle:
+    """A running world: `.view` (DirectView in rank order), `.ranks`, `.wait`, `.restart()`, `.stop()`."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    n: int
+    init_kwargs: dict
+    """cfg, backend, timeout_s and master_addr, replayed by restart()."""
+    rank_of: dict[int, int] = field(default_factory=dict)
+    """ipyparallel engine id -> rank (engine ids change on restart, ranks do not)."""
+    local_rank_of: dict[int, int] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
+    master_port: int | None = None
+    view: Any = None
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.rank_of.values())
+
+    @property
+    def engine_of(self) -> dict[int, int]:
+        return {r: e for e, r in self.rank_of.items()}
+
+    @property
+    def connection_files(self) -> list[str]:
+        """ipyparallel's connection files (they hold the message-signing key) and the cluster file."""
+        sec = os.path.join(self.cluster.profile_dir, "security")
+        return sorted(glob.glob(os.path.join(sec, f"*{self.cluster.cluster_id}*.json")))
+
+    def __repr__(self) -> str:
+        master = f"{self.init_kwargs['master_addr']}:{self.master_port}"
+        return (f"ClusterHandle(engines={len(self.rank_of)}, ranks={self.ranks}, devices={self.devices}, "
+                f"backend={self.init_kwargs['backend']!r}, master={master})")
+
+    # ---- running code --------------------------------------------------------------------------
+    def dead_ranks(self) -> list[int]:
+        alive = set(self.client.ids)
+        return sorted(r for e, r in self.rank_of.items() if e not in alive)
+
+    def wait(self, result: Any, *, timeout_s: float | None = None, poll_s: float = 0.1,
+             on_poll: Callable[[Any], None] | None = None) -> list:
+        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not result.ready():
+            result.wait(poll_s)
+            if on_poll is not None:
+                on_poll(result)
+            if dead := self.dead_ranks():
+                raise self._died(dead)
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClusterError(f"engines did not finish within timeout_s={timeout_s}; the cell may still "
+                                   "run on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
+        try:
+            return result.get()
+        except ipp.error.CompositeError as err:
+            raise (self._died(self.dead_ranks()) if self.dead_ranks() else err) from err
+
+    def run(self, code: str, *, timeout_s: float | None = None) -> None:
+        """Execute `code` on every rank (like a %%px cell), raising `ClusterError` if an engine dies."""
+        self.wait(self.view.execute(code, block=False), timeout_s=timeout_s)
+
+    def apply(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        """`fn(*args, **kwargs)` on every rank; the results in rank order."""
+        return self.wait(self.view.apply_async(fn, *args, **kwargs), timeout_s=timeout_s)
+
+    def _died(self, dead: list[int]) -> ClusterError:
+        which = ", ".join(f"rank {r} (engine {self.engine_of[r]})" for r in dead)
+        return ClusterError(f"{which} died mid-cell; the process group is broken for every rank. "
+                            "Call handle.restart() to rebuild the world with the same ranks.")
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
+        """Stop every engine, start n new ones and rebuild the world with the same ranks."""
+        timeout_s = timeout_s or self.init_kwargs["timeout_s"]
+        old_ranks, old_ids = self.ranks, set(self.client.ids)
+        self.cluster.stop_engines_sync()
+        self.cluster.start_engines_sync(self.n)
+        new_ids = _wait_for_new_engines(self.client, old_ids, self.n, timeout_s)
+        _setup_world(self, new_ids)
+        if self.ranks != old_ranks:
+            raise ClusterError(f"the launcher gave ranks {self.ranks} after restart, {old_ranks} before")
+        return self
+
+    def stop(self) -> None:
+        """Leave the process group on every engine (best effort), then stop engines and controller."""
+        try:
+            if not self.dead_ranks() and self.view is not None:
+                self.view.apply_async(_engine_shutdown).get(timeout=10)
+        except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
+            pass
+        _stop(self.cluster, self.client)
+
+
+def _stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
+    if client is not None:
+        client.close()
+    cluster.stop_cluster_sync()
+
+
+def _wait_for_new_engines(client: ipp.Client, old_ids: set, n: int, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(new := sorted(set(client.ids) - old_ids)) < n:
+        if time.monotonic() > deadline:
+            raise ClusterError(f"only {len(new)} of {n} engines registered within timeout_s={timeout_s}; "
+                               "engine logs: ipcluster's log dir in the profile (ipython locate profile)")
+        time.sleep(0.1)
+    return new[:n]
+
+
+def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
+    """Ask engines who they are, assign ranks, rendezvous on rank 0's free port, init every engine."""
+    client, kw = handle.client, handle.init_kwargs
+    idents = dict(zip(engine_ids, client[engine_ids].apply_sync(_engine_identity)))
+    ranks = assign_ranks(idents)
+    handle.rank_of = {e: r for e, (r, _) in ranks.items()}
+    handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
+    order = sorted(engine_ids, key=handle.rank_of.get)
+    handle.master_port = client[order[0]].apply_sync(_engine_free_port, kw["master_addr"])
+    for e in order:   # the names %%px cells use
+        client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
+                       block=True)
+    pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
+                                     world_size=len(order), local_rank=handle.local_rank_of[e],
+                                     master_addr=kw["master_addr"], master_port=handle.master_port,
+                                     timeout_s=kw["timeout_s"]) for e in order]
+    handle.view = client[order]
+    handle.view.block = True
+    handle.devices = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
+    _secure_connection_files(handle)
+    _activate(handle)
+
+
+def _get(handle: ClusterHandle, ar: Any, timeout_s: float) -> Any:
+    try:
+        return handle.wait(ar, timeout_s=timeout_s)
+    except ipp.error.RemoteError as err:
+        raise ClusterError(f"runtime.init failed on an engine: {err}") from err
+
+
+def _secure_connection_files(handle: ClusterHandle) -> None:
+    """Connection files carry the message-signing key: owner read/write only (0600)."""
+    for path in handle.connection_files:
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            os.chmod(path, 0o600)
+
+
+def _activate(handle: ClusterHandle) -> None:
+    """Register %px / %%px on the rank-ordered view and name the dead rank when a px cell fails."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    handle.view.activate()
+
+    def explain(shell, etype, value, tb, tb_offset=None):
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        if dead := handle.dead_ranks():
+            print(f"ClusterError: {handle._died(dead)}")
+
+    shell.set_custom_exc((ipp.error.CompositeError, ipp.error.EngineError), explain)
+
+
+def _visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
+          master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
+          **launcher: Any) -> ClusterHandle:
+    """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
+
+    ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
+    master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
+    timeout_s: engines must register, and the process group form, within this many seconds.
+    device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
+    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, ...).
+    """
+    device_count = _visible_gpus() if device_count is None else device_count
+    n = n if n is not None else (device_count or 2)
+    local = str(launcher.get("engines", "")).lower() in LOCAL_LAUNCHERS
+    if local and device_count and n > device_count:
+        raise ClusterError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
+                           f"engine); use n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
+    launcher.setdefault("log_level", 40)
+    cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
+    init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
+    client = None
+    try:
+        cluster.start_cluster_sync()
+        client = cluster.connect_client_sync()
+        engine_ids = _wait_for_new_engines(client, set(), n, timeout_s)
+        handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
+        if not local and master_addr is None:
+            host = client[engine_ids].apply_sync(_engine_identity)
+            init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
+        _setup_world(handle, engine_ids)
+        return handle
+    except BaseException:
+        _stop(cluster, client)
+        raise
+
+
+def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:
+    ranks = assign_ranks(dict(zip(engine_ids, idents)))
+    rank0 = next(e for e, (r, _) in ranks.items() if r == 0)
+    return idents[engine_ids.index(rank0)]["host"]
+
+
+# ---- progress ------------------------------------------------------------------------------------
+class ProgressPanel:
+    """One bar and one line of metrics per rank; ipywidgets in a notebook, plain text elsewhere."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        self.last: dict[int, dict] = {}
+        self._bars, self._labels, self._box = {}, {}, None
+        try:
+            from IPython import get_ipython
+            import ipywidgets as w
+        except ImportError:
+            return
+        if get_ipython() is None:
+            return
+        from IPython.display import display
+        for r in ranks:
+            self._bars[r] = w.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
+            self._labels[r] = w.Label("")
+        self._box = w.VBox([w.HBox([self._bars[r], self._labels[r]]) for r in ranks])
+        display(self._box)
+
+    def update(self, data_by_rank: dict[int, dict]) -> None:
+        for r, data in data_by_rank.items():
+            if not data:
+                continue
+            self.last[r] = dict(data)
+            if r in self._bars:
+                total = data.get("total") or max(data.get("step", 0), 1)
+                self._bars[r].max, self._bars[r].value = total, data.get("step", 0)
+                self._labels[r].value = self.text(r)
+
+    def text(self, rank: int) -> str:
+        data = self.last.get(rank, {})
+        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in data.items() if k not in ("step", "total"))
+        return f"step {data.get('step', '-')}/{data.get('total') or '?'} {metrics}".strip()
+
+
+def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
+                      timeout_s: float | None = None, **kwargs: Any) -> tuple[list, ProgressPanel]:
+    """Run a function (or code string) on every rank while showing what each rank `report`s.
+
+    Returns (results in rank order, the panel with the last reported data per rank).
+    """
+    panel = ProgressPanel(handle.ranks)
+    if isinstance(fn_or_code, str):
+        ar = handle.view.execute(fn_or_code, block=False)
+    else:
+        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
+
+    def refresh(result: Any) -> None:
+        panel.update(dict(zip(handle.ranks, result.data)))
+
+    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
+    refresh(ar)
+    return results, panel

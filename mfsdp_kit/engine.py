@@ -1,0 +1,188 @@
+"""Build, wrap, done: model chunks wrapped in DDP or Megatron-FSDP, and their optimizer.
+
+`build` follows megatron's own `get_model`: one chunk per virtual-pipeline stage, moved to
+the device, the mixed-precision wrapper (Float16Module) for bf16/fp16, then DDP or
+megatron-core's `FullyShardedDataParallel` adapter (Megatron-FSDP) as `cfg` says.
+Every wrapper class is stripped by `unwrap_model`; every FSDP chunk is synced by
+`synchronize_fsdp_params` (all of them: verl's first version stopped after one).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from . import runtime
+from .config import EngineConfig, OptimConfig, ddp_config
+
+
+class ModelProvider(Protocol):
+    """Anything with megatron-bridge's `provide(pre_process, post_process, vp_stage)`."""
+
+    def provide(self, pre_process: bool | None = None, post_process: bool | None = None,
+                vp_stage: int | None = None) -> torch.nn.Module: ...
+
+
+ModelFn = Callable[..., torch.nn.Module]
+
+
+def _wrapper_classes() -> tuple[type, ...]:
+    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+    from megatron.core.transformer.module import Float16Module
+    return DistributedDataParallel, FullyShardedDataParallel, MegatronFSDP, Float16Module
+
+
+def _provide(model_fn: ModelProvider | ModelFn, vp_stage: int | None) -> torch.nn.Module:
+    from megatron.core import parallel_state as ps
+    ignore_virtual = vp_stage is None
+    kwargs = dict(pre_process=ps.is_pipeline_first_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+                  post_process=ps.is_pipeline_last_stage(ignore_virtual=ignore_virtual, vp_stage=vp_stage),
+                  vp_stage=vp_stage)
+    fn = model_fn.provide if hasattr(model_fn, "provide") else model_fn
+    return fn(**kwargs)
+
+
+def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = True) -> list[torch.nn.Module]:
+    """Model chunks for this rank: built, on the device, mixed-precision wrapped, DDP/FSDP wrapped.
+
+    `model_fn(pre_process=, post_process=, vp_stage=)` (or a provider's `.provide`) builds one
+    chunk. `wrap=False` stops before the data-parallel wrapper (for reference models that
+    only run forward, and for loading weights before sharding).
+    """
+    rt = runtime.current()
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    stages = list(range(vpp)) if vpp else [None]
+    chunks = []
+    for vp_stage in stages:
+        module = _provide(model_fn, vp_stage)
+        for p in module.parameters():  # megatron's get_model: TP attributes on every param
+            from megatron.core import tensor_parallel
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        module = module.to(rt.device)
+        # Loss = per-token mean over the whole global batch: DDP/FSDP then reduce grad SUMS and
+        # finalize_model_grads divides by the global token count (see train.py).
+        module.config.calculate_per_token_loss = True
+        if cfg.dtype in ("bf16", "fp16"):
+            from megatron.core.transformer.module import Float16Module
+            module = Float16Module(module.config, module)
+        chunks.append(module)
+    if not wrap:
+        return chunks
+    chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
+    _attach_schedule_hooks(chunks)
+    return chunks
+
+
+def _attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
+    """The hooks megatron's schedules call, as megatron's training.py sets them."""
+    from megatron.core.distributed import finalize_model_grads
+    config = unwrap_model(chunks[0]).config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+
+
+def wrap_chunk(cfg: EngineConfig, module: torch.nn.Module, *, index: int = 0) -> torch.nn.Module:
+    """Wrap one (mixed-precision wrapped) chunk in DDP or Megatron-FSDP according to `cfg`."""
+    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
+    config = unwrap_model(module).config
+    dcfg = ddp_config(cfg)
+    if cfg.use_megatron_fsdp:
+        return FullyShardedDataParallel(config=config, ddp_config=dcfg, module=module,
+                                        device=runtime.current().device)
+    # As megatron's get_model: only the first chunk buckets (later chunks overlap differently).
+    return DistributedDataParallel(config=config, ddp_config=dcfg, module=module, disable_bucketing=index > 0)
+
+
+def unwrap_model(model):
+    """Strip DDP, FullyShardedDataParallel, MegatronFSDP and Float16Module; lists map element-wise."""
+    if isinstance(model, (list, tuple)):
+        return [unwrap_model(m) for m in model]
+    wrappers = _wrapper_classes()
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def is_fsdp(chunk: torch.nn.Module) -> bool:
+    from megatron.core.distributed import FullyShardedDataParallel
+    return isinstance(chunk, FullyShardedDataParallel)
+
+
+def module_device(chunk: torch.nn.Module) -> torch.device:
+    """Device of a chunk's weights: works for FSDP (DTensor shards, `.buffers` not a list) and
+    for chunks without buffers or parameters (falls back to the runtime's device)."""
+    for p in chunk.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return local.device
+    buffers = getattr(chunk, "buffers", None)
+    if isinstance(buffers, list) and buffers:
+        return buffers[0].param_data.device
+    return runtime.current().device
+
+
+def local_numel(chunks: Iterable[torch.nn.Module]) -> int:
+    """Parameter elements this rank holds (FSDP: its shards; DDP: everything)."""
+    total = 0
+    for chunk in chunks:
+        for p in chunk.parameters():
+            total += (p.to_local() if hasattr(p, "to_local") else p).numel()
+    return total
+
+
+def global_numel(chunks: Iterable[torch.nn.Module]) -> int:
+    """Parameter elements of the whole model chunk (DTensors report their global size)."""
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def synchronize_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
+    """Make every FSDP chunk's parameters the DTensor shards of its latest optimized weights.
+
+    Waits for in-flight parameter all-gathers and swaps the module's parameters to the
+    distributed (sharded) view, so `named_parameters()` yields DTensors that exporters gather
+    one at a time. Returns how many chunks it synced (0 for DDP, which needs nothing).
+    """
+    synced = 0
+    for chunk in chunks:
+        if is_fsdp(chunk):
+            chunk.module.synchronize_param_gather()
+            synced += 1
+    return synced
+
+
+def restore_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
+    """Inverse of `synchronize_fsdp_params`: put the unsharded compute parameters back for the
+    next forward/backward. Returns how many chunks it restored."""
+    restored = 0
+    for chunk in chunks:
+        if is_fsdp(chunk):
+            chunk.module._replace_param_with_raw_if_needed()
+            restored += 1
+    return restored
+
+
+def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: EngineConfig):
+    """Megatron's optimizer (Adam, distributed when `cfg.use_distributed_optimizer`) for `chunks`."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ocfg.validate()
+    config = OptimizerConfig(
+        optimizer="adam", lr=ocfg.lr, min_lr=ocfg.min_lr, weight_decay=ocfg.weight_decay,
+        adam_beta1=ocfg.adam_beta1, adam_beta2=ocfg.adam_beta2, adam_eps=ocfg.adam_eps,
+        clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
+        params_dtype=_torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
+    return get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+
+
+def build_scheduler(optimizer, ocfg: OptimConfig, *, total_steps: int | None = None):
+    """Megatron's OptimizerParamScheduler: linear warm-up, then constant or cosine decay."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    decay = ocfg.decay_steps if ocfg.decay_steps is not None else (total_steps or 1) - ocfg.warmup_steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if ocfg.warmup_steps else ocfg.lr, max_lr=ocfg.lr, min_lr=ocfg.min_lr,
+        lr_warmup_steps=ocfg.warmup_steps, lr_decay_steps=ocfg.warmup_steps + max(decay, 1),
+        lr_decay_style="cosine" if ocfg.decay_steps else "constant",
+        start_wd=ocfg.weight_decay, end_wd=ocfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]

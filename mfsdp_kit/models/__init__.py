@@ -1,0 +1,2 @@
+"""Models: `gpt` builds a Megatron GPT from sizes; `hf` converts Hugging Face folders."""
+from .gpt import GPTSpec, gpt_model_fn, transformer_config  # noqa: F401

@@ -1,0 +1,81 @@
+"""A Megatron-Core GPT built from sizes (local layer spec): the model of the parity tests and
+benchmarks, no Hugging Face folder needed. HF models go through `models.hf` instead."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig
+
+
+@dataclass(kw_only=True)
+class GPTSpec:
+    """Shape of a Llama-style GPT (RMSNorm, SwiGLU, RoPE, untied embeddings)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """KV heads (GQA); None = one per attention head."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None = 4 * hidden_size (SwiGLU halves the effective width per matrix)."""
+    vocab_size: int = 128
+    seq_len_tokens: int = 32
+    """Longest sequence the position embedding covers."""
+
+    def param_count(self) -> int:
+        """Parameters of the model (embeddings and output layer included)."""
+        h, f = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
+        kv = (self.num_query_groups or self.num_attention_heads) * (h // self.num_attention_heads)
+        per_layer = h * (h + 2 * kv) + h * h + 2 * h * f + f * h + 2 * h
+        return self.num_layers * per_layer + 2 * self.vocab_size * h + h
+
+
+def transformer_config(spec: GPTSpec, cfg: EngineConfig):
+    """megatron TransformerConfig for `spec` under `cfg` (parallel sizes, dtype, overrides)."""
+    from megatron.core.transformer import TransformerConfig
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    recompute = {"none": {}, "selective": dict(recompute_granularity="selective"),
+                 "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
+        use_cpu_initialization=True, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False,
+        **recompute[cfg.recompute],
+    )
+    kwargs.update(cfg.override_transformer_config)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(cfg: EngineConfig):
+    """Local (no Transformer Engine) layer spec; core attention per `cfg.attention_backend`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if cfg.attention_backend == "sdpa":
+        from .sdpa import SDPAttention
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def gpt_model_fn(spec: GPTSpec, cfg: EngineConfig):
+    """A `model_fn(pre_process=, post_process=, vp_stage=)` for `engine.build`."""
+    from megatron.core.models.gpt import GPTModel
+    config = transformer_config(spec, cfg)
+
+    def model_fn(*, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
+        return GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=spec.vocab_size,
+                        max_sequence_length=spec.seq_len_tokens, pre_process=pre_process,
+                        post_process=post_process, position_embedding_type="rope",
+                        share_embeddings_and_output_weights=False, vp_stage=vp_stage)
+    return model_fn

@@ -1,0 +1,69 @@
+"""Multi-rank scenarios (run by launch.run under torchrun). Each returns rank 0's findings."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import engine, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models import GPTSpec, gpt_model_fn
+from mfsdp_kit.train import Batch, step
+
+SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
+               seq_len_tokens=16)
+
+
+def random_batches(*, steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        toks = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        mask = (torch.rand(batch, seq, generator=g) > 0.2).float()  # uneven token counts per rank
+        out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
+    return out
+
+
+def train_losses(*, fsdp: bool, steps: int = 5, tp: int = 1, micro_batch_size: int = 2,
+                 global_batch: int = 8) -> dict:
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=7)
+    rt = runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=3e-3), cfg)
+    local = torch.tensor([engine.local_numel(chunks)])
+    per_rank = [torch.zeros(1, dtype=torch.long) for _ in range(rt.world_size)]
+    dist.all_gather(per_rank, local)
+    losses, norms = [], []
+    pool = random_batches(steps=2, batch=global_batch, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
+    for i in range(steps):  # two batches in turn: parity on different data, and the loss can fall
+        b = pool[i % 2]
+        r = step(chunks, opt, b, micro_batch_size=micro_batch_size, step_index=i)
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    result = dict(losses=losses, grad_norms=norms, local_numel=[int(t) for t in per_rank],
+                  global_numel=engine.global_numel(chunks), spec_params=SPEC.param_count(),
+                  wrapper=type(chunks[0]).__name__)
+    runtime.shutdown()
+    return result
+
+
+def sync_two_chunks(*, first_only: bool = False) -> dict:
+    """Two FSDP chunks: after a step, sync must turn BOTH chunks' params into current DTensor shards."""
+    from torch.distributed.tensor import DTensor
+    cfg = EngineConfig(use_megatron_fsdp=True)
+    runtime.init(cfg)
+    fn = gpt_model_fn(SPEC, cfg)
+    chunks = [engine.wrap_chunk(cfg, engine.build(cfg, fn, wrap=False)[0], index=i) for i in range(2)]
+    engine._attach_schedule_hooks(chunks[:1])
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
+    b = random_batches(steps=1, batch=4, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
+    step(chunks[:1], opt, b, micro_batch_size=2)
+    for c in chunks:  # a forward leaves the unsharded compute params installed
+        with torch.no_grad():
+            c(b.tokens[:2], torch.arange(16).expand(2, 16), None)
+    synced = engine.synchronize_fsdp_params(chunks[:1] if first_only else chunks)
+    dtensor_chunks = [all(isinstance(p, DTensor) for p in c.parameters()) for c in chunks]
+    restored = engine.restore_fsdp_params(chunks)
+    raw_after_restore = [not any(isinstance(p, DTensor) for p in c.parameters()) for c in chunks]
+    runtime.shutdown()
+    return dict(synced=synced, dtensor_chunks=dtensor_chunks, restored=restored,
+                raw_after_restore=raw_after_restore)
