@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import socket
 import stat
 import time
@@ -61,13 +62,13 @@ def _engine_free_port(addr: str) -> int:
 
 def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
                  master_addr: str, master_port: int, timeout_s: float) -> str:
-    """Join the world (env vars as torchrun sets them, then `runtime.init`); return the device."""
+    """Join the world (env vars as torchrun sets them, then `runtime.init`); return (device, backend)."""
     from mfsdp_kit import runtime
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
                       master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
-    return f"{rt.device} ({rt.backend})"
+    return f"{rt.device}", rt.backend
 
 
 def _engine_shutdown() -> None:
@@ -120,6 +121,8 @@ class ClusterHandle:
     """ipyparallel engine id -> rank (engine ids change on restart, ranks do not)."""
     local_rank_of: dict[int, int] = field(default_factory=dict)
     devices: list[str] = field(default_factory=list)
+    backend: str = ""
+    """What the engines use ("nccl" | "gloo"), resolved from the `backend="auto"` asked for."""
     master_port: int | None = None
     view: Any = None
 
@@ -140,7 +143,7 @@ class ClusterHandle:
     def __repr__(self) -> str:
         master = f"{self.init_kwargs['master_addr']}:{self.master_port}"
         return (f"ClusterHandle(engines={len(self.rank_of)}, ranks={self.ranks}, devices={self.devices}, "
-                f"backend={self.init_kwargs['backend']!r}, master={master})")
+                f"backend={self.backend!r}, master={master})")
 
     # ---- running code --------------------------------------------------------------------------
     def dead_ranks(self) -> list[int]:
@@ -183,6 +186,7 @@ class ClusterHandle:
         """Stop every engine, start n new ones and rebuild the world with the same ranks."""
         timeout_s = timeout_s or self.init_kwargs["timeout_s"]
         old_ranks, old_ids = self.ranks, set(self.client.ids)
+        _kill_engines(self.cluster)   # survivors may sit in a collective until its timeout
         self.cluster.stop_engines_sync()
         self.cluster.start_engines_sync(self.n)
         new_ids = _wait_for_new_engines(self.client, old_ids, self.n, timeout_s)
@@ -193,18 +197,31 @@ class ClusterHandle:
 
     def stop(self) -> None:
         """Leave the process group on every engine (best effort), then stop engines and controller."""
+        if self.view is None:   # already stopped
+            return
         try:
             if not self.dead_ranks() and self.view is not None:
                 self.view.apply_async(_engine_shutdown).get(timeout=10)
         except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
             pass
         _stop(self.cluster, self.client)
+        self.view = None
 
 
 def _stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
     if client is not None:
         client.close()
     cluster.stop_cluster_sync()
+
+
+def _kill_engines(cluster: ipp.Cluster) -> None:
+    """SIGKILL every engine still running, through its launcher (local, MPI, SSH alike)."""
+    for engine_set in cluster.engines.values():
+        for launcher in getattr(engine_set, "launchers", {}).values() or [engine_set]:
+            try:
+                launcher.signal(signal.SIGKILL)
+            except Exception:  # noqa: BLE001 -- the engine that died is already gone
+                pass
 
 
 def _wait_for_new_engines(client: ipp.Client, old_ids: set, n: int, timeout_s: float) -> list[int]:
@@ -235,7 +252,8 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
                                      timeout_s=kw["timeout_s"]) for e in order]
     handle.view = client[order]
     handle.view.block = True
-    handle.devices = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
+    handle.devices, backends = zip(*[_get(handle, ar, kw["timeout_s"]) for ar in pending])
+    handle.devices, handle.backend = list(handle.devices), backends[0]
     _secure_connection_files(handle)
     _activate(handle)
 

@@ -54,8 +54,6 @@ PROXY_MODULES = {
         ("distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:182,184,361-362", "torch.cuda.Stream()"),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer":
         ("distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py (streams, current_device)", "torch.cuda."),
-    "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor":
-        ("distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py:183", "torch.cuda"),
     "megatron.core.distributed.fsdp.mcore_fsdp_adapter":
         ("distributed/fsdp/mcore_fsdp_adapter.py:91", "torch.cuda.current_device()"),
     "megatron.core.distributed.param_and_grad_buffer":
@@ -254,6 +252,7 @@ def _recompile(module, qualname: str) -> None:
     tree.body = [factory]
     ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
+    module._as_cuda_type, module._stay_on_cpu = _as_cuda_type, _stay_on_cpu
     namespace: dict = {}
     exec(compile(tree, inspect.getsourcefile(func), "exec"), module.__dict__, namespace)
     new = namespace["_factory"](owner if isinstance(owner, type) else None)
@@ -282,7 +281,6 @@ def enable() -> bool:
         module = importlib.import_module(name)
         if module.__dict__.get("torch") is _torch:
             module.torch = TORCH_PROXY
-        module._as_cuda_type, module._stay_on_cpu = _as_cuda_type, _stay_on_cpu
         _record(name, upstream, snippet)
 
     import megatron.core.tensor_parallel.random as tp_random

@@ -1,0 +1,145 @@
+"""Tiny Hugging Face models built locally from a seed: a real HF folder, no download.
+
+`tiny(path, arch="qwen2", size="xs", seed=0)` writes config.json, model.safetensors,
+generation_config.json and a character-level tokenizer (tokenizer.json and friends), so
+`AutoModelForCausalLM.from_pretrained(path)` and `AutoTokenizer.from_pretrained(path)` load it.
+
+The naive way, `Qwen2ForCausalLM(config).save_pretrained(path)`, runs HF's per-module init
+(minutes for the 180 M "m" model on CPU) and its values depend on the global RNG. Here the
+model is built on the meta device only to learn the parameter names and shapes, and each
+tensor is drawn from its own `torch.Generator` seeded by (seed, name): same seed ->
+bitwise-identical model.safetensors, in seconds.
+"""
+from __future__ import annotations
+
+import pathlib
+import zlib
+
+import torch
+
+ARCHS = ("qwen2", "llama")
+
+SIZES: dict[str, dict[str, int]] = {
+    # xs: trains in seconds on 2 CPU cores. ~0.1 M params.
+    "xs": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=128),
+    # s: ~3 M params.
+    "s": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+              num_key_value_heads=2, intermediate_size=768),
+    # m: for GPU runs. per layer: attention 1024*(1024+2*256) + 1024*1024 = 2.62 M,
+    # MLP 3 * 1024 * 2816 = 8.65 M -> 11.3 M * 16 layers = 180 M (+0.26 M embeddings).
+    "m": dict(num_hidden_layers=16, hidden_size=1024, num_attention_heads=16,
+              num_key_value_heads=4, intermediate_size=2816),
+}
+"""Shapes per size; every head count divides by 2 so tensor parallel 2 works."""
+
+MAX_POSITION_EMBEDDINGS = 256
+INIT_STD = 0.02
+"""Weights ~ normal(0, INIT_STD); norm weights = 1."""
+
+# ---- tokenizer: one token per character --------------------------------------------------
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+USER, ASSISTANT = "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, USER, ASSISTANT)
+"""Ids 0..5 in this order: pad=0, bos=1, eos=2, unk=3, <|user|>=4, <|assistant|>=5."""
+CHARACTERS = ("0123456789" + "+-*=()" + " " + "abcdefghijklmnopqrstuvwxyz"
+              + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + ".,?:!'" + "\n")
+VOCAB_MULTIPLE = 128
+"""Vocab padded with <|reserved_i|> to a multiple of this (megatron pads anyway), so the HF
+config's vocab_size equals megatron's padded size and logits compare 1:1."""
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS
+    + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+"""system -> "content\\n", user -> "<|user|>content", assistant -> "<|assistant|>content</s>";
+the generation prompt is "<|assistant|>". `mfsdp_kit.data.render_chat` renders the same text."""
+
+
+def vocab() -> list[str]:
+    """Token strings by id: special tokens, characters, then reserved padding tokens."""
+    base = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    padded = -(-len(base) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    return base + [f"<|reserved_{i}|>" for i in range(padded - len(base))]
+
+
+def build_tokenizer():
+    """A `PreTrainedTokenizerFast`: WordLevel over single characters, chat markers as specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab())}, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate, no spaces between characters
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        additional_special_tokens=[USER, ASSISTANT], chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False, model_max_length=MAX_POSITION_EMBEDDINGS)
+
+
+# ---- model ---------------------------------------------------------------------------------
+def _check(field: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+def hf_config(*, arch: str = "qwen2", size: str = "xs"):
+    """The transformers config of a tiny model (fp32, untied embeddings, padded vocab)."""
+    _check("arch", arch, ARCHS)
+    _check("size", size, tuple(SIZES))
+    from transformers import LlamaConfig, Qwen2Config
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    return cls(**SIZES[size], vocab_size=len(vocab()), max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+               tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _model_class(arch: str):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    return {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[arch]
+
+
+def param_count(size: str, *, arch: str = "qwen2") -> int:
+    """Parameters of a tiny model, counted on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = _model_class(arch)(hf_config(arch=arch, size=size))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _tensor(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """Norm weights = 1; every other weight and bias ~ normal(0, INIT_STD).
+
+    Biases (Qwen2's q/k/v) are random rather than HF's zeros, so a conversion that drops
+    them fails a parity test instead of passing by luck."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen).mul_(INIT_STD)
+
+
+def state_dict(*, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic fp32 weights by HF parameter name (persistent buffers excluded)."""
+    with torch.device("meta"):
+        model = _model_class(arch)(hf_config(arch=arch, size=size))
+    return {name: _tensor(name, p.shape, seed) for name, p in model.state_dict().items()}
+
+
+def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> pathlib.Path:
+    """Write a loadable HF folder at `path` (created if missing) and return it as a Path."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+    config = hf_config(arch=arch, size=size)
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config.architectures = [_model_class(arch).__name__]
+    config.save_pretrained(path)
+    save_file(state_dict(arch=arch, size=size, seed=seed), path / "model.safetensors",
+              metadata={"format": "pt"})
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, do_sample=False,
+                     max_new_tokens=16).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path

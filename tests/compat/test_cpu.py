@@ -1,0 +1,47 @@
+"""The CPU patches: which are active, that each is still needed, and that torch is untouched."""
+import pytest
+import torch
+
+from mfsdp_kit.compat import cpu, no_te
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compat is off when CUDA is present")
+
+
+@pytest.fixture(scope="module")
+def patches():
+    real = (torch.cuda.Stream, torch.cuda.Event, torch.empty, torch.Tensor.type, torch.Tensor.cuda, torch.device)
+    cpu.enable()
+    yield cpu.PATCHES
+    assert (torch.cuda.Stream, torch.cuda.Event, torch.empty, torch.Tensor.type, torch.Tensor.cuda,
+            torch.device) == real, "a CPU patch leaked into torch itself"
+
+
+def test_patches_listed(patches):
+    print("\n" + cpu.describe())
+    assert len(patches) == len(cpu.PROXY_MODULES) + len(cpu.REWRITES) + 2
+    assert all(p.upstream for p in patches)
+
+
+def test_each_patch_still_needed(patches):
+    """Fails once upstream drops the CUDA assumption: then delete that patch."""
+    stale = [p.target for p in patches if not cpu.still_needed(p)]
+    assert stale == []
+
+
+def test_torch_is_not_patched_globally(patches):
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    assert torch.device("cuda").type == "cuda"
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        torch.cuda.current_stream()
+
+
+def test_proxy_routes_cuda_to_cpu(patches):
+    import megatron.core.utils as mu
+    assert mu.torch.cuda.current_device() == torch.device("cpu")
+    assert mu.torch.empty(2, device="cuda").device.type == "cpu"
+    assert cpu._as_cuda_type(torch.zeros(1)) == "torch.cuda.FloatTensor"
+
+
+def test_no_te_placeholder_still_needed():
+    no_te.enable()
+    assert no_te.still_needed(), "megatron-core now guards TELinear: delete compat/no_te.py"

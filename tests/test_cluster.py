@@ -1,0 +1,115 @@
+"""cluster.start on 2 CPU engines: one world, stable ranks, a named dead rank, nothing left running."""
+import json
+import os
+import signal
+import stat
+
+import psutil
+import pytest
+
+from mfsdp_kit import cluster
+from mfsdp_kit.cluster import ClusterError
+
+
+def _engine_processes():
+    """ipyparallel engines and controllers that are children of this test process."""
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "ipyparallel" in cmd or "ipengine" in cmd or "ipcontroller" in cmd:
+            procs.append(p)
+    return procs
+
+
+@pytest.fixture(scope="module")
+def handle():
+    h = cluster.start(2)
+    yield h
+    h.stop()
+
+
+def test_all_reduce_of_rank_plus_one(handle):
+    handle.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
+    assert [float(x) for x in handle.view["x"]] == [3.0, 3.0]
+    assert handle.view["rank"] == [0, 1] and handle.view["world_size"] == [2, 2]
+    assert "ranks=[0, 1]" in repr(handle) and "backend='gloo'" in repr(handle)
+
+
+def test_default_bind_address_and_connection_file_permissions(handle):
+    files = handle.connection_files
+    assert any(f.endswith("-client.json") for f in files) and any(f.endswith("-engine.json") for f in files)
+    for path in files:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        if "ipcontroller" in path:
+            with open(path) as f:
+                info = json.load(f)
+            assert info["interface"] == "tcp://127.0.0.1" and info["key"], path
+    assert handle.init_kwargs["master_addr"] == "127.0.0.1"
+
+
+def test_progress_report_reaches_the_client(handle):
+    def steps(n):
+        from mfsdp_kit.cluster import report
+        for i in range(n):
+            report(step=i + 1, total=n, loss=1.0 / (i + 1))
+        return n
+    results, panel = cluster.run_with_progress(handle, steps, 3)
+    assert results == [3, 3]
+    assert panel.last[1]["step"] == 3 and "loss=0.3333" in panel.text(1)
+    cluster.report(step=1, total=1)   # off an engine: a no-op
+
+
+def test_dead_engine_names_its_rank_and_restart_keeps_ranks(handle):
+    ranks_before = handle.ranks
+    pid_of_rank1 = handle.apply(os.getpid)[1]
+    pending = handle.view.execute("import time; time.sleep(30)", block=False)
+    os.kill(pid_of_rank1, signal.SIGKILL)
+    with pytest.raises(ClusterError, match=r"rank 1 .*died.*restart\(\)"):
+        handle.wait(pending, timeout_s=20)
+    old_engines = set(handle.rank_of)
+    handle.restart()
+    assert handle.ranks == ranks_before and not old_engines & set(handle.rank_of)
+    handle.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
+    assert [float(x) for x in handle.view["x"]] == [3.0, 3.0]
+    assert handle.view["rank"] == ranks_before
+
+
+def test_more_engines_than_gpus_raises_before_starting_anything():
+    before = {p.pid for p in _engine_processes()}
+    with pytest.raises(ClusterError, match="n=3 engines.*2 GPUs"):
+        cluster.start(3, device_count=2)
+    assert {p.pid for p in _engine_processes()} == before
+
+
+def test_engines_not_up_in_time_raise_and_leave_nothing():
+    before = {p.pid for p in _engine_processes()}
+    with pytest.raises(ClusterError, match="timeout_s"):
+        cluster.start(2, timeout_s=0.01)
+    psutil.wait_procs([p for p in _engine_processes() if p.pid not in before], timeout=10)
+    assert {p.pid for p in _engine_processes() if p.is_running()} <= before
+
+
+def test_runtime_before_start_says_to_start():
+    from mfsdp_kit import runtime
+    if runtime._current is None:
+        with pytest.raises(RuntimeError, match=r"cluster.start\(\)"):
+            runtime.current()
+
+
+def test_ranks_from_launcher_env_win_over_engine_ids():
+    idents = {7: dict(host="a", env_rank=1, env_local_rank=1), 9: dict(host="a", env_rank=0, env_local_rank=0)}
+    assert cluster.assign_ranks(idents) == {7: (1, 1), 9: (0, 0)}
+    local = {4: dict(host="a", env_rank=None, env_local_rank=None), 2: dict(host="b", env_rank=None, env_local_rank=None),
+             3: dict(host="a", env_rank=None, env_local_rank=None)}
+    assert cluster.assign_ranks(local) == {2: (0, 0), 3: (1, 0), 4: (2, 1)}
+
+
+def test_zz_stop_leaves_no_engine_processes(handle):
+    """Runs last (file order): stop the shared cluster; no engine or controller may survive it."""
+    assert _engine_processes(), "the shared cluster should be running before stop()"
+    handle.stop()
+    psutil.wait_procs(_engine_processes(), timeout=10)
+    assert not [p for p in _engine_processes() if p.is_running()]

@@ -1,0 +1,98 @@
+"""Every validation error names the field, the bad value and what is allowed."""
+import pytest
+
+from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, ddp_config
+
+
+def raises(match, **kwargs):
+    with pytest.raises(ConfigError, match=match) as e:
+        EngineConfig(**kwargs).validate(world_size=kwargs.pop("_world", None), on_gpu=False)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_non_positive_sizes(field, value):
+    msg = raises(field, **{field: value})
+    assert repr(value) in msg and "positive integer" in msg
+
+
+def test_unknown_override_key_lists_close_matches():
+    msg = raises("override_ddp_config", override_ddp_config={"overlap_grad_reduc": True})
+    assert "'overlap_grad_reduc'" in msg and "overlap_grad_reduce" in msg and "did you mean" in msg
+
+
+def test_unknown_transformer_override():
+    msg = raises("override_transformer_config", override_transformer_config={"hiden_size": 8})
+    assert "hidden_size" in msg
+
+
+def test_bad_sharding_strategy():
+    msg = raises("data_parallel_sharding_strategy",
+                 override_ddp_config={"data_parallel_sharding_strategy": "zero3"})
+    assert "'zero3'" in msg and "optim_grads_params" in msg and "no_shard" in msg
+
+
+def test_world_size_not_divisible():
+    with pytest.raises(ConfigError, match="world_size") as e:
+        EngineConfig(tensor_model_parallel_size=2, context_parallel_size=2).validate(world_size=6, on_gpu=False)
+    assert "6" in str(e.value) and "2*1*2 = 4" in str(e.value)
+
+
+def test_fsdp_requires_distributed_optimizer():
+    msg = raises("use_distributed_optimizer", use_megatron_fsdp=True, use_distributed_optimizer=False)
+    assert "use_megatron_fsdp=True" in msg
+
+
+def test_fsdp_with_one_cuda_connection_on_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        EngineConfig(use_megatron_fsdp=True).validate(on_gpu=True)
+    EngineConfig(use_megatron_fsdp=True).validate(on_gpu=False)  # the rule is about CUDA streams
+    EngineConfig(use_megatron_fsdp=False).validate(on_gpu=True)
+
+
+def test_fsdp_with_pipeline_parallel_is_refused_in_plain_words():
+    msg = raises("pipeline_model_parallel_size", use_megatron_fsdp=True, pipeline_model_parallel_size=2)
+    assert "does not implement pipeline-parallel" in msg and "use DDP" in msg
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float32"), ("attention_backend", "flash"),
+                                         ("recompute", "some")])
+def test_enumerated_fields(field, value):
+    msg = raises(field, **{field: value})
+    assert repr(value) in msg and "allowed" in msg
+
+
+def test_vpp_needs_pipeline():
+    raises("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size=2)
+
+
+def test_ddp_config_fsdp_defaults_then_overrides():
+    d = ddp_config(EngineConfig(use_megatron_fsdp=True))
+    assert (d.use_megatron_fsdp, d.use_distributed_optimizer, d.check_for_nan_in_grad, d.overlap_grad_reduce,
+            d.data_parallel_sharding_strategy) == (True, True, True, True, "optim_grads_params")
+    d = ddp_config(EngineConfig(use_megatron_fsdp=True, override_ddp_config={
+        "overlap_grad_reduce": False, "data_parallel_sharding_strategy": "optim_grads"}))
+    assert d.overlap_grad_reduce is False and d.data_parallel_sharding_strategy == "optim_grads"
+    d = ddp_config(EngineConfig())
+    assert d.use_megatron_fsdp is False and d.use_distributed_optimizer is True
+
+
+def test_yaml_and_dict_round_trip(tmp_path):
+    cfg = EngineConfig(use_megatron_fsdp=True, tensor_model_parallel_size=2, dtype="bf16",
+                       override_ddp_config={"overlap_param_gather": True})
+    path = tmp_path / "engine.yaml"
+    cfg.to_yaml(str(path))
+    assert EngineConfig.from_yaml(str(path)) == cfg
+    assert EngineConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="EngineConfig.use_fsdp"):
+        EngineConfig.from_dict({"use_fsdp": True})
+
+
+def test_optim_config_validation():
+    with pytest.raises(ConfigError, match="lr"):
+        OptimConfig(lr=0).validate()
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        OptimConfig(warmup_steps=-1).validate()
