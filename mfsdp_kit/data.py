@@ -1,0 +1,231 @@
+"""Data without downloads: a synthetic arithmetic task, SFT tokenization, a JSONL loader.
+
+Every example is a (prompt, response) pair of plain text in the tiny tokenizer's chat format:
+prompt "<|user|>12+34=<|assistant|>", response "46</s>" (the response ends with eos, so the
+model learns to stop). `tokenize_sft` turns pairs into the kit's `train.Batch`, with the loss
+only on the response tokens.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .models.tiny import ASSISTANT, EOS, USER
+from .train import Batch
+
+Pair = tuple[str, str]
+"""(prompt, response): the prompt rendered with the chat markers, the response ending in eos."""
+
+OPS = ("+", "-", "*")
+SPLITS = ("train", "heldout")
+_PROMPT_RE = re.compile(re.escape(USER) + r"(\d+)([+\-*])(\d+)=" + re.escape(ASSISTANT))
+_ANSWER_RE = re.compile(r"-?\d+")
+_ENUMERATE_MAX = 200_000
+"""Problem spaces up to this size are enumerated and shuffled; larger ones are sampled."""
+
+
+# ---- synthetic arithmetic ------------------------------------------------------------------
+def is_heldout(a: int, op: str, b: int) -> bool:
+    """A stable hash of the problem mod 10 == 0 (~10%): the same split on every machine/run."""
+    return zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0
+
+
+def solve(a: int, op: str, b: int) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b}[op]
+
+
+@dataclass(kw_only=True)
+class ArithmeticTask:
+    """"a op b =" problems; train and held-out are disjoint by a hash of (a, op, b)."""
+
+    digits: int = 2
+    """Operands are drawn from 0 .. 10**digits - 1."""
+    ops: tuple[str, ...] = ("+",)
+    """Operators among + - * (difficulty grows with digits and with *)."""
+    seed: int = 0
+    """Same seed -> same problems in the same order."""
+
+    def __post_init__(self):
+        if self.digits < 1:
+            raise ValueError(f"digits={self.digits} must be >= 1")
+        bad = [op for op in self.ops if op not in OPS]
+        if bad or not self.ops:
+            raise ValueError(f"ops={self.ops!r} is not supported; allowed: a non-empty subset of {OPS}")
+
+    def prompt(self, a: int, op: str, b: int) -> str:
+        return f"{USER}{a}{op}{b}={ASSISTANT}"
+
+    def answer(self, a: int, op: str, b: int) -> str:
+        """The ground-truth answer text, without eos."""
+        return str(solve(a, op, b))
+
+    def problems(self, n: int, *, split: str = "train") -> list[tuple[int, str, int]]:
+        """n distinct (a, op, b) of `split`, deterministic by seed; a longer n extends a shorter one."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not supported; allowed: {SPLITS}")
+        rng = random.Random(f"{self.seed}-{split}")  # str seeds hash with sha512: stable across runs
+        space = len(self.ops) * 10 ** (2 * self.digits)
+        if space <= _ENUMERATE_MAX:
+            return self._enumerated(n, split, rng)
+        return self._sampled(n, split, rng, space)
+
+    def _enumerated(self, n, split, rng) -> list[tuple[int, str, int]]:
+        top = 10 ** self.digits
+        items = [(a, op, b) for op in self.ops for a in range(top) for b in range(top)
+                 if is_heldout(a, op, b) == (split == "heldout")]
+        if n > len(items):
+            raise ValueError(f"n={n} exceeds the {len(items)} {split} problems of digits={self.digits}, "
+                             f"ops={self.ops}; raise digits or add ops")
+        rng.shuffle(items)
+        return items[:n]
+
+    def _sampled(self, n, split, rng, space) -> list[tuple[int, str, int]]:
+        if n > space // 20:
+            raise ValueError(f"n={n} is too many distinct problems for sampling from {space}; lower n")
+        top, seen, out = 10 ** self.digits, set(), []
+        while len(out) < n:
+            item = (rng.randrange(top), rng.choice(self.ops), rng.randrange(top))
+            if item not in seen and is_heldout(*item) == (split == "heldout"):
+                seen.add(item)
+                out.append(item)
+        return out
+
+    def pairs(self, n: int, *, split: str = "train") -> list[Pair]:
+        return [(self.prompt(*p), self.answer(*p) + EOS) for p in self.problems(n, split=split)]
+
+    def train_pairs(self, n: int) -> list[Pair]:
+        return self.pairs(n, split="train")
+
+    def heldout_pairs(self, n: int) -> list[Pair]:
+        return self.pairs(n, split="heldout")
+
+    def rl_prompts(self, n: int, *, split: str = "train") -> list[tuple[str, str]]:
+        """(prompt, ground-truth answer without eos) for RL rollouts; score with `verify`."""
+        return [(self.prompt(*p), self.answer(*p)) for p in self.problems(n, split=split)]
+
+    def verify(self, prompt: str, completion: str) -> float:
+        return verify(prompt, completion)
+
+
+def verify(prompt: str, completion: str) -> float:
+    """Exact-match reward: 1.0 iff the completion starts with the true result.
+
+    The completion is cut at the first eos (anything after it is ignored), then its leading
+    integer (optional '-', digits; ends at the first other character) must equal the answer
+    exactly: "46</s>junk" and "46 because" score 1.0, "046" and "4 6" score 0.0."""
+    match = _PROMPT_RE.search(prompt)
+    if match is None:
+        raise ValueError(f"prompt {prompt!r} is not an arithmetic prompt like '{USER}12+34={ASSISTANT}'")
+    a, op, b = int(match[1]), match[2], int(match[3])
+    got = _ANSWER_RE.match(completion.split(EOS, 1)[0].strip())
+    return float(got is not None and got[0] == str(solve(a, op, b)))
+
+
+# ---- SFT tokenization ----------------------------------------------------------------------
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_sft(pairs: list[Pair], tokenizer, *, seq_len_tokens: int) -> Batch:
+    """Pairs -> Batch[n, seq_len_tokens]: tokens = text[:-1], labels = text[1:] (next token).
+
+    loss_mask is 1.0 where the TARGET is a response token (eos included), 0.0 on prompt and
+    padding. Prompt and response are encoded separately, so the boundary is exact for any
+    tokenizer. A pair longer than seq_len_tokens + 1 tokens would lose its answer: ValueError."""
+    pad = tokenizer.pad_token_id
+    tokens = torch.full((len(pairs), seq_len_tokens), pad, dtype=torch.long)
+    labels, loss_mask = tokens.clone(), torch.zeros(len(pairs), seq_len_tokens)
+    for i, (prompt, response) in enumerate(pairs):
+        p, r = _encode(tokenizer, prompt), _encode(tokenizer, response)
+        ids = p + r
+        if not p or not r:
+            raise ValueError(f"pair {i} has an empty prompt or response: {(prompt, response)!r}")
+        if len(ids) - 1 > seq_len_tokens:
+            raise ValueError(f"pair {i} has {len(ids)} tokens; seq_len_tokens={seq_len_tokens} would "
+                             f"cut its answer; use seq_len_tokens >= {len(ids) - 1}")
+        n = len(ids) - 1
+        tokens[i, :n] = torch.tensor(ids[:-1])
+        labels[i, :n] = torch.tensor(ids[1:])
+        loss_mask[i, len(p) - 1:n] = 1.0  # position j predicts ids[j+1]; response starts at len(p)
+    return Batch(tokens, labels, loss_mask)
+
+
+def batches(pairs: list[Pair], tokenizer, *, seq_len_tokens: int, global_batch: int,
+            seed: int = 0, num_batches: int | None = None) -> Iterator[Batch]:
+    """Global batches of `global_batch` sequences, reshuffled each epoch (deterministic by seed).
+
+    Epochs are one stream: a batch may span the end of one shuffle and the start of the next,
+    so no example is dropped. Endless unless num_batches is given."""
+    data = tokenize_sft(pairs, tokenizer, seq_len_tokens=seq_len_tokens)
+    order, epoch, made = torch.empty(0, dtype=torch.long), 0, 0
+    while num_batches is None or made < num_batches:
+        while len(order) < global_batch:
+            gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+            order, epoch = torch.cat([order, torch.randperm(data.num_sequences, generator=gen)]), epoch + 1
+        idx, order = order[:global_batch], order[global_batch:]
+        yield Batch(data.tokens[idx], data.labels[idx], data.loss_mask[idx])
+        made += 1
+
+
+# ---- user data -----------------------------------------------------------------------------
+ROLES = ("system", "user", "assistant")
+_SHAPES = ('{"prompt": str, "response": str} or '
+           '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]} '
+           'ending with an assistant message')
+
+
+def render_chat(messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    """Same text as the tiny tokenizer's chat_template (see models.tiny.CHAT_TEMPLATE)."""
+    marks = {"system": ("", "\n"), "user": (USER, ""), "assistant": (ASSISTANT, EOS)}
+    text = "".join(marks[m["role"]][0] + m["content"] + marks[m["role"]][1] for m in messages)
+    return text + (ASSISTANT if add_generation_prompt else "")
+
+
+def _row_pair(row, where: str) -> Pair:
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+        return render_chat([{"role": "user", "content": row["prompt"]}]), row["response"] + EOS
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        return _messages_pair(row["messages"], where)
+    have = sorted(row) if isinstance(row, dict) else type(row).__name__
+    raise ValueError(f"{where}: missing 'prompt'+'response' (strings) or 'messages' (list); "
+                     f"the row has {have}; accepted shapes: {_SHAPES}")
+
+
+def _messages_pair(messages: list, where: str) -> Pair:
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: messages[{j}] needs 'role' in {ROLES} and a string 'content'; "
+                             f"got {m!r}; accepted shapes: {_SHAPES}")
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the last message must be the assistant's response; "
+                         f"accepted shapes: {_SHAPES}")
+    return render_chat(messages[:-1]), messages[-1]["content"] + EOS
+
+
+def load_jsonl(path) -> list[Pair]:
+    """(prompt, response) pairs from a JSONL file, rendered like `ArithmeticTask.pairs`.
+
+    Rows: {"prompt", "response"} (the prompt is wrapped as one user turn) or {"messages"}
+    (the last assistant message is the response, earlier turns render into the prompt).
+    Blank lines are skipped. Errors name the file and the 1-based line number."""
+    path = pathlib.Path(path)
+    pairs = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+        pairs.append(_row_pair(row, where))
+    if not pairs:
+        raise ValueError(f"{path} is empty: no rows; accepted shapes: {_SHAPES}")
+    return pairs

@@ -1,0 +1,85 @@
+"""Tiny HF models: load with Auto* classes, run forward, same seed -> same bytes."""
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mfsdp_kit.models import SIZES, tiny
+from mfsdp_kit.models.tiny import SPECIAL_TOKENS, VOCAB_MULTIPLE, param_count
+
+
+@pytest.fixture(scope="module")
+def xs_path(tmp_path_factory):
+    return tiny(tmp_path_factory.mktemp("xs"), arch="qwen2", size="xs", seed=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("size", ["xs", "s"])
+def test_loads_and_runs(tmp_path, arch, size):
+    path = tiny(tmp_path, arch=arch, size=size, seed=1)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched keys
+    assert model.config.model_type == arch and model.dtype == torch.float32
+    assert not model.config.tie_word_embeddings and model.config.max_position_embeddings == 256
+    assert model.config.vocab_size % VOCAB_MULTIPLE == 0
+    assert model.num_parameters() == param_count(size, arch=arch)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok) == model.config.vocab_size
+    ids = torch.tensor([tok("<|user|>12+34=<|assistant|>")["input_ids"]])
+    logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_same_seed_same_bytes(tmp_path, xs_path):
+    again = tiny(tmp_path / "a", size="xs", seed=0)
+    other = tiny(tmp_path / "b", size="xs", seed=1)
+    weights = (xs_path / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == weights
+    assert (other / "model.safetensors").read_bytes() != weights
+
+
+def test_init_values(xs_path):
+    model = AutoModelForCausalLM.from_pretrained(xs_path)
+    sd = model.state_dict()
+    assert torch.equal(sd["model.norm.weight"], torch.ones_like(sd["model.norm.weight"]))
+    emb = sd["model.embed_tokens.weight"]
+    assert abs(emb.std().item() - 0.02) < 0.003 and not torch.equal(emb, sd["lm_head.weight"])
+
+
+def test_size_m_param_count():
+    n = param_count("m")
+    assert 100e6 <= n <= 300e6, n
+    heads = SIZES["m"]
+    assert heads["num_attention_heads"] % 2 == 0 and heads["num_key_value_heads"] % 2 == 0
+
+
+def test_size_m_writes_fast_and_loads(tmp_path):
+    start = time.perf_counter()
+    path = tiny(tmp_path, size="m", seed=0)
+    assert time.perf_counter() - start < 30
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.num_parameters() == param_count("m")
+
+
+@pytest.mark.parametrize("field, kwargs", [("arch", dict(arch="gpt2")), ("size", dict(size="xl"))])
+def test_bad_args_name_the_field(tmp_path, field, kwargs):
+    with pytest.raises(ValueError, match=rf"{field}=.* allowed") as e:
+        tiny(tmp_path, **kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(e.value)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_tokenizer(xs_path):
+    tok = AutoTokenizer.from_pretrained(xs_path)
+    ids = tok("12+34=")["input_ids"]
+    assert len(ids) == 6 and tok.decode(ids) == "12+34="
+    text = "What is (3*4)-5? It's 7!\nOk: yes, done."
+    assert tok.decode(tok(text)["input_ids"]) == text and len(tok(text)["input_ids"]) == len(text)
+    assert [tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id] == [0, 1, 2, 3]
+    assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS[4:])) == [4, 5]
+    assert tok("<|user|>1+1=<|assistant|>2</s>")["input_ids"] == [4, 7, 16, 7, 19, 5, 8, 2]
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert chat == "<|user|>1+1=<|assistant|>"
+    assert tok("é")["input_ids"] == [tok.unk_token_id]
