@@ -61,13 +61,16 @@ def _engine_free_port(addr: str) -> int:
 
 
 def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
-                 master_addr: str, master_port: int, timeout_s: float) -> str:
-    """Join the world (env vars as torchrun sets them, then `runtime.init`); return (device, backend)."""
+                 master_addr: str, master_port: int) -> tuple[str, str]:
+    """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`; (device, backend)."""
+    import torch
     from mfsdp_kit import runtime
+    if torch.cuda.is_available():   # local_rank >= GPUs on this node fails here, not silently shared
+        torch.cuda.set_device(local_rank)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
-                      master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
+                      master_addr=master_addr, master_port=master_port)
     return f"{rt.device}", rt.backend
 
 
@@ -78,12 +81,10 @@ def _engine_shutdown() -> None:
 
 def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
     """Publish this rank's progress to the notebook (`run_with_progress` shows it); no-op off an engine."""
-    try:
-        from ipykernel.zmqshell import ZMQInteractiveShell
-    except ImportError:
-        return
+    from ipykernel.zmqshell import ZMQInteractiveShell
+    from ipyparallel.engine.kernel import IPythonParallelKernel
     shell = ZMQInteractiveShell.instance() if ZMQInteractiveShell.initialized() else None
-    if getattr(shell, "data_pub", None) is None:   # a plain kernel or a script: nothing listens
+    if not isinstance(getattr(shell, "kernel", None), IPythonParallelKernel):   # a notebook kernel or a script
         return
     shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
 
@@ -200,7 +201,7 @@ class ClusterHandle:
         if self.view is None:   # already stopped
             return
         try:
-            if not self.dead_ranks() and self.view is not None:
+            if not self.dead_ranks():
                 self.view.apply_async(_engine_shutdown).get(timeout=10)
         except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
             pass
@@ -229,7 +230,7 @@ def _wait_for_new_engines(client: ipp.Client, old_ids: set, n: int, timeout_s: f
     while len(new := sorted(set(client.ids) - old_ids)) < n:
         if time.monotonic() > deadline:
             raise ClusterError(f"only {len(new)} of {n} engines registered within timeout_s={timeout_s}; "
-                               "engine logs: ipcluster's log dir in the profile (ipython locate profile)")
+                               "engine logs are in the profile's log/ folder (`ipython locate profile`)")
         time.sleep(0.1)
     return new[:n]
 
@@ -248,8 +249,8 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
                        block=True)
     pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
                                      world_size=len(order), local_rank=handle.local_rank_of[e],
-                                     master_addr=kw["master_addr"], master_port=handle.master_port,
-                                     timeout_s=kw["timeout_s"]) for e in order]
+                                     master_addr=kw["master_addr"], master_port=handle.master_port)
+               for e in order]
     handle.view = client[order]
     handle.view.block = True
     handle.devices, backends = zip(*[_get(handle, ar, kw["timeout_s"]) for ar in pending])
@@ -288,7 +289,7 @@ def _activate(handle: ClusterHandle) -> None:
         if dead := handle.dead_ranks():
             print(f"ClusterError: {handle._died(dead)}")
 
-    shell.set_custom_exc((ipp.error.CompositeError, ipp.error.EngineError), explain)
+    shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), explain)
 
 
 def _visible_gpus() -> int:
@@ -303,10 +304,14 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
     master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
-    timeout_s: engines must register, and the process group form, within this many seconds.
+    timeout_s: engines must register, and the process group form, within this many seconds
+        (collectives keep runtime.init's own timeout).
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, ...).
     """
+    from .runtime import BACKENDS
+    if backend not in BACKENDS:   # fail here, not after engines have started
+        raise ClusterError(f"backend={backend!r} is not allowed; allowed: {' | '.join(BACKENDS)}")
     device_count = _visible_gpus() if device_count is None else device_count
     n = n if n is not None else (device_count or 2)
     local = str(launcher.get("engines", "")).lower() in LOCAL_LAUNCHERS
@@ -314,6 +319,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         raise ClusterError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
                            f"engine); use n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
     launcher.setdefault("log_level", 40)
+    launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
     client = None

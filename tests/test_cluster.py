@@ -81,6 +81,8 @@ def test_more_engines_than_gpus_raises_before_starting_anything():
     before = {p.pid for p in _engine_processes()}
     with pytest.raises(ClusterError, match="n=3 engines.*2 GPUs"):
         cluster.start(3, device_count=2)
+    with pytest.raises(ClusterError, match="backend='mpi' is not allowed"):
+        cluster.start(2, backend="mpi")
     assert {p.pid for p in _engine_processes()} == before
 
 
