@@ -76,7 +76,7 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
 
 def _engine_shutdown() -> None:
     from mfsdp_kit import runtime
-    runtime.shutdown()
+    runtime.shutdown(destroy_process_group=True)
 
 
 def report(*, step: int, total: int | None = None, **metrics: Any) -> None:

@@ -58,7 +58,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     if _current is not None:
         if _cfg == cfg:
             return _current
-        shutdown()
+        shutdown()  # new parallel layout over the same world
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
@@ -74,7 +74,11 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
         from .compat import cpu
         cpu.enable()
         device = torch.device("cpu")
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(f"world_size={world_size} but this process already belongs to a world of "
+                             f"{dist.get_world_size()}; call shutdown(destroy_process_group=True) first")
+    else:
         os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
@@ -122,12 +126,19 @@ def current_config() -> EngineConfig:
     return _cfg
 
 
-def shutdown() -> None:
-    """Tear down megatron state and the process group so `init` can run again in this process."""
+def shutdown(*, destroy_process_group: bool = False) -> None:
+    """Tear down megatron's parallel state so `init` can run again in this process.
+
+    The world process group stays by default: torch numbers new groups from 0 again after the
+    default group is destroyed, and the rendezvous store still holds the old incarnation's keys
+    under those names, so a second `init_process_group` in one process can connect to stale
+    addresses. Keeping the world lets `init` build any new parallel layout over it. Pass
+    `destroy_process_group=True` at the very end of a process.
+    """
     global _current, _cfg
     from megatron.core import parallel_state as ps
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
+    if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _current = _cfg = None

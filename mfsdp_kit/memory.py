@@ -1,0 +1,124 @@
+"""What each rank holds, in bytes, next to the ZeRO formula for the same model.
+
+Adam with mixed precision keeps per parameter (the ZeRO paper's accounting):
+    bf16/fp16 compute: weights 2 B + grads 2 B + optimizer K = 12 B (fp32 main weights 4 + two moments 8)
+    fp32 compute:      weights 4 B + grads 4 B + optimizer K =  8 B (two moments; the weights are the main copy)
+    = 16 bytes/param either way. Sharding over N data-parallel ranks:
+    DDP + distributed optimizer (ZeRO-1):       weights + grads + K/N   (bf16: 4 + 12/N)
+    Megatron-FSDP optim_grads_params (ZeRO-3):  16/N
+Megatron keeps grads in fp32 buffers by default in FSDP, so measured grads can exceed the
+paper's 2 B; the report measures the buffers themselves (distinct storages), not the formula.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .engine import is_fsdp, unwrap_model
+
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank holds, by kind."""
+
+    params_bytes: int
+    grads_bytes: int
+    main_params_bytes: int
+    optimizer_states_bytes: int
+    activations_peak_bytes: int
+    """Peak allocated minus model state (0 on CPU, where no allocator statistics exist)."""
+    num_params: int
+    """Parameters of the whole model (global, unsharded)."""
+    dp_size: int
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.main_params_bytes + self.optimizer_states_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "model_state_bytes": self.model_state_bytes}
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _fsdp_buffers(chunks, name: str):
+    for chunk in chunks:
+        for group in chunk.module.param_and_grad_buffer.parameter_groups:
+            buffer = getattr(group, name)
+            if buffer is not None and getattr(buffer, "data", None) is not None:
+                yield buffer.data
+
+
+def _inner_optimizers(optimizer):
+    return getattr(optimizer, "chained_optimizers", [optimizer])
+
+
+def _optimizer_state_tensors(optimizer):
+    for opt in _inner_optimizers(optimizer):
+        for state in opt.optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v) and v.numel() > 1)
+
+
+def _main_params(optimizer):
+    for opt in _inner_optimizers(optimizer):
+        for groups_name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(opt, groups_name, []) or []:
+                yield from group
+
+
+def memory_report(chunks, optimizer) -> MemoryReport:
+    """Per-rank bytes of params, grads, main params and optimizer states (after >= 1 step)."""
+    from megatron.core import parallel_state as ps
+    if all(is_fsdp(c) for c in chunks):
+        params = _nbytes(_fsdp_buffers(chunks, "model_weight_buffer"))
+        grads = _nbytes(_fsdp_buffers(chunks, "main_grad_buffer"))
+        main = _nbytes(_fsdp_buffers(chunks, "main_weight_buffer"))
+    else:
+        params = _nbytes(b.param_data for c in chunks for b in c.buffers)
+        grads = _nbytes(b.grad_data for c in chunks for b in c.buffers)
+        main = _nbytes(_main_params(optimizer))
+    states = _nbytes(_optimizer_state_tensors(optimizer))
+    num_params = sum(p.numel() for c in unwrap_model(chunks) for p in c.parameters())
+    model_state = params + grads + main + states
+    peak = torch.cuda.max_memory_allocated() - model_state if torch.cuda.is_available() else 0
+    return MemoryReport(params_bytes=params, grads_bytes=grads, main_params_bytes=main,
+                        optimizer_states_bytes=states, activations_peak_bytes=max(peak, 0),
+                        num_params=num_params, dp_size=ps.get_data_parallel_world_size())
+
+
+def zero_formula_bytes(*, num_params: int, dp_size: int, fsdp: bool, dtype: str) -> int:
+    """Model-state bytes per rank the ZeRO formula predicts (see the module docstring)."""
+    weights = grads = 4 if dtype == "fp32" else 2
+    optimizer = 8 if dtype == "fp32" else 12
+    if fsdp:
+        return (weights + grads + optimizer) * num_params // dp_size
+    return (weights + grads) * num_params + optimizer * num_params // dp_size
+
+
+def format_table(reports: dict[str, MemoryReport], *, dtype: str) -> str:
+    """A text table: one column per run (e.g. "DDP", "FSDP"), MiB per kind, and the formula."""
+    rows = ["params_bytes", "grads_bytes", "main_params_bytes", "optimizer_states_bytes", "model_state_bytes",
+            "activations_peak_bytes"]
+    names = list(reports)
+    lines = [f"{'MiB per rank':<26}" + "".join(f"{n:>14}" for n in names)]
+    for row in rows:
+        lines.append(f"{row:<26}" + "".join(f"{reports[n].as_dict()[row] / 2**20:>14.2f}" for n in names))
+    formula = [zero_formula_bytes(num_params=r.num_params, dp_size=r.dp_size, fsdp="FSDP" in n.upper(),
+                                  dtype=dtype) for n, r in reports.items()]
+    lines.append(f"{'ZeRO formula model state':<26}" + "".join(f"{f / 2**20:>14.2f}" for f in formula))
+    return "\n".join(lines)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything GPU in one run: on a node with N GPUs (default: all) and no network, install the wheels
+# carried in .whl/ (scripts/fetch_gpu_wheels.sh) over the node's own torch, then run each section
+# under torchrun/NCCL. Each section prints its table and writes JSON under $RESULTS.
+#   bash scripts/gpu_check.sh                 # all sections
+#   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# NVLink multicast stays off (shared hosts; see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+RESULTS=${RESULTS:-${OUT:-runs/gpu}}
+SECTIONS=${SECTIONS:-parity}
+mkdir -p "$RESULTS"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/mfsdp_site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "transformers", transformers.__version__, "mcore", m.__version__, "gpus", torch.cuda.device_count())'
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+status=0
+section() {  # section NAME command...: run, keep the log, remember failures
+  local name=$1; shift
+  echo; echo "================ $name ================"
+  "$@" 2>&1 | grep -v -E "UserWarning|warnings.warn|FutureWarning|^\s*$" | tee "$RESULTS/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { echo "SECTION $name FAILED rc=$rc"; status=1; }
+}
+trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
+
+for s in $SECTIONS; do
+  case $s in
+    parity)     section parity     trun bench/parity.py --dtype bf16 --out "$RESULTS/parity.json" ;;
+    *) echo "unknown section $s"; status=1 ;;
+  esac
+done
+echo; echo "gpu_check: $([ $status = 0 ] && echo ALL SECTIONS PASSED || echo SOME SECTIONS FAILED)"
+exit $status
