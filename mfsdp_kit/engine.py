@@ -67,8 +67,11 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
             from megatron.core.transformer.module import Float16Module
             module = Float16Module(module.config, module)
         chunks.append(module)
-    if not wrap:
-        return chunks
+    return wrap_chunks(cfg, chunks) if wrap else chunks
+
+
+def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Wrap built chunks (e.g. after loading weights into them) and attach the schedule hooks."""
     chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
     _attach_schedule_hooks(chunks)
     return chunks
@@ -165,6 +168,9 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
     """Megatron's optimizer (Adam, distributed when `cfg.use_distributed_optimizer`) for `chunks`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     ocfg.validate()
+    # The optimizer collects `chunk.parameters()`: for FSDP they must be the sharded (DTensor)
+    # view it steps, not the compute params a forward leaves installed (else: zero grads).
+    synchronize_fsdp_params(chunks)
     config = OptimizerConfig(
         optimizer="adam", lr=ocfg.lr, min_lr=ocfg.min_lr, weight_decay=ocfg.weight_decay,
         adam_beta1=ocfg.adam_beta1, adam_beta2=ocfg.adam_beta2, adam_eps=ocfg.adam_eps,

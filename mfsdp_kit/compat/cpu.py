@@ -68,6 +68,8 @@ PROXY_MODULES = {
         ("utils.py:631 (GlobalMemoryBuffer)", "device=torch.cuda.current_device()"),
     "megatron.core.tensor_parallel.random":
         ("tensor_parallel/random.py:55,88-106,235-238 (CUDA RNG)", "torch.cuda.get_rng_state()"),
+    "megatron.core.tensor_parallel.mappings":
+        ("tensor_parallel/mappings.py:91,141,148,181,442 (TP gather buffers)", "device=torch.cuda.current_device()"),
     "megatron.core.transformer.utils":
         ("transformer/utils.py:35 (default causal mask on cuda)", 'device="cuda"'),
     "megatron.core.pipeline_parallel.schedules":
@@ -272,16 +274,21 @@ def _record(target: str, upstream: str, needed_if: str) -> None:
     PATCHES.append(Patch(target=target, upstream=upstream, needed_if=needed_if))
 
 
+def proxy_module(name: str, *, upstream: str, needed_if: str) -> None:
+    """Give megatron module `name` the CPU `torch` proxy (also used for Megatron-Bridge modules)."""
+    module = importlib.import_module(name)
+    if module.__dict__.get("torch") is _torch:
+        module.torch = TORCH_PROXY
+    _record(name, upstream, needed_if)
+
+
 def enable() -> bool:
     """Apply every CPU patch once. Returns False (and does nothing) when CUDA is available."""
     global _enabled
     if _enabled or _torch.cuda.is_available():
         return False
     for name, (upstream, snippet) in PROXY_MODULES.items():
-        module = importlib.import_module(name)
-        if module.__dict__.get("torch") is _torch:
-            module.torch = TORCH_PROXY
-        _record(name, upstream, snippet)
+        proxy_module(name, upstream=upstream, needed_if=snippet)
 
     import megatron.core.tensor_parallel.random as tp_random
     tp_random._lazy_call = lambda callback, **kwargs: callback()

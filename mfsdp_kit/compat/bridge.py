@@ -1,0 +1,138 @@
+"""What Megatron-Bridge 0.3.1 needs to import and convert correctly without Transformer Engine.
+
+1. Import placeholders. `megatron/bridge/peft/lora_layers.py:20` and `peft/lora.py:21` import
+   `transformer_engine.pytorch` unconditionally (LoRA, which the kit does not use), and
+   `megatron/core/ssm/mamba_mixer.py` reaches `triton` at import time through the Mamba provider.
+   While `megatron.bridge` is imported, placeholder modules stand in for whichever of the two is
+   not installed; they are removed from `sys.modules` right after, so nothing imported later
+   sees them, and they never shadow a real install. Placeholder classes raise if instantiated.
+2. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
+   (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
+   by 0.56 at TP=2). The splits are made contiguous first.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+
+PLACEHOLDER = "__mfsdp_kit_placeholder__"
+_scatter_patched = False
+
+
+class _Missing:
+    """A class from a package that is not installed: using it says so."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__module__}.{type(self).__name__} is a placeholder: "
+                           "the package is not installed (mfsdp_kit.compat.bridge)")
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _module(f"{self.__name__}.{name}") if name[:1].islower() else \
+            type(name, (_Missing,), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+def _module(name: str) -> types.ModuleType:
+    module = _PlaceholderModule(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__path__ = []
+    setattr(module, PLACEHOLDER, True)
+    sys.modules[name] = module
+    return module
+
+
+def _triton_placeholder() -> None:
+    triton = _module("triton")
+    identity = lambda *a, **k: a[0] if len(a) == 1 and callable(a[0]) and not k else (lambda f: f)  # noqa: E731
+    triton.jit = triton.autotune = triton.heuristics = identity
+    triton.Config = lambda *a, **k: None
+    triton.cdiv = lambda a, b: (a + b - 1) // b
+    triton.next_power_of_2 = lambda n: 1 << (int(n) - 1).bit_length()
+    triton.language = _module("triton.language")
+
+
+@contextlib.contextmanager
+def _placeholders():
+    """Placeholders for missing TE / triton while the block runs; removed afterwards."""
+    # megatron-core probes for TE first, so its HAVE_TE flags stay False.
+    import megatron.core.extensions.transformer_engine  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    added = []
+    if importlib.util.find_spec("transformer_engine") is None:
+        _module("transformer_engine").pytorch = _module("transformer_engine.pytorch")
+        added.append("transformer_engine")
+    if importlib.util.find_spec("triton") is None:
+        _triton_placeholder()
+        added.append("triton")
+    try:
+        yield added
+    finally:
+        for name in list(sys.modules):
+            if name.split(".")[0] in added and getattr(sys.modules[name], PLACEHOLDER, False):
+                del sys.modules[name]
+
+
+def import_bridge():
+    """`megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
+    if "megatron.bridge" not in sys.modules:
+        with _placeholders():
+            import megatron.bridge  # noqa: F401
+            import megatron.bridge.models  # noqa: F401
+    _patch_tp_scatter()
+    _cpu_patches()
+    return sys.modules["megatron.bridge"]
+
+
+BRIDGE_CPU_MODULES = {
+    "megatron.bridge.models.conversion.param_mapping":
+        ("megatron/bridge/models/conversion/param_mapping.py:986-987 (replicated weights moved to "
+         "torch.cuda.current_device() at TP > 1)", "torch.cuda.current_device()"),
+}
+
+
+def _cpu_patches() -> None:
+    """On a CPU-only build, the bridge modules that assume CUDA get compat.cpu's torch proxy."""
+    import torch
+    from . import cpu
+    if torch.cuda.is_available() or any(p.target in BRIDGE_CPU_MODULES for p in cpu.PATCHES):
+        return
+    for name, (upstream, snippet) in BRIDGE_CPU_MODULES.items():
+        cpu.proxy_module(name, upstream=upstream, needed_if=snippet)
+
+
+def _patch_tp_scatter() -> None:
+    global _scatter_patched
+    if _scatter_patched:
+        return
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+    original = MegatronParamMapping.scatter_to_tp_ranks
+
+    def scatter_to_tp_ranks(self, splits, *args, **kwargs):
+        return original(self, [s.contiguous() for s in splits] if splits else splits, *args, **kwargs)
+
+    scatter_to_tp_ranks.__wrapped__ = original
+    MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
+    _scatter_patched = True
+
+
+def scatter_fix_still_needed() -> bool:
+    """True while upstream scatters the splits without making them contiguous."""
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+    fn = MegatronParamMapping.scatter_to_tp_ranks
+    return ".contiguous()" not in inspect.getsource(getattr(fn, "__wrapped__", fn))
+
+
+def placeholders_still_needed() -> bool:
+    """True while the bridge's LoRA modules import TE unconditionally."""
+    spec = importlib.util.find_spec("megatron.bridge.peft.lora_layers")
+    source = open(spec.origin).read()
+    return "\nimport transformer_engine.pytorch as te" in source

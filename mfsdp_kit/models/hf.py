@@ -1,0 +1,145 @@
+"""Hugging Face folders <-> Megatron chunks through Megatron-Bridge (`AutoBridge`).
+
+`load(hf_path, cfg)` checks the folder before any weight is read (config present, architecture
+supported, TP divides the heads, safetensors rather than pickle), builds the model from the HF
+config with the local layer spec (Transformer Engine's where TE is installed), loads the HF
+weights into the plain chunks, then wraps them (DDP or Megatron-FSDP). Loading before the
+wrap means Megatron-FSDP copies the loaded values into both its compute and its fp32 main
+weight shards, so the first forward already uses them (the Megatron-Bridge #3397 symptom -
+a loaded checkpoint without effect until the first step - cannot happen). The cost: each rank
+holds one full unsharded copy of its TP slice while loading.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import engine
+from ..config import EngineConfig
+
+FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
+                   masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
+"""Fused kernels that need Transformer Engine or Apex; off on the local spec."""
+
+
+@dataclass
+class HFModel:
+    """A loaded model: its chunks and the bridge that maps names both ways."""
+
+    chunks: list
+    bridge: object
+    hf_path: Path
+    cfg: EngineConfig
+
+    @property
+    def config(self):
+        return engine.unwrap_model(self.chunks[0]).config
+
+
+def supported_architectures() -> list[str]:
+    from ..compat.bridge import import_bridge
+    import_bridge()
+    from megatron.bridge import AutoBridge
+    return sorted(AutoBridge.list_supported_models())
+
+
+def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool = False) -> dict:
+    """Validate an HF folder without reading weights; returns its config.json as a dict."""
+    path = Path(hf_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"hf_path={str(hf_path)!r}: no such directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"hf_path={str(hf_path)!r} has no config.json: not a Hugging Face model folder")
+    config = json.loads(config_file.read_text())
+    archs = config.get("architectures") or []
+    supported = supported_architectures()
+    if not any(a in supported for a in archs):
+        raise ValueError(f"architectures={archs} in {config_file} is not supported by Megatron-Bridge 0.3.1; "
+                         f"supported: {', '.join(supported)}")
+    if cfg is not None:
+        _check_heads(config, cfg.tensor_model_parallel_size)
+    _check_weights(path, trust_pickle=trust_pickle)
+    return config
+
+
+def _check_heads(config: dict, tp: int) -> None:
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads", heads)
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} does not divide the model's {name}={value}; "
+                             f"allowed: a divisor of {value}")
+
+
+def _check_weights(path: Path, *, trust_pickle: bool) -> None:
+    if list(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    if pickles and not trust_pickle:
+        raise ValueError(f"{path / pickles[0]} is a pickle checkpoint: loading it can run code. Convert it to "
+                         "safetensors, or pass trust_pickle=True if you trust its source")
+    if not pickles:
+        raise FileNotFoundError(f"{path} holds no weights (*.safetensors)")
+
+
+def _layer_spec(cfg: EngineConfig):
+    """Bridge's spec function: TE's when TE is installed, else local (+ SDPA core attention if asked)."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    if HAVE_TE:
+        return transformer_engine_layer_spec
+
+    def spec(config):
+        s = local_layer_spec(config)
+        if cfg.attention_backend == "sdpa":
+            from .sdpa import SDPAttention
+            s.submodules.self_attention.submodules.core_attention = SDPAttention
+        return s
+    return spec
+
+
+def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
+    """(bridge, megatron model provider) for an HF folder under `cfg` (not yet built)."""
+    from ..compat.bridge import import_bridge
+    import_bridge()
+    from megatron.bridge import AutoBridge
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    p = bridge.to_megatron_provider(load_weights=False)
+    p.transformer_layer_spec = _layer_spec(cfg)
+    settings = dict(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size, sequence_parallel=False,
+        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16", params_dtype=dtype, pipeline_dtype=dtype,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if not HAVE_TE:
+        settings.update(FUSIONS_OFF)
+    if cfg.recompute != "none":
+        settings.update(recompute_granularity=cfg.recompute)
+        if cfg.recompute == "full":
+            settings.update(recompute_method="uniform", recompute_num_layers=1)
+    settings.update(cfg.override_transformer_config)
+    for key, value in settings.items():
+        setattr(p, key, value)
+    p.finalize()
+    return bridge, p
+
+
+def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = False,
+         trust_remote_code: bool = False) -> HFModel:
+    """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`."""
+    check_folder(hf_path, cfg, trust_pickle=trust_pickle)
+    bridge, p = provider(hf_path, cfg, trust_remote_code=trust_remote_code)
+    chunks = engine.build(cfg, p, wrap=False)
+    bridge.load_hf_weights(chunks, str(hf_path))
+    if wrap:
+        chunks = engine.wrap_chunks(cfg, chunks)
+    return HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)

@@ -1,0 +1,141 @@
+"""Weights out of the training chunks: stream HF-named full tensors, save an HF folder, or
+update a rollout model in place.
+
+Megatron-Bridge 0.3.1 cannot export from Megatron-FSDP chunks (it looks parameters up through
+the wrapper and would meet sharded storage). Here the bridge converts the inner modules, and
+for FSDP each parameter's bucket (one FSDP unit) is all-gathered by Megatron-FSDP itself just
+before its conversion task runs, copied out, and released: extra memory is one unit plus one
+tensor, never the whole model. Every rank must iterate the stream (the gathers are collective).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from .engine import is_fsdp, restore_fsdp_params, synchronize_fsdp_params, unwrap_model
+
+
+def _fsdp_owner(chunks, param):
+    """The MegatronFSDP whose buffers hold `param` (None for DDP / plain chunks)."""
+    for chunk in chunks:
+        if is_fsdp(chunk) and param in chunk.module.param_and_grad_buffer.param_to_param_group:
+            return chunk.module
+    return None
+
+
+def _gathered(fsdp, param: torch.Tensor) -> torch.Tensor:
+    """A private copy of `param`'s full (data-parallel unsharded) value; the bucket is released."""
+    fsdp.all_gather_and_wait_parameters_ready(params=[param], prefetch=False)
+    value = param.detach().clone()
+    bucket = fsdp.param_and_grad_buffer.param_to_param_group[param]
+    fsdp.all_gather_pipeline.release_bucket(bucket, bwd=False)
+    return value
+
+
+def _tasks_with_full_params(tasks, chunks) -> Iterator:
+    for task in tasks:
+        if task is None:
+            continue
+        fsdp = _fsdp_owner(chunks, task.param_weight)
+        yield dataclasses.replace(task, param_weight=_gathered(fsdp, task.param_weight)) if fsdp else task
+
+
+def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for every HF weight, from DDP or Megatron-FSDP chunks, any TP."""
+    inner = unwrap_model(list(chunks))
+    with _compute_params(chunks):  # name lookup and bucket lookup both use the compute params
+        tasks = bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, inner)
+        if any(is_fsdp(c) for c in chunks):
+            tasks = _tasks_with_full_params(tasks, chunks)
+        live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
+        for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+            # The bridge can hand back the live parameter itself (TP=1, already on the target
+            # device): copy it, or a later optimizer step would change what was exported.
+            yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+
+
+@contextlib.contextmanager
+def _compute_params(chunks):
+    """Install FSDP's compute (raw) params for the block; put back the sharded view if it was there.
+
+    Which view a chunk's `parameters()` shows matters beyond export: the optimizer is built
+    from the sharded (DTensor) view, and one built from the raw view steps the wrong tensors.
+    """
+    sharded = [c for c in chunks if is_fsdp(c) and c.module.is_param_fsdp_distributed]
+    restore_fsdp_params(chunks)
+    try:
+        yield
+    finally:
+        synchronize_fsdp_params(sharded)
+
+
+@torch.no_grad()
+def load_into(hf_model: torch.nn.Module, chunks, bridge) -> dict:
+    """Copy the chunks' weights into `hf_model` in place (the rollout path); returns timing/bytes."""
+    import time
+    params = dict(hf_model.named_parameters())
+    params.update(dict(hf_model.named_buffers()))
+    start, nbytes, seen = time.perf_counter(), 0, set()
+    for name, tensor in export_hf_weights(chunks, bridge, cpu=False):
+        if name not in params:
+            raise KeyError(f"exported weight {name!r} has no counterpart in {type(hf_model).__name__}")
+        target = params[name]
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        nbytes += target.numel() * target.element_size()
+        seen.add(name)
+    missing = [n for n, _ in hf_model.named_parameters() if n not in seen]
+    if missing:
+        raise KeyError(f"{len(missing)} weights of {type(hf_model).__name__} were not exported, e.g. {missing[:3]}")
+    return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=len(seen))
+
+
+def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30) -> Path:
+    """Write an HF folder (config, tokenizer, safetensors shards + index) that `transformers` loads.
+
+    Collective: every rank streams the weights; rank 0 writes. `shard_bytes` bounds each file.
+    """
+    from safetensors.torch import save_file
+    path = Path(path)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        path.mkdir(parents=True, exist_ok=True)
+        bridge.hf_pretrained.save_artifacts(path)
+    shard, shard_size, weight_map, files = {}, 0, {}, []
+
+    def flush():
+        nonlocal shard, shard_size
+        if shard and rank0:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(path / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+        shard, shard_size = {}, 0
+
+    for name, tensor in export_hf_weights(chunks, bridge, cpu=True):
+        if rank0:
+            shard[name] = tensor
+            shard_size += tensor.numel() * tensor.element_size()
+        if shard_size >= shard_bytes:
+            flush()
+    flush()
+    if rank0:
+        _write_index(path, files, weight_map)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def _write_index(path: Path, files: list[str], weight_map: dict) -> None:
+    """One file -> model.safetensors; several -> the usual sharded index."""
+    if len(files) == 1:
+        (path / files[0]).rename(path / "model.safetensors")
+        return
+    total = sum((path / f).stat().st_size for f in files)
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
