@@ -1,0 +1,212 @@
+"""Checkpoint scenarios (run by launch.run under torchrun). Each returns rank 0's findings.
+
+Deterministic settings behind the exact-resume checks: fp32, dropout 0, fixed batches indexed
+by step (the data position is saved in `extra`), gloo on CPU (deterministic reductions), one
+thread per rank (launch.py sets OMP_NUM_THREADS=1), and the same 2-rank layout before and after.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit import engine, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models import gpt_model_fn
+from mfsdp_kit.train import step
+
+from scenarios import SPEC, _megatron_logits, random_batches
+
+STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 10, 5, 4, 2
+OCFG = OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=20, min_lr=1e-4)
+
+
+def _batches():
+    return random_batches(steps=STEPS, batch=GLOBAL_BATCH, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size, seed=4)
+
+
+def _build(cfg: EngineConfig, seed: int):
+    runtime.set_seed(seed)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    opt = engine.build_optimizer(chunks, OCFG, cfg)
+    return chunks, opt, engine.build_scheduler(opt, OCFG)
+
+
+def _train(chunks, opt, sched, batches, start: int, stop: int) -> list[float]:
+    return [step(chunks, opt, batches[i], micro_batch_size=MICRO, scheduler=sched, step_index=i).loss
+            for i in range(start, stop)]
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif torch.is_tensor(v):
+            out[prefix + str(k)] = (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+    return out
+
+
+def local_snapshot(chunks, opt, fsdp: bool) -> dict:
+    """Every model, optimizer and RNG tensor this rank holds (local shards), copied."""
+    state, padded = ckpt._build_state(chunks, opt, fsdp=fsdp, layout=ckpt._layout(), is_loading=False)
+    for key in padded:
+        del state["optimizer"]["state"][key]
+    return _flat(state)
+
+
+def _compare(a: dict, b: dict) -> dict:
+    keys = sorted(set(a) | set(b))
+    differ = [k for k in keys if k not in a or k not in b or not torch.equal(a[k], b[k])]
+    groups = {g: sum(k.startswith(g) for k in keys) for g in ("model", "optimizer", "rng")}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(differ=differ[:5], n_differ=len(differ), groups=groups))
+    return dict(per_rank=everyone, all_equal=all(r["n_differ"] == 0 for r in everyone))
+
+
+def full_weights(chunks) -> dict:
+    """Canonical name -> full tensor, assembled from each rank's (uneven) shard by offsets."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+    out = {}
+    for name, v in ckpt._model_state(chunks, fsdp=engine.is_fsdp(chunks[0]), mp_prefix="")["0"].items():
+        if not hasattr(v, "to_local"):
+            out[name] = v.detach().clone()
+            continue
+        meta = gather_and_compute_chunk_metadata(v)
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (meta.offsets, v.to_local().detach().clone()))
+        full = torch.empty(v.shape, dtype=v.dtype)
+        for offsets, local in parts:
+            if local.numel():
+                full[tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))] = local
+        out[name] = full
+    return out
+
+
+def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None) -> dict:
+    """10 steps straight, saving at step 5 (and 10); at step 5 also a bitwise round trip into a
+    fresh build (another seed); optionally an HF-sourced FSDP checkpoint for to_hf."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    rt = runtime.init(cfg)
+    batches = _batches()
+    chunks, opt, sched = _build(cfg, 7)
+    mgr = ckpt.CheckpointManager(root, keep_last=1)
+    losses = _train(chunks, opt, sched, batches, 0, SAVE_AT)
+    before = local_snapshot(chunks, opt, fsdp)
+    mgr.save(SAVE_AT, chunks, opt, sched, extra={"data_position": SAVE_AT})
+    save_s = mgr.last_save_s
+    if rt.rank == 0:
+        torch.save(full_weights(chunks), Path(root) / f"full_step{SAVE_AT}.pt")
+    else:
+        full_weights(chunks)
+    # Round trip: a fresh build (different seed) loads step 5 and must hold identical tensors.
+    fresh, fresh_opt, fresh_sched = _build(cfg, 99)
+    differs_before_load = _compare(before, local_snapshot(fresh, fresh_opt, fsdp))["all_equal"] is False
+    info = mgr.load(fresh, fresh_opt, fresh_sched)
+    roundtrip = _compare(before, local_snapshot(fresh, fresh_opt, fsdp))
+    sched_equal = fresh_sched.state_dict() == sched.state_dict()
+    del fresh, fresh_opt
+    engine.restore_fsdp_params(chunks)
+    losses += _train(chunks, opt, sched, batches, SAVE_AT, STEPS)
+    mgr.save(STEPS, chunks, opt, sched, extra={"data_position": STEPS})  # keep_last=1 keeps 5: it was loaded
+    result = dict(losses=losses, roundtrip=roundtrip, differs_before_load=differs_before_load,
+                  sched_equal=sched_equal, extra=info["extra"], rng_restored=info["rng_restored"],
+                  save_s=save_s, load_s=mgr.last_load_s, bytes=info["bytes"], listed=mgr.list(),
+                  latest=mgr.latest())
+    if hf_workdir:
+        result["hf"] = _hf_checkpoint(cfg, hf_workdir)
+    runtime.shutdown()
+    return result
+
+
+def _hf_checkpoint(cfg: EngineConfig, workdir: str) -> dict:
+    from mfsdp_kit.models.hf import load
+    from mfsdp_kit.models.tiny import tiny
+    src = f"{workdir}/tiny_src"
+    if dist.get_rank() == 0:
+        tiny(src, size="xs", seed=1)
+    dist.barrier()
+    model = load(src, cfg)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
+    b = random_batches(steps=1, batch=4, seq=16, vocab=128, seed=9)[0]
+    step(model.chunks, opt, b, micro_batch_size=2)
+    root = f"{workdir}/hf_ckpt"
+    path = ckpt.CheckpointManager(root, hf_source=src).save(1, model.chunks, opt)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    logits = _megatron_logits(model.chunks, tokens)
+    if dist.get_rank() == 0:
+        torch.save(dict(tokens=tokens, logits=logits), f"{workdir}/live_logits.pt")
+    return dict(path=str(path), src=src)
+
+
+def resume(*, fsdp: bool, root: str) -> dict:
+    """A fresh process: build with another seed, load `latest`... no: step 5, train steps 5..9."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    runtime.init(cfg)
+    batches = _batches()
+    chunks, opt, sched = _build(cfg, 1234)
+    info = ckpt.CheckpointManager(root).load(chunks, opt, sched, step=SAVE_AT)
+    start = info["extra"]["data_position"]
+    losses = _train(chunks, opt, sched, batches, start, STEPS)
+    runtime.shutdown()
+    return dict(losses=losses, start=start, rng_restored=info["rng_restored"])
+
+
+def crash_during_save(*, root: str) -> dict:
+    """Save step 1, then rank 1 SIGKILLs itself in the middle of saving step 2 (after its DCP files)."""
+    cfg = EngineConfig(use_megatron_fsdp=False, seed=7)
+    runtime.init(cfg)
+    chunks, opt, sched = _build(cfg, 7)
+    batches = _batches()
+    _train(chunks, opt, sched, batches, 0, 1)
+    mgr = ckpt.CheckpointManager(root)
+    mgr.save(1, chunks, opt, sched)
+    _train(chunks, opt, sched, batches, 1, 2)
+    original = ckpt._write
+
+    def write_then_die(state, path, **kw):
+        out = original(state, path, **kw)
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), 9)
+        dist.barrier()  # rank 0 waits here, like any rank still in the save's collectives
+        return out
+    ckpt._write = write_then_die
+    mgr.save(2, chunks, opt, sched)
+    return dict(unreachable=True)
+
+
+def single_rank_checks(*, roots: dict, crash_root: str, hf_workdir: str) -> dict:
+    """World size 1: reshard 2-rank FSDP/DDP checkpoints into 1-rank FSDP and DDP; the crashed
+    root still loads; to_hf matches the live model's logits."""
+    result = {}
+    for wrapper in ("fsdp", "ddp"):
+        cfg = EngineConfig(use_megatron_fsdp=wrapper == "fsdp", seed=7)
+        runtime.init(cfg)
+        for saved, root in roots.items():
+            chunks, _, _ = _build(cfg, 99)
+            info = ckpt.CheckpointManager(root).load(chunks, step=SAVE_AT)
+            ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt")
+            got = full_weights(chunks)
+            result[f"{saved}->{wrapper}"] = dict(
+                equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref),
+                n=len(ref), rng_restored=info["rng_restored"])
+        runtime.shutdown()
+    cfg = EngineConfig(use_megatron_fsdp=False, seed=7)
+    runtime.init(cfg)
+    mgr = ckpt.CheckpointManager(crash_root)
+    chunks, _, _ = _build(cfg, 99)
+    info = mgr.load(chunks)
+    result["crash"] = dict(latest=mgr.latest(), listed=mgr.list(), loaded_step=info["step"],
+                           leftovers=sorted(p.name for p in Path(crash_root).iterdir()))
+    runtime.shutdown(destroy_process_group=True)
+    # to_hf in this (now world-less) process
+    import transformers
+    out = ckpt.to_hf(f"{hf_workdir}/hf_ckpt/step_000001", f"{hf_workdir}/hf_out")
+    live = torch.load(f"{hf_workdir}/live_logits.pt")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        result["to_hf_logits_maxdiff"] = (hf(live["tokens"]).logits - live["logits"]).abs().max().item()
+    return result
