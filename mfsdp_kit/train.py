@@ -154,3 +154,30 @@ class History:
         self.lr.append(r.lr)
         self.tokens_per_s.append(r.tokens / max(r.step_time_s, 1e-9))
         self.memory_bytes.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
+
+
+def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_batch_size: int,
+        scheduler=None, start_step: int = 0, on_step=None, progress: bool = True) -> History:
+    """Run `steps` optimizer steps over the iterator `batches`; returns the per-step History.
+
+    Progress shows as a tqdm bar on rank 0 in scripts, and as the cluster widget when running
+    on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
+    (e.g. to checkpoint); a non-finite loss raises NonFiniteLossError naming the step.
+    """
+    from tqdm.auto import tqdm
+
+    from .cluster import report
+    history = History()
+    rank0 = runtime.current().rank == 0
+    bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))
+    for i in range(start_step, start_step + steps):
+        result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
+                      scheduler=scheduler, step_index=i)
+        history.append(result)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
+        report(step=i + 1, total=start_step + steps, loss=result.loss, tokens_per_s=history.tokens_per_s[-1])
+        if on_step is not None:
+            on_step(i, result)
+    bar.close()
+    return history

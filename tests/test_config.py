@@ -69,7 +69,11 @@ def test_vpp_needs_pipeline():
     raises("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size=2)
 
 
-def test_ddp_config_fsdp_defaults_then_overrides():
+def test_ddp_config_fsdp_defaults_then_overrides(monkeypatch):
+    import mfsdp_kit.config as config
+    d = ddp_config(EngineConfig(use_megatron_fsdp=True))  # CPU: synchronous communication
+    assert (d.overlap_grad_reduce, d.overlap_param_gather, d.gradient_reduce_div_fusion) == (False, False, False)
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)  # verl's defaults on GPU
     d = ddp_config(EngineConfig(use_megatron_fsdp=True))
     assert (d.use_megatron_fsdp, d.use_distributed_optimizer, d.check_for_nan_in_grad, d.overlap_grad_reduce,
             d.data_parallel_sharding_strategy) == (True, True, True, True, "optim_grads_params")

@@ -1,4 +1,7 @@
-"""torchrun entry: `worker.py SCENARIO JSON_KWARGS OUT_PATH`; rank 0 writes the result."""
+"""torchrun entry: `worker.py [MODULE:]SCENARIO JSON_KWARGS OUT_PATH`; rank 0 writes the result.
+
+SCENARIO alone is looked up in scenarios.py; `scenarios_train:sft` names another module here."""
+import importlib
 import json
 import os
 import sys
@@ -6,9 +9,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if __name__ == "__main__":
-    import scenarios
     name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    result = getattr(scenarios, name)(**kwargs)
+    module, _, function = name.rpartition(":")
+    result = getattr(importlib.import_module(module or "scenarios"), function)(**kwargs)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(result, f)

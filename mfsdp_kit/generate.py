@@ -1,0 +1,78 @@
+"""Greedy decoding with the Megatron model itself, and held-out exact-match accuracy.
+
+Deliberately plain: each new token re-runs the forward over the whole sequence (no KV cache);
+answers here are a few tokens. With Megatron-FSDP every forward all-gathers parameters, so
+every data-parallel rank must run the same number of forwards: prompts are grouped by length
+in the same order on every rank, each group is padded to a multiple of the DP size, and each
+rank decodes its share. (Fast sampling for RL goes through the HF rollout model instead.)
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+
+
+@torch.no_grad()
+def _next_tokens(chunks, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    logits = chunks[0](tokens, positions, None)
+    logits = gather_from_tensor_model_parallel_region(logits[:, -1:, :])
+    return logits[:, -1, :].argmax(dim=-1)
+
+
+def _my_share(items: list, *, dp_rank: int, dp_size: int) -> tuple[list, int]:
+    """This rank's equal-sized slice of `items` (padded by repeating the last item), and how
+    many of its entries are real (the rest are padding to drop)."""
+    per_rank = -(-len(items) // dp_size)
+    padded = items + [items[-1]] * (per_rank * dp_size - len(items))
+    real = max(0, min(per_rank, len(items) - dp_rank * per_rank))
+    return padded[dp_rank * per_rank:(dp_rank + 1) * per_rank], real
+
+
+@torch.no_grad()
+def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int) -> dict[int, list[int]]:
+    """Greedy completions (token ids, cut after eos) for THIS rank's share: {prompt index: ids}."""
+    from megatron.core import parallel_state as ps
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("greedy decoding with the Megatron model needs pipeline_model_parallel_size=1")
+    device = runtime.current().device
+    by_length = defaultdict(list)
+    for i, p in enumerate(prompts):
+        by_length[len(p)].append(i)
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    out = {}
+    for length in sorted(by_length):
+        share, real = _my_share(by_length[length], dp_rank=ps.get_data_parallel_rank(),
+                                dp_size=ps.get_data_parallel_world_size())
+        tokens = torch.tensor([prompts[i] for i in share], device=device)
+        for _ in range(max_new_tokens):  # fixed count: every rank runs the same forwards
+            tokens = torch.cat([tokens, _next_tokens(chunks, tokens).unsqueeze(1)], dim=1)
+        for i, row in zip(share[:real], tokens[:real, length:].tolist()):
+            out[i] = row[:row.index(eos_id) + 1] if eos_id in row else row
+    for c, mode in zip(chunks, was_training):
+        c.train(mode)
+    return out
+
+
+def evaluate(chunks, tokenizer, prompts_answers: list[tuple[str, str]], *, reward_fn,
+             max_new_tokens: int = 8) -> dict:
+    """Held-out accuracy: mean `reward_fn(prompt, completion)` over all prompts (all ranks agree)."""
+    from megatron.core import parallel_state as ps
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in prompts_answers]
+    completions = greedy(chunks, ids, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id)
+    score = torch.zeros(2, dtype=torch.float64, device=runtime.current().device)
+    samples = []
+    for i, row in sorted(completions.items()):
+        text = tokenizer.decode(row)
+        score[0] += reward_fn(prompts_answers[i][0], text)
+        score[1] += 1
+        samples.append((prompts_answers[i][0], text))
+    dist.all_reduce(score, group=ps.get_data_parallel_group())
+    return dict(accuracy=(score[0] / score[1]).item(), n=int(score[1].item()), samples=samples[:4])

@@ -1,0 +1,57 @@
+"""Training scenarios on the embedded tiny model and arithmetic task (run by launch.run)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import data, engine, generate, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.memory import memory_report
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.models.tiny import tiny
+from mfsdp_kit.train import fit, forward_backward
+
+
+def _setup(*, fsdp: bool, workdir: str, seed: int = 0):
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=seed)
+    rt = runtime.init(cfg)
+    src = f"{workdir}/tiny_xs"
+    if rt.rank == 0:
+        tiny(src, size="xs", seed=0)
+    dist.barrier()
+    from transformers import AutoTokenizer
+    return cfg, load(src, cfg), AutoTokenizer.from_pretrained(src)
+
+
+def sft(*, fsdp: bool, workdir: str, steps: int, global_batch: int, micro_batch_size: int, lr: float = 3e-3,
+        evaluate: bool = True) -> dict:
+    """SFT on 1-digit addition; held-out exact match before and after."""
+    cfg, model, tok = _setup(fsdp=fsdp, workdir=workdir)
+    task = data.ArithmeticTask(digits=1)
+    heldout = task.rl_prompts(10, split="heldout")
+    ocfg = OptimConfig(lr=lr, warmup_steps=10)
+    opt = engine.build_optimizer(model.chunks, ocfg, cfg)
+    sched = engine.build_scheduler(opt, ocfg, total_steps=steps)
+    before = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify) if evaluate else None
+    batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=global_batch, seed=1)
+    history = fit(model.chunks, opt, batches, steps=steps, micro_batch_size=micro_batch_size, scheduler=sched,
+                  progress=False)
+    after = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify) if evaluate else None
+    report = memory_report(model.chunks, opt)
+    runtime.shutdown()
+    return dict(loss=history.loss, lr=history.lr, grad_norm=history.grad_norm,
+                accuracy_before=before and before["accuracy"], accuracy_after=after and after["accuracy"],
+                samples=after and after["samples"], memory=report.as_dict())
+
+
+def first_step_grads(*, micro_batch_size: int, workdir: str) -> dict:
+    """Gradients of one global batch of 8 sequences per rank, split into micro-batches."""
+    cfg, model, tok = _setup(fsdp=False, workdir=workdir)
+    task = data.ArithmeticTask(digits=1)
+    batch = next(data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=16, seed=2))
+    for c in model.chunks:
+        c.zero_grad_buffer()
+    loss, tokens = forward_backward(model.chunks, batch, micro_batch_size=micro_batch_size)
+    grads = torch.cat([b.grad_data.flatten() for c in model.chunks for b in c.buffers])
+    runtime.shutdown()
+    return dict(loss=loss, tokens=tokens, grads=grads.tolist())
