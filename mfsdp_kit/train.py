@@ -29,16 +29,20 @@ class Batch:
     """[batch, seq] next-token targets."""
     loss_mask: torch.Tensor
     """[batch, seq] 1.0 where the token counts in the loss (e.g. the answer), else 0.0."""
+    extras: dict = field(default_factory=dict)
+    """More per-sequence tensors ([batch, ...]) a custom loss reads, e.g. GRPO's advantages."""
 
     @property
     def num_sequences(self) -> int:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> "Batch":
-        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop])
+        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop],
+                     {k: v[start:stop] for k, v in self.extras.items()})
 
     def to(self, device) -> "Batch":
-        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device))
+        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device),
+                     {k: v.to(device) for k, v in self.extras.items()})
 
 
 @dataclass
@@ -52,6 +56,8 @@ class StepResult:
     lr: float
     step_time_s: float
     skipped: bool = False
+    metrics: dict = field(default_factory=dict)
+    """Per-token means of what the loss function logs besides the loss (e.g. KL, clip fraction)."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -76,55 +82,63 @@ def micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     return [batch.slice(i, i + micro_batch_size) for i in range(0, batch.num_sequences, micro_batch_size)]
 
 
-def masked_token_loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """megatron loss_func: (sum of masked losses, token count, [sum, count] for logging)."""
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = (output.float().reshape(-1) * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+def masked_token_loss(mb: Batch, token_losses: torch.Tensor):
+    """megatron loss_func: (sum of masked token losses, token count, {name: [sum, count]} to log).
+
+    `token_losses` is the model's per-token cross entropy [batch, seq] (= -log p(label))."""
+    mask = mb.loss_mask.float()
+    loss_sum = (token_losses.float() * mask).sum()
+    return loss_sum, mask.sum().to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
     seq = mb.tokens.shape[1]
     position_ids = torch.arange(seq, device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
     output = model(mb.tokens, position_ids, None, labels=mb.labels)
-    return output, partial(masked_token_loss, mb.loss_mask)
+    return output, partial(loss_fn, mb)
 
 
 def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch_size: int,
-                     forward_only: bool = False) -> tuple[float, int]:
-    """Run megatron's schedule on this rank's slice; return (global mean loss, global token count)."""
+                     forward_only: bool = False, loss_fn=masked_token_loss) -> tuple[float, int, dict]:
+    """Run megatron's schedule on this rank's slice.
+
+    Returns (global per-token mean loss, global token count, {logged name: per-token mean}).
+    `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     rt = runtime.current()
     local = data_parallel_slice(batch).to(rt.device)
     mbs = micro_batches(local, micro_batch_size)
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(mbs), model=chunks, num_microbatches=len(mbs),
-        seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size, forward_only=forward_only)
-    return _reduce_loss(losses, rt.device)
+    logged = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
+        num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
+        forward_only=forward_only)
+    means, tokens = _reduce_logged(logged, rt.device)
+    return means.pop("lm loss"), tokens, means
 
 
-def _reduce_loss(losses: list[dict], device) -> tuple[float, int]:
-    """Sum (loss, tokens) over micro-batches and data-parallel ranks -> per-token mean."""
+def _reduce_logged(logged: list[dict], device) -> tuple[dict, int]:
+    """Sum each logged [sum, count] over micro-batches and data-parallel ranks -> per-token means."""
     from megatron.core import parallel_state as ps
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for entry in losses:  # empty on non-last pipeline stages
-        total += entry["lm loss"].to(torch.float64)
+    names = sorted(logged[0]) if logged else ["lm loss"]
+    total = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
+    for entry in logged:  # empty on non-last pipeline stages
+        total += torch.stack([entry[n].to(torch.float64) for n in names])
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage holds the loss
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+    means = {n: (total[i, 0] / total[i, 1].clamp(min=1)).item() for i, n in enumerate(names)}
+    return means, int(total[names.index("lm loss"), 1].item())
 
 
 def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-         scheduler=None, step_index: int = 0) -> StepResult:
+         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
     """One optimizer step over a global batch: zero grads, forward/backward, finalize, step."""
     start = time.perf_counter()
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss, tokens = forward_backward(chunks, batch, micro_batch_size=micro_batch_size)
+    loss, tokens, metrics = forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
     ok, grad_norm, _ = optimizer.step()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
@@ -134,7 +148,7 @@ def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_
         scheduler.step(increment=1)
     lr = optimizer.param_groups[0]["lr"]
     return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr,
-                      step_time_s=time.perf_counter() - start, skipped=not ok)
+                      step_time_s=time.perf_counter() - start, skipped=not ok, metrics=metrics)
 
 
 @dataclass

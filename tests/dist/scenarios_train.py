@@ -51,7 +51,7 @@ def first_step_grads(*, micro_batch_size: int, workdir: str) -> dict:
     batch = next(data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=16, seed=2))
     for c in model.chunks:
         c.zero_grad_buffer()
-    loss, tokens = forward_backward(model.chunks, batch, micro_batch_size=micro_batch_size)
+    loss, tokens, _ = forward_backward(model.chunks, batch, micro_batch_size=micro_batch_size)
     grads = torch.cat([b.grad_data.flatten() for c in model.chunks for b in c.buffers])
     runtime.shutdown()
     return dict(loss=loss, tokens=tokens, grads=grads.tolist())

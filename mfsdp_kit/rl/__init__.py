@@ -1,0 +1,1 @@
+"""Reinforcement learning on the kit's chunks: GRPO (`rl.grpo`)."""
