@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${RESULTS:-${OUT:-runs/gpu}}
-SECTIONS=${SECTIONS:-parity}
+SECTIONS=${SECTIONS:-parity roundtrip sft_grpo sync checkpoint throughput}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
@@ -35,6 +35,12 @@ trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 100
 for s in $SECTIONS; do
   case $s in
     parity)     section parity     trun bench/parity.py --dtype bf16 --out "$RESULTS/parity.json" ;;
+    roundtrip)  section roundtrip  trun bench/roundtrip.py --size m --dtype bf16 --out "$RESULTS/roundtrip.json" ;;
+    sft_grpo)   section sft_grpo   trun bench/sft_grpo.py --size m --out "$RESULTS/sft_grpo.json" ;;
+    sync)       section sync       trun bench/sync.py --size m --out "$RESULTS/sync.json" ;;
+    checkpoint) section checkpoint trun bench/checkpoint.py --out "$RESULTS/checkpoint.json" ;;
+    throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 4 \
+                  --global-batch 16 --steps 8 --warmup 2 --out "$RESULTS/throughput.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done

@@ -70,51 +70,6 @@ def sync_two_chunks(*, first_only: bool = False) -> dict:
 
 
 def hf_roundtrip(*, arch: str, tp: int, fsdp: bool, workdir: str) -> dict:
-    """HF -> Megatron (wrapped) -> logits parity, exact export, one SFT step, export, save_hf, reload."""
-    import transformers
-    from safetensors.torch import save_file
-
-    from mfsdp_kit import sync
-    from mfsdp_kit.models.hf import load
-    from mfsdp_kit.models.tiny import tiny
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=3)
-    rt = runtime.init(cfg)
-    src = f"{workdir}/src_{arch}"
-    if rt.rank == 0:
-        tiny(src, arch=arch, size="xs", seed=1)
-    dist.barrier()
-    model = load(src, cfg)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
-    result = dict(wrapper=type(model.chunks[0]).__name__,
-                  logits_maxdiff=(_megatron_logits(model.chunks, tokens) - hf(tokens).logits).abs().max().item())
-    original = hf.state_dict()
-    exported = dict(sync.export_hf_weights(model.chunks, model.bridge))
-    result["export_names_match"] = sorted(exported) == sorted(original)
-    result["export_maxdiff"] = max((exported[k] - original[k]).abs().max().item() for k in original)
-    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
-    b = random_batches(steps=1, batch=4, seq=16, vocab=128, seed=9)[0]
-    step(model.chunks, opt, b, micro_batch_size=2)
-    trained = dict(sync.export_hf_weights(model.chunks, model.bridge))
-    result["changed_by_step"] = sum(not torch.equal(trained[k], original[k]) for k in original)
-    out = f"{workdir}/saved_{arch}_tp{tp}_{'fsdp' if fsdp else 'ddp'}"
-    sync.save_hf(model.chunks, model.bridge, out)
-    live = _megatron_logits(model.chunks, tokens)
-    if rt.rank == 0:
-        save_file(trained, f"{out}.exported.safetensors")
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-        result["reload_vs_megatron_maxdiff"] = (reloaded(tokens).logits - live).abs().max().item()
-        result["exported_file"] = f"{out}.exported.safetensors"
-    runtime.shutdown()
-    return result
-
-
-@torch.no_grad()
-def _megatron_logits(chunks, tokens):
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    for c in chunks:
-        c.eval()
-    out = chunks[0](tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    for c in chunks:
-        c.train()
-    return gather_from_tensor_model_parallel_region(out)[..., :128].float()
+    """HF -> Megatron (wrapped) -> logits parity, exact export, one step, export, save_hf, reload."""
+    from bench.roundtrip import roundtrip
+    return roundtrip(arch=arch, size="xs", tp=tp, fsdp=fsdp, dtype="fp32", workdir=workdir)

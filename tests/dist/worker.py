@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # scenarios*, and the repo root (bench/)
 
 if __name__ == "__main__":
     name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
