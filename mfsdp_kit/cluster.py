@@ -401,3 +401,20 @@ def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: 
     results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
     refresh(ar)
     return results, panel
+
+
+def run_with_panel(handle: ClusterHandle, panel: Any, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
+                   timeout_s: float | None = None, **kwargs: Any) -> list:
+    """`run_with_progress` with a panel of your own: anything with `update({rank: data})`, such as
+    `widgets.TrainingPanel` (live loss curve, tokens/s, memory per rank). Returns results in rank order."""
+    if isinstance(fn_or_code, str):
+        ar = handle.view.execute(fn_or_code, block=False)
+    else:
+        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
+
+    def refresh(result: Any) -> None:
+        panel.update(dict(zip(handle.ranks, result.data)))
+
+    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
+    refresh(ar)
+    return results

@@ -1,0 +1,97 @@
+"""matplotlib pictures of a run: loss curves, per-rank memory next to the ZeRO formula, rewards.
+
+Every function builds its own `Figure` (no pyplot global state, so it is safe with the Agg
+backend in scripts and CI and inside a notebook alike), returns it, and writes a PNG when
+`path` is given. In a notebook the returned Figure displays itself as the cell's value.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from matplotlib.figure import Figure
+
+MEMORY_KINDS = ("params_bytes", "grads_bytes", "main_params_bytes", "optimizer_states_bytes")
+"""The model-state kinds a `memory.MemoryReport` measures, bottom to top of each stacked bar."""
+MEMORY_LABELS = ("params", "grads", "main params (fp32)", "optimizer states")
+MIB = 2**20
+
+
+def _save(fig: Figure, path) -> Figure:
+    if path is not None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def _figure(width: float = 6.4, height: float = 3.6):
+    fig = Figure(figsize=(width, height))
+    return fig, fig.add_subplot()
+
+
+def loss_curves(histories: Mapping[str, Sequence[float]], path=None, *, title: str = "training loss",
+                ylabel: str = "loss (per token)") -> Figure:
+    """One line per run, e.g. {"DDP": [...], "FSDP": [...]}; loss over optimizer steps (log y).
+
+    Runs that should be identical (DDP vs FSDP from one seed) draw on top of each other, so the
+    later ones are dashed: a visible second line means they diverged."""
+    fig, ax = _figure()
+    for i, (name, values) in enumerate(histories.items()):
+        ax.plot(range(1, len(values) + 1), list(values), label=name, linestyle="-" if i == 0 else "--",
+                linewidth=2.0 if i == 0 else 1.4)
+    if all(v > 0 for values in histories.values() for v in values):
+        ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def _as_dict(report) -> dict:
+    return report.as_dict() if hasattr(report, "as_dict") else dict(report)
+
+
+def memory_breakdown(reports: Mapping[str, object], formula: Mapping[str, int] | None = None, path=None, *,
+                     title: str = "model state per rank") -> Figure:
+    """Stacked bars (MiB) of params / grads / main params / optimizer states per run.
+
+    reports: run name -> `MemoryReport` or its `as_dict()` (e.g. {"DDP N=2": ..., "FSDP N=2": ...}).
+    formula: run name -> bytes the ZeRO formula predicts (`memory.zero_formula_bytes`), drawn as
+        a black marker next to the run's bar, so measured and predicted read side by side.
+    """
+    fig, ax = _figure(max(6.4, 1.6 * len(reports) + 2), 4.2)
+    names = list(reports)
+    rows = [_as_dict(reports[n]) for n in names]
+    bottom = [0.0] * len(names)
+    for kind, label in zip(MEMORY_KINDS, MEMORY_LABELS):
+        heights = [row.get(kind, 0) / MIB for row in rows]
+        ax.bar(range(len(names)), heights, bottom=bottom, width=0.55, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if formula:
+        xs = [i + 0.36 for i, n in enumerate(names) if n in formula]
+        ys = [formula[n] / MIB for n in names if n in formula]
+        ax.scatter(xs, ys, marker="_", s=600, linewidths=3, color="black", zorder=3, label="ZeRO formula")
+    for i, total in enumerate(bottom):
+        ax.annotate(f"{total:.2f}", (i, total), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set(ylabel="MiB per rank", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    return _save(fig, path)
+
+
+def reward_curve(values: Sequence[float], path=None, *, title: str = "mean reward", window: int = 10) -> Figure:
+    """Reward (or accuracy) per step, raw and as a trailing mean over `window` steps."""
+    fig, ax = _figure()
+    values = list(values)
+    steps = range(1, len(values) + 1)
+    ax.plot(steps, values, alpha=0.35, label="per step")
+    if len(values) >= 2:
+        smooth = [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                  for i in range(len(values))]
+        ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
+    ax.set(xlabel="step", ylabel="reward", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)

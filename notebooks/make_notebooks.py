@@ -1,0 +1,453 @@
+"""Write the course notebooks (01_wrap, 02_sft, 03_sync, 06_memory, widgets_demo) without outputs.
+
+The notebooks are generated so their source stays reviewable as plain Python: edit this file,
+run `python notebooks/make_notebooks.py`, commit both. Every notebook follows 00_cluster: a
+markdown intro, thin cells that call the library (`%%px` where every rank works), a final cell
+that asserts what the notebook demonstrates, and a last cell that stops the engines.
+Outputs are compared by nbval only in cells marked `# NBVAL_CHECK_OUTPUT`.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+
+def md(text: str):
+    return new_markdown_cell(text.strip("\n"))
+
+
+def code(text: str):
+    return new_code_cell(text.strip("\n"))
+
+
+START = '''
+import tempfile
+from mfsdp_kit import cluster
+from mfsdp_kit.models.tiny import tiny
+
+handle = cluster.start()   # one engine per visible GPU, else 2 CPU engines (gloo)
+src = str(tiny(tempfile.mkdtemp(prefix="mfsdp_nb_") + "/tiny_xs", size="xs", seed=0))   # a local HF folder
+_ = handle.view.push(dict(src=src))
+handle
+'''
+
+STOP = md("Stop the engines when done:"), code("handle.stop()")
+
+# -------------------------------------------------------------------------------------------------
+WRAP = [
+    md('''
+# 01 · Wrapping a model: DDP vs Megatron-FSDP
+
+`mfsdp_kit.models.hf.load(hf_path, cfg)` builds a Megatron-Core GPT from a Hugging Face folder
+(through Megatron-Bridge), loads its weights, then wraps it as `cfg` says:
+
+* **DDP** (`use_megatron_fsdp=False`): every rank keeps a full copy of the weights and gradients;
+  only the optimizer state is sharded (distributed optimizer, ZeRO-1).
+* **Megatron-FSDP** (`use_megatron_fsdp=True`, `optim_grads_params`, ZeRO-3): weights, gradients
+  and optimizer state are all sharded over the data-parallel ranks; a layer's full weights exist
+  only while it runs (all-gathered just in time).
+
+Here both wrap the same tiny model on every rank, and each rank says what it holds.
+'''),
+    code(START),
+    md('''
+Load the model twice on every rank: once under DDP, once under Megatron-FSDP. `runtime.init(cfg)`
+sets megatron's parallel state for the config (same world, new layout when the config changes).
+'''),
+    code('''
+%%px
+from mfsdp_kit import engine, runtime
+from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.models.hf import load
+
+ddp_cfg, fsdp_cfg = EngineConfig(use_megatron_fsdp=False), EngineConfig(use_megatron_fsdp=True)
+runtime.init(ddp_cfg)
+ddp = load(src, ddp_cfg)
+runtime.init(fsdp_cfg)
+fsdp = load(src, fsdp_cfg)
+print(f"rank {rank}: {type(ddp.chunks[0]).__name__} and {type(fsdp.chunks[0]).__name__}")
+'''),
+    md('''
+`engine.local_numel` counts the parameter elements this rank actually stores; `engine.global_numel`
+the elements of the whole model. DDP: the same. FSDP: about 1/N of them on each of N ranks
+(plus a little padding so shards align).
+'''),
+    code('''
+%%px
+counts = {name: (engine.local_numel(m.chunks), engine.global_numel(m.chunks)) for name, m in (("DDP", ddp), ("FSDP", fsdp))}
+for name, (local, total) in counts.items():
+    print(f"rank {rank} {name:>4}: holds {local:,} of {total:,} parameter elements ({local / total:.0%})")
+'''),
+    md('''
+Under FSDP the module's parameters are `DTensor`s: a global shape, a `Shard(0)` placement over the
+data-parallel mesh, and a local piece (`to_local()`). `engine.synchronize_fsdp_params` makes sure
+the module shows that sharded view (a forward leaves the unsharded compute weights installed).
+'''),
+    code('''
+%%px
+engine.synchronize_fsdp_params(fsdp.chunks)
+shards = [(name, tuple(p.shape), tuple(p.to_local().shape), str(p.placements))
+          for name, p in fsdp.chunks[0].named_parameters()]
+for name, full, local, placement in shards[:4]:
+    print(f"rank {rank} {name}: global {full} -> local {local} {placement}")
+'''),
+    md("The check: FSDP's shards are about half of the model on each of 2 ranks (1/N on N); DDP holds all of it."),
+    code('''
+n = len(handle.ranks)
+counts = handle.view["counts"]
+for c in counts:
+    ddp_local, ddp_global = c["DDP"]
+    fsdp_local, fsdp_global = c["FSDP"]
+    assert ddp_local == ddp_global, c
+    assert fsdp_global == ddp_global, c
+    assert abs(fsdp_local - fsdp_global / n) <= 0.02 * fsdp_global, c       # ~1/N (+ alignment padding)
+assert sum(c["FSDP"][0] for c in counts) >= counts[0]["FSDP"][1]         # the shards cover the model
+assert all(placement.startswith("(Shard(dim=0)") for s in handle.view["shards"] for *_, placement in s) or n == 1
+print("per-rank FSDP share:", [round(c["FSDP"][0] / c["FSDP"][1], 3) for c in counts])
+'''),
+    *STOP,
+]
+
+# -------------------------------------------------------------------------------------------------
+SFT_RECIPE = '''
+%%px
+from transformers import AutoTokenizer
+from mfsdp_kit import data, engine, generate, runtime, widgets
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.train import fit
+
+# 1-digit addition: 150 steps x 32 sequences (16 per rank, one micro-batch each) -- ~15 s on 2 CPU cores
+steps, global_batch, micro_batch_size = 150, 32, 16
+tok = AutoTokenizer.from_pretrained(src)
+task = data.ArithmeticTask(digits=1)
+heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
+ocfg = OptimConfig(lr=3e-3, warmup_steps=10)
+
+def prepare(*, fsdp, seed):
+    """Model (from the HF folder), optimizer, scheduler and the batch stream, all from `seed`."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=seed)
+    runtime.init(cfg)
+    model = load(src, cfg)
+    opt = engine.build_optimizer(model.chunks, ocfg, cfg)
+    sched = engine.build_scheduler(opt, ocfg, total_steps=steps)
+    batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=global_batch, seed=seed)
+    return model, opt, sched, batches
+
+def accuracy(model):
+    return generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify)["accuracy"]
+'''
+
+FIT = ('fit(model.chunks, opt, batches, steps=steps, micro_batch_size=micro_batch_size, scheduler=sched, '
+       'progress=False, on_step=widgets.StepReporter(total=steps))')
+
+SFT = [
+    md('''
+# 02 · Supervised fine-tuning, DDP and Megatron-FSDP side by side
+
+The tiny model learns 1-digit addition (`<|user|>3+4=<|assistant|>` → `7</s>`), once wrapped in
+DDP and once in Megatron-FSDP, from the same seed: same weights, same batches. The loss is the
+per-token mean over the whole global batch (megatron's `calculate_per_token_loss`), so both
+wrappers compute the same gradients and their loss curves must agree to float rounding.
+Held-out accuracy (greedy decoding with the Megatron model, problems never trained on) is
+measured before and after.
+'''),
+    code(START + "\nfrom mfsdp_kit import plots, widgets"),
+    md("The recipe, on every rank:"),
+    code(SFT_RECIPE),
+    md("**DDP**: held-out accuracy before training, then training with a live panel (loss, tokens/s, memory per rank)."),
+    code('''
+%%px
+seed = 0
+model, opt, sched, batches = prepare(fsdp=False, seed=seed)
+acc = {"DDP before": accuracy(model)}
+'''),
+    code(f'''
+panel = widgets.TrainingPanel(handle.ranks, title="DDP")
+_ = cluster.run_with_panel(handle, panel, "history = {FIT}")
+'''),
+    code('''
+%%px
+ddp_loss, acc["DDP after"] = history.loss, accuracy(model)
+'''),
+    md("**Megatron-FSDP**, same seed (change `seed` here and the final check fails: different batches, different losses):"),
+    code('''
+%%px
+model, opt, sched, batches = prepare(fsdp=True, seed=seed)
+acc["FSDP before"] = accuracy(model)
+'''),
+    code(f'''
+panel = widgets.TrainingPanel(handle.ranks, title="Megatron-FSDP")
+_ = cluster.run_with_panel(handle, panel, "history = {FIT}")
+'''),
+    code('''
+%%px
+fsdp_loss, acc["FSDP after"] = history.loss, accuracy(model)
+samples = generate.evaluate(model.chunks, tok, heldout[:4], reward_fn=data.verify)["samples"]
+'''),
+    code('''
+ddp_loss, fsdp_loss = handle.view["ddp_loss"][0], handle.view["fsdp_loss"][0]
+acc, samples = handle.view["acc"][0], handle.view["samples"][0]
+print("held-out accuracy:", acc)
+print("rank 0's FSDP samples after training:", samples)
+plots.loss_curves({"DDP": ddp_loss, "Megatron-FSDP": fsdp_loss})
+'''),
+    md('''
+The check: the first 30 steps' losses agree within 1e-5 relative (in practice ~1e-7: DDP
+all-reduces and FSDP reduce-scatters the same gradient sums in a different order), the loss
+fell, and held-out accuracy rose under both wrappers. Later steps are not compared that tightly:
+training amplifies those last-bit differences (with this recipe they pass 1e-5 around step 35
+and reach percent level by step 100 — the runs stay statistically alike, not bitwise alike).
+'''),
+    code('''
+parity_steps = 30
+assert len(ddp_loss) == len(fsdp_loss) >= parity_steps
+worst = max(abs(a - b) / abs(a) for a, b in zip(ddp_loss[:parity_steps], fsdp_loss[:parity_steps]))
+print(f"largest relative loss difference over the first {parity_steps} steps: {worst:.1e}")
+assert worst <= 1e-5, f"FSDP and DDP losses differ by {worst:.2e} (relative)"
+assert fsdp_loss[-1] < 0.5 * fsdp_loss[0] and ddp_loss[-1] < 0.5 * ddp_loss[0]
+assert acc["DDP after"] > acc["DDP before"] and acc["FSDP after"] > acc["FSDP before"], acc
+assert all(a == acc for a in handle.view["acc"])    # every rank measured the same accuracy
+'''),
+    *STOP,
+]
+
+# -------------------------------------------------------------------------------------------------
+SYNC = [
+    md('''
+# 03 · Weight sync: from the training chunks into a Hugging Face model
+
+RL needs a fast rollout model with the trainer's *current* weights. `sync.load_into(hf_model, chunks,
+bridge)` streams one HF-named full tensor at a time out of the (here: Megatron-FSDP sharded)
+chunks — each FSDP unit is all-gathered just before its tensors convert, then released — and
+copies it into a `transformers` model in place. `sync.save_hf` writes the same stream as an HF
+folder. Every rank takes part in the gathers, so both are `%%px` calls.
+'''),
+    code(START),
+    md("A short SFT under Megatron-FSDP, so the weights differ from the folder's:"),
+    code('''
+%%px
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from mfsdp_kit import data, engine, runtime, sync
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.train import fit
+
+cfg = EngineConfig(use_megatron_fsdp=True)
+device = runtime.init(cfg).device
+tok = AutoTokenizer.from_pretrained(src)
+task = data.ArithmeticTask(digits=1)
+model = load(src, cfg)
+opt = engine.build_optimizer(model.chunks, OptimConfig(lr=3e-3, warmup_steps=10), cfg)
+batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32, seed=0)
+history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=16, progress=False)
+'''),
+    md("Load the trained weights into a `transformers` model on every rank:"),
+    code('''
+%%px
+hf_model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device).eval()
+stats = sync.load_into(hf_model, model.chunks, model.bridge)
+print(f"rank {rank}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.2f} MiB in {stats['seconds']:.3f} s")
+'''),
+    md("Sample from the rollout model with plain `hf_model.generate` (greedy):"),
+    code('''
+%%px
+prompts = [p for p, _ in task.rl_prompts(4, split="heldout")]   # 1-digit prompts: all the same length
+ids = tok(prompts, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+out = hf_model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+completions = tok.batch_decode(out[:, ids.shape[1]:])
+rewards = [data.verify(p, c) for p, c in zip(prompts, completions)]
+print(f"rank {rank}:", list(zip([p[8:-13] for p in prompts], completions)))
+'''),
+    md('''
+Both sides must be the same function: the rollout model's logits against the Megatron model's
+(a forward on every rank), and the exported tensors against the rollout model's weights.
+'''),
+    code('''
+%%px
+tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+with torch.no_grad():
+    for c in model.chunks:
+        c.eval()
+    megatron_logits = model.chunks[0](tokens, torch.arange(12, device=device).expand(2, 12), None)
+    vocab = hf_model.config.vocab_size
+    logits_maxdiff = (hf_model(tokens).logits - megatron_logits[..., :vocab]).abs().max().item()
+hf_state = hf_model.state_dict()
+weights_equal = all(torch.equal(t.to(hf_state[n].device), hf_state[n])
+                    for n, t in sync.export_hf_weights(model.chunks, model.bridge))
+print(f"rank {rank}: max |logit diff| {logits_maxdiff:.2e}, exported weights equal: {weights_equal}")
+'''),
+    md("`sync.save_hf` writes an HF folder (rank 0 writes, every rank streams); `transformers` reloads it:"),
+    code('''
+%%px
+out_dir = sync.save_hf(model.chunks, model.bridge, src + "_sft")
+reloaded = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32).to(device).eval()
+reload_equal = all(torch.equal(reloaded.state_dict()[n], t) for n, t in hf_model.state_dict().items())
+'''),
+    md("The check:"),
+    code('''
+diffs, equal, reloaded_ok = handle.view["logits_maxdiff"], handle.view["weights_equal"], handle.view["reload_equal"]
+print("max |logit diff| per rank:", diffs)
+assert all(d < 1e-5 for d in diffs), diffs
+assert all(equal) and all(reloaded_ok), (equal, reloaded_ok)
+assert handle.view["history"][0].loss[-1] < handle.view["history"][0].loss[0]   # the weights did move
+'''),
+    *STOP,
+]
+
+# -------------------------------------------------------------------------------------------------
+MEASURE = '''
+%%px
+import torch
+from transformers import AutoTokenizer
+from mfsdp_kit import data, engine, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.memory import memory_report
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.train import step
+
+tok = AutoTokenizer.from_pretrained(src)
+batch = next(data.batches(data.ArithmeticTask(digits=1).train_pairs(8), tok, seq_len_tokens=16, global_batch=4))
+
+def measure(fsdp):
+    """Per-rank bytes after one optimizer step (Adam's moments exist only after the first step)."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp)
+    runtime.init(cfg)
+    model = load(src, cfg)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
+    step(model.chunks, opt, batch, micro_batch_size=2)
+    return memory_report(model.chunks, opt).as_dict()
+
+reports = {f"{name} N={world_size}": measure(fsdp) for name, fsdp in (("DDP", False), ("FSDP", True))}
+'''
+
+MEMORY = [
+    md('''
+# 06 · Memory per rank: measured, next to the ZeRO formula
+
+With Adam in fp32 every parameter costs 4 B weights + 4 B grads + 8 B moments = 16 B
+(bf16: 2 + 2 + 12 with the fp32 main copy). On N data-parallel ranks:
+
+    DDP + distributed optimizer (ZeRO-1):  weights + grads + optimizer / N   ->  fp32: 8 + 8/N  B/param
+    Megatron-FSDP optim_grads_params:      (weights + grads + optimizer) / N ->  fp32: 16/N     B/param
+
+`memory.memory_report(chunks, optimizer)` measures the buffers each rank really holds. We measure
+both wrappers on 1 rank and on 2 ranks (restarting the engines with `n=1`), then draw the bytes
+with the formula's prediction beside them.
+'''),
+    code('''
+import tempfile
+from mfsdp_kit import cluster, plots
+from mfsdp_kit.memory import format_table, zero_formula_bytes, MemoryReport
+from mfsdp_kit.models.tiny import tiny
+
+src = str(tiny(tempfile.mkdtemp(prefix="mfsdp_nb_") + "/tiny_xs", size="xs", seed=0))
+reports = {}
+'''),
+    md("**One rank** (nothing to shard over: both wrappers hold everything):"),
+    code('''
+handle = cluster.start(n=1)
+_ = handle.view.push(dict(src=src))
+handle
+'''),
+    code(MEASURE),
+    code('''
+reports.update(handle.view["reports"][0])
+handle.stop()
+'''),
+    md("**Two ranks**:"),
+    code('''
+handle = cluster.start(n=2)
+_ = handle.view.push(dict(src=src))
+'''),
+    code(MEASURE),
+    code('''
+per_rank = handle.view["reports"]
+reports.update(per_rank[0])
+formula = {name: zero_formula_bytes(num_params=r["num_params"], dp_size=r["dp_size"], fsdp=name.startswith("FSDP"),
+                                    dtype="fp32") for name, r in reports.items()}
+print(format_table({name: MemoryReport(**{k: v for k, v in r.items() if k != "model_state_bytes"})
+                    for name, r in reports.items()}, dtype="fp32"))
+plots.memory_breakdown(reports, formula)
+'''),
+    md('''
+The check: going from 1 to 2 ranks, FSDP's weights + grads per rank halve (to within bucket
+padding) and DDP's stay the same; both ranks of the 2-rank world hold the same amount.
+'''),
+    code('''
+def params_grads(r):
+    return r["params_bytes"] + r["grads_bytes"]
+
+fsdp_ratio = params_grads(reports["FSDP N=2"]) / params_grads(reports["FSDP N=1"])
+ddp_ratio = params_grads(reports["DDP N=2"]) / params_grads(reports["DDP N=1"])
+print(f"params+grads per rank, N=2 over N=1: FSDP {fsdp_ratio:.3f}, DDP {ddp_ratio:.3f}")
+assert 0.45 <= fsdp_ratio <= 0.6, fsdp_ratio
+assert 0.97 <= ddp_ratio <= 1.03, ddp_ratio
+assert all(abs(params_grads(p["FSDP N=2"]) - params_grads(per_rank[0]["FSDP N=2"])) <= 0.05 * params_grads(p["FSDP N=2"])
+           for p in per_rank)
+'''),
+    *STOP,
+]
+
+# -------------------------------------------------------------------------------------------------
+WIDGETS = [
+    md('''
+# Widgets: the config form and the training panel
+
+No engines needed. `widgets.config_form()` edits an `EngineConfig` and validates on every
+change; a bad value shows `ConfigError`'s message in red. `widgets.TrainingPanel` draws the
+loss per step and each rank's latest numbers (here fed by a made-up run).
+'''),
+    code('''
+from mfsdp_kit import widgets
+from mfsdp_kit.config import EngineConfig
+
+form = widgets.config_form(EngineConfig(use_megatron_fsdp=True))
+form.set(tensor_model_parallel_size=0)     # as if typed: the error shows under the fields
+form
+'''),
+    code('''
+import math
+panel = widgets.TrainingPanel([0, 1], title="SFT (simulated)")
+for i in range(120):
+    loss = 4.9 * math.exp(-i / 30) + 0.25
+    panel.update({r: dict(step=i + 1, total=150, loss=loss, tokens_per_s=5200 + 40 * r,
+                          memory_bytes=(610 + 3 * r) * 2**20) for r in (0, 1)})
+'''),
+    md("A static copy of the panel (renders without the widget JavaScript, e.g. in exported HTML):"),
+    code('''
+panel
+'''),
+    code('''
+assert form.error and "tensor_model_parallel_size=0" in form.error
+assert len(panel.loss) == 120 and panel.last[1]["step"] == 120
+'''),
+]
+
+NOTEBOOKS = {"01_wrap": WRAP, "02_sft": SFT, "03_sync": SYNC, "06_memory": MEMORY, "widgets_demo": WIDGETS}
+
+
+def build(name: str) -> nbformat.NotebookNode:
+    nb = new_notebook(cells=NOTEBOOKS[name])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(nb.cells):   # stable ids keep diffs small
+        cell["id"] = f"{name}-{i:02d}"
+    return nb
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(NOTEBOOKS):
+        path = HERE / f"{name}.ipynb"
+        nbformat.write(build(name), path)
+        print("wrote", path.relative_to(HERE.parent))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
