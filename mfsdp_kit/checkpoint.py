@@ -583,10 +583,9 @@ def to_hf(checkpoint_dir, out_dir, hf_source=None, *, trust_checkpoint: bool = F
     if _dist() and _world() > 1:
         raise CheckpointError(f"to_hf runs in a single process; this one is rank {_rank()} of {_world()}")
     started = not _dist()
-    if started:
-        runtime.init(cfg, backend="gloo", rank=0, world_size=1, local_rank=0, master_port=_free_port())
-    else:
-        runtime.init(cfg)
+    if started:  # a private 1-rank world: an in-memory store, no port, no launcher's rendezvous
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    runtime.init(cfg, rank=0, world_size=1, local_rank=0)
     try:
         bridge, provider = hf_models.provider(hf_source, cfg)
         chunks = engine.build(cfg, provider, wrap=False)
@@ -608,10 +607,3 @@ def _kit_version() -> str:
         return version("mfsdp_kit")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

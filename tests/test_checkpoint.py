@@ -1,0 +1,154 @@
+"""Checkpoints on 2 gloo ranks: bitwise round trip, exact resume in a fresh process, resharding
+to 1 rank and across DDP <-> FSDP, a rank killed mid-save, bad metadata, trust, to_hf."""
+import json
+import os
+import shutil
+import stat
+
+import pytest
+
+from mfsdp_kit import checkpoint as ckpt
+from tests.dist import launch
+
+WRAPPERS = ("fsdp", "ddp")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def saved(work):
+    """Per wrapper: 10 straight steps saving at 5 (+ round trip) and 10; FSDP also an HF-sourced checkpoint."""
+    return {w: launch.run("scenarios_ckpt:train_save", nproc=2, fsdp=w == "fsdp", root=str(work / w),
+                          hf_workdir=str(work / "hf") if w == "fsdp" else None) for w in WRAPPERS}
+
+
+@pytest.fixture(scope="module")
+def resumed(work, saved):
+    """A FRESH launch per wrapper: another init seed, load step 5, train steps 5..9."""
+    return {w: launch.run("scenarios_ckpt:resume", nproc=2, fsdp=w == "fsdp", root=str(work / w)) for w in WRAPPERS}
+
+
+@pytest.fixture(scope="module")
+def crashed(work):
+    with pytest.raises(AssertionError, match="crash_during_save failed"):
+        launch.run("scenarios_ckpt:crash_during_save", nproc=2, root=str(work / "crash"))
+    return work / "crash"
+
+
+@pytest.fixture(scope="module")
+def single(work, saved, crashed):
+    return launch.run("scenarios_ckpt:single_rank_checks", nproc=1,
+                      roots={w: str(work / w) for w in WRAPPERS}, crash_root=str(crashed),
+                      hf_workdir=str(work / "hf"))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_roundtrip_is_bitwise(saved, wrapper):
+    r = saved[wrapper]
+    print(wrapper, "save", round(r["save_s"], 3), "s, load", round(r["load_s"], 3), "s,", r["bytes"], "bytes;",
+          [p["groups"] for p in r["roundtrip"]["per_rank"]])
+    assert r["differs_before_load"]  # the fresh build really started elsewhere
+    assert r["roundtrip"]["all_equal"], r["roundtrip"]
+    for per_rank in r["roundtrip"]["per_rank"]:  # model, optimizer and RNG tensors were all compared
+        assert all(n > 0 for n in per_rank["groups"].values()), per_rank
+    assert r["sched_equal"] and r["rng_restored"] and r["extra"] == {"data_position": 5}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_resume_in_fresh_process_is_exact(saved, resumed, wrapper):
+    straight, again = saved[wrapper]["losses"], resumed[wrapper]
+    print(wrapper, "straight 5..9", straight[5:], "\nresumed", again["losses"])
+    assert again["start"] == 5 and again["rng_restored"]
+    assert again["losses"] == straight[5:]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_keep_last_spares_loaded_and_newest(saved, wrapper):
+    # keep_last=1, but step 5 was loaded through the manager before step 10 was saved.
+    assert saved[wrapper]["listed"] == [5, 10] and saved[wrapper]["latest"] == 10
+
+
+@pytest.mark.parametrize("case", ["fsdp->fsdp", "fsdp->ddp", "ddp->ddp", "ddp->fsdp"])
+def test_reshard_two_ranks_to_one(single, case):
+    assert single[case]["equal"] and single[case]["n"] == 15, single[case]
+
+
+def test_killed_save_leaves_previous_checkpoint(single, crashed):
+    r = single["crash"]
+    assert r["latest"] == 1 and r["listed"] == [1] and r["loaded_step"] == 1
+    assert ".tmp-step_000002" in r["leftovers"] and "step_000002" not in r["leftovers"]
+    assert (crashed / "latest").read_text().strip() == "step_000001"
+
+
+def test_to_hf_matches_live_logits(single):
+    print("to_hf logits vs live Megatron-FSDP model: max|diff|", single["to_hf_logits_maxdiff"])
+    assert single["to_hf_logits_maxdiff"] < 1e-5
+
+
+# ---- bad checkpoints: clear errors, before any collective --------------------------------
+def _copy(saved, work, tmp_path, name="c"):
+    dst = tmp_path / name
+    shutil.copytree(work / "ddp" / "step_000005", dst)
+    return dst
+
+
+def test_missing_meta_names_directory(saved, work, tmp_path):
+    d = _copy(saved, work, tmp_path)
+    (d / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{d}.* has no meta.json"):
+        ckpt.read_meta(d)
+
+
+def test_corrupt_meta_and_missing_file(saved, work, tmp_path):
+    d = _copy(saved, work, tmp_path)
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "__0_0.distcp").unlink()
+    with pytest.raises(ckpt.CheckpointError, match=rf"{d} is missing 1 file.*__0_0.distcp"):
+        ckpt.read_meta(d)
+    os.chmod(d / "meta.json", 0o644)
+    (d / "meta.json").write_text(json.dumps(meta)[:40])
+    with pytest.raises(ckpt.CheckpointError, match="meta.json is corrupt"):
+        ckpt.read_meta(d)
+    del meta["step"]
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="lacks the field 'step'"):
+        ckpt.read_meta(d)
+
+
+def test_missing_dcp_metadata(saved, work, tmp_path):
+    d = _copy(saved, work, tmp_path)
+    (d / ".metadata").unlink()
+    meta = json.loads((d / "meta.json").read_text())
+    meta["files"].remove(".metadata")
+    os.chmod(d / "meta.json", 0o644)
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=rf"{d} has no DCP .metadata"):
+        ckpt._checked(d, trust_checkpoint=False)
+
+
+def test_group_writable_checkpoint_refused_unless_trusted(saved, work, tmp_path):
+    d = _copy(saved, work, tmp_path)
+    assert not stat.S_IMODE(os.stat(work / "ddp" / "step_000005").st_mode) & 0o022  # saved hardened
+    ckpt._checked(d, trust_checkpoint=False)
+    os.chmod(d / "__1_0.distcp", 0o664)
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is writable by group or others.*trust_checkpoint=True"):
+        ckpt._checked(d, trust_checkpoint=False)
+    ckpt._checked(d, trust_checkpoint=True)
+
+
+def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
+    mgr = ckpt.CheckpointManager(work / "ddp")
+    assert mgr.list() == [5, 10] and mgr.latest() == 10
+    assert ckpt.CheckpointManager(tmp_path / "none").latest() is None
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint under"):
+        ckpt.CheckpointManager(tmp_path / "none").load([])
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    verdict = ckpt.CheckpointManager(blocker / "sub")._prepare(blocker / "sub" / ".tmp-step_000001",
+                                                                blocker / "sub" / "step_000001")
+    assert verdict and "cannot write checkpoints under" in verdict
+    with pytest.raises(ValueError, match="keep_last=0"):
+        ckpt.CheckpointManager(tmp_path, keep_last=0)
