@@ -31,12 +31,15 @@ def _figure(width: float = 6.4, height: float = 3.6):
 
 
 def loss_curves(histories: Mapping[str, Sequence[float]], path=None, *, title: str = "training loss",
-                ylabel: str = "loss (per token)") -> Figure:
+                ylabel: str = "loss (per token)", events: Mapping[str, int] | None = None) -> Figure:
     """One line per run, e.g. {"DDP": [...], "FSDP": [...]}; loss over optimizer steps (log y).
 
     Runs that should be identical (DDP vs FSDP from one seed) draw on top of each other, so the
-    later ones are dashed: a visible second line means they diverged."""
+    later ones are dashed: a visible second line means they diverged. `events` marks steps with
+    a dotted vertical line, e.g. {"resumed from checkpoint": 150}."""
     fig, ax = _figure()
+    for label, step in (events or {}).items():
+        ax.axvline(step, color="gray", linestyle=":", label=label)
     for i, (name, values) in enumerate(histories.items()):
         ax.plot(range(1, len(values) + 1), list(values), label=name, linestyle="-" if i == 0 else "--",
                 linewidth=2.0 if i == 0 else 1.4)
@@ -77,7 +80,9 @@ def memory_breakdown(reports: Mapping[str, object], formula: Mapping[str, int] |
     ax.set_xticks(range(len(names)), names)
     ax.set(ylabel="MiB per rank", title=title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    top = max(bottom + [v / MIB for v in (formula or {}).values()] + [1e-9])
+    ax.set_ylim(0, top * 1.12)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
