@@ -26,6 +26,7 @@ from typing import Any, Callable
 import ipyparallel as ipp
 
 from .config import EngineConfig
+from .progress import report  # noqa: F401  (engine side; re-exported as cluster.report)
 
 LOCALHOST = "127.0.0.1"
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -77,16 +78,6 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
 def _engine_shutdown() -> None:
     from mfsdp_kit import runtime
     runtime.shutdown(destroy_process_group=True)
-
-
-def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
-    """Publish this rank's progress to the notebook (`run_with_progress` shows it); no-op off an engine."""
-    from ipykernel.zmqshell import ZMQInteractiveShell
-    from ipyparallel.engine.kernel import IPythonParallelKernel
-    shell = ZMQInteractiveShell.instance() if ZMQInteractiveShell.initialized() else None
-    if not isinstance(getattr(shell, "kernel", None), IPythonParallelKernel):   # a notebook kernel or a script
-        return
-    shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
 
 
 # ---- client side ---------------------------------------------------------------------------------

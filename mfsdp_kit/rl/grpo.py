@@ -230,7 +230,7 @@ def fit(*, chunks, optimizer, bridge, rollout: Rollout, prompt_pool: list[tuple[
     """`iterations` GRPO iterations, cycling deterministically through `prompt_pool`."""
     from tqdm.auto import tqdm
 
-    from ..cluster import report
+    from ..progress import report
     history = GRPOHistory()
     rng = torch.Generator().manual_seed(gcfg.seed)
     bar = tqdm(range(iterations), desc="grpo", disable=not (progress and runtime.current().rank == 0))
