@@ -299,6 +299,11 @@ class CheckpointManager:
                  hf_source: str | None = None):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
+        if async_save and not torch.cuda.is_available():
+            # Measured on torch 2.13 CPU / gloo, 2 ranks: FSDP fails in DCP's staging copy ("Attempted to
+            # call copy_() on an invalid python storage"); DDP aborts (SIGABRT) in the background write.
+            raise CheckpointError("async_save=True is not supported on CPU/gloo with this stack (torch DCP "
+                                  "async_save failed in staging for FSDP and aborted for DDP); use async_save=False")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save

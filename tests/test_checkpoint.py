@@ -152,3 +152,8 @@ def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
     assert verdict and "cannot write checkpoints under" in verdict
     with pytest.raises(ValueError, match="keep_last=0"):
         ckpt.CheckpointManager(tmp_path, keep_last=0)
+
+
+def test_async_save_refused_on_cpu(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match="async_save=True is not supported on CPU/gloo"):
+        ckpt.CheckpointManager(tmp_path, async_save=True)

@@ -1,0 +1,89 @@
+"""Checkpoint save / load throughput and size for a GPTSpec, DDP or Megatron-FSDP.
+
+    torchrun --nproc_per_node 2 bench/checkpoint.py --fsdp --layers 2 --hidden 64 --out runs/bench/ckpt.json
+
+Builds the model, takes one optimizer step (so Adam state exists), then saves and loads
+`--repeats` times into `--root` (a fresh step each time) and reports the median seconds and
+GB/s (checkpoint bytes / seconds; 1 GB = 1e9 bytes). Rank 0 prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit import engine, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models import GPTSpec, gpt_model_fn
+from mfsdp_kit.train import Batch, step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fsdp", action="store_true", help="Megatron-FSDP (default: DDP + distributed optimizer)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
+    ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
+    ap.add_argument("--out", default=None, help="JSON result path")
+    args = ap.parse_args()
+
+    cfg = EngineConfig(use_megatron_fsdp=args.fsdp, dtype=args.dtype, seed=5)
+    rt = runtime.init(cfg)
+    spec = GPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                   vocab_size=args.vocab, seq_len_tokens=args.seq)
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
+    toks = torch.randint(0, spec.vocab_size, (2 * rt.dp_size, spec.seq_len_tokens + 1),
+                         generator=torch.Generator().manual_seed(0))
+    step(chunks, opt, Batch(toks[:, :-1], toks[:, 1:], torch.ones(toks.shape[0], spec.seq_len_tokens)),
+         micro_batch_size=2)
+    root = args.root or (tempfile.mkdtemp(prefix="mfsdp_ckpt_bench_") if rt.rank == 0 else None)
+    root = Path(ckpt._broadcast(root))
+    mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save)
+    save_s, load_s, nbytes = [], [], 0
+    for i in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.save(i + 1, chunks, opt)
+        mgr.wait()
+        dist.barrier()
+        save_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        meta = mgr.load(chunks, opt)
+        dist.barrier()
+        load_s.append(time.perf_counter() - t0)
+        nbytes = meta["bytes"]
+    save, load = statistics.median(save_s), statistics.median(load_s)
+    result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
+                  params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
+                  save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
+                  save_s_all=save_s, load_s_all=load_s, device=str(rt.device))
+    if rt.rank == 0:
+        rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
+                ("checkpoint", f"{nbytes / 1e6:.2f} MB"), ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s"),
+                ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s")]
+        print("\n".join(f"{k:<11} {v}" for k, v in rows))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        if not args.root:
+            shutil.rmtree(root, ignore_errors=True)
+    runtime.shutdown(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main()
