@@ -106,6 +106,12 @@ class ConfigForm:
             self.fields[name].value = value
         return self
 
+    def html(self) -> str:
+        """A static snapshot: field = value rows and the status line (renders without widget JS)."""
+        rows = "".join(f'<tr><td style="padding:1px 10px">{n}</td><td style="padding:1px 10px">'
+                       f"{html.escape(str(f.value))}</td></tr>" for n, f in self.fields.items())
+        return f'<table style="font-family:monospace;font-size:12px">{rows}</table>{self.status.value}'
+
     def _ipython_display_(self) -> None:
         from IPython.display import display
         display(self.widget)
@@ -242,7 +248,7 @@ class StepReporter:
     def __call__(self, step: int, result) -> None:
         import torch
 
-        from .cluster import report
+        from .progress import report
         self.losses.append(float(result.loss))
         memory = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
         report(step=step + 1, total=self.total, memory_bytes=memory, loss_curve=self.losses[-self.max_points:])

@@ -405,6 +405,8 @@ change; a bad value shows `ConfigError`'s message in red. `widgets.TrainingPanel
 loss per step and each rank's latest numbers (here fed by a made-up run).
 '''),
     code('''
+import warnings
+warnings.filterwarnings("ignore")          # megatron's import-time notes about Apex / Transformer Engine
 from mfsdp_kit import widgets
 from mfsdp_kit.config import EngineConfig
 
@@ -420,7 +422,11 @@ for i in range(120):
     panel.update({r: dict(step=i + 1, total=150, loss=loss, tokens_per_s=5200 + 40 * r,
                           memory_bytes=(610 + 3 * r) * 2**20) for r in (0, 1)})
 '''),
-    md("A static copy of the panel (renders without the widget JavaScript, e.g. in exported HTML):"),
+    md("Static copies of both (they render without the widget JavaScript, e.g. in HTML exported offline):"),
+    code('''
+from IPython.display import HTML
+HTML(form.html())
+'''),
     code('''
 panel
 '''),
