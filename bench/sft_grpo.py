@@ -53,9 +53,11 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--sft-lr", type=float, default=3e-4)
     ap.add_argument("--rl-digits", type=int, default=3)
-    ap.add_argument("--rl-sft-steps", type=int, default=150)
-    ap.add_argument("--grpo-iterations", type=int, default=40)
-    ap.add_argument("--grpo-lr", type=float, default=1e-5)
+    ap.add_argument("--rl-sft-steps", type=int, default=100, help="SFT steps per round on the RL task")
+    ap.add_argument("--rl-sft-max-steps", type=int, default=800)
+    ap.add_argument("--rl-start-accuracy", type=float, default=0.3)
+    ap.add_argument("--grpo-iterations", type=int, default=60)
+    ap.add_argument("--grpo-lr", type=float, default=3e-5)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--heldout", type=int, default=200)
@@ -81,8 +83,17 @@ def main() -> None:
     task2 = data.ArithmeticTask(digits=args.rl_digits)
     n2 = min(args.heldout, 10) if args.rl_digits == 1 else args.heldout
     held2 = task2.rl_prompts(n2, split="heldout")
-    s2 = sft(model, tok, cfg, task=task2, steps=args.rl_sft_steps, lr=args.sft_lr, global_batch=args.global_batch,
-             micro_batch_size=args.micro_batch_size, heldout=held2, seq_len=seq)
+    # SFT in rounds until held-out accuracy reaches --rl-start-accuracy (or --rl-sft-max-steps): GRPO
+    # needs groups whose samples disagree, and a model at a few percent gives almost none.
+    rounds = []
+    while True:
+        rounds.append(sft(model, tok, cfg, task=task2, steps=args.rl_sft_steps, lr=args.sft_lr,
+                          global_batch=args.global_batch, micro_batch_size=args.micro_batch_size, heldout=held2,
+                          seq_len=seq))
+        done = sum(r["steps"] for r in rounds)
+        if rounds[-1]["accuracy_after"] >= args.rl_start_accuracy or done >= args.rl_sft_max_steps:
+            break
+    s2 = dict(rounds[-1], steps=done, accuracy_by_round=[r["accuracy_after"] for r in rounds])
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(rt.device), tok)
@@ -107,7 +118,8 @@ def main() -> None:
     print(f"  {s1['steps']} steps in {s1['seconds']:.1f} s; loss {s1['loss_first']:.3f} -> {s1['loss_last']:.3f}; "
           f"held-out exact match {s1['accuracy_before']:.3f} -> {s1['accuracy_after']:.3f} (target >= 0.90)")
     print(format_table({"FSDP": s1["report"]}, dtype=args.dtype))
-    print(f"GRPO on {args.rl_digits}-digit addition: short SFT ({s2['steps']} steps) -> held-out "
+    print(f"GRPO on {args.rl_digits}-digit addition: short SFT ({s2['steps']} steps, held-out by round "
+          f"{s2['accuracy_by_round']}) -> held-out "
           f"{s2['accuracy_after']:.3f}; after {args.grpo_iterations} GRPO iterations ({grpo_s:.1f} s): {after:.3f} "
           f"(+{100 * (after - s2['accuracy_after']):.1f} points; target >= +10)")
     print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist.reward))

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${RESULTS:-${OUT:-runs/gpu}}
-SECTIONS=${SECTIONS:-parity roundtrip sft_grpo sync checkpoint throughput}
+SECTIONS=${SECTIONS:-parity roundtrip sft_grpo sync checkpoint gpu_tests throughput}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
@@ -38,7 +38,11 @@ for s in $SECTIONS; do
     roundtrip)  section roundtrip  trun bench/roundtrip.py --size m --dtype bf16 --out "$RESULTS/roundtrip.json" ;;
     sft_grpo)   section sft_grpo   trun bench/sft_grpo.py --size m --out "$RESULTS/sft_grpo.json" ;;
     sync)       section sync       trun bench/sync.py --size m --out "$RESULTS/sync.json" ;;
-    checkpoint) section checkpoint trun bench/checkpoint.py --out "$RESULTS/checkpoint.json" ;;
+    checkpoint) section checkpoint_fsdp trun bench/checkpoint.py --fsdp --layers 16 --hidden 1024 --heads 16 \
+                  --vocab 32768 --seq 1024 --dtype bf16 --out "$RESULTS/checkpoint_fsdp.json"
+                section checkpoint_ddp  trun bench/checkpoint.py --layers 16 --hidden 1024 --heads 16 \
+                  --vocab 32768 --seq 1024 --dtype bf16 --out "$RESULTS/checkpoint_ddp.json" ;;
+    gpu_tests)  section gpu_tests  python3 -m pytest -q -x -p no:cacheprovider tests/test_checkpoint.py ;;  # NCCL, one GPU per rank
     throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 4 \
                   --global-batch 16 --steps 8 --warmup 2 --out "$RESULTS/throughput.json" ;;
     *) echo "unknown section $s"; status=1 ;;
