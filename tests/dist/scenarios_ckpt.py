@@ -37,12 +37,8 @@ def random_batches(*, steps: int, batch: int, seq: int, vocab: int, seed: int = 
 
 @torch.no_grad()
 def _megatron_logits(chunks, tokens):
-    for c in chunks:
-        c.eval()
-    out = chunks[0](tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    for c in chunks:
-        c.train()
-    return out[..., :128].float()
+    from bench.roundtrip import megatron_logits
+    return megatron_logits(chunks, tokens.to(runtime.current().device), 128).cpu()
 
 
 def _batches():
