@@ -205,8 +205,8 @@ def single_rank_checks(*, roots: dict, crash_root: str, hf_workdir: str) -> dict
         for saved, root in roots.items():
             chunks, _, _ = _build(cfg, 99)
             info = ckpt.CheckpointManager(root).load(chunks, step=SAVE_AT)
-            ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt")
-            got = full_weights(chunks)
+            ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt", map_location="cpu")
+            got = {k: v.cpu() for k, v in full_weights(chunks).items()}
             result[f"{saved}->{wrapper}"] = dict(
                 equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref),
                 n=len(ref), rng_restored=info["rng_restored"])
