@@ -21,7 +21,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .. import engine, runtime, sync
+from .. import engine, offload, runtime, sync
 from ..train import Batch, data_parallel_slice, micro_batches, step
 
 ADV_EPS = 1e-6
@@ -46,6 +46,9 @@ class GRPOConfig:
     num_minibatches: int = 1
     micro_batch_size: int = 8
     seed: int = 0
+    offload_during_rollout: bool = False
+    """Move the training state (weights, grads, Adam) to host memory while the rollout model
+    samples, and back before the update (`offload.offload` / `offload.reload`)."""
 
 
 def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = ADV_EPS) -> torch.Tensor:
@@ -181,6 +184,8 @@ def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tupl
     t0 = time.perf_counter()
     stats = rollout.refresh(chunks, bridge)
     metrics.update(sync_s=time.perf_counter() - t0, sync_bytes=stats["bytes"])
+    if gcfg.offload_during_rollout:
+        offload.offload(chunks, optimizer)
 
     t0 = time.perf_counter()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -193,6 +198,8 @@ def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tupl
     texts = [rollout.tokenizer.decode(c) for c in completions]
     rewards = [float(reward_fn(share[i // gcfg.samples_per_prompt][0], t)) for i, t in enumerate(texts)]
     metrics["rollout_s"] = time.perf_counter() - t0
+    if gcfg.offload_during_rollout:
+        offload.reload(chunks, optimizer)
 
     # every rank assembles the same global batch (TP ranks of a replica contributed identical rows)
     gathered = _gather((completions, rewards))[::runtime.current().world_size // dp]
