@@ -142,9 +142,12 @@ def _raiser(what: str):
 
 
 def _shadow(obj, name: str, fn) -> callable:
-    """Install `fn` as an instance attribute hiding the method `name`; return the undo."""
+    """Install `fn` as an instance attribute hiding `name`; return the undo. An instance attribute
+    already there is put back (megatron's FSDP adapter binds `zero_grad_buffer` per instance to its
+    inner MegatronFSDP's; deleting it would fall back to the adapter class's different method)."""
+    had, old = name in vars(obj), vars(obj).get(name)
     setattr(obj, name, fn)
-    return lambda: delattr(obj, name)
+    return (lambda: setattr(obj, name, old)) if had else (lambda: delattr(obj, name))
 
 
 def _install_guards(chunks, optimizer) -> list:
