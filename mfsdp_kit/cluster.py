@@ -381,16 +381,7 @@ def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: 
     Returns (results in rank order, the panel with the last reported data per rank).
     """
     panel = ProgressPanel(handle.ranks)
-    if isinstance(fn_or_code, str):
-        ar = handle.view.execute(fn_or_code, block=False)
-    else:
-        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
-
-    def refresh(result: Any) -> None:
-        panel.update(dict(zip(handle.ranks, result.data)))
-
-    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
-    refresh(ar)
+    results = run_with_panel(handle, panel, fn_or_code, *args, poll_s=poll_s, timeout_s=timeout_s, **kwargs)
     return results, panel
 
 
@@ -407,5 +398,6 @@ def run_with_panel(handle: ClusterHandle, panel: Any, fn_or_code: Callable | str
         panel.update(dict(zip(handle.ranks, result.data)))
 
     results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
+    ar.wait_for_output(timeout=5)  # published data travels on IOPub and can trail the result
     refresh(ar)
     return results

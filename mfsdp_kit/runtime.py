@@ -8,6 +8,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). On a machine without CUDA the backend is 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -83,7 +84,13 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent hosts the store on MASTER_PORT
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            store = _store(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
+                           world_size=world_size, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _init_megatron(cfg)
     set_seed(cfg.seed)
     from megatron.core import parallel_state as ps
@@ -92,6 +99,22 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
                        pp_rank=ps.get_pipeline_model_parallel_rank())
     _cfg = cfg
     return _current
+
+
+_listen_socket: socket.socket | None = None
+
+
+def _store(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store, its server (rank 0) listening on `addr` only.
+
+    torch's default TCPStore server listens on every interface, and the store has no
+    authentication: bound to 127.0.0.1 (the default MASTER_ADDR) it is reachable from this
+    machine alone. Rank 0 binds the socket itself and hands it to the store."""
+    global _listen_socket
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    _listen_socket = socket.create_server((addr, port), reuse_port=False)
+    return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=_listen_socket.fileno())
 
 
 def _init_megatron(cfg: EngineConfig) -> None:

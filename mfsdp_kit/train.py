@@ -142,8 +142,9 @@ def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_
     ok, grad_norm, _ = optimizer.step()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise NonFiniteLossError(f"step {step_index}: loss={loss} grad_norm={grad_norm}; "
-                                 "stopping before the non-finite update is used (lower lr or check the data)")
+        raise NonFiniteLossError(f"step {step_index}: loss={loss} grad_norm={grad_norm} is not finite; training "
+                                 "stopped (the weights may hold this update: resume from the last checkpoint, "
+                                 "lower the lr or check the data)")
     if scheduler is not None:
         scheduler.step(increment=1)
     lr = optimizer.param_groups[0]["lr"]

@@ -42,3 +42,10 @@ def test_micro_batching_is_exact(workdir):
     scale = max(abs(a) for a in one["grads"])
     print("1x8 vs 4x2 micro-batches: max |grad diff|", worst, "of max |grad|", scale)
     assert worst <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_nonfinite_loss_stops_with_the_step_number(workdir, fsdp):
+    r = launch.run("scenarios_train:nonfinite_stops", fsdp=fsdp, workdir=workdir, bad_step=2)
+    print(r)
+    assert r["completed"] == 2 and r["error"] and r["error"].startswith("step 2:")

@@ -15,24 +15,12 @@ import torch.distributed as dist
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.models import GPTSpec, gpt_model_fn
-from mfsdp_kit.train import Batch, step
-
-SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
-               seq_len_tokens=16)
+from mfsdp_kit.models import gpt_model_fn
+from mfsdp_kit.train import step
+from scenarios import SPEC, random_batches  # noqa: E402  (tests/dist is on the path)
 
 STEPS, SAVE_AT, GLOBAL_BATCH, MICRO = 10, 5, 4, 2
 OCFG = OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=20, min_lr=1e-4)
-
-
-def random_batches(*, steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        toks = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        mask = (torch.rand(batch, seq, generator=g) > 0.2).float()  # uneven token counts per rank
-        out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
-    return out
 
 
 @torch.no_grad()

@@ -55,3 +55,27 @@ def first_step_grads(*, micro_batch_size: int, workdir: str) -> dict:
     grads = torch.cat([b.grad_data.flatten() for c in model.chunks for b in c.buffers])
     runtime.shutdown()
     return dict(loss=loss, tokens=tokens, grads=grads.tolist())
+
+
+def nonfinite_stops(*, fsdp: bool, workdir: str, bad_step: int = 2) -> dict:
+    """A loss that turns NaN at `bad_step` must stop training with an error naming that step."""
+    from mfsdp_kit.train import NonFiniteLossError, masked_token_loss, step
+    cfg, model, tok = _setup(fsdp=fsdp, workdir=workdir)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
+    batches = data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16, global_batch=8)
+    poison = {"on": False}
+
+    def loss_fn(mb, token_losses):
+        loss, count, logged = masked_token_loss(mb, token_losses)
+        return (loss * float("nan"), count, logged) if poison["on"] else (loss, count, logged)
+
+    result = dict(completed=0, error=None)
+    try:
+        for i in range(4):
+            poison["on"] = i == bad_step
+            step(model.chunks, opt, next(batches), micro_batch_size=4, step_index=i, loss_fn=loss_fn)
+            result["completed"] += 1
+    except NonFiniteLossError as e:
+        result["error"] = str(e)
+    runtime.shutdown()
+    return result
