@@ -176,7 +176,9 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         adam_beta1=ocfg.adam_beta1, adam_beta2=ocfg.adam_beta2, adam_eps=ocfg.adam_eps,
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
         params_dtype=_torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
-    return get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+    from .offload import apply_config  # optimizer_offload: states + main weights live on the host
+    return apply_config(cfg, chunks, optimizer)
 
 
 def build_scheduler(optimizer, ocfg: OptimConfig, *, total_steps: int | None = None):

@@ -4,6 +4,8 @@ Models loaded twice from one HF folder start bit-identical, so one process compa
 run with an offloaded twin step for step."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -75,8 +77,9 @@ def roundtrip(*, fsdp: bool, workdir: str) -> dict:
 def losses(*, fsdp: bool, workdir: str, steps: int = 6) -> dict:
     """Three twins: plain; offload+reload between every step; optimizer streamed per step."""
     cfg, src, tok = _setup(fsdp=fsdp, workdir=workdir)
-    twins = {mode: _model(cfg, src) for mode in ("plain", "between", "stream")}
-    offload.stream_optimizer(twins["stream"][0].chunks, twins["stream"][1])
+    twins = {mode: _model(cfg, src) for mode in ("plain", "between")}
+    # EngineConfig.optimizer_offload: build_optimizer streams states + main weights per step
+    twins["stream"] = _model(dataclasses.replace(cfg, optimizer_offload=True), src)
     streamed_bytes = []
     out = {mode: [] for mode in twins}
     pairs = data.ArithmeticTask(digits=1).train_pairs(90)
