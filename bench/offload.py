@@ -64,7 +64,6 @@ def plain_copy_gb_per_s(nbytes: int, device, repeats: int) -> dict:
 
 def rollout_peak(model, opt, rollout, tok, *, with_offload: bool, prompts) -> int:
     """Peak allocated while the rollout model refreshes and samples (GRPO's rollout phase)."""
-    from mfsdp_kit.rl.grpo import Rollout  # noqa: F401 - the same path grpo.iteration takes
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

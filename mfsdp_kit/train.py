@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .engine import unwrap_model
 
 
 @dataclass

@@ -7,24 +7,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from mfsdp_kit import data, engine, offload, runtime
-from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
-from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import forward_backward, step
+from scenarios_train import tiny_world
 
 
 def _setup(*, fsdp: bool, workdir: str):
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=0)
-    rt = runtime.init(cfg)
-    src = f"{workdir}/tiny_xs"
-    if rt.rank == 0:
-        tiny(src, size="xs", seed=0)
-    dist.barrier()
-    from transformers import AutoTokenizer
-    return cfg, src, AutoTokenizer.from_pretrained(src)
+    return tiny_world(fsdp=fsdp, workdir=workdir)
 
 
 def _model(cfg, src):

@@ -2,25 +2,18 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from mfsdp_kit import data, engine, runtime, sync
-from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
-from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.train import fit
+from scenarios_train import tiny_world
 
 
 def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     import transformers
-    cfg = EngineConfig(use_megatron_fsdp=True, seed=0)
-    rt = runtime.init(cfg)
-    src = f"{workdir}/tiny_xs"
-    if rt.rank == 0:
-        tiny(src, size="xs", seed=0)
-    dist.barrier()
-    tok = transformers.AutoTokenizer.from_pretrained(src)
+    cfg, src, tok = tiny_world(fsdp=True, workdir=workdir)
     model = load(src, cfg)
     task = data.ArithmeticTask(digits=1)
     ocfg = OptimConfig(lr=3e-3, warmup_steps=5)

@@ -12,15 +12,21 @@ from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import fit, forward_backward
 
 
-def _setup(*, fsdp: bool, workdir: str, seed: int = 0):
+def tiny_world(*, fsdp: bool, workdir: str, seed: int = 0):
+    """Join the world (FSDP or DDP) and write the embedded xs model once: (cfg, HF path, tokenizer)."""
+    from transformers import AutoTokenizer
     cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=seed)
     rt = runtime.init(cfg)
     src = f"{workdir}/tiny_xs"
     if rt.rank == 0:
         tiny(src, size="xs", seed=0)
     dist.barrier()
-    from transformers import AutoTokenizer
-    return cfg, load(src, cfg), AutoTokenizer.from_pretrained(src)
+    return cfg, src, AutoTokenizer.from_pretrained(src)
+
+
+def _setup(*, fsdp: bool, workdir: str, seed: int = 0):
+    cfg, src, tok = tiny_world(fsdp=fsdp, workdir=workdir, seed=seed)
+    return cfg, load(src, cfg), tok
 
 
 def sft(*, fsdp: bool, workdir: str, steps: int, global_batch: int, micro_batch_size: int, lr: float = 3e-3,
