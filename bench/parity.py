@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.memory import format_table, memory_report, zero_formula_bytes
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
@@ -28,12 +29,8 @@ CPU_SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_quer
 
 
 def batches(spec: GPTSpec, *, steps: int, global_batch: int, seed: int = 0) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        toks = torch.randint(0, spec.vocab_size, (global_batch, spec.seq_len_tokens + 1), generator=g)
-        out.append(Batch(toks[:, :-1], toks[:, 1:], torch.ones(global_batch, spec.seq_len_tokens)))
-    return out
+    return random_token_batches(steps=steps, global_batch=global_batch, seq_len_tokens=spec.seq_len_tokens,
+                                vocab_size=spec.vocab_size, seed=seed)
 
 
 def run(*, fsdp: bool, spec: GPTSpec, dtype: str, steps: int, micro_batch_size: int, global_batch: int,

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from mfsdp_kit import engine, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
-from mfsdp_kit.train import Batch, step
+from mfsdp_kit.train import step
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -34,12 +35,6 @@ def megatron_logits(chunks, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     for c in chunks:
         c.train()
     return gather_from_tensor_model_parallel_region(out)[..., :vocab].float()
-
-
-def _batch(vocab: int, seq: int, n: int = 4) -> Batch:
-    g = torch.Generator().manual_seed(9)
-    toks = torch.randint(0, vocab, (n, seq + 1), generator=g)
-    return Batch(toks[:, :-1], toks[:, 1:], torch.ones(n, seq))
 
 
 def roundtrip(*, arch: str, size: str, tp: int, fsdp: bool, dtype: str, workdir: str) -> dict:
@@ -68,7 +63,8 @@ def roundtrip(*, arch: str, size: str, tp: int, fsdp: bool, dtype: str, workdir:
                   export_names_match=sorted(exported) == sorted(original),
                   export_maxdiff=max((exported[k].float() - original[k].float()).abs().max().item() for k in original))
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2 if dtype == "fp32" else 1e-4), cfg)
-    step(model.chunks, opt, _batch(vocab, 16), micro_batch_size=2)
+    step(model.chunks, opt, random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=vocab,
+                                                 seed=9)[0], micro_batch_size=2)
     trained = dict(sync.export_hf_weights(model.chunks, model.bridge))
     result["changed_by_step"] = sum(not torch.equal(trained[k], original[k]) for k in original)
     out = f"{workdir}/saved_{arch}_{size}_tp{tp}_{'fsdp' if fsdp else 'ddp'}"

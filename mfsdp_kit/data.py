@@ -229,3 +229,21 @@ def load_jsonl(path) -> list[Pair]:
     if not pairs:
         raise ValueError(f"{path} is empty: no rows; accepted shapes: {_SHAPES}")
     return pairs
+
+
+# ---- synthetic tokens (parity tests, benchmarks) --------------------------------------------
+def random_token_batches(*, steps: int, global_batch: int, seq_len_tokens: int, vocab_size: int, seed: int = 0,
+                         masked_fraction: float = 0.0) -> list[Batch]:
+    """`steps` batches of uniform random tokens, deterministic by seed.
+
+    `masked_fraction` > 0 drops that share of positions from the loss at random, so data-parallel
+    ranks see uneven token counts (what makes per-token loss averaging matter); at 0 every
+    position counts and no mask randomness is drawn."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        toks = torch.randint(0, vocab_size, (global_batch, seq_len_tokens + 1), generator=g)
+        mask = torch.ones(global_batch, seq_len_tokens) if masked_fraction == 0 else \
+            (torch.rand(global_batch, seq_len_tokens, generator=g) > masked_fraction).float()
+        out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
+    return out

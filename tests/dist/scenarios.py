@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
 
@@ -14,13 +15,9 @@ SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_gr
 
 
 def random_batches(*, steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        toks = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        mask = (torch.rand(batch, seq, generator=g) > 0.2).float()  # uneven token counts per rank
-        out.append(Batch(toks[:, :-1], toks[:, 1:], mask))
-    return out
+    """Random tokens with 20 % of positions out of the loss (uneven token counts per rank)."""
+    return random_token_batches(steps=steps, global_batch=batch, seq_len_tokens=seq, vocab_size=vocab, seed=seed,
+                                masked_fraction=0.2)
 
 
 def train_losses(*, fsdp: bool, steps: int = 5, tp: int = 1, micro_batch_size: int = 2,
