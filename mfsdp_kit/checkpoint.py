@@ -217,13 +217,79 @@ def _set_rng_state(states: dict) -> None:
         get_cuda_rng_tracker().set_states(tracker)
 
 
-def _write(state: dict, path: Path, *, async_save: bool = False):
-    """torch DCP save (collective); returns the async future when `async_save`."""
+def _write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1):
+    """torch DCP save (collective); with `async_save` the future of DCP's background write.
+
+    Async: `_stage` has already copied `state` to host memory, so DCP's own stager would only copy
+    it again (and its copy breaks on CPU tensors and on Megatron-FSDP's uneven shards); the
+    background thread coordinates over `process_group` (gloo), never the training group.
+    """
     import torch.distributed.checkpoint as dcp
+    writer = dcp.FileSystemWriter(str(path), thread_count=thread_count)
     if async_save:
-        return dcp.async_save(state, checkpoint_id=str(path))
-    dcp.save(state, checkpoint_id=str(path))
+        return dcp.async_save(state, storage_writer=writer, process_group=process_group,
+                              async_stager=_Prestaged())
+    dcp.save(state, storage_writer=writer)
     return None
+
+
+class _Prestaged:
+    """A DCP AsyncStager for a state dict that is already a host copy: hands it over as is."""
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _stage(state, pinned: dict, prefix: str = ""):
+    """A host copy of `state` (nested dicts of tensors / DTensors) that training cannot change.
+
+    Host buffers are pinned on CUDA and kept in `pinned` (by key) for the next save, so the copy
+    is one device->host DMA per tensor. DTensors keep mesh, placements and Megatron-FSDP's
+    uneven-shard metadata (attached to the local tensor), so the files are the same as a
+    synchronous save's.
+    """
+    from torch.distributed.tensor import DTensor
+    if isinstance(state, dict):
+        return {k: _stage(v, pinned, f"{prefix}{k}.") for k, v in state.items()}
+    if not torch.is_tensor(state):
+        return state
+    # _local_tensor, not to_local(): with requires_grad that is an alias without the uneven metadata.
+    local = state._local_tensor if isinstance(state, DTensor) else state
+    key = prefix[:-1]
+    buf = pinned.get(key)
+    if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
+        buf = torch.empty_like(local, device="cpu", pin_memory=local.is_cuda)
+        pinned[key] = buf
+    buf.copy_(local.detach(), non_blocking=local.is_cuda)
+    if not isinstance(state, DTensor):
+        return buf
+    out = DTensor.from_local(buf, device_mesh=state.device_mesh, placements=state.placements,
+                             run_check=False, shape=state.shape, stride=state.stride())
+    for attr in ("__create_chunk_list__", "__create_write_items__"):
+        if hasattr(local, attr):
+            setattr(out._local_tensor, attr, getattr(local, attr))
+    return out
+
+
+_GLOO_GROUPS: dict = {}
+
+
+def _gloo_group():
+    """A gloo group over all ranks for DCP's background coordination (created collectively, once)."""
+    if not _dist():
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _GLOO_GROUPS:
+        _GLOO_GROUPS.clear()  # groups of a destroyed world are gone with it
+        _GLOO_GROUPS[key] = dist.new_group(backend="gloo")
+    return _GLOO_GROUPS[key]
 
 
 # ---------------------------------------------------------------- trust and checks
@@ -296,17 +362,17 @@ class CheckpointManager:
     """
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
-                 hf_source: str | None = None):
+                 hf_source: str | None = None, write_threads: int = 4):
+        """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
-        if async_save and not torch.cuda.is_available():
-            # Measured on torch 2.13 CPU / gloo, 2 ranks: FSDP fails in DCP's staging copy ("Attempted to
-            # call copy_() on an invalid python storage"); DDP aborts (SIGABRT) in the background write.
-            raise CheckpointError("async_save=True is not supported on CPU/gloo with this stack (torch DCP "
-                                  "async_save failed in staging for FSDP and aborted for DDP); use async_save=False")
+        if write_threads < 1:
+            raise ValueError(f"write_threads={write_threads!r} is not allowed; allowed: an integer >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
+        self.write_threads = write_threads
+        self._pinned: dict = {}  # host staging buffers of async saves, reused
         self.hf_source = None if hf_source is None else str(hf_source)
         self.loaded_step: int | None = None
         """The step last loaded through this manager: `keep_last` never deletes it."""
@@ -366,7 +432,12 @@ class CheckpointManager:
         self._raise_if_any(error, "building the state to save", tmp)
         future = None
         try:
-            future = _write(state, tmp, async_save=self.async_save)
+            if self.async_save:
+                state = _stage(state, self._pinned)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the host copies are complete before training goes on
+            future = _write(state, tmp, async_save=self.async_save, thread_count=self.write_threads,
+                            process_group=_gloo_group() if self.async_save else None)
         except Exception as e:  # noqa: BLE001
             error = e
         self._raise_if_any(error, "writing", tmp)

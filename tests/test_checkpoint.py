@@ -154,6 +154,10 @@ def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
         ckpt.CheckpointManager(tmp_path, keep_last=0)
 
 
-def test_async_save_refused_on_cpu(tmp_path):
-    with pytest.raises(ckpt.CheckpointError, match="async_save=True is not supported on CPU/gloo"):
-        ckpt.CheckpointManager(tmp_path, async_save=True)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_async_save_writes_the_staged_step(work, wrapper):
+    r = launch.run("scenarios_ckpt:async_save", nproc=2, fsdp=wrapper == "fsdp", root=str(work / f"async_{wrapper}"))
+    assert r["pending_after_save"] and r["changed"]  # the write overlapped training that changed every rank
+    assert r["listed_after_second"] == [3] and r["listed"] == [3, 5] and r["latest"] == 5
+    assert r["roundtrip"]["all_equal"], r["roundtrip"]
+    assert r["resumed"] == r["straight"]

@@ -215,3 +215,30 @@ def single_rank_checks(*, roots: dict, crash_root: str, hf_workdir: str) -> dict
     with torch.no_grad():
         result["to_hf_logits_maxdiff"] = (hf(live["tokens"]).logits - live["logits"]).abs().max().item()
     return result
+
+
+def async_save(*, fsdp: bool, root: str) -> dict:
+    """async_save: save step 3 in the background while training steps 3..4 change every tensor;
+    the files hold step 3's tensors (bitwise, into a fresh build); a second async save waits for
+    the first; resuming from step 3 reproduces the straight run's losses."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    runtime.init(cfg)
+    batches = _batches()
+    chunks, opt, sched = _build(cfg, 7)
+    mgr = ckpt.CheckpointManager(root, async_save=True)
+    losses = _train(chunks, opt, sched, batches, 0, 3)
+    before = local_snapshot(chunks, opt, fsdp)
+    mgr.save(3, chunks, opt, sched, extra={"data_position": 3})
+    pending_after_save = mgr._pending is not None and mgr.latest() is None  # not committed yet
+    losses += _train(chunks, opt, sched, batches, 3, 5)  # overlaps the background write
+    changed = _compare(before, local_snapshot(chunks, opt, fsdp))["all_equal"] is False
+    mgr.save(5, chunks, opt, sched, extra={"data_position": 5})  # waits for (commits) step 3 first
+    listed_after_second = mgr.list()
+    mgr.wait()
+    fresh, fresh_opt, fresh_sched = _build(cfg, 99)
+    info = mgr.load(fresh, fresh_opt, fresh_sched, step=3)
+    roundtrip = _compare(before, local_snapshot(fresh, fresh_opt, fsdp))
+    resumed = _train(fresh, fresh_opt, fresh_sched, batches, info["extra"]["data_position"], 5)
+    runtime.shutdown()
+    return dict(pending_after_save=pending_after_save, changed=changed, listed_after_second=listed_after_second,
+                listed=mgr.list(), latest=mgr.latest(), roundtrip=roundtrip, straight=losses[3:5], resumed=resumed)
