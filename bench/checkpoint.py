@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
+    ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON result path")
     args = ap.parse_args()
@@ -53,8 +54,8 @@ def main() -> None:
          micro_batch_size=2)
     root = args.root or (tempfile.mkdtemp(prefix="mfsdp_ckpt_bench_") if rt.rank == 0 else None)
     root = Path(ckpt._broadcast(root))
-    mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save)
-    save_s, load_s, nbytes = [], [], 0
+    mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads)
+    save_s, load_s, blocking_s, phases, nbytes = [], [], [], [], 0
     for i in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -62,19 +63,28 @@ def main() -> None:
         mgr.wait()
         dist.barrier()
         save_s.append(time.perf_counter() - t0)
+        blocking_s.append(mgr.last_blocking_s)
+        phases.append(dict(mgr.last_save_phases_s))
         t0 = time.perf_counter()
         meta = mgr.load(chunks, opt)
         dist.barrier()
         load_s.append(time.perf_counter() - t0)
         nbytes = meta["bytes"]
     save, load = statistics.median(save_s), statistics.median(load_s)
+    phase = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
+                  save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=args.threads,
+                  blocking_s=statistics.median(blocking_s), save_phases_s=phase,
                   save_s_all=save_s, load_s_all=load_s, device=str(rt.device))
     if rt.rank == 0:
         rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
-                ("checkpoint", f"{nbytes / 1e6:.2f} MB"), ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s"),
+                ("checkpoint", f"{nbytes / 1e6:.2f} MB"),
+                ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s  "
+                         f"({result['save_gb_per_s_per_gpu']:.3f} GB/s per rank; target >= 2 per GPU)"),
+                ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in phase.items())),
+                ("  blocked", f"{result['blocking_s']:.3f} s (async: the time training waits)"),
                 ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s")]
         print("\n".join(f"{k:<11} {v}" for k, v in rows))
         if args.out:

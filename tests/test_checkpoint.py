@@ -55,6 +55,8 @@ def test_roundtrip_is_bitwise(saved, wrapper):
     for per_rank in r["roundtrip"]["per_rank"]:  # model, optimizer and RNG tensors were all compared
         assert all(n > 0 for n in per_rank["groups"].values()), per_rank
     assert r["sched_equal"] and r["rng_restored"] and r["extra"] == {"data_position": 5}
+    if wrapper == "fsdp":  # one-collective shard offsets == megatron's per-tensor ones
+        assert r["same_chunks"]["equal"] and r["same_chunks"]["n"] > 30 and r["same_chunks"]["nonzero_offsets"] > 0
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)

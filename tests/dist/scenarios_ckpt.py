@@ -91,6 +91,22 @@ def full_weights(chunks) -> dict:
     return out
 
 
+def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
+    """checkpoint._mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor)
+    ours = ckpt._build_state(chunks, opt, fsdp=True, layout=ckpt._layout(), is_loading=False)[0]
+    ours = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt._dtensors(ours)}
+    theirs = ckpt._build_state(chunks, opt, fsdp=True, layout=ckpt._layout(), is_loading=False)[0]
+    for _, t in ckpt._dtensors(theirs):
+        del t._local_tensor.__create_chunk_list__, t._local_tensor.__create_write_items__
+    preprocess_state_dict_for_uneven_dtensor(theirs)
+    theirs = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt._dtensors(theirs)}
+    counts = torch.tensor([sum(any(c.offsets) for v in ours.values() for c in v), int(ours != theirs)])
+    dist.all_reduce(counts)  # over ranks: rank 0's offsets are all 0
+    return dict(n=len(ours), equal=counts[1].item() == 0, nonzero_offsets=counts[0].item())
+
+
 def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None) -> dict:
     """10 steps straight, saving at step 5 (and 10); at step 5 also a bitwise round trip into a
     fresh build (another seed); optionally an HF-sourced FSDP checkpoint for to_hf."""
@@ -101,6 +117,7 @@ def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None) -> dict:
     mgr = ckpt.CheckpointManager(root, keep_last=1)
     losses = _train(chunks, opt, sched, batches, 0, SAVE_AT)
     before = local_snapshot(chunks, opt, fsdp)
+    same_chunks = _uneven_metadata_matches_megatron(chunks, opt) if fsdp else None
     mgr.save(SAVE_AT, chunks, opt, sched, extra={"data_position": SAVE_AT})
     save_s = mgr.last_save_s
     if rt.rank == 0:
@@ -118,7 +135,7 @@ def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None) -> dict:
     losses += _train(chunks, opt, sched, batches, SAVE_AT, STEPS)
     mgr.save(STEPS, chunks, opt, sched, extra={"data_position": STEPS})  # keep_last=1 keeps 5: it was loaded
     result = dict(losses=losses, roundtrip=roundtrip, differs_before_load=differs_before_load,
-                  sched_equal=sched_equal, extra=info["extra"], rng_restored=info["rng_restored"],
+                  sched_equal=sched_equal, extra=info["extra"], same_chunks=same_chunks, rng_restored=info["rng_restored"],
                   save_s=save_s, load_s=mgr.last_load_s, bytes=info["bytes"], listed=mgr.list(),
                   latest=mgr.latest())
     if hf_workdir:
