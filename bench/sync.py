@@ -77,7 +77,7 @@ def run_mode(mode: str, path: Path, args) -> dict:
 def main() -> None:
     on_gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="m" if on_gpu else "xs", help="models.tiny size: xs | s | m")
+    ap.add_argument("--size", default="m" if on_gpu else "xs", help="models.tiny size: xs | s | m | l (1.7 B)")
     ap.add_argument("--arch", default="qwen2", help="models.tiny arch: qwen2 | llama")
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=list(DTYPES))
     ap.add_argument("--modes", default="fsdp,ddp")

@@ -29,21 +29,32 @@ def _fsdp_owner(chunks, param):
     return None
 
 
-def _gathered(fsdp, param: torch.Tensor) -> torch.Tensor:
-    """A private copy of `param`'s full (data-parallel unsharded) value; the bucket is released."""
-    fsdp.all_gather_and_wait_parameters_ready(params=[param], prefetch=False)
-    value = param.detach().clone()
-    bucket = fsdp.param_and_grad_buffer.param_to_param_group[param]
-    fsdp.all_gather_pipeline.release_bucket(bucket, bwd=False)
-    return value
-
-
 def _tasks_with_full_params(tasks, chunks) -> Iterator:
-    for task in tasks:
-        if task is None:
-            continue
-        fsdp = _fsdp_owner(chunks, task.param_weight)
-        yield dataclasses.replace(task, param_weight=_gathered(fsdp, task.param_weight)) if fsdp else task
+    """The conversion tasks with each FSDP param replaced by a private copy of its full value.
+
+    A param's bucket (one FSDP unit) is all-gathered once and held while consecutive tasks use
+    it (the bridge visits parameters in model order), then released: one gather per unit, not
+    per parameter, and at most one unit unsharded at a time.
+    """
+    held = None  # (fsdp, bucket id) all-gathered now
+    try:
+        for task in tasks:
+            if task is None:
+                continue
+            fsdp = _fsdp_owner(chunks, task.param_weight)
+            if fsdp is None:
+                yield task
+                continue
+            bucket = fsdp.param_and_grad_buffer.param_to_param_group[task.param_weight]
+            if held != (fsdp, bucket):
+                if held is not None:
+                    held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
+                fsdp.all_gather_and_wait_parameters_ready(params=[task.param_weight], prefetch=False)
+                held = (fsdp, bucket)
+            yield dataclasses.replace(task, param_weight=task.param_weight.detach().clone())
+    finally:
+        if held is not None:
+            held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
 
 
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
