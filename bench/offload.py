@@ -1,6 +1,6 @@
 """Offload/reload of the Megatron-FSDP model state: device memory freed, seconds, GB/s.
 
-    torchrun --nproc_per_node 2 bench/offload.py --size m --out runs/bench/offload.json          # GPU, bf16
+    torchrun --nproc_per_node 2 bench/offload.py --size l --out runs/bench/offload.json          # GPU, bf16, 1.7 B
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/offload.py --size xs                     # CPU, fp32
 
 After one training step (so Adam's states exist), `offload.offload` moves this rank's shards
@@ -9,12 +9,16 @@ After one training step (so Adam's states exist), `offload.offload` moves this r
 (target after < 5 % of the model-state bytes), seconds and GB/s each way (median of --repeats),
 a plain pinned copy of the same bytes host->device and device->host in the same run (the
 ceiling), and the peak allocated during a GRPO-like rollout phase (refresh a rollout HF model,
-sample) with and without offload. On CPU allocator numbers are 0 and "host->device" is a
+sample) with and without offload. Also: every shard bitwise after the cycles, and the losses of
+a twin loaded from the same folder trained plainly vs this model offloaded + reloaded before
+every step (same batches: must be identical, bf16 on GPU too). On CPU allocator numbers are 0 and "host->device" is a
 host->host copy: the run checks the code path, not the numbers.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import statistics
@@ -78,6 +82,29 @@ def rollout_peak(model, opt, rollout, tok, *, with_offload: bool, prompts) -> in
     return peak
 
 
+def _snapshot(chunks, opt) -> dict:
+    return {k: [t.detach().clone() for t in ts] for k, ts in offload.shard_tensors(chunks, opt).items()}
+
+
+def twin_run(model, opt, path, cfg, batches) -> dict:
+    """Losses of `model` offloaded + reloaded before every step after the first vs a plain twin
+    loaded from the same folder (bit-identical start), same batches; the twin is freed after."""
+    twin = hf_models.load(path, cfg)
+    twin_opt = engine.build_optimizer(twin.chunks, OptimConfig(lr=1e-4), cfg)
+    plain, cycled = [], []
+    for i, b in enumerate(batches):
+        plain.append(step(twin.chunks, twin_opt, b, micro_batch_size=8).loss)
+        if i:
+            offload.offload(model.chunks, opt)
+            offload.reload(model.chunks, opt)
+        cycled.append(step(model.chunks, opt, b, micro_batch_size=8).loss)
+    del twin, twin_opt
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return dict(plain=plain, offloaded=cycled, identical=plain == cycled)
+
+
 def main() -> None:
     on_gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +112,7 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen2", help="models.tiny arch: qwen2 | llama")
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=list(DTYPES))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--twin-steps", type=int, default=4, help="steps of the offloaded-vs-plain loss comparison")
     ap.add_argument("--workdir", default="runs/bench/offload_models")
     ap.add_argument("--out", default="runs/bench/offload.json")
     args = ap.parse_args()
@@ -98,10 +126,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = hf_models.load(path, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-4), cfg)
-    batch = next(data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16,
-                              global_batch=8 * dist.get_world_size()))
-    step(model.chunks, opt, batch, micro_batch_size=8)
+    batches = list(itertools.islice(data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16,
+                                                 global_batch=8 * dist.get_world_size()), args.twin_steps))
+    batch = batches[0]
+    twin_losses = twin_run(model, opt, path, cfg, batches)
     model_state = memory_report(model.chunks, opt).model_state_bytes
+    resident = _snapshot(model.chunks, opt)
 
     offload_s, reload_s, before, after, nbytes = [], [], 0, 0, 0
     for _ in range(args.repeats):
@@ -112,6 +142,8 @@ def main() -> None:
         offload_s.append(_timed(lambda: stats.update(offload.offload(model.chunks, opt))))
         after, nbytes = _allocated(), stats["bytes"]
         reload_s.append(_timed(lambda: offload.reload(model.chunks, opt)))
+    bitwise = all(torch.equal(a, b) for k, ts in _snapshot(model.chunks, opt).items() for a, b in zip(ts, resident[k]))
+    del resident
     plain = plain_copy_gb_per_s(nbytes, rt.device, args.repeats)
 
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(rt.device)
@@ -126,7 +158,8 @@ def main() -> None:
              bytes_by_kind=stats["bytes_by_kind"], allocated_before=before, allocated_after=after,
              after_over_model_state=after / model_state, offload_s=statistics.median(offload_s),
              reload_s=statistics.median(reload_s), offload_s_all=offload_s, reload_s_all=reload_s,
-             rollout_peak_no_offload=peaks[False], rollout_peak_offload=peaks[True], **plain)
+             rollout_peak_no_offload=peaks[False], rollout_peak_offload=peaks[True], bitwise_after_reload=bitwise,
+             twin_losses=twin_losses, **plain)
     r["offload_gb_per_s"] = nbytes / r["offload_s"] / 1e9
     r["reload_gb_per_s"] = nbytes / r["reload_s"] / 1e9
     if rt.rank == 0:
@@ -141,7 +174,10 @@ def main() -> None:
                 ("reload   s | GB/s", f"{r['reload_s']:.4f} | {r['reload_gb_per_s']:.2f}"),
                 ("plain pinned copy H2D | D2H GB/s", f"{plain['h2d_gb_per_s']:.2f} | {plain['d2h_gb_per_s']:.2f}"),
                 ("rollout-phase peak no offload / offload",
-                 f"{peaks[False] / mib:.2f} / {peaks[True] / mib:.2f} MiB")]
+                 f"{peaks[False] / mib:.2f} / {peaks[True] / mib:.2f} MiB"),
+                (f"every shard bitwise after {args.repeats} cycles", str(bitwise)),
+                ("losses offloaded vs plain twin", f"identical={twin_losses['identical']} "
+                                                   f"{twin_losses['offloaded']} vs {twin_losses['plain']}")]
         for name, value in rows:
             print(f"  {name:<42}{value}")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
