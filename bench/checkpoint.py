@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -26,6 +27,23 @@ from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
 
 
+def disk_write_gb_per_s(root: Path, nbytes: int) -> float:
+    """All ranks at once each write `nbytes` to their own file under `root` and fsync: the disk's
+    ceiling for a save (GB/s summed over ranks)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8).numpy()
+    path = root / f".probe-{dist.get_rank()}"
+    dist.barrier()
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(buf.data)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes * dist.get_world_size() / seconds / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fsdp", action="store_true", help="Megatron-FSDP (default: DDP + distributed optimizer)")
@@ -38,6 +56,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
     ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
+    ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON result path")
     args = ap.parse_args()
@@ -70,13 +89,14 @@ def main() -> None:
         dist.barrier()
         load_s.append(time.perf_counter() - t0)
         nbytes = meta["bytes"]
+    disk = disk_write_gb_per_s(root, args.probe_mb * 2**20) if args.probe_mb else None
     save, load = statistics.median(save_s), statistics.median(load_s)
     phase = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
     result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
                   save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=args.threads,
-                  blocking_s=statistics.median(blocking_s), save_phases_s=phase,
+                  blocking_s=statistics.median(blocking_s), disk_write_gb_per_s=disk, save_phases_s=phase,
                   save_s_all=save_s, load_s_all=load_s, device=str(rt.device))
     if rt.rank == 0:
         rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
@@ -85,7 +105,8 @@ def main() -> None:
                          f"({result['save_gb_per_s_per_gpu']:.3f} GB/s per rank; target >= 2 per GPU)"),
                 ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in phase.items())),
                 ("  blocked", f"{result['blocking_s']:.3f} s (async: the time training waits)"),
-                ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s")]
+                ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s (page cache warm)"),
+                ("disk", "-" if disk is None else f"{disk:.3f} GB/s raw write + fsync, all ranks at once")]
         print("\n".join(f"{k:<11} {v}" for k, v in rows))
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
