@@ -114,18 +114,46 @@ class ArithmeticTask:
         return verify(prompt, completion)
 
 
+def _truth_and_answer(prompt: str, completion: str) -> tuple[str, str | None]:
+    """(true result text, the completion's leading integer or None): the completion is cut at
+    the first eos and stripped; the integer is an optional '-' then digits."""
+    match = _PROMPT_RE.search(prompt)
+    if match is None:
+        raise ValueError(f"prompt {prompt!r} is not an arithmetic prompt like '{USER}12+34={ASSISTANT}'")
+    got = _ANSWER_RE.match(completion.split(EOS, 1)[0].strip())
+    return str(solve(int(match[1]), match[2], int(match[3]))), None if got is None else got[0]
+
+
 def verify(prompt: str, completion: str) -> float:
     """Exact-match reward: 1.0 iff the completion starts with the true result.
 
     The completion is cut at the first eos (anything after it is ignored), then its leading
     integer (optional '-', digits; ends at the first other character) must equal the answer
     exactly: "46</s>junk" and "46 because" score 1.0, "046" and "4 6" score 0.0."""
-    match = _PROMPT_RE.search(prompt)
-    if match is None:
-        raise ValueError(f"prompt {prompt!r} is not an arithmetic prompt like '{USER}12+34={ASSISTANT}'")
-    a, op, b = int(match[1]), match[2], int(match[3])
-    got = _ANSWER_RE.match(completion.split(EOS, 1)[0].strip())
-    return float(got is not None and got[0] == str(solve(a, op, b)))
+    truth, got = _truth_and_answer(prompt, completion)
+    return float(got == truth)
+
+
+def digit_match(prompt: str, completion: str) -> float:
+    """Partial-credit reward in [0, 1]: the share of characters right, compared by place value.
+
+    The leading integer is read as in `verify`; the true result and it are right-aligned (units
+    under units, so a dropped carry digit costs one character, not all of them), and the count
+    of equal characters is divided by the longer length: for 27+19=46, "46" -> 1.0, "45" -> 0.5,
+    "146" -> 2/3, "6" -> 1/2, "" or "x" -> 0.0. Only an exact match scores 1.0.
+
+    Why: exact match gives a group of samples the same 0 on most prompts of a weak model, so
+    GRPO has nothing to compare; per-digit credit separates "off by one digit" from "nonsense"
+    and gives every prompt a gradient towards the right digits."""
+    truth, got = _truth_and_answer(prompt, completion)
+    if got is None:
+        return 0.0
+    same = sum(t == g for t, g in zip(reversed(truth), reversed(got)))
+    return same / max(len(truth), len(got))
+
+
+REWARDS = {"exact": verify, "digits": digit_match}
+"""Reward functions by name, each `callable(prompt, completion) -> float` in [0, 1]."""
 
 
 # ---- SFT tokenization ----------------------------------------------------------------------

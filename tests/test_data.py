@@ -4,7 +4,8 @@ import json
 import pytest
 import torch
 
-from mfsdp_kit.data import ArithmeticTask, batches, is_heldout, load_jsonl, render_chat, tokenize_sft, verify
+from mfsdp_kit.data import (ArithmeticTask, batches, digit_match, is_heldout, load_jsonl, render_chat, tokenize_sft,
+                            verify)
 from mfsdp_kit.models.tiny import build_tokenizer
 from mfsdp_kit.train import Batch
 
@@ -60,6 +61,26 @@ def test_rl_prompts_and_verify():
     assert verify("<|user|>7*8=<|assistant|>", "56</s><pad><pad>") == 1.0
     with pytest.raises(ValueError, match="not an arithmetic prompt"):
         verify("hello", "1")
+
+
+def test_digit_match_by_hand():
+    p = "<|user|>27+19=<|assistant|>"  # 46
+    assert digit_match(p, "46</s>") == digit_match(p, " 46 junk") == 1.0
+    assert digit_match(p, "45") == 0.5  # tens right, units wrong
+    assert digit_match(p, "56") == 0.5
+    assert digit_match(p, "64") == 0.0  # digits right, places wrong
+    assert digit_match(p, "146") == pytest.approx(2 / 3)  # right-aligned: 4 and 6 match, 3 long
+    assert digit_match(p, "6") == 0.5
+    assert digit_match(p, "") == digit_match(p, "x46") == digit_match(p, "</s>46") == 0.0
+    q = "<|user|>999+1=<|assistant|>"  # 1000
+    assert digit_match(q, "100") == 0.5  # "0","0" match "1000"'s last two; "1" vs "0" no; over 4
+    assert digit_match(q, "1001</s>") == 0.75
+    r = "<|user|>3-5=<|assistant|>"  # -2
+    assert digit_match(r, "2") == 0.5 and digit_match(r, "-2") == 1.0
+    for prompt, answer in ArithmeticTask(digits=3, seed=2).rl_prompts(20):
+        assert digit_match(prompt, answer) == 1.0  # exact -> 1.0, the same cases verify accepts
+    with pytest.raises(ValueError, match="not an arithmetic prompt"):
+        digit_match("hello", "1")
 
 
 def test_loss_mask_covers_exactly_the_answer(tok):
