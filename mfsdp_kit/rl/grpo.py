@@ -46,6 +46,9 @@ class GRPOConfig:
     num_minibatches: int = 1
     micro_batch_size: int = 8
     seed: int = 0
+    min_advantage: float | None = None
+    """Advantages below this are raised to it (None = plain GRPO). 0.0 keeps only the better-than-
+    group-mean samples: they are pushed up, the worse ones are left alone instead of pushed down."""
     offload_during_rollout: bool = False
     """Move the training state (weights, grads, Adam) to host memory while the rollout model
     samples, and back before the update (`offload.offload` / `offload.reload`)."""
@@ -177,8 +180,9 @@ def _gather(obj) -> list:
 
 
 def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tuple[str, str]], reward_fn,
-              gcfg: GRPOConfig, seq_len_tokens: int, ref_chunks=None, index: int = 0) -> dict:
-    """One GRPO iteration over `prompts` [(prompt, answer)] (same list on every rank)."""
+              gcfg: GRPOConfig, seq_len_tokens: int, ref_chunks=None, index: int = 0, scheduler=None) -> dict:
+    """One GRPO iteration over `prompts` [(prompt, answer)] (same list on every rank); `scheduler`
+    (e.g. `engine.build_scheduler`, for a warm-up) steps once per optimizer step."""
     from megatron.core import parallel_state as ps
     metrics = {}
     t0 = time.perf_counter()
@@ -208,6 +212,8 @@ def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tupl
     enc = rollout.tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"]
     prompt_ids = [enc[i // gcfg.samples_per_prompt] for i in range(len(completions))]
     adv = group_advantages(rewards_t, group_size=gcfg.samples_per_prompt)
+    if gcfg.min_advantage is not None:
+        adv = adv.clamp(min=gcfg.min_advantage)
     batch = rollout_batch(prompt_ids, completions, adv, seq_len_tokens=seq_len_tokens,
                           pad_id=rollout.tokenizer.pad_token_id)
 
@@ -223,7 +229,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tupl
     for _ in range(gcfg.ppo_epochs):
         for m in range(gcfg.num_minibatches):
             results.append(step(chunks, optimizer, batch.slice(m * per_mb, (m + 1) * per_mb),
-                                micro_batch_size=gcfg.micro_batch_size, loss_fn=loss_fn))
+                                micro_batch_size=gcfg.micro_batch_size, loss_fn=loss_fn, scheduler=scheduler))
     metrics["train_s"] = time.perf_counter() - t0
     last = results[-1].metrics
     metrics.update(reward=rewards_t.mean().item(), accuracy=(rewards_t == 1.0).float().mean().item(),
@@ -233,8 +239,15 @@ def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tupl
 
 
 def fit(*, chunks, optimizer, bridge, rollout: Rollout, prompt_pool: list[tuple[str, str]], reward_fn,
-        gcfg: GRPOConfig, iterations: int, seq_len_tokens: int, ref_chunks=None, progress: bool = True) -> GRPOHistory:
-    """`iterations` GRPO iterations, cycling deterministically through `prompt_pool`."""
+        gcfg: GRPOConfig, iterations: int, seq_len_tokens: int, ref_chunks=None, progress: bool = True,
+        on_iteration=None, scheduler=None) -> GRPOHistory:
+    """`iterations` GRPO iterations, cycling deterministically through `prompt_pool`.
+
+    `on_iteration(iteration, metrics)` runs on every rank after each iteration (e.g. a held-out
+    evaluation every k iterations; it may run collectives, as all ranks call it). A fresh Adam
+    without warm-up takes sign-like steps of the full lr at first, which on CPU at lr 3e-5 cost a
+    small SFT'd model ~5 held-out points in 15 steps even on gold SFT data: pass a `scheduler`
+    with a warm-up."""
     from tqdm.auto import tqdm
 
     from ..progress import report
@@ -245,9 +258,11 @@ def fit(*, chunks, optimizer, bridge, rollout: Rollout, prompt_pool: list[tuple[
         pick = torch.randperm(len(prompt_pool), generator=rng)[:gcfg.prompts_per_iteration].tolist()
         m = iteration(chunks=chunks, optimizer=optimizer, bridge=bridge, rollout=rollout,
                       prompts=[prompt_pool[i] for i in pick], reward_fn=reward_fn, gcfg=gcfg,
-                      seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=it)
+                      seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=it, scheduler=scheduler)
         for key in vars(history):
             getattr(history, key).append(m[key])
         bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
         report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
+        if on_iteration is not None:
+            on_iteration(it, m)
     return history
