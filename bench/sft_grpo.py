@@ -4,9 +4,15 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sft_grpo.py --size xs --sft-steps 150 \
         --sft-digits 1 --rl-digits 1 --rl-sft-steps 20 --grpo-iterations 3                          # CPU smoke
 
-Stage 1 (SFT): a fresh tiny model learns --sft-digits addition; held-out exact match before/after.
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sft_grpo.py --size s --skip-sft1 --rl-digits 2 \
+        --rl-sft-steps 0 --init-from DIR --grpo-eval-every 10 ...                                    # CPU GRPO sweeps
+        (DIR written once by a run with --save-rl-start DIR: the sweeps then skip the SFT)
+
+Stage 1 (SFT): a fresh tiny model learns --sft-digits addition; held-out exact match before/after
+(--skip-sft1: none; stage 2 then starts from the fresh model).
 Stage 2 (GRPO): a short SFT on a harder level (--rl-digits) leaves accuracy well below 100 %;
-GRPO then trains on rewards from the exact-match verifier; held-out accuracy before/after,
+GRPO then trains on rewards (--grpo-reward: exact match, or per-digit partial credit); held-out
+exact-match accuracy before/after (and every --grpo-eval-every iterations),
 reward curve, and sync time / GB/s per iteration. Prints a table and writes JSON.
 """
 from __future__ import annotations
@@ -44,30 +50,52 @@ def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micr
                 accuracy_before=before, accuracy_after=after, report=memory_report(model.chunks, opt))
 
 
+def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
+    g = ap.add_argument_group("GRPO")
+    g.add_argument("--grpo-iterations", type=int, default=60)
+    g.add_argument("--grpo-lr", type=float, default=3e-5)
+    g.add_argument("--grpo-prompts", type=int, default=32 if gpu else 8, help="prompts per iteration")
+    g.add_argument("--grpo-samples", type=int, default=8 if gpu else 4, help="samples per prompt (the group)")
+    g.add_argument("--grpo-minibatches", type=int, default=2, help="optimizer steps per PPO epoch")
+    g.add_argument("--grpo-epochs", type=int, default=1, help="PPO epochs over each iteration's samples")
+    g.add_argument("--grpo-kl", type=float, default=0.0, help="k3 KL weight to the frozen start (0 = no reference)")
+    g.add_argument("--grpo-temperature", type=float, default=1.0)
+    g.add_argument("--grpo-reward", choices=sorted(data.REWARDS), default="exact",
+                   help="training reward; held-out accuracy is always exact match")
+    g.add_argument("--grpo-min-advantage", type=float, default=None,
+                   help="floor on advantages (0 = push up the better samples only; default: plain GRPO)")
+    g.add_argument("--grpo-warmup", type=int, default=0, help="optimizer steps of linear lr warm-up from 0")
+    g.add_argument("--grpo-seed", type=int, default=0)
+    g.add_argument("--grpo-eval-every", type=int, default=0, help="held-out accuracy every k iterations (0 = off)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
     ap.add_argument("--size", default="m" if gpu else "xs")
     ap.add_argument("--dtype", default="bf16" if gpu else "fp32")
+    ap.add_argument("--skip-sft1", action="store_true", help="no stage 1: start stage 2 from the fresh model")
     ap.add_argument("--sft-digits", type=int, default=2)
     ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--sft-lr", type=float, default=3e-4)
     ap.add_argument("--rl-digits", type=int, default=3)
-    ap.add_argument("--rl-sft-steps", type=int, default=100, help="SFT steps per round on the RL task")
+    ap.add_argument("--rl-sft-steps", type=int, default=100, help="SFT steps per round on the RL task (0 = none)")
     ap.add_argument("--rl-sft-max-steps", type=int, default=800)
     ap.add_argument("--rl-start-accuracy", type=float, default=0.3)
-    ap.add_argument("--grpo-iterations", type=int, default=60)
-    ap.add_argument("--grpo-lr", type=float, default=3e-5)
+    ap.add_argument("--init-from", default=None, help="HF folder to start from instead of a fresh tiny model")
+    ap.add_argument("--save-rl-start", default=None, help="write the model GRPO starts from as an HF folder here")
+    grpo_flags(ap, gpu)
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--out", default="runs/bench/sft_grpo.json")
     args = ap.parse_args()
 
+    t_start = time.perf_counter()
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=args.dtype, seed=0)
     rt = runtime.init(cfg)
-    src = f"/tmp/mfsdp_sft_grpo_{args.size}"
-    if rt.rank == 0:
+    src = args.init_from or f"/tmp/mfsdp_sft_grpo_{args.size}"
+    if rt.rank == 0 and not args.init_from:
         tiny(src, size=args.size, seed=0)
     dist.barrier()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,63 +103,100 @@ def main() -> None:
     model = load(src, cfg)
     seq = 4 * max(args.sft_digits, args.rl_digits) + 8
 
-    task1 = data.ArithmeticTask(digits=args.sft_digits)
-    n1 = min(args.heldout, 10) if args.sft_digits == 1 else args.heldout
-    s1 = sft(model, tok, cfg, task=task1, steps=args.sft_steps, lr=args.sft_lr, global_batch=args.global_batch,
-             micro_batch_size=args.micro_batch_size, heldout=task1.rl_prompts(n1, split="heldout"), seq_len=seq)
+    s1 = None
+    if not args.skip_sft1:
+        task1 = data.ArithmeticTask(digits=args.sft_digits)
+        n1 = min(args.heldout, 10) if args.sft_digits == 1 else args.heldout
+        s1 = sft(model, tok, cfg, task=task1, steps=args.sft_steps, lr=args.sft_lr, global_batch=args.global_batch,
+                 micro_batch_size=args.micro_batch_size, heldout=task1.rl_prompts(n1, split="heldout"), seq_len=seq)
 
     task2 = data.ArithmeticTask(digits=args.rl_digits)
     n2 = min(args.heldout, 10) if args.rl_digits == 1 else args.heldout
     held2 = task2.rl_prompts(n2, split="heldout")
     # SFT in rounds until held-out accuracy reaches --rl-start-accuracy (or --rl-sft-max-steps): GRPO
     # needs groups whose samples disagree, and a model at a few percent gives almost none.
-    rounds = []
-    while True:
+    rounds, done = [], 0
+    while args.rl_sft_steps > 0:
         rounds.append(sft(model, tok, cfg, task=task2, steps=args.rl_sft_steps, lr=args.sft_lr,
                           global_batch=args.global_batch, micro_batch_size=args.micro_batch_size, heldout=held2,
                           seq_len=seq))
         done = sum(r["steps"] for r in rounds)
         if rounds[-1]["accuracy_after"] >= args.rl_start_accuracy or done >= args.rl_sft_max_steps:
             break
-    s2 = dict(rounds[-1], steps=done, accuracy_by_round=[r["accuracy_after"] for r in rounds])
+    if rounds:
+        s2 = dict(rounds[-1], steps=done, seconds=sum(r["seconds"] for r in rounds),
+                  accuracy_by_round=[r["accuracy_after"] for r in rounds])
+    else:
+        acc = generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]
+        s2 = dict(steps=0, seconds=0.0, accuracy_after=acc, accuracy_by_round=[])
+    if args.save_rl_start:
+        from mfsdp_kit import sync
+        sync.save_hf(model.chunks, model.bridge, args.save_rl_start)
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(rt.device), tok)
-    prompts, samples, minibatches = (32, 8, 2) if gpu else (8, 4, 2)
-    per_rank = prompts * samples // minibatches // rt.dp_size  # sequences per rank per update
-    gcfg = grpo.GRPOConfig(prompts_per_iteration=prompts, samples_per_prompt=samples,
-                           max_new_tokens=args.rl_digits + 3, temperature=1.0, kl_coef=0.0, ppo_epochs=1,
-                           num_minibatches=minibatches, micro_batch_size=min(args.micro_batch_size, per_rank))
-    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=args.grpo_lr, clip_grad=1.0), cfg)
+    per_rank = args.grpo_prompts * args.grpo_samples // args.grpo_minibatches // rt.dp_size  # sequences/rank/update
+    gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
+                           max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
+                           kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
+                           micro_batch_size=min(args.micro_batch_size, per_rank), seed=args.grpo_seed,
+                           min_advantage=args.grpo_min_advantage)
+    gocfg = OptimConfig(lr=args.grpo_lr, clip_grad=1.0, warmup_steps=args.grpo_warmup)
+    opt = engine.build_optimizer(model.chunks, gocfg, cfg)
+    sched = engine.build_scheduler(opt, gocfg, total_steps=args.grpo_iterations * args.grpo_minibatches
+                                   * args.grpo_epochs)
+    ref = None
+    if args.grpo_kl:
+        ref = load(args.save_rl_start, cfg).chunks if args.save_rl_start else None
+        if ref is None:
+            raise SystemExit("--grpo-kl > 0 needs --save-rl-start DIR (the frozen reference is loaded from it)")
     pool = task2.rl_prompts(4000 if args.rl_digits >= 2 else 90)
+    curve = [(0, s2["accuracy_after"])]
+
+    def on_iteration(it, _metrics):
+        if args.grpo_eval_every and (it + 1) % args.grpo_eval_every == 0 and it + 1 < args.grpo_iterations:
+            curve.append((it + 1, generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]))
+            if rt.rank == 0:
+                print(f"\n  held-out after {it + 1} iterations: {curve[-1][1]:.3f}", flush=True)
+
     t0 = time.perf_counter()
     hist = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
-                    reward_fn=data.verify, gcfg=gcfg, iterations=args.grpo_iterations, seq_len_tokens=seq)
+                    reward_fn=data.REWARDS[args.grpo_reward], gcfg=gcfg, iterations=args.grpo_iterations,
+                    seq_len_tokens=seq, ref_chunks=ref, on_iteration=on_iteration, scheduler=sched)
     grpo_s = time.perf_counter() - t0
     after = generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]
+    curve.append((args.grpo_iterations, after))
     if rt.rank != 0:
         runtime.shutdown(destroy_process_group=True)
         return
     median_sync = sorted(hist.sync_s)[len(hist.sync_s) // 2]
     gbps = hist.sync_bytes[0] / median_sync / 1e9
-    print(f"\nSFT {args.sft_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}:")
-    print(f"  {s1['steps']} steps in {s1['seconds']:.1f} s; loss {s1['loss_first']:.3f} -> {s1['loss_last']:.3f}; "
-          f"held-out exact match {s1['accuracy_before']:.3f} -> {s1['accuracy_after']:.3f} (target >= 0.90)")
-    print(format_table({"FSDP": s1["report"]}, dtype=args.dtype))
-    print(f"GRPO on {args.rl_digits}-digit addition: short SFT ({s2['steps']} steps, held-out by round "
-          f"{s2['accuracy_by_round']}) -> held-out "
-          f"{s2['accuracy_after']:.3f}; after {args.grpo_iterations} GRPO iterations ({grpo_s:.1f} s): {after:.3f} "
-          f"(+{100 * (after - s2['accuracy_after']):.1f} points; target >= +10)")
+    if s1 is not None:
+        print(f"\nSFT {args.sft_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}:")
+        print(f"  {s1['steps']} steps in {s1['seconds']:.1f} s; loss {s1['loss_first']:.3f} -> {s1['loss_last']:.3f};"
+              f" held-out exact match {s1['accuracy_before']:.3f} -> {s1['accuracy_after']:.3f} (target >= 0.90)")
+        print(format_table({"FSDP": s1["report"]}, dtype=args.dtype))
+    print(f"\nGRPO on {args.rl_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}: "
+          f"short SFT ({s2['steps']} steps, {s2['seconds']:.1f} s, held-out by round {s2['accuracy_by_round']}) "
+          f"-> held-out {s2['accuracy_after']:.3f}; after {args.grpo_iterations} GRPO iterations ({grpo_s:.1f} s): "
+          f"{after:.3f} (+{100 * (after - s2['accuracy_after']):.1f} points; target >= +10)")
+    print(f"  {args.grpo_prompts} prompts x {args.grpo_samples} samples, {args.grpo_minibatches} minibatches x "
+          f"{args.grpo_epochs} epochs, lr {args.grpo_lr:g} (warm-up {args.grpo_warmup}), kl {args.grpo_kl:g}, T {args.grpo_temperature:g}, "
+          f"reward {args.grpo_reward}, min advantage {args.grpo_min_advantage}")
+    print("  held-out by iteration:", " ".join(f"{i}:{a:.3f}" for i, a in curve))
     print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist.reward))
+    print("  exact-match rate of samples:", " ".join(f"{r:.3f}" for r in hist.accuracy))
     print(f"  sync per iteration: median {median_sync * 1e3:.1f} ms for {hist.sync_bytes[0] / 1e6:.1f} MB "
           f"-> {gbps:.2f} GB/s; rollout median {sorted(hist.rollout_s)[len(hist.rollout_s) // 2]:.3f} s; "
           f"train median {sorted(hist.train_s)[len(hist.train_s) // 2]:.3f} s")
+    print(f"  total wall time {time.perf_counter() - t_start:.1f} s")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for s in (s1, s2):
-        s["report"] = s["report"].as_dict()
+        if s is not None and "report" in s:
+            s["report"] = s["report"].as_dict()
     with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), sft=s1, rl_sft=s2, grpo_accuracy_after=after, grpo=vars(hist),
-                       sync_gbps=gbps), f, indent=1)
+        json.dump(dict(args=vars(args), sft=s1, rl_sft=s2, grpo_accuracy_after=after, heldout_curve=curve,
+                       grpo=vars(hist), sync_gbps=gbps), f, indent=1)
     print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 
