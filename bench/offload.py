@@ -9,9 +9,10 @@ After one training step (so Adam's states exist), `offload.offload` moves this r
 (target after < 5 % of the model-state bytes), seconds and GB/s each way (median of --repeats),
 a plain pinned copy of the same bytes host->device and device->host in the same run (the
 ceiling), and the peak allocated during a GRPO-like rollout phase (refresh a rollout HF model,
-sample) with and without offload. Also: every shard bitwise after the cycles, and the losses of
-a twin loaded from the same folder trained plainly vs this model offloaded + reloaded before
-every step (same batches: must be identical, bf16 on GPU too). On CPU allocator numbers are 0 and "host->device" is a
+sample): allocated when sampling starts and the peak while it samples, with and without
+offload. Also: every shard bitwise after the cycles, and the losses of a few steps run twice
+from one state (restored from a host snapshot), plainly and with offload + reload before every
+step (same batches: must be identical, bf16 on GPU too). On CPU allocator numbers are 0 and "host->device" is a
 host->host copy: the run checks the code path, not the numbers.
 """
 from __future__ import annotations
@@ -66,42 +67,47 @@ def plain_copy_gb_per_s(nbytes: int, device, repeats: int) -> dict:
     return dict(h2d_gb_per_s=nbytes / h2d / 1e9, d2h_gb_per_s=nbytes / d2h / 1e9)
 
 
-def rollout_peak(model, opt, rollout, tok, *, with_offload: bool, prompts) -> int:
-    """Peak allocated while the rollout model refreshes and samples (GRPO's rollout phase)."""
-    _sync()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+def rollout_memory(model, opt, rollout, *, with_offload: bool, prompts) -> dict:
+    """GRPO's rollout phase (refresh the rollout model, [offload], sample): bytes allocated when
+    sampling starts and the peak while it samples, i.e. what the rollout leaves free."""
     rollout.refresh(model.chunks, model.bridge)
     if with_offload:
         offload.offload(model.chunks, opt)
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = _allocated()
     rollout.sample(prompts, n=4, max_new_tokens=16, temperature=1.0, top_p=1.0, seed=0)
     _sync()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     if with_offload:
         offload.reload(model.chunks, opt)
-    return peak
+    return dict(allocated_at_start=start, peak=peak)
 
 
 def _snapshot(chunks, opt) -> dict:
-    return {k: [t.detach().clone() for t in ts] for k, ts in offload.shard_tensors(chunks, opt).items()}
+    """Host copies of every shard (params, main weights, grads, Adam states): no device memory."""
+    return {k: [t.detach().to("cpu", copy=True) for t in ts] for k, ts in offload.shard_tensors(chunks, opt).items()}
 
 
-def twin_run(model, opt, path, cfg, batches) -> dict:
-    """Losses of `model` offloaded + reloaded before every step after the first vs a plain twin
-    loaded from the same folder (bit-identical start), same batches; the twin is freed after."""
-    twin = hf_models.load(path, cfg)
-    twin_opt = engine.build_optimizer(twin.chunks, OptimConfig(lr=1e-4), cfg)
-    plain, cycled = [], []
-    for i, b in enumerate(batches):
-        plain.append(step(twin.chunks, twin_opt, b, micro_batch_size=8).loss)
-        if i:
-            offload.offload(model.chunks, opt)
-            offload.reload(model.chunks, opt)
+@torch.no_grad()
+def _restore(chunks, opt, snapshot: dict) -> None:
+    for k, ts in offload.shard_tensors(chunks, opt).items():
+        for t, saved in zip(ts, snapshot[k]):
+            t.copy_(saved)
+
+
+def losses_with_and_without_offload(model, opt, batches) -> dict:
+    """Losses of len(batches) steps from one state twice: plainly, then (state restored bitwise from
+    a snapshot) with offload + reload before every step. Same batches: must be identical."""
+    snapshot = _snapshot(model.chunks, opt)
+    plain = [step(model.chunks, opt, b, micro_batch_size=8).loss for b in batches]
+    _restore(model.chunks, opt, snapshot)
+    cycled = []
+    for b in batches:
+        offload.offload(model.chunks, opt)
+        offload.reload(model.chunks, opt)
         cycled.append(step(model.chunks, opt, b, micro_batch_size=8).loss)
-    del twin, twin_opt
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return dict(plain=plain, offloaded=cycled, identical=plain == cycled)
 
 
@@ -129,10 +135,10 @@ def main() -> None:
     batches = list(itertools.islice(data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16,
                                                  global_batch=8 * dist.get_world_size()), args.twin_steps))
     batch = batches[0]
-    twin_losses = twin_run(model, opt, path, cfg, batches)
+    step(model.chunks, opt, batch, micro_batch_size=8)  # Adam's states exist from here on
     model_state = memory_report(model.chunks, opt).model_state_bytes
-    resident = _snapshot(model.chunks, opt)
 
+    resident = _snapshot(model.chunks, opt)
     offload_s, reload_s, before, after, nbytes = [], [], 0, 0, 0
     for _ in range(args.repeats):
         engine.synchronize_fsdp_params(model.chunks)  # measure shards, not all-gathered buckets
@@ -142,24 +148,24 @@ def main() -> None:
         offload_s.append(_timed(lambda: stats.update(offload.offload(model.chunks, opt))))
         after, nbytes = _allocated(), stats["bytes"]
         reload_s.append(_timed(lambda: offload.reload(model.chunks, opt)))
+    plain = plain_copy_gb_per_s(nbytes, rt.device, args.repeats)
     bitwise = all(torch.equal(a, b) for k, ts in _snapshot(model.chunks, opt).items() for a, b in zip(ts, resident[k]))
     del resident
-    plain = plain_copy_gb_per_s(nbytes, rt.device, args.repeats)
+    twin = losses_with_and_without_offload(model, opt, batches[1:])
 
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(rt.device)
     from mfsdp_kit.rl.grpo import Rollout
     rollout = Rollout(rollout, tok)
     prompts = [p for p, _ in data.ArithmeticTask(digits=1).rl_prompts(8)]
-    peaks = {flag: rollout_peak(model, opt, rollout, tok, with_offload=flag, prompts=prompts)
-             for flag in (False, True)}
+    mem = {flag: rollout_memory(model, opt, rollout, with_offload=flag, prompts=prompts) for flag in (False, True)}
     step(model.chunks, opt, batch, micro_batch_size=8)  # training still works after the cycles
 
     r = dict(wrapper=type(model.chunks[0]).__name__, model_state_bytes=model_state, offload_bytes=nbytes,
              bytes_by_kind=stats["bytes_by_kind"], allocated_before=before, allocated_after=after,
              after_over_model_state=after / model_state, offload_s=statistics.median(offload_s),
              reload_s=statistics.median(reload_s), offload_s_all=offload_s, reload_s_all=reload_s,
-             rollout_peak_no_offload=peaks[False], rollout_peak_offload=peaks[True], bitwise_after_reload=bitwise,
-             twin_losses=twin_losses, **plain)
+             rollout_no_offload=mem[False], rollout_offload=mem[True], bitwise_after_reload=bitwise,
+             twin_losses=twin, **plain)
     r["offload_gb_per_s"] = nbytes / r["offload_s"] / 1e9
     r["reload_gb_per_s"] = nbytes / r["reload_s"] / 1e9
     if rt.rank == 0:
@@ -173,11 +179,11 @@ def main() -> None:
                 ("offload  s | GB/s", f"{r['offload_s']:.4f} | {r['offload_gb_per_s']:.2f}"),
                 ("reload   s | GB/s", f"{r['reload_s']:.4f} | {r['reload_gb_per_s']:.2f}"),
                 ("plain pinned copy H2D | D2H GB/s", f"{plain['h2d_gb_per_s']:.2f} | {plain['d2h_gb_per_s']:.2f}"),
-                ("rollout-phase peak no offload / offload",
-                 f"{peaks[False] / mib:.2f} / {peaks[True] / mib:.2f} MiB"),
+                *[(f"rollout {'with' if flag else 'without'} offload: allocated / peak",
+                   f"{m['allocated_at_start'] / mib:.2f} / {m['peak'] / mib:.2f} MiB") for flag, m in mem.items()],
                 (f"every shard bitwise after {args.repeats} cycles", str(bitwise)),
-                ("losses offloaded vs plain twin", f"identical={twin_losses['identical']} "
-                                                   f"{twin_losses['offloaded']} vs {twin_losses['plain']}")]
+                ("losses offloaded vs plain (same state)", f"identical={twin['identical']} "
+                                                          f"{twin['offloaded']} vs {twin['plain']}")]
         for name, value in rows:
             print(f"  {name:<42}{value}")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -102,7 +102,8 @@ def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
         del t._local_tensor.__create_chunk_list__, t._local_tensor.__create_write_items__
     preprocess_state_dict_for_uneven_dtensor(theirs)
     theirs = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt._dtensors(theirs)}
-    counts = torch.tensor([sum(any(c.offsets) for v in ours.values() for c in v), int(ours != theirs)])
+    counts = torch.tensor([sum(any(c.offsets) for v in ours.values() for c in v), int(ours != theirs)],
+                          device=runtime.current().device)  # NCCL reduces device tensors only
     dist.all_reduce(counts)  # over ranks: rank 0's offsets are all 0
     return dict(n=len(ours), equal=counts[1].item() == 0, nonzero_offsets=counts[0].item())
 
