@@ -4,6 +4,7 @@
 # under torchrun/NCCL. Each section prints its table and writes JSON under $RESULTS.
 #   bash scripts/gpu_check.sh                 # all sections
 #   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
+#   SECTIONS="throughput max_model" bash scripts/gpu_check.sh   # max_model runs only when listed
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -43,8 +44,13 @@ for s in $SECTIONS; do
                 section checkpoint_ddp  trun bench/checkpoint.py --layers 16 --hidden 1024 --heads 16 \
                   --vocab 32768 --seq 1024 --dtype bf16 --out "$RESULTS/checkpoint_ddp.json" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -x -p no:cacheprovider tests/test_checkpoint.py ;;  # NCCL, one GPU per rank
-    throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 4 \
-                  --global-batch 16 --steps 8 --warmup 2 --out "$RESULTS/throughput.json" ;;
+    # 7 modes x (build + 8 steps of ~0.7 s) + 3 profiled modes x 2 steps; traces: $RESULTS/throughput.<mode>.trace.json.gz
+    throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 6 --warmup 2 --profile \
+                  --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
+                  --out "$RESULTS/throughput.json" ;;
+    # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
+    max_model)  section max_model  trun bench/max_model.py --spec 7b --out "$RESULTS/max_model.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done
