@@ -20,6 +20,7 @@ def test_roundtrip_is_bitwise_and_frees_the_storages(workdir, fsdp):
     assert all(r["counts"][k] > 0 for k in ("model_weights", "main_grads", "optimizer_states"))
     assert all(v > 0 for k, v in r["by_kind"].items() if k != "main_weights" or fsdp)
     assert r["storage_bytes_offloaded"] == 0  # every device storage was really released
+    assert r["grad_copies"][0] > 0 and r["grad_copies"][1] == 0  # and the last step's grad copies dropped
     assert r["step_after_reload"] > 0
     for key in ("step_offloaded", "forward_offloaded", "optimizer_step_offloaded", "assert_resident"):
         assert r[key].startswith("OffloadedError") and "offload.reload(chunks, optimizer)" in r[key], key

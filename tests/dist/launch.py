@@ -30,6 +30,9 @@ def run(scenario: str, *, nproc: int = 2, timeout_s: float = 600, **kwargs) -> d
                str(HERE / "worker.py"), scenario, json.dumps(kwargs), str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:  # the free port was taken meanwhile: once more
+            cmd[4] = f"--master_port={free_port()}"
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode != 0 or not out.exists():
             raise AssertionError(f"{scenario} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
         return json.loads(out.read_text())

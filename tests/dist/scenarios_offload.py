@@ -36,6 +36,14 @@ def _error(fn) -> str:
     return "no error"
 
 
+def _grad_copies(chunks, opt) -> int:
+    """Grad tensors the optimizer step left behind (Megatron-FSDP's dist_main_grad, params' .grad)."""
+    from mfsdp_kit.memory import _inner_optimizers
+    n = sum(len(c.module.param_and_grad_buffer.dist_main_grad) for c in chunks if engine.is_fsdp(c))
+    return n + sum(p.grad is not None for o in _inner_optimizers(opt) for g in o.optimizer.param_groups
+                   for p in g["params"])
+
+
 def roundtrip(*, fsdp: bool, workdir: str) -> dict:
     """After one step: offload + reload restores every shard bitwise; misuse raises clearly."""
     cfg, src, tok = _setup(fsdp=fsdp, workdir=workdir)
@@ -45,7 +53,9 @@ def roundtrip(*, fsdp: bool, workdir: str) -> dict:
     result = dict(reload_first=_error(lambda: offload.reload(model.chunks, opt)))
     step(model.chunks, opt, batch, micro_batch_size=4)
     before = _snapshot(model.chunks, opt)
+    grads_before = _grad_copies(model.chunks, opt)
     stats = offload.offload(model.chunks, opt)
+    result["grad_copies"] = [grads_before, _grad_copies(model.chunks, opt)]
     live = offload.shard_tensors(model.chunks, opt)
     result.update(
         counts={k: len(v) for k, v in before.items()}, offload_bytes=stats["bytes"], by_kind=stats["bytes_by_kind"],
