@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${RESULTS:-${OUT:-runs/gpu}}
-SECTIONS=${SECTIONS:-parity roundtrip sft_grpo sync checkpoint gpu_tests throughput}
+SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput sft_grpo}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
@@ -38,11 +38,15 @@ for s in $SECTIONS; do
     parity)     section parity     trun bench/parity.py --dtype bf16 --out "$RESULTS/parity.json" ;;
     roundtrip)  section roundtrip  trun bench/roundtrip.py --size m --dtype bf16 --out "$RESULTS/roundtrip.json" ;;
     sft_grpo)   section sft_grpo   trun bench/sft_grpo.py --size m --out "$RESULTS/sft_grpo.json" ;;
-    sync)       section sync       trun bench/sync.py --size m --out "$RESULTS/sync.json" ;;
-    checkpoint) section checkpoint_fsdp trun bench/checkpoint.py --fsdp --layers 16 --hidden 1024 --heads 16 \
-                  --vocab 32768 --seq 1024 --dtype bf16 --out "$RESULTS/checkpoint_fsdp.json"
-                section checkpoint_ddp  trun bench/checkpoint.py --layers 16 --hidden 1024 --heads 16 \
-                  --vocab 32768 --seq 1024 --dtype bf16 --out "$RESULTS/checkpoint_ddp.json" ;;
+    sync)       section sync       trun bench/sync.py --size l --repeats 3 --out "$RESULTS/sync_l.json" ;;
+    offload)    section offload    trun bench/offload.py --size l --repeats 3 --out "$RESULTS/offload_l.json" ;;
+    checkpoint) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
+                section checkpoint_fsdp trun bench/checkpoint.py --fsdp $CK --out "$RESULTS/checkpoint_fsdp.json"
+                section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \
+                  --out "$RESULTS/checkpoint_fsdp_async.json"
+                section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -x -p no:cacheprovider tests/test_checkpoint.py ;;  # NCCL, one GPU per rank
     # 7 modes x (build + 8 steps of ~0.7 s) + 3 profiled modes x 2 steps; traces: $RESULTS/throughput.<mode>.trace.json.gz
     throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
