@@ -164,6 +164,27 @@ def restore_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
     return restored
 
 
+def release(chunks: Iterable[torch.nn.Module]) -> None:
+    """Make a model freeable before you drop it (a notebook that rebuilds models in one process).
+
+    megatron-core 0.16.1 keeps a dropped Megatron-FSDP model alive: every parameter's
+    grad-accumulation hook closes over the wrapper (a cycle through C++ that gc cannot break,
+    megatron_fsdp.py `_register_fsdp_hooks`), and `RotaryEmbedding.forward` is an lru_cache whose
+    keys hold the module (rotary_pos_embedding.py:177). This removes those hooks and clears that
+    cache; the chunks cannot train afterwards. Drop your references (chunks, optimizer), then
+    `gc.collect()` frees the memory.
+    """
+    import sys
+    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if rotary is not None:
+        rotary.RotaryEmbedding.forward.cache_clear()
+    for chunk in chunks:
+        if is_fsdp(chunk):
+            for handle in chunk.module.grad_acc_hooks.values():
+                handle.remove()
+            chunk.module.grad_acc_hooks = {}
+
+
 def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: EngineConfig):
     """Megatron's optimizer (Adam, distributed when `cfg.use_distributed_optimizer`) for `chunks`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -70,3 +70,22 @@ def hf_roundtrip(*, arch: str, tp: int, fsdp: bool, workdir: str) -> dict:
     """HF -> Megatron (wrapped) -> logits parity, exact export, one step, export, save_hf, reload."""
     from bench.roundtrip import roundtrip
     return roundtrip(arch=arch, size="xs", tp=tp, fsdp=fsdp, dtype="fp32", workdir=workdir)
+
+
+def release_frees(*, release: bool) -> dict:
+    """Build + train an FSDP model, drop it (with or without engine.release): is it freed?"""
+    import gc
+    import weakref
+    cfg = EngineConfig(use_megatron_fsdp=True)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
+    b = random_batches(steps=1, batch=4, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
+    step(chunks, opt, b, micro_batch_size=2)
+    alive = weakref.ref(chunks[0].module)
+    if release:
+        engine.release(chunks)
+    del chunks, opt
+    gc.collect()
+    runtime.shutdown()
+    return dict(freed=alive() is None)
