@@ -164,6 +164,24 @@ def restore_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
     return restored
 
 
+def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
+    """On CPU, finish the parameter all-gathers Megatron-FSDP prefetched for the next forward.
+
+    Megatron-FSDP always issues them asynchronously and leaves some in flight after a forward or
+    a step (overlap on GPU). Under gloo they write into bucket memory from gloo's thread while
+    later code may free it; our CPU stream/event stand-ins order nothing. Leaving none in
+    flight removed the rare heap corruption / SIGSEGV seen in CPU runs. No-op on GPU.
+    """
+    if torch.cuda.is_available():
+        return
+    for chunk in chunks:
+        if is_fsdp(chunk):
+            pipeline = chunk.module.all_gather_pipeline
+            while pipeline.param_gather_event_map:
+                bucket_id, bwd = next(iter(pipeline.param_gather_event_map))
+                pipeline.wait_bucket_ready(bucket_id, bwd)
+
+
 def release(chunks: Iterable[torch.nn.Module]) -> None:
     """Make a model freeable before you drop it (a notebook that rebuilds models in one process).
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import engine, runtime
 
 
 @torch.no_grad()
@@ -56,6 +56,7 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int
             tokens = torch.cat([tokens, _next_tokens(chunks, tokens).unsqueeze(1)], dim=1)
         for i, row in zip(share[:real], tokens[:real, length:].tolist()):
             out[i] = row[:row.index(eos_id) + 1] if eos_id in row else row
+    engine.settle_param_gathers(chunks)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
     return out

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import engine, runtime
 
 
 @dataclass
@@ -112,6 +112,7 @@ def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch
         forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
         num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
         forward_only=forward_only)
+    engine.settle_param_gathers(chunks)
     means, tokens = _reduce_logged(logged, rt.device)
     return means.pop("lm loss"), tokens, means
 
@@ -139,6 +140,7 @@ def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_
     optimizer.zero_grad()
     loss, tokens, metrics = forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
     ok, grad_norm, _ = optimizer.step()
+    engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
         raise NonFiniteLossError(f"step {step_index}: loss={loss} grad_norm={grad_norm} is not finite; training "

@@ -51,3 +51,10 @@ def test_release_lets_a_dropped_fsdp_model_be_freed():
     assert launch.run("release_frees", nproc=2, release=True)["freed"]
     # megatron-core 0.16.1 leaks it otherwise; when this fails upstream fixed it and release() can go
     assert not launch.run("release_frees", nproc=2, release=False)["freed"]
+
+
+def test_no_all_gather_left_in_flight_on_cpu():
+    settled = launch.run("pending_gathers", nproc=2, settle=True)
+    assert settled == dict(after_step=0, after_forward=0)
+    raw = launch.run("pending_gathers", nproc=2, settle=False)  # what Megatron-FSDP leaves by itself
+    assert raw["after_step"] > 0 and raw["after_forward"] > 0

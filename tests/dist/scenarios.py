@@ -8,7 +8,7 @@ from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
-from mfsdp_kit.train import Batch, step
+from mfsdp_kit.train import Batch, forward_backward, step
 
 SPEC = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
                seq_len_tokens=16)
@@ -89,3 +89,22 @@ def release_frees(*, release: bool) -> dict:
     gc.collect()
     runtime.shutdown()
     return dict(freed=alive() is None)
+
+
+def pending_gathers(*, settle: bool) -> dict:
+    """In-flight Megatron-FSDP all-gathers left after a training step and a forward-only pass
+    (CPU/gloo), with engine.settle_param_gathers as train/generate call it, or disabled."""
+    if not settle:
+        engine.settle_param_gathers = lambda chunks: None
+    cfg = EngineConfig(use_megatron_fsdp=True)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
+    b = random_batches(steps=1, batch=4, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
+    pending = lambda: len(chunks[0].module.all_gather_pipeline.param_gather_event_map)  # noqa: E731
+    step(chunks, opt, b, micro_batch_size=2)
+    after_step = pending()
+    forward_backward(chunks, b, micro_batch_size=2, forward_only=True)
+    after_forward = pending()
+    runtime.shutdown()
+    return dict(after_step=after_step, after_forward=after_forward)
