@@ -191,9 +191,9 @@ def ddp_config(cfg: EngineConfig):
     if cfg.use_megatron_fsdp:
         kwargs.update(FSDP_DDP_DEFAULTS)
         if not _cuda_available():
-            # gloo has no PREMUL_SUM reduce op (megatron_fsdp/param_and_grad_buffer.py:4748), and
-            # on CPU the stream/event stand-ins do not order async collectives against buffer
-            # frees, so communication runs synchronously (overlap is a GPU optimisation anyway).
+            # gloo has no PREMUL_SUM reduce op (megatron_fsdp/param_and_grad_buffer.py:4748).
+            # The overlap flags are asked off, but Megatron-FSDP turns them back on when it fully
+            # shards (megatron_fsdp.py:274-279): engine.settle_param_gathers does the CPU safety.
             kwargs.update(gradient_reduce_div_fusion=False, overlap_grad_reduce=False, overlap_param_gather=False)
     kwargs.update(cfg.override_ddp_config)
     return DistributedDataParallelConfig(**kwargs)
