@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${RESULTS:-${OUT:-runs/gpu}}
-SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput sft_grpo}
+SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 sft_grpo}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
@@ -53,6 +53,10 @@ for s in $SECTIONS; do
                   --global-batch 32 --steps 6 --warmup 2 --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
                   --out "$RESULTS/throughput.json" ;;
+    # the 1-GPU column of the same comparison (issue 9 asks for 1 and 2 GPUs)
+    throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
+                  bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \
+                  --steps 6 --warmup 2 --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
     # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
     max_model)  section max_model  trun bench/max_model.py --spec 7b --out "$RESULTS/max_model.json" ;;
     *) echo "unknown section $s"; status=1 ;;
