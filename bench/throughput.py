@@ -147,18 +147,13 @@ def free_memory() -> None:
       rotary_pos_embedding.py:177) whose keys hold the module, and the state-dict hooks that
       Megatron-FSDP puts on every submodule hold the wrapper;
     - each parameter's post-accumulate-grad hook (megatron_fsdp.py, `_register_fsdp_hooks`)
-      closes over the wrapper, a cycle through C++ that gc cannot collect: removed here;
-    - Megatron-FSDP's module-level buffer pool (megatron_fsdp/utils.py, fsdp_double_buffer)."""
-    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
-    if rotary is not None:
-        rotary.RotaryEmbedding.forward.cache_clear()
+      closes over the wrapper, a cycle through C++ that gc cannot collect;
+    - Megatron-FSDP's module-level buffer pool (megatron_fsdp/utils.py, fsdp_double_buffer).
+    `engine.release` undoes the first two for every MegatronFSDP gc still sees (also one whose
+    wrapper failed to build, e.g. in an OOM trial of bench/max_model.py); the pool is reset here."""
     fsdp = sys.modules.get("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
-    if fsdp is not None:
-        for obj in gc.get_objects():
-            if issubclass(type(obj), fsdp.MegatronFSDP):  # type(): no __getattr__ on odd objects
-                for handle in getattr(obj, "grad_acc_hooks", {}).values():
-                    handle.remove()
-                obj.grad_acc_hooks = {}
+    engine.release([] if fsdp is None else  # type(): no __getattr__ on odd objects
+                   [obj for obj in gc.get_objects() if issubclass(type(obj), fsdp.MegatronFSDP)])
     fsdp_utils = sys.modules.get("megatron.core.distributed.fsdp.src.megatron_fsdp.utils")
     if fsdp_utils is not None:
         fsdp_utils._GLOBAL_MEMORY_BUFFER = None

@@ -189,18 +189,21 @@ def release(chunks: Iterable[torch.nn.Module]) -> None:
     grad-accumulation hook closes over the wrapper (a cycle through C++ that gc cannot break,
     megatron_fsdp.py `_register_fsdp_hooks`), and `RotaryEmbedding.forward` is an lru_cache whose
     keys hold the module (rotary_pos_embedding.py:177). This removes those hooks and clears that
-    cache; the chunks cannot train afterwards. Drop your references (chunks, optimizer), then
+    cache; the chunks cannot train afterwards. `chunks` may also hold bare MegatronFSDP modules
+    (a benchmark that finds them with gc). Drop your references (chunks, optimizer), then
     `gc.collect()` frees the memory.
     """
     import sys
     rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
     if rotary is not None:
         rotary.RotaryEmbedding.forward.cache_clear()
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
     for chunk in chunks:
-        if is_fsdp(chunk):
-            for handle in chunk.module.grad_acc_hooks.values():
+        inner = chunk.module if is_fsdp(chunk) else chunk
+        if isinstance(inner, MegatronFSDP):
+            for handle in getattr(inner, "grad_acc_hooks", {}).values():  # absent if its init failed
                 handle.remove()
-            chunk.module.grad_acc_hooks = {}
+            inner.grad_acc_hooks = {}
 
 
 def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: EngineConfig):
