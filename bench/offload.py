@@ -12,8 +12,8 @@ ceiling), and the peak allocated during a GRPO-like rollout phase (refresh a rol
 sample): allocated when sampling starts and the peak while it samples, with and without
 offload. Also: every shard bitwise after the cycles, and the losses of a few steps run twice
 from one state (restored from a host snapshot), plainly and with offload + reload before every
-step (same batches: must be identical, bf16 on GPU too). On CPU allocator numbers are 0 and "host->device" is a
-host->host copy: the run checks the code path, not the numbers.
+step (same batches: must be identical, bf16 on GPU too). On CPU allocator numbers are 0 and
+"host->device" is a host->host copy: the run checks the code path, not the numbers.
 """
 from __future__ import annotations
 

@@ -628,9 +628,9 @@ def _attach_chunk(t, chunk) -> None:
         local = tensor.to_local()
         if local.numel() == 0:
             return []
+        properties = TensorProperties.create_from_tensor(local)
         return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets),
-                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local),
-                                                      size=tensor.size()))]
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=tensor.size()))]
     t._local_tensor.__create_chunk_list__ = lambda: [chunk]
     t._local_tensor.__create_write_items__ = write_items
 
