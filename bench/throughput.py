@@ -12,7 +12,8 @@ All modes train the SAME megatron GPT (local spec, same attention backend, seed,
 - fsdp2: torch `fully_shard` per TransformerLayer then the root, MixedPrecisionPolicy(bf16
          params, fp32 reduce), torch AdamW (fused on GPU) on the fp32 sharded params.
 Named variants change one knob of `fsdp` (VARIANTS below), so each knob is measured in the same
-run as its baseline: fsdp-no-overlap, fsdp-unit2x, fsdp-unit-min, fsdp-recompute, fsdp-optoffload.
+run as its baseline: fsdp-no-overlap, fsdp-unit2x, fsdp-unit-min, fsdp-recompute, fsdp-optoffload,
+fsdp-unfused (with --fused-kernels: the same model without them).
 Each mode runs in turn in the same processes; memory is freed between modes and an OOM (or
 any error) is recorded for that mode and the next one runs.
 
@@ -115,6 +116,8 @@ VARIANTS = {
     "fsdp-recompute": ("fsdp", dict(recompute="full")),
     # issue 10: Adam moments + fp32 main weights (12 B/param / N) on the host between steps
     "fsdp-optoffload": ("fsdp", dict(optimizer_offload=True)),
+    # the effect of --fused-kernels in the same run (megatron's unfused RoPE and SwiGLU)
+    "fsdp-unfused": ("fsdp", dict(fused_kernels=False)),
 }
 
 
@@ -177,7 +180,7 @@ def engine_config(args, mode: str, spec: GPTSpec) -> EngineConfig:
     on_gpu = torch.cuda.is_available()
     fields = dict(
         use_megatron_fsdp=trainer == "fsdp", dtype=args.dtype, attention_backend=args.attention,
-        recompute=args.recompute, seed=1234, override_ddp_config=ddp_overrides,
+        recompute=args.recompute, fused_kernels=args.fused_kernels, seed=1234, override_ddp_config=ddp_overrides,
         # Initialise on the GPU: CPU init of billions of parameters takes minutes.
         override_transformer_config=dict(use_cpu_initialization=False) if on_gpu else {})
     return EngineConfig(**{**fields, **overrides})
@@ -185,15 +188,54 @@ def engine_config(args, mode: str, spec: GPTSpec) -> EngineConfig:
 
 # ---- trainers: build, then step / report memory / settle --------------------------------------
 Trainer = namedtuple("Trainer", "step memory settle")
+
+
+class PhasePeaks:
+    """Peak allocated bytes of the forward/backward phase and of the optimizer step, kept apart:
+    `before_step()` ends a forward/backward, `after_step()` ends an optimizer step. It resets
+    torch's peak counter at each boundary, so `overall()` is the bench's whole-run peak.
+    record=False leaves the counter alone (bench/max_model.py reads torch's own peaks)."""
+
+    def __init__(self, record: bool = True):
+        self.record = record
+        self.peaks = {"forward_backward": 0, "optimizer_step": 0}
+
+    def _close(self, phase: str) -> None:
+        if self.record and torch.cuda.is_available():
+            self.peaks[phase] = max(self.peaks[phase], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def before_step(self) -> None:
+        self._close("forward_backward")
+
+    def after_step(self) -> None:
+        self._close("optimizer_step")
+
+    def overall(self) -> int:
+        current = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        return max(current, *self.peaks.values())
+
+
+def _record_step_phases(opt, peaks: PhasePeaks) -> None:
+    """Make `opt.step()` (called inside train.step) mark the phase boundaries around itself."""
+    inner = opt.step
+
+    def step_with_phases(*a, **kw):
+        peaks.before_step()
+        out = inner(*a, **kw)
+        peaks.after_step()
+        return out
+    opt.step = step_with_phases
 """step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
 settle() waits for the communication a step may leave in flight (Megatron-FSDP's prefetched
 all-gathers), so its handles are released now, not later by the garbage collector."""
 
 
-def build_megatron(cfg: EngineConfig, spec: GPTSpec, args) -> Trainer:
+def build_megatron(cfg: EngineConfig, spec: GPTSpec, args, peaks: PhasePeaks) -> Trainer:
     """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam."""
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4, clip_grad=1.0), cfg)
+    _record_step_phases(opt, peaks)
 
     def train_step(batch: Batch, i: int) -> float:
         return step(chunks, opt, batch, micro_batch_size=args.micro_batch_size, step_index=i).loss
@@ -203,7 +245,7 @@ def build_megatron(cfg: EngineConfig, spec: GPTSpec, args) -> Trainer:
     return Trainer(train_step, lambda: memory_report(chunks, opt).as_dict(), settle)
 
 
-def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, args) -> Trainer:
+def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, args, peaks: PhasePeaks) -> Trainer:
     """The same megatron GPT under torch's fully_shard, stepped by torch AdamW."""
     from megatron.core import tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
@@ -225,15 +267,18 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, args) -> Trainer:
     def train_step(batch: Batch, i: int) -> float:
         opt.zero_grad(set_to_none=True)
         loss = _fsdp2_forward_backward(model, batch, args.micro_batch_size, rt)
+        peaks.before_step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        peaks.after_step()
         return loss
     return Trainer(train_step, lambda: _fsdp2_memory(model, opt, spec), lambda: None)
 
 
-def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, args) -> Trainer:
+def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, args, peaks: PhasePeaks | None = None) -> Trainer:
     """The Trainer of `mode`: megatron's (ddp, fsdp and its variants) or torch FSDP2's."""
-    return (build_fsdp2 if VARIANTS[mode][0] == "fsdp2" else build_megatron)(cfg, spec, args)
+    build = build_fsdp2 if VARIANTS[mode][0] == "fsdp2" else build_megatron
+    return build(cfg, spec, args, peaks or PhasePeaks(record=False))
 
 
 def _fsdp2_forward_backward(model, batch: Batch, micro_batch_size: int, rt) -> float:
@@ -388,7 +433,8 @@ def trace_path(out: str, mode: str) -> str:
 def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args) -> dict:
     """Build, time every step of `data`, report memory, optionally profile. The model lives in
     this frame only, so it is freed when this returns or its exception is handled."""
-    trainer = build_trainer(mode, cfg, spec, args)
+    peaks = PhasePeaks()
+    trainer = build_trainer(mode, cfg, spec, args, peaks)
     times, losses = [], []
     for i, b in enumerate(data):
         _sync()
@@ -396,7 +442,8 @@ def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args)
         losses.append(trainer.step(b, i))
         _sync()
         times.append(time.perf_counter() - t0)
-    out = dict(times=times, losses=losses, memory=trainer.memory())
+    out = dict(times=times, losses=losses, memory=trainer.memory(), phase_peaks=dict(peaks.peaks),
+               peak=peaks.overall())
     if args.profile and mode in args.profile_modes:
         out["profile"] = profile_steps(trainer, data, trace_path(args.out, mode))
     trainer.settle()
@@ -417,6 +464,8 @@ def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
         if rt.rank == 0:
             traceback.print_exc()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    if result is not None:
+        peak = max(peak, result["peak"])
     runtime.shutdown()
     free_memory()
     kind = VARIANTS[mode][0]
@@ -432,7 +481,7 @@ def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
     return dict(mode=mode, variant=variant, step_s=step_s, step_times_s=result["times"], losses=result["losses"],
                 tokens_per_s_per_gpu=tokens_per_s_gpu,
                 mfu=tokens_per_s_gpu * flops_per_token(spec) / PEAK_FLOPS_PER_GPU,
-                peak_bytes=peak, memory=mem, zero_formula_bytes=formula,
+                peak_bytes=peak, phase_peak_bytes=result["phase_peaks"], memory=mem, zero_formula_bytes=formula,
                 model_state_vs_16_bytes_per_param=mem["model_state_bytes"] / (16 * spec.param_count() / rt.dp_size),
                 **({"profile": result["profile"]} if "profile" in result else {}))
 
@@ -457,7 +506,8 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
     scale, pu = (1e9, "B") if big else (1e6, "M")
     print(f"\n{args.spec}: {spec.param_count() / scale:.3f} {pu} params (N for FLOPs = {matmul_params(spec) / scale:.3f} {pu}, "
           f"input embedding excluded), L={spec.num_layers} H={spec.hidden_size} S={spec.seq_len_tokens}, "
-          f"{args.dtype}, attention={args.attention}, recompute={args.recompute}, world={world}, "
+          f"{args.dtype}, attention={args.attention}, recompute={args.recompute}, "
+          f"fused_kernels={args.fused_kernels}, world={world}, "
           f"micro-batch {args.micro_batch_size}, global batch {args.global_batch} x {spec.seq_len_tokens} tokens")
     print(f"FLOPs/token = 6*N + 12*L*H*S = {flops_per_token(spec) / 1e9:.2f} GFLOP; "
           f"MFU peak {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s/GPU (bf16 dense H100/H200)")
@@ -469,6 +519,8 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
     print(_row("tokens/s/GPU", results, lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"))
     print(_row("MFU %", results, lambda r: f"{100 * r['mfu']:.1f}"))
     print(_row(f"peak {unit}/GPU", results, lambda r: f"{r['peak_bytes'] / gib:.2f}"))
+    for phase in ("forward_backward", "optimizer_step"):
+        print(_row(f"  peak in {phase}", results, lambda r: f"{r['phase_peak_bytes'][phase] / gib:.2f}"))
     print(_row(f"model state {unit}/GPU", results, lambda r: f"{r['memory']['model_state_bytes'] / gib:.3f}"))
     print(_row("  / (16 B * params / dp)", results, lambda r: f"{r['model_state_vs_16_bytes_per_param']:.3f}"))
     print(_row(f"ZeRO formula {unit}/GPU", results, lambda r: f"{r['zero_formula_bytes'] / gib:.3f}"))
@@ -544,6 +596,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention", default="sdpa", choices=["local", "sdpa"])
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--fused-kernels", action="store_true", help="EngineConfig.fused_kernels: compiled RoPE + SwiGLU")
     ap.add_argument("--fsdp-overrides", default='{"overlap_param_gather": true}',
                     help="JSON for EngineConfig.override_ddp_config in the fsdp modes")
     ap.add_argument("--ddp-overrides", default='{"overlap_grad_reduce": true}',

@@ -63,6 +63,9 @@ class EngineConfig:
     """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels)."""
     recompute: str = "none"
     """Activation recompute: "none" | "selective" (core attention) | "full" (whole layers)."""
+    fused_kernels: bool = False
+    """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`):
+    their unfused kernels are ~20 % of a GPU step on the local spec. The first step compiles."""
     seed: int = 1234
     """Seed for parameter init and the per-rank RNG tracker."""
     optimizer_offload: bool = False
@@ -99,6 +102,8 @@ class EngineConfig:
             raise _bad("attention_backend", self.attention_backend, " | ".join(ATTENTION_BACKENDS))
         if self.recompute not in RECOMPUTE:
             raise _bad("recompute", self.recompute, " | ".join(RECOMPUTE))
+        if not isinstance(self.fused_kernels, bool):
+            raise _bad("fused_kernels", self.fused_kernels, "True | False")
         if not isinstance(self.optimizer_offload, bool):
             raise _bad("optimizer_offload", self.optimizer_offload, "True | False")
         if self.use_megatron_fsdp and not self.use_distributed_optimizer:

@@ -54,15 +54,20 @@ for s in $SECTIONS; do
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -x -p no:cacheprovider tests/test_checkpoint.py ;;  # NCCL, one GPU per rank
-    # 7 modes x (build + 8 steps of ~0.7 s) + 3 profiled modes x 2 steps; traces: $RESULTS/throughput.<mode>.trace.json.gz
+    # headline (issue 9): fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
+    # profile of ddp/fsdp/fsdp2; traces: $RESULTS/throughput.<mode>.trace.json.gz
     throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
-                  --global-batch 32 --steps 6 --warmup 2 --profile \
+                  --global-batch 32 --steps 6 --warmup 2 --fused-kernels --profile \
+                  --modes ddp,fsdp,fsdp2,fsdp-unfused --out "$RESULTS/throughput.json" ;;
+    # the FSDP knobs, unfused (docs/results/h200x2/throughput_knobs.json); not in the default SECTIONS
+    throughput_knobs) section throughput_knobs trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
-                  --out "$RESULTS/throughput.json" ;;
+                  --out "$RESULTS/throughput_knobs.json" ;;
     # the 1-GPU column of the same comparison (issue 9 asks for 1 and 2 GPUs)
     throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
                   bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \
-                  --steps 6 --warmup 2 --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
+                  --steps 6 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
     # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
     max_model)  section max_model  trun bench/max_model.py --spec 7b --out "$RESULTS/max_model.json" ;;
     *) echo "unknown section $s"; status=1 ;;

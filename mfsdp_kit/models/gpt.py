@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
+from . import fusions
 
 
 @dataclass(kw_only=True)
@@ -54,6 +55,7 @@ def transformer_config(spec: GPTSpec, cfg: EngineConfig):
         bias_dropout_fusion=False, apply_rope_fusion=False,
         **recompute[cfg.recompute],
     )
+    kwargs.update(fusions.transformer_settings(cfg.fused_kernels))
     kwargs.update(cfg.override_transformer_config)
     return TransformerConfig(**kwargs)
 

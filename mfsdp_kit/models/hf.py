@@ -19,6 +19,7 @@ import torch
 
 from .. import engine
 from ..config import EngineConfig
+from . import fusions
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
@@ -122,6 +123,7 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     )
     if not HAVE_TE:
         settings.update(FUSIONS_OFF)
+        settings.update(fusions.transformer_settings(cfg.fused_kernels))
     if cfg.recompute != "none":
         settings.update(recompute_granularity=cfg.recompute)
         if cfg.recompute == "full":

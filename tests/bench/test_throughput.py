@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from bench.throughput import (SPECS, VARIANTS, GpuActivity, covered, engine_config, exposed, gpu_activities,
-                              intersection, layer_params, megatron_default_unit_elements, timeline_summary, union)
+from bench.throughput import (SPECS, VARIANTS, GpuActivity, PhasePeaks, _record_step_phases, covered, engine_config,
+                              exposed, gpu_activities, intersection, layer_params, megatron_default_unit_elements,
+                              timeline_summary, union)
 
 
 # ---- intervals ---------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_timeline_summary_without_gpu_activity():
 
 # ---- variants ----------------------------------------------------------------------------------
 def _args(**kw):
-    base = dict(dtype="bf16", attention="sdpa", recompute="none", fsdp_overrides='{"overlap_param_gather": true}',
+    base = dict(dtype="bf16", attention="sdpa", recompute="none", fused_kernels=False, fsdp_overrides='{"overlap_param_gather": true}',
                 ddp_overrides='{"overlap_grad_reduce": true}')
     return argparse.Namespace(**{**base, **kw})
 
@@ -110,8 +111,26 @@ def test_variant_configs():
     for m, c in cfg.items():  # each variant changes only what it names
         base = cfg[VARIANTS[m][0]]
         changed = {k for k, v in c.to_dict().items() if v != base.to_dict()[k]}
-        assert changed <= {"override_ddp_config", "recompute", "optimizer_offload"}, (m, changed)
-        assert c.dtype == "bf16" and c.attention_backend == "sdpa"
+        assert changed <= {"override_ddp_config", "recompute", "optimizer_offload", "fused_kernels"}, (m, changed)
+        assert c.dtype == "bf16" and c.attention_backend == "sdpa" and not c.fused_kernels
+    fused = {m: engine_config(_args(fused_kernels=True), m, spec).fused_kernels for m in VARIANTS}
+    assert fused == {m: m != "fsdp-unfused" for m in VARIANTS}
+
+
+def test_phase_boundaries_wrap_the_optimizer_step():
+    calls = []
+
+    class Opt:
+        def step(self):
+            calls.append("step")
+            return "out"
+
+    class Peaks(PhasePeaks):
+        def _close(self, phase):
+            calls.append(phase)
+    opt = Opt()
+    _record_step_phases(opt, Peaks())
+    assert opt.step() == "out" and calls == ["forward_backward", "step", "optimizer_step"]
 
 
 def _megatron_fsdp_source() -> str:

@@ -1,0 +1,73 @@
+"""fused_kernels=True (compiled RoPE + megatron's fused SwiGLU) vs megatron's unfused path, fp32, one
+gloo rank: same outputs, same grads. The compiled kernels come from torch.compile (C++ on CPU)."""
+import pytest
+import torch
+
+from mfsdp_kit import engine, runtime
+from mfsdp_kit.config import ConfigError, EngineConfig
+from mfsdp_kit.models import GPTSpec, fusions, gpt_model_fn
+
+TOL = 1e-5  # fp32: the compiled kernels round once where eager rounds after every op
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    from tests.dist.launch import free_port
+    runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())
+    yield
+    runtime.shutdown()
+
+
+@pytest.mark.parametrize("rot_dim", [16, 8], ids=["full", "partial"])
+def test_rope_matches_megatron_unfused(rot_dim):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(12, 2, 4, 16, generator=g)
+    freqs = torch.rand(12, 1, 1, rot_dim, generator=g) * 6.28
+    weights = torch.randn(t.shape, generator=g)  # a loss that sees every output
+    outs, grads = [], []
+    for fn in (_apply_rotary_pos_emb_bshd, fusions.rope):
+        x = t.clone().requires_grad_()
+        out = fn(x, freqs)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+        grads.append(x.grad)
+    assert (outs[0] - outs[1]).abs().max().item() < TOL
+    assert (grads[0] - grads[1]).abs().max().item() < TOL
+    if rot_dim < 16:  # the dims past rot_dim pass through untouched
+        assert torch.equal(outs[1][..., rot_dim:], t[..., rot_dim:])
+
+
+def test_install_fills_only_the_empty_slot():
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    assert fusions.install() is (not HAVE_TE)
+    assert (rope_utils.fused_apply_rotary_pos_emb is fusions.rope) is (not HAVE_TE)
+    assert fusions.transformer_settings(False) == {}
+
+
+def test_whole_gpt_loss_and_grads_match_unfused():
+    """The kit's GPT, same seed and tokens: fused_kernels=True gives the unfused loss and grads, and
+    really runs the fused paths (megatron's flags are set in the model's config)."""
+    spec = GPTSpec(hidden_size=64, num_attention_heads=8, num_query_groups=2)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len_tokens + 1), generator=g)
+    pos = torch.arange(spec.seq_len_tokens).unsqueeze(0).expand(2, -1)
+    losses, grads = {}, {}
+    for fused in (False, True):
+        cfg = EngineConfig(fused_kernels=fused)
+        runtime.set_seed(cfg.seed)
+        model = engine.build(cfg, gpt_model_fn(spec, cfg), wrap=False)[0]
+        assert model.config.apply_rope_fusion is fused and model.config.bias_activation_fusion is fused
+        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
+        loss.backward()
+        losses[fused] = loss.item()
+        grads[fused] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    print("losses", losses, "grad max|diff|", (grads[False] - grads[True]).abs().max().item())
+    assert abs(losses[False] - losses[True]) < TOL
+    assert (grads[False] - grads[True]).abs().max().item() < TOL
+
+
+def test_bad_value_is_named():
+    with pytest.raises(ConfigError, match="fused_kernels"):
+        EngineConfig(fused_kernels="yes").validate(world_size=1, on_gpu=False)
