@@ -59,6 +59,14 @@ for s in $SECTIONS; do
     throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 6 --warmup 2 --fused-kernels --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-unfused --out "$RESULTS/throughput.json" ;;
+    # two ways to cut FSDP's per-step all-gathers / their cost (not in the default SECTIONS):
+    # one micro-batch of 16 per rank (weights gathered once per step, not twice), and NCCL's Simple protocol
+    throughput_mb16) section throughput_mb16 trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 --fused-kernels --profile \
+                  --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_mb16.json" ;;
+    throughput_simple) NCCL_PROTO=Simple section throughput_simple trun bench/throughput.py --spec 1.7b \
+                  --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
+                  --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
     # the FSDP knobs, unfused (docs/results/h200x2/throughput_knobs.json); not in the default SECTIONS
     throughput_knobs) section throughput_knobs trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \
