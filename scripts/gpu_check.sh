@@ -64,6 +64,10 @@ for s in $SECTIONS; do
     throughput_mb16) section throughput_mb16 trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 --fused-kernels --profile \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_mb16.json" ;;
+    # FSDP's prefetch budget (suggested_communication_unit_size) against its peak memory, at mb 16
+    throughput_unit) section throughput_unit trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
+                  --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit.json" ;;
     throughput_simple) NCCL_PROTO=Simple section throughput_simple trun bench/throughput.py --spec 1.7b \
                   --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
@@ -77,7 +81,7 @@ for s in $SECTIONS; do
                   bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \
                   --steps 6 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
     # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
-    max_model)  section max_model  trun bench/max_model.py --spec 7b --out "$RESULTS/max_model.json" ;;
+    max_model)  section max_model  trun bench/max_model.py --spec 7b --max-trials 8 --out "$RESULTS/max_model.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done
