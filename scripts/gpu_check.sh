@@ -68,6 +68,9 @@ for s in $SECTIONS; do
     throughput_unit) section throughput_unit trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit.json" ;;
+    throughput_unit8) section throughput_unit8 trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
+                  --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit8.json" ;;
     throughput_simple) NCCL_PROTO=Simple section throughput_simple trun bench/throughput.py --spec 1.7b \
                   --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
