@@ -537,7 +537,7 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
     for m, r in results.items():
         if "error" in r:
             print(f"{m}: FAILED {r['error']}")
-    print("\ntargets (GPU, 1.7b on 2 GPUs):")
+    print(f"\ntargets (issue 9 states them for the 1.7b spec on 2 GPUs; this run: {args.spec}, {world} GPU(s)):")
     for line in targets(results):
         print("  " + line)
 
