@@ -71,6 +71,10 @@ for s in $SECTIONS; do
     throughput_unit8) section throughput_unit8 trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit8.json" ;;
+    # the large end (issue 9: "and the largest size that fits"): 7b spec, mb 2, where all three modes fit
+    throughput_7b) section throughput_7b trun bench/throughput.py --spec 7b --attention sdpa \
+                  --micro-batch-size 2 --global-batch 8 --steps 4 --warmup 2 --fused-kernels \
+                  --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_7b.json" ;;
     throughput_simple) NCCL_PROTO=Simple section throughput_simple trun bench/throughput.py --spec 1.7b \
                   --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
