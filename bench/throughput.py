@@ -188,6 +188,9 @@ def engine_config(args, mode: str, spec: GPTSpec) -> EngineConfig:
 
 # ---- trainers: build, then step / report memory / settle --------------------------------------
 Trainer = namedtuple("Trainer", "step memory settle")
+"""step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
+settle() waits for the communication a step may leave in flight (Megatron-FSDP's prefetched
+all-gathers), so its handles are released now, not later by the garbage collector."""
 
 
 class PhasePeaks:
@@ -226,9 +229,6 @@ def _record_step_phases(opt, peaks: PhasePeaks) -> None:
         peaks.after_step()
         return out
     opt.step = step_with_phases
-"""step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
-settle() waits for the communication a step may leave in flight (Megatron-FSDP's prefetched
-all-gathers), so its handles are released now, not later by the garbage collector."""
 
 
 def build_megatron(cfg: EngineConfig, spec: GPTSpec, args, peaks: PhasePeaks) -> Trainer:
@@ -430,10 +430,9 @@ def trace_path(out: str, mode: str) -> str:
 
 
 # ---- one mode, guarded ----------------------------------------------------------------------
-def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args) -> dict:
+def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args, peaks: PhasePeaks) -> dict:
     """Build, time every step of `data`, report memory, optionally profile. The model lives in
     this frame only, so it is freed when this returns or its exception is handled."""
-    peaks = PhasePeaks()
     trainer = build_trainer(mode, cfg, spec, args, peaks)
     times, losses = [], []
     for i, b in enumerate(data):
@@ -442,8 +441,9 @@ def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args)
         losses.append(trainer.step(b, i))
         _sync()
         times.append(time.perf_counter() - t0)
-    out = dict(times=times, losses=losses, memory=trainer.memory(), phase_peaks=dict(peaks.peaks),
-               peak=peaks.overall())
+    memory = trainer.memory()  # its activation peak: whole run, not since the last phase reset
+    memory["activations_peak_bytes"] = max(peaks.overall() - memory["model_state_bytes"], 0)
+    out = dict(times=times, losses=losses, memory=memory, phase_peaks=dict(peaks.peaks))
     if args.profile and mode in args.profile_modes:
         out["profile"] = profile_steps(trainer, data, trace_path(args.out, mode))
     trainer.settle()
@@ -454,18 +454,16 @@ def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
     cfg = engine_config(args, mode, spec)
     rt = runtime.init(cfg, timeout_s=args.timeout_s)
     free_memory()
-    result, error = None, None
+    result, error, peaks = None, None, PhasePeaks()
     try:
-        result = _train(mode, cfg, spec, data, args)
+        result = _train(mode, cfg, spec, data, args, peaks)
     except torch.OutOfMemoryError as e:
         error = f"OOM: {str(e).splitlines()[0]}"
     except Exception as e:  # noqa: BLE001 - a failing mode must not hide the others
         error = f"{type(e).__name__}: {str(e)[:500]}"
         if rt.rank == 0:
             traceback.print_exc()
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    if result is not None:
-        peak = max(peak, result["peak"])
+    peak = peaks.overall()
     runtime.shutdown()
     free_memory()
     kind = VARIANTS[mode][0]

@@ -46,7 +46,8 @@ for s in $SECTIONS; do
                   --out "$RESULTS/sft_grpo.json" ;;
     # longer GRPO from the start model sft_grpo saved (runs/ survives between calls on a warm node):
     # 90 iterations of 64 x 16 samples against 90 gold-SFT steps; not in the default SECTIONS
-    grpo_long)  section grpo_long  trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --rl-sft-steps 0 \
+    grpo_long)  [ -d runs/m3d_start ] || { echo "grpo_long: runs/m3d_start missing: run SECTIONS=sft_grpo first"; status=1; continue; }
+                section grpo_long  trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --rl-sft-steps 0 \
                   --init-from runs/m3d_start --save-rl-start /tmp/m3d_copy --ceiling-sft-steps 90 \
                   --grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits \
                   --grpo-lr 3e-5 --grpo-warmup 3 --grpo-iterations 90 --grpo-eval-every 15 \

@@ -9,7 +9,11 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
 - RoPE: megatron calls `rope_utils.fused_apply_rotary_pos_emb(t, freqs, interleaved=)` when
   `apply_rope_fusion` is set; that slot holds TE's kernel, or None without TE. `install()` puts
   megatron's own unfused `_apply_rotary_pos_emb_bshd`, compiled, in the empty slot, so the
-  math is megatron's and only the kernel count changes.
+  math is megatron's and only the kernel count changes (equal in fp32; in bf16 the compiled kernel
+  rounds once where eager rounds after each op).
+Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
+(silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
+TE) and plain RoPE (not interleaved, not multi-latent attention).
 The first step compiles (Triton on GPU, a C++ compiler on CPU); a new sequence length compiles
 once more, then shapes are dynamic.
 """
@@ -39,10 +43,27 @@ def install() -> bool:
     return True
 
 
-def transformer_settings(fused_kernels: bool) -> dict:
-    """TransformerConfig fields for `EngineConfig.fused_kernels` (installs the RoPE kernel first:
-    TransformerConfig checks the slot when apply_rope_fusion is set)."""
+def transformer_settings(fused_kernels: bool, model_config) -> dict:
+    """TransformerConfig fields for `EngineConfig.fused_kernels` on `model_config` (the kwargs dict
+    of a TransformerConfig, or a Megatron-Bridge provider). Installs the RoPE kernel first:
+    TransformerConfig checks the slot when apply_rope_fusion is set. Raises ConfigError when neither
+    fusion applies to the model."""
     if not fused_kernels:
         return {}
-    install()
-    return dict(apply_rope_fusion=True, bias_activation_fusion=True)
+    import torch.nn.functional as F
+    from ..config import ConfigError
+    get = model_config.get if isinstance(model_config, dict) else lambda k, d=None: getattr(model_config, k, d)
+    act, glu = get("activation_func"), get("gated_linear_unit", False)
+    interleaved, mla = get("rotary_interleaved", False), get("multi_latent_attention", False)
+    settings = {}
+    if act is F.silu and glu:
+        settings["bias_activation_fusion"] = True
+    if not interleaved and not mla:
+        install()
+        settings["apply_rope_fusion"] = True
+    if not settings:
+        raise ConfigError(f"fused_kernels=True is not allowed for this model (activation "
+                          f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
+                          f"{interleaved}, multi_latent_attention={mla}); allowed: False, or True for models "
+                          f"with SwiGLU and/or plain RoPE")
+    return settings

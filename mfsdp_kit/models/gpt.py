@@ -55,8 +55,9 @@ def transformer_config(spec: GPTSpec, cfg: EngineConfig):
         bias_dropout_fusion=False, apply_rope_fusion=False,
         **recompute[cfg.recompute],
     )
-    kwargs.update(fusions.transformer_settings(cfg.fused_kernels))
     kwargs.update(cfg.override_transformer_config)
+    fused = fusions.transformer_settings(cfg.fused_kernels, kwargs)
+    kwargs.update({**fused, **cfg.override_transformer_config})  # explicit overrides still win
     return TransformerConfig(**kwargs)
 
 

@@ -123,7 +123,6 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     )
     if not HAVE_TE:
         settings.update(FUSIONS_OFF)
-        settings.update(fusions.transformer_settings(cfg.fused_kernels))
     if cfg.recompute != "none":
         settings.update(recompute_granularity=cfg.recompute)
         if cfg.recompute == "full":
@@ -131,6 +130,10 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     settings.update(cfg.override_transformer_config)
     for key, value in settings.items():
         setattr(p, key, value)
+    if not HAVE_TE:  # after the overrides: which fusions apply depends on the model's final settings
+        fused = fusions.transformer_settings(cfg.fused_kernels, p)
+        for key, value in {**fused, **cfg.override_transformer_config}.items():  # explicit overrides still win
+            setattr(p, key, value)
     p.finalize()
     return bridge, p
 

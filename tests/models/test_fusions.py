@@ -43,7 +43,27 @@ def test_install_fills_only_the_empty_slot():
     from megatron.core.extensions.transformer_engine import HAVE_TE
     assert fusions.install() is (not HAVE_TE)
     assert (rope_utils.fused_apply_rotary_pos_emb is fusions.rope) is (not HAVE_TE)
-    assert fusions.transformer_settings(False) == {}
+
+
+def test_only_the_fusions_that_compute_the_same_apply():
+    silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
+    settings = lambda **kw: fusions.transformer_settings(True, kw)  # noqa: E731
+    assert fusions.transformer_settings(False, {}) == {}
+    assert settings(activation_func=silu, gated_linear_unit=True) == dict(bias_activation_fusion=True,
+                                                                           apply_rope_fusion=True)
+    # megatron's fused GeGLU uses the tanh gelu: not the same function, so only RoPE is fused
+    assert settings(activation_func=gelu, gated_linear_unit=True) == dict(apply_rope_fusion=True)
+    assert settings(activation_func=silu, gated_linear_unit=True, rotary_interleaved=True) == dict(
+        bias_activation_fusion=True)
+    with pytest.raises(ConfigError, match="fused_kernels=True is not allowed.*gelu"):
+        settings(activation_func=gelu, gated_linear_unit=False, multi_latent_attention=True)
+
+
+def test_explicit_override_wins():
+    from mfsdp_kit.models import transformer_config
+    cfg = EngineConfig(fused_kernels=True, override_transformer_config=dict(apply_rope_fusion=False))
+    config = transformer_config(GPTSpec(hidden_size=64, num_attention_heads=4), cfg)
+    assert config.bias_activation_fusion and not config.apply_rope_fusion
 
 
 def test_whole_gpt_loss_and_grads_match_unfused():
