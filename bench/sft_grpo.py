@@ -85,6 +85,9 @@ def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
     g.add_argument("--grpo-clip-grad", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
     g.add_argument("--grpo-seed", type=int, default=0)
     g.add_argument("--grpo-eval-every", type=int, default=0, help="held-out accuracy every k iterations (0 = off)")
+    g.add_argument("--grpo-micro-batch-size", type=int, default=None,
+                   help="sequences per forward/backward in GRPO's log-prob and update passes (default: "
+                        "--micro-batch-size); the same gradient, fewer FSDP all-gathers when larger")
 
 
 def main() -> None:
@@ -171,7 +174,8 @@ def main() -> None:
     gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
                            max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
                            kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
-                           micro_batch_size=min(args.micro_batch_size, per_rank), seed=args.grpo_seed,
+                           micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank),
+                           seed=args.grpo_seed,
                            min_advantage=args.grpo_min_advantage)
     grpo_steps = args.grpo_iterations * args.grpo_minibatches * args.grpo_epochs
     gocfg = OptimConfig(lr=args.grpo_lr, clip_grad=args.grpo_clip_grad, warmup_steps=args.grpo_warmup,
