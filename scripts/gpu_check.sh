@@ -46,7 +46,7 @@ for s in $SECTIONS; do
                   --out "$RESULTS/sft_grpo.json" ;;
     # longer GRPO from the start model sft_grpo saved (runs/ survives between calls on a warm node):
     # 90 iterations of 64 x 16 samples against 90 gold-SFT steps, GRPO passes 256 sequences at a time
-    # (sft_grpo's 32 made 16 all-gathering passes per update: 3.2 s of its 3.7 s per iteration)
+    # (sft_grpo's 32 makes 16 all-gathering passes per update; training took 3.2 s of its 3.7 s per iteration)
     grpo_long)  [ -d runs/m3d_start ] || { echo "grpo_long: runs/m3d_start missing: run SECTIONS=sft_grpo first"; status=1; continue; }
                 section grpo_long  trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --rl-sft-steps 0 \
                   --init-from runs/m3d_start --save-rl-start /tmp/m3d_copy --ceiling-sft-steps 90 \
