@@ -43,9 +43,10 @@ def install() -> bool:
     return True
 
 
-def transformer_settings(fused_kernels: bool, model_config) -> dict:
+def transformer_settings(fused_kernels: bool, model_config, *, overrides: dict) -> dict:
     """TransformerConfig fields for `EngineConfig.fused_kernels` on `model_config` (the kwargs dict
-    of a TransformerConfig, or a Megatron-Bridge provider). Installs the RoPE kernel first:
+    of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
+    the fields `overrides` sets: explicit overrides win. Installs the RoPE kernel first:
     TransformerConfig checks the slot when apply_rope_fusion is set. Raises ConfigError when neither
     fusion applies to the model."""
     if not fused_kernels:
@@ -66,4 +67,4 @@ def transformer_settings(fused_kernels: bool, model_config) -> dict:
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
                           f"{interleaved}, multi_latent_attention={mla}); allowed: False, or True for models "
                           f"with SwiGLU and/or plain RoPE")
-    return settings
+    return {k: v for k, v in settings.items() if k not in overrides}

@@ -56,8 +56,7 @@ def transformer_config(spec: GPTSpec, cfg: EngineConfig):
         **recompute[cfg.recompute],
     )
     kwargs.update(cfg.override_transformer_config)
-    fused = fusions.transformer_settings(cfg.fused_kernels, kwargs)
-    kwargs.update({**fused, **cfg.override_transformer_config})  # explicit overrides still win
+    kwargs.update(fusions.transformer_settings(cfg.fused_kernels, kwargs, overrides=cfg.override_transformer_config))
     return TransformerConfig(**kwargs)
 
 

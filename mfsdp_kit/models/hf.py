@@ -131,8 +131,8 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     for key, value in settings.items():
         setattr(p, key, value)
     if not HAVE_TE:  # after the overrides: which fusions apply depends on the model's final settings
-        fused = fusions.transformer_settings(cfg.fused_kernels, p)
-        for key, value in {**fused, **cfg.override_transformer_config}.items():  # explicit overrides still win
+        for key, value in fusions.transformer_settings(cfg.fused_kernels, p,
+                                                       overrides=cfg.override_transformer_config).items():
             setattr(p, key, value)
     p.finalize()
     return bridge, p
