@@ -7,7 +7,7 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sft_grpo.py --size s --skip-sft1 --rl-digits 2 \
         --rl-sft-steps 0 --init-from DIR --grpo-eval-every 10 ...                                    # CPU GRPO sweeps
         (DIR written once by a run with --save-rl-start DIR: the sweeps then skip the SFT)
-    ... --save-rl-start DIR --ceiling-sft-steps 60                                                   # + gold-SFT control
+    ... --save-rl-start DIR --ceiling-sft-steps 60                                                # + gold-SFT control
 
 Stage 1 (SFT): a fresh tiny model learns --sft-digits addition; held-out exact match before/after
 (--skip-sft1: none; stage 2 then starts from the fresh model).
@@ -40,6 +40,11 @@ from mfsdp_kit.train import fit
 from mfsdp_kit.train import step as train_step
 
 
+def sft_pairs(task) -> list:
+    """The SFT training pairs of `task`: for 1-2 digits (nearly) all of its train split."""
+    return task.train_pairs({1: 90, 2: 8000}.get(task.digits, 20_000))
+
+
 def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micro_batch_size: int,
         heldout, seq_len: int) -> dict:
     ocfg = OptimConfig(lr=lr, warmup_steps=max(steps // 20, 1), decay_steps=steps, min_lr=lr / 10)
@@ -47,9 +52,8 @@ def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micr
     sched = engine.build_scheduler(opt, ocfg, total_steps=steps)
     before = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify)["accuracy"]
     t0 = time.perf_counter()
-    pairs = task.train_pairs({1: 90, 2: 8000}.get(task.digits, 20_000))  # 1-2 digits: (nearly) all of train
-    history = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=seq_len, global_batch=global_batch),
-                  steps=steps, micro_batch_size=micro_batch_size, scheduler=sched)
+    batches = data.batches(sft_pairs(task), tok, seq_len_tokens=seq_len, global_batch=global_batch)
+    history = fit(model.chunks, opt, batches, steps=steps, micro_batch_size=micro_batch_size, scheduler=sched)
     seconds = time.perf_counter() - t0
     after = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify)["accuracy"]
     return dict(steps=steps, seconds=seconds, loss_first=history.loss[0], loss_last=history.loss[-1],
@@ -175,8 +179,7 @@ def main() -> None:
                            max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
                            kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
                            micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank),
-                           seed=args.grpo_seed,
-                           min_advantage=args.grpo_min_advantage)
+                           seed=args.grpo_seed, min_advantage=args.grpo_min_advantage)
     grpo_steps = args.grpo_iterations * args.grpo_minibatches * args.grpo_epochs
     gocfg = OptimConfig(lr=args.grpo_lr, clip_grad=args.grpo_clip_grad, warmup_steps=args.grpo_warmup,
                         decay_steps=grpo_steps - args.grpo_warmup if args.grpo_cosine else None,
@@ -185,8 +188,7 @@ def main() -> None:
     opt = engine.build_optimizer(model.chunks, gocfg, cfg)
     if args.grpo_prime_sft:
         _set_lr(opt, 0.0)
-        prime = data.batches(task2.train_pairs({1: 90, 2: 8000}.get(args.rl_digits, 20_000)), tok, seq_len_tokens=seq,
-                             global_batch=args.global_batch)
+        prime = data.batches(sft_pairs(task2), tok, seq_len_tokens=seq, global_batch=args.global_batch)
         for _ in range(args.grpo_prime_sft):
             train_step(model.chunks, opt, next(prime), micro_batch_size=args.micro_batch_size)
     sched = engine.build_scheduler(opt, gocfg, total_steps=grpo_steps)
@@ -227,12 +229,13 @@ def main() -> None:
           f"{after:.3f} (+{100 * (after - s2['accuracy_after']):.1f} points; target >= +10)")
     print(f"  {args.grpo_prompts} prompts x {args.grpo_samples} samples, {args.grpo_minibatches} minibatches x "
           f"{args.grpo_epochs} epochs, lr {args.grpo_lr:g} (warm-up {args.grpo_warmup}, "
-          f"{'cosine' if args.grpo_cosine else 'constant'}, prime-sft {args.grpo_prime_sft}, eps {args.grpo_adam_eps:g}, beta2 {args.grpo_beta2:g}, "
-          f"clip {args.grpo_clip_grad:g}), kl {args.grpo_kl:g}, T {args.grpo_temperature:g}, "
-          f"reward {args.grpo_reward}, min advantage {args.grpo_min_advantage}")
+          f"{'cosine' if args.grpo_cosine else 'constant'}, prime-sft {args.grpo_prime_sft}, "
+          f"eps {args.grpo_adam_eps:g}, beta2 {args.grpo_beta2:g}, clip {args.grpo_clip_grad:g}), "
+          f"kl {args.grpo_kl:g}, T {args.grpo_temperature:g}, reward {args.grpo_reward}, "
+          f"min advantage {args.grpo_min_advantage}")
     if ceiling is not None:
-        print(f"  control: {ceiling['steps']} gold-data SFT steps (lr {args.ceiling_sft_lr:g}, cosine) from the same start: "
-              f"held-out {ceiling['accuracy_before']:.3f} -> {ceiling['accuracy_after']:.3f}")
+        print(f"  control: {ceiling['steps']} gold-data SFT steps (lr {args.ceiling_sft_lr:g}, cosine) from the "
+              f"same start: held-out {ceiling['accuracy_before']:.3f} -> {ceiling['accuracy_after']:.3f}")
     print("  held-out by iteration:", " ".join(f"{i}:{a:.3f}" for i, a in curve))
     print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist.reward))
     print("  exact-match rate of samples:", " ".join(f"{r:.3f}" for r in hist.accuracy))
@@ -245,8 +248,8 @@ def main() -> None:
         if s is not None and "report" in s:
             s["report"] = s["report"].as_dict()
     with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), sft=s1, rl_sft=s2, ceiling_sft=ceiling, grpo_accuracy_after=after, heldout_curve=curve,
-                       grpo=vars(hist), sync_gbps=gbps), f, indent=1)
+        json.dump(dict(args=vars(args), sft=s1, rl_sft=s2, ceiling_sft=ceiling, grpo_accuracy_after=after,
+                       heldout_curve=curve, grpo=vars(hist), sync_gbps=gbps), f, indent=1)
     print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 
