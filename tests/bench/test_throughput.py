@@ -84,8 +84,8 @@ def test_timeline_summary_without_gpu_activity():
 
 # ---- variants ----------------------------------------------------------------------------------
 def _args(**kw):
-    base = dict(dtype="bf16", attention="sdpa", recompute="none", fused_kernels=False, fsdp_overrides='{"overlap_param_gather": true}',
-                ddp_overrides='{"overlap_grad_reduce": true}')
+    base = dict(dtype="bf16", attention="sdpa", recompute="none", fused_kernels=False,
+                fsdp_overrides='{"overlap_param_gather": true}', ddp_overrides='{"overlap_grad_reduce": true}')
     return argparse.Namespace(**{**base, **kw})
 
 
