@@ -60,6 +60,24 @@ def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micr
                 accuracy_before=before, accuracy_after=after, report=memory_report(model.chunks, opt))
 
 
+def sampled_accuracy(rollout, model, heldout, *, samples: int, temperature: float, max_new_tokens: int,
+                     seed: int) -> float:
+    """Held-out exact match of the policy's own samples (mean over `samples` per prompt at
+    `temperature`): what GRPO optimises, next to the greedy accuracy the curve reports."""
+    from megatron.core import parallel_state as ps
+    rollout.refresh(model.chunks, model.bridge)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    share = heldout[rank * len(heldout) // dp:(rank + 1) * len(heldout) // dp]
+    completions = rollout.sample([p for p, _ in share], n=samples, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=1.0, seed=seed + rank)
+    score = torch.tensor([0.0, 0.0], dtype=torch.float64, device=runtime.current().device)
+    for i, c in enumerate(completions):
+        score += torch.tensor([data.verify(share[i // samples][0], rollout.tokenizer.decode(c)), 1.0],
+                              dtype=torch.float64, device=score.device)
+    dist.all_reduce(score, group=ps.get_data_parallel_group())
+    return (score[0] / score[1]).item()
+
+
 def _set_lr(opt, lr: float) -> None:
     for group in opt.param_groups:
         group["lr"] = lr
@@ -67,7 +85,7 @@ def _set_lr(opt, lr: float) -> None:
 
 def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
     g = ap.add_argument_group("GRPO")
-    g.add_argument("--grpo-iterations", type=int, default=60)
+    g.add_argument("--grpo-iterations", type=int, default=60, help="0 = stop after the SFT (e.g. with --save-rl-start)")
     g.add_argument("--grpo-lr", type=float, default=3e-5)
     g.add_argument("--grpo-prompts", type=int, default=32 if gpu else 8, help="prompts per iteration")
     g.add_argument("--grpo-samples", type=int, default=8 if gpu else 4, help="samples per prompt (the group)")
@@ -89,12 +107,14 @@ def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
     g.add_argument("--grpo-clip-grad", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
     g.add_argument("--grpo-seed", type=int, default=0)
     g.add_argument("--grpo-eval-every", type=int, default=0, help="held-out accuracy every k iterations (0 = off)")
+    g.add_argument("--grpo-eval-samples", type=int, default=4,
+                   help="samples per held-out prompt for the sampled accuracy at --grpo-temperature (0 = greedy only)")
     g.add_argument("--grpo-micro-batch-size", type=int, default=None,
                    help="sequences per forward/backward in GRPO's log-prob and update passes (default: "
                         "--micro-batch-size); the same gradient, fewer FSDP all-gathers when larger")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
     ap.add_argument("--size", default="m" if gpu else "xs")
@@ -118,68 +138,52 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--out", default="runs/bench/sft_grpo.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    t_start = time.perf_counter()
-    cfg = EngineConfig(use_megatron_fsdp=True, dtype=args.dtype, seed=0)
-    rt = runtime.init(cfg)
-    src = args.init_from or f"/tmp/mfsdp_sft_grpo_{args.size}"
-    if rt.rank == 0 and not args.init_from:
-        tiny(src, size=args.size, seed=0)
-    dist.barrier()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(src)
-    model = load(src, cfg)
-    seq = 4 * max(args.sft_digits, args.rl_digits) + 8
 
-    s1 = None
+def sft_stages(args, cfg, model, tok) -> dict:
+    """Stage 1 (--sft-digits) unless skipped, then SFT rounds on the RL task up to the start accuracy;
+    saves the start (--save-rl-start) and runs the gold-SFT control on a copy of it."""
+    out = dict(sft=None, ceiling_sft=None)
     if not args.skip_sft1:
         task1 = data.ArithmeticTask(digits=args.sft_digits)
         n1 = min(args.heldout, 10) if args.sft_digits == 1 else args.heldout
-        s1 = sft(model, tok, cfg, task=task1, steps=args.sft_steps, lr=args.sft_lr, global_batch=args.global_batch,
-                 micro_batch_size=args.micro_batch_size, heldout=task1.rl_prompts(n1, split="heldout"), seq_len=seq)
-
-    task2 = data.ArithmeticTask(digits=args.rl_digits)
-    n2 = min(args.heldout, 10) if args.rl_digits == 1 else args.heldout
-    held2 = task2.rl_prompts(n2, split="heldout")
+        out["sft"] = sft(model, tok, cfg, task=task1, steps=args.sft_steps, lr=args.sft_lr,
+                         global_batch=args.global_batch, micro_batch_size=args.micro_batch_size,
+                         heldout=task1.rl_prompts(n1, split="heldout"), seq_len=args.seq)
     # SFT in rounds until held-out accuracy reaches --rl-start-accuracy (or --rl-sft-max-steps): GRPO
     # needs groups whose samples disagree, and a model at a few percent gives almost none.
     rounds, done = [], 0
     while args.rl_sft_steps > 0:
-        rounds.append(sft(model, tok, cfg, task=task2, steps=args.rl_sft_steps, lr=args.sft_lr,
-                          global_batch=args.global_batch, micro_batch_size=args.micro_batch_size, heldout=held2,
-                          seq_len=seq))
+        rounds.append(sft(model, tok, cfg, task=args.task2, steps=args.rl_sft_steps, lr=args.sft_lr,
+                          global_batch=args.global_batch, micro_batch_size=args.micro_batch_size,
+                          heldout=args.held2, seq_len=args.seq))
         done = sum(r["steps"] for r in rounds)
         if rounds[-1]["accuracy_after"] >= args.rl_start_accuracy or done >= args.rl_sft_max_steps:
             break
     if rounds:
-        s2 = dict(rounds[-1], steps=done, seconds=sum(r["seconds"] for r in rounds),
-                  accuracy_by_round=[r["accuracy_after"] for r in rounds])
+        out["rl_sft"] = dict(rounds[-1], steps=done, seconds=sum(r["seconds"] for r in rounds),
+                             accuracy_by_round=[r["accuracy_after"] for r in rounds])
     else:
-        acc = generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]
-        s2 = dict(steps=0, seconds=0.0, accuracy_after=acc, accuracy_by_round=[])
+        acc = generate.evaluate(model.chunks, tok, args.held2, reward_fn=data.verify)["accuracy"]
+        out["rl_sft"] = dict(steps=0, seconds=0.0, accuracy_after=acc, accuracy_by_round=[])
     if args.save_rl_start:
         from mfsdp_kit import sync
         sync.save_hf(model.chunks, model.bridge, args.save_rl_start)
-
-    ceiling = None
     if args.ceiling_sft_steps:
         if not args.save_rl_start:
             raise SystemExit("--ceiling-sft-steps needs --save-rl-start DIR (the copy is loaded from it)")
         twin = load(args.save_rl_start, cfg)
-        ceiling = sft(twin, tok, cfg, task=task2, steps=args.ceiling_sft_steps, lr=args.ceiling_sft_lr,
-                      global_batch=args.global_batch, micro_batch_size=args.micro_batch_size, heldout=held2,
-                      seq_len=seq)
-        ceiling.pop("report")
+        out["ceiling_sft"] = sft(twin, tok, cfg, task=args.task2, steps=args.ceiling_sft_steps,
+                                 lr=args.ceiling_sft_lr, global_batch=args.global_batch,
+                                 micro_batch_size=args.micro_batch_size, heldout=args.held2, seq_len=args.seq)
+        out["ceiling_sft"].pop("report")
         del twin
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(rt.device), tok)
-    per_rank = args.grpo_prompts * args.grpo_samples // args.grpo_minibatches // rt.dp_size  # sequences/rank/update
-    gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
-                           max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
-                           kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
-                           micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank),
-                           seed=args.grpo_seed, min_advantage=args.grpo_min_advantage)
+    return out
+
+
+def grpo_optimizer(args, cfg, model, tok):
+    """The GRPO optimizer and its scheduler (optionally primed with lr-0 SFT steps)."""
     grpo_steps = args.grpo_iterations * args.grpo_minibatches * args.grpo_epochs
     gocfg = OptimConfig(lr=args.grpo_lr, clip_grad=args.grpo_clip_grad, warmup_steps=args.grpo_warmup,
                         decay_steps=grpo_steps - args.grpo_warmup if args.grpo_cosine else None,
@@ -188,69 +192,128 @@ def main() -> None:
     opt = engine.build_optimizer(model.chunks, gocfg, cfg)
     if args.grpo_prime_sft:
         _set_lr(opt, 0.0)
-        prime = data.batches(sft_pairs(task2), tok, seq_len_tokens=seq, global_batch=args.global_batch)
+        prime = data.batches(sft_pairs(args.task2), tok, seq_len_tokens=args.seq, global_batch=args.global_batch)
         for _ in range(args.grpo_prime_sft):
             train_step(model.chunks, opt, next(prime), micro_batch_size=args.micro_batch_size)
-    sched = engine.build_scheduler(opt, gocfg, total_steps=grpo_steps)
+    return opt, engine.build_scheduler(opt, gocfg, total_steps=grpo_steps)
+
+
+def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
+    """GRPO from the current model; held-out accuracy (greedy and sampled) along the way."""
+    from transformers import AutoModelForCausalLM
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(rt.device), tok)
+    per_rank = args.grpo_prompts * args.grpo_samples // args.grpo_minibatches // rt.dp_size  # sequences/rank/update
+    gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
+                           max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
+                           kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
+                           micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank),
+                           seed=args.grpo_seed, min_advantage=args.grpo_min_advantage)
+    opt, sched = grpo_optimizer(args, cfg, model, tok)
     ref = None
     if args.grpo_kl:
-        ref = load(args.save_rl_start, cfg).chunks if args.save_rl_start else None
-        if ref is None:
+        if not args.save_rl_start:
             raise SystemExit("--grpo-kl > 0 needs --save-rl-start DIR (the frozen reference is loaded from it)")
-    pool = task2.rl_prompts(4000 if args.rl_digits >= 2 else 90)
-    curve = [(0, s2["accuracy_after"])]
+        ref = load(args.save_rl_start, cfg).chunks
+
+    def heldout(it: int) -> tuple:
+        greedy = generate.evaluate(model.chunks, tok, args.held2, reward_fn=data.verify)["accuracy"]
+        sampled = None
+        if args.grpo_eval_samples:
+            sampled = sampled_accuracy(rollout, model, args.held2, samples=args.grpo_eval_samples,
+                                       temperature=args.grpo_temperature, max_new_tokens=gcfg.max_new_tokens,
+                                       seed=10_000_019 * (it + 1))
+        if rt.rank == 0:
+            print(f"\n  held-out after {it} iterations: greedy {greedy:.3f}"
+                  + ("" if sampled is None else f", sampled {sampled:.3f}"), flush=True)
+        return it, greedy, sampled
+
+    curve = [heldout(0)]
 
     def on_iteration(it, _metrics):
         if args.grpo_eval_every and (it + 1) % args.grpo_eval_every == 0 and it + 1 < args.grpo_iterations:
-            curve.append((it + 1, generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]))
-            if rt.rank == 0:
-                print(f"\n  held-out after {it + 1} iterations: {curve[-1][1]:.3f}", flush=True)
+            curve.append(heldout(it + 1))
 
     t0 = time.perf_counter()
+    pool = args.task2.rl_prompts(4000 if args.rl_digits >= 2 else 90)
     hist = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
                     reward_fn=data.REWARDS[args.grpo_reward], gcfg=gcfg, iterations=args.grpo_iterations,
-                    seq_len_tokens=seq, ref_chunks=ref, on_iteration=on_iteration, scheduler=sched)
-    grpo_s = time.perf_counter() - t0
-    after = generate.evaluate(model.chunks, tok, held2, reward_fn=data.verify)["accuracy"]
-    curve.append((args.grpo_iterations, after))
-    if rt.rank != 0:
-        runtime.shutdown(destroy_process_group=True)
-        return
-    median_sync = sorted(hist.sync_s)[len(hist.sync_s) // 2]
-    gbps = hist.sync_bytes[0] / median_sync / 1e9
+                    seq_len_tokens=args.seq, ref_chunks=ref, on_iteration=on_iteration, scheduler=sched)
+    seconds = time.perf_counter() - t0
+    curve.append(heldout(args.grpo_iterations))
+    median_sync = _median(hist.sync_s)
+    return dict(seconds=seconds, heldout_curve=curve, grpo=vars(hist), median_sync_s=median_sync,
+                sync_gbps=hist.sync_bytes[0] / median_sync / 1e9)
+
+
+def _median(xs: list[float]) -> float:
+    """The upper median (for even lengths the larger middle value, as in the numbers already in the docs)."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def report(args, rt, res: dict) -> None:
+    """Prints the SFT and GRPO results (rank 0)."""
+    s1, s2, ceiling = res["sft"], res["rl_sft"], res["ceiling_sft"]
     if s1 is not None:
         print(f"\nSFT {args.sft_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}:")
         print(f"  {s1['steps']} steps in {s1['seconds']:.1f} s; loss {s1['loss_first']:.3f} -> {s1['loss_last']:.3f};"
               f" held-out exact match {s1['accuracy_before']:.3f} -> {s1['accuracy_after']:.3f} (target >= 0.90)")
         print(format_table({"FSDP": s1["report"]}, dtype=args.dtype))
-    print(f"\nGRPO on {args.rl_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}: "
-          f"short SFT ({s2['steps']} steps, {s2['seconds']:.1f} s, held-out by round {s2['accuracy_by_round']}) "
-          f"-> held-out {s2['accuracy_after']:.3f}; after {args.grpo_iterations} GRPO iterations ({grpo_s:.1f} s): "
-          f"{after:.3f} (+{100 * (after - s2['accuracy_after']):.1f} points; target >= +10)")
+    print(f"\n{args.rl_digits}-digit addition, size {args.size}, {args.dtype}, world {rt.world_size}: short SFT "
+          f"({s2['steps']} steps, {s2['seconds']:.1f} s, held-out by round {s2['accuracy_by_round']}) "
+          f"-> held-out {s2['accuracy_after']:.3f}")
+    if ceiling is not None:
+        print(f"  control: {ceiling['steps']} gold-data SFT steps (lr {args.ceiling_sft_lr:g}, cosine) from the "
+              f"same start: held-out {ceiling['accuracy_before']:.3f} -> {ceiling['accuracy_after']:.3f}")
+    if "grpo" not in res:
+        return
+    hist, curve = res["grpo"], res["heldout_curve"]
+    (_, g0, p0), (_, g1, p1) = curve[0], curve[-1]
+    sampled = "" if p0 is None else f"; sampled {p0:.3f} -> {p1:.3f} ({100 * (p1 - p0):+.1f})"
+    print(f"  {args.grpo_iterations} GRPO iterations ({res['seconds']:.1f} s): held-out greedy {g0:.3f} -> {g1:.3f} "
+          f"({100 * (g1 - g0):+.1f} points; target >= +10){sampled}")
     print(f"  {args.grpo_prompts} prompts x {args.grpo_samples} samples, {args.grpo_minibatches} minibatches x "
           f"{args.grpo_epochs} epochs, lr {args.grpo_lr:g} (warm-up {args.grpo_warmup}, "
           f"{'cosine' if args.grpo_cosine else 'constant'}, prime-sft {args.grpo_prime_sft}, "
           f"eps {args.grpo_adam_eps:g}, beta2 {args.grpo_beta2:g}, clip {args.grpo_clip_grad:g}), "
           f"kl {args.grpo_kl:g}, T {args.grpo_temperature:g}, reward {args.grpo_reward}, "
           f"min advantage {args.grpo_min_advantage}")
-    if ceiling is not None:
-        print(f"  control: {ceiling['steps']} gold-data SFT steps (lr {args.ceiling_sft_lr:g}, cosine) from the "
-              f"same start: held-out {ceiling['accuracy_before']:.3f} -> {ceiling['accuracy_after']:.3f}")
-    print("  held-out by iteration:", " ".join(f"{i}:{a:.3f}" for i, a in curve))
-    print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist.reward))
-    print("  exact-match rate of samples:", " ".join(f"{r:.3f}" for r in hist.accuracy))
-    print(f"  sync per iteration: median {median_sync * 1e3:.1f} ms for {hist.sync_bytes[0] / 1e6:.1f} MB "
-          f"-> {gbps:.2f} GB/s; rollout median {sorted(hist.rollout_s)[len(hist.rollout_s) // 2]:.3f} s; "
-          f"train median {sorted(hist.train_s)[len(hist.train_s) // 2]:.3f} s")
-    print(f"  total wall time {time.perf_counter() - t_start:.1f} s")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    for s in (s1, s2):
-        if s is not None and "report" in s:
-            s["report"] = s["report"].as_dict()
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), sft=s1, rl_sft=s2, ceiling_sft=ceiling, grpo_accuracy_after=after,
-                       heldout_curve=curve, grpo=vars(hist), sync_gbps=gbps), f, indent=1)
-    print("wrote", args.out)
+    print("  held-out by iteration (greedy/sampled):",
+          " ".join(f"{i}:{g:.3f}/{'-' if p is None else f'{p:.3f}'}" for i, g, p in curve))
+    print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist["reward"]))
+    print("  exact-match rate of samples:", " ".join(f"{r:.3f}" for r in hist["accuracy"]))
+    print(f"  sync per iteration: median {res['median_sync_s'] * 1e3:.1f} ms for {hist['sync_bytes'][0] / 1e6:.1f} MB "
+          f"-> {res['sync_gbps']:.2f} GB/s; rollout median {_median(hist['rollout_s']):.3f} s; "
+          f"train median {_median(hist['train_s']):.3f} s")
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.perf_counter()
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype=args.dtype, seed=0)
+    rt = runtime.init(cfg)
+    src = args.init_from or f"/tmp/mfsdp_sft_grpo_{args.size}"
+    if rt.rank == 0 and not args.init_from:
+        tiny(src, size=args.size, seed=0)
+    dist.barrier()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(src)
+    model = load(src, cfg)
+    args.seq = 4 * max(args.sft_digits, args.rl_digits) + 8
+    args.task2 = data.ArithmeticTask(digits=args.rl_digits)
+    args.held2 = args.task2.rl_prompts(min(args.heldout, 10) if args.rl_digits == 1 else args.heldout,
+                                       split="heldout")
+    res = sft_stages(args, cfg, model, tok)
+    if args.grpo_iterations:
+        res.update(run_grpo(args, rt, cfg, model, tok, src))
+    if rt.rank == 0:
+        report(args, rt, res)
+        print(f"  total wall time {time.perf_counter() - t_start:.1f} s")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        saved = {k: v for k, v in vars(args).items() if k not in ("task2", "held2")}
+        with open(args.out, "w") as f:
+            json.dump(dict(args=saved, **res), f, indent=1, default=lambda report: report.as_dict())
+        print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 
 

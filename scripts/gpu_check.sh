@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 RESULTS=${RESULTS:-${OUT:-runs/gpu}}
-SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 sft_grpo}
+SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
@@ -37,22 +37,21 @@ for s in $SECTIONS; do
   case $s in
     parity)     section parity     trun bench/parity.py --dtype bf16 --out "$RESULTS/parity.json" ;;
     roundtrip)  section roundtrip  trun bench/roundtrip.py --size m --dtype bf16 --out "$RESULTS/roundtrip.json" ;;
-    # GRPO measurement (issue 7): SFT to ~0.2 on 3-digit, the gold-SFT control on a copy, then GRPO
-    # with large batches (CPU study: 4x samples per step was the only setting that trended up)
-    sft_grpo)   section sft_grpo   trun bench/sft_grpo.py --size m --sft-steps 400 --rl-digits 3 \
-                  --rl-start-accuracy 0.2 --save-rl-start runs/m3d_start --ceiling-sft-steps 60 \
+    # GRPO (issue 7), in two steps that share runs/ on one warm node (a call's machine stays warm ~30 s):
+    # grpo_start: 2-digit SFT, then 3-digit SFT rounds until held-out >= 0.2 (800-step cap); saves the start.
+    # grpo: GRPO_ITERS iterations of 64 prompts x 16 samples at GRPO_LR from that start, against the gold-SFT
+    # control (as many SFT steps at the same lr from the same start); held-out greedy and sampled accuracy.
+    grpo_start) section grpo_start trun bench/sft_grpo.py --size m --sft-steps 400 --rl-digits 3 --heldout 400 \
+                  --rl-start-accuracy 0.2 --save-rl-start runs/m3d_start --grpo-iterations 0 \
+                  --out "$RESULTS/grpo_start.json" ;;
+    grpo)       [ -d runs/m3d_start ] || { echo "grpo: runs/m3d_start missing: run SECTIONS=grpo_start first"; status=1; continue; }
+                GRPO_LR=${GRPO_LR:-1e-4} GRPO_ITERS=${GRPO_ITERS:-90}
+                section "grpo_lr$GRPO_LR" trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --heldout 400 \
+                  --rl-sft-steps 0 --init-from runs/m3d_start --save-rl-start /tmp/m3d_copy \
+                  --ceiling-sft-steps "$GRPO_ITERS" --ceiling-sft-lr "$GRPO_LR" \
                   --grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits \
-                  --grpo-lr 3e-5 --grpo-warmup 3 --grpo-iterations 30 --grpo-eval-every 10 \
-                  --out "$RESULTS/sft_grpo.json" ;;
-    # longer GRPO from the start model sft_grpo saved (runs/ survives between calls on a warm node):
-    # 90 iterations of 64 x 16 samples against 90 gold-SFT steps, GRPO passes 256 sequences at a time
-    # (sft_grpo's 32 makes 16 all-gathering passes per update; training took 3.2 s of its 3.7 s per iteration)
-    grpo_long)  [ -d runs/m3d_start ] || { echo "grpo_long: runs/m3d_start missing: run SECTIONS=sft_grpo first"; status=1; continue; }
-                section grpo_long  trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --rl-sft-steps 0 \
-                  --init-from runs/m3d_start --save-rl-start /tmp/m3d_copy --ceiling-sft-steps 90 \
-                  --grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits \
-                  --grpo-lr 3e-5 --grpo-warmup 3 --grpo-iterations 90 --grpo-eval-every 15 \
-                  --grpo-micro-batch-size 256 --out "$RESULTS/grpo_long.json" ;;
+                  --grpo-lr "$GRPO_LR" --grpo-warmup 3 --grpo-iterations "$GRPO_ITERS" --grpo-eval-every 15 \
+                  --grpo-micro-batch-size 256 ${GRPO_ARGS:-} --out "$RESULTS/grpo_lr$GRPO_LR.json" ;;
     sync)       section sync       trun bench/sync.py --size l --repeats 3 --out "$RESULTS/sync_l.json" ;;
     offload)    section offload    trun bench/offload.py --size l --repeats 3 --out "$RESULTS/offload_l.json" ;;
     checkpoint) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
