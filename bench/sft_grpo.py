@@ -1,6 +1,7 @@
 """SFT then GRPO on the embedded arithmetic task, with Megatron-FSDP: accuracy, time, memory.
 
     torchrun --nproc_per_node 2 bench/sft_grpo.py --size m --out runs/bench/sft_grpo.json          # GPU
+    SECTIONS="grpo_start grpo" bash scripts/gpu_check.sh       # the issue-7 GPU run (docs/benchmarks.md)
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sft_grpo.py --size xs --sft-steps 150 \
         --sft-digits 1 --rl-digits 1 --rl-sft-steps 20 --grpo-iterations 3                          # CPU smoke
 
@@ -13,7 +14,8 @@ Stage 1 (SFT): a fresh tiny model learns --sft-digits addition; held-out exact m
 (--skip-sft1: none; stage 2 then starts from the fresh model).
 Stage 2 (GRPO): a short SFT on a harder level (--rl-digits) leaves accuracy well below 100 %;
 GRPO then trains on rewards (--grpo-reward: exact match, or per-digit partial credit); held-out
-exact-match accuracy before/after (and every --grpo-eval-every iterations),
+exact-match accuracy before/after (and every --grpo-eval-every iterations), of the greedy answer and
+of --grpo-eval-samples samples per prompt at --grpo-temperature,
 reward curve, and sync time / GB/s per iteration. Prints a table and writes JSON.
 Control (--ceiling-sft-steps N): a copy of GRPO's start model gets N gold-answer SFT steps: what perfect
 supervision gains in about as many updates (on CPU, size s, 2 digits, from 0.50: +9.5..+11 points in 60 steps at
