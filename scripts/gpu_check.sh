@@ -46,7 +46,8 @@ for s in $SECTIONS; do
     grpo_start) section grpo_start trun bench/sft_grpo.py --size m --sft-steps 400 --rl-digits 3 --heldout 400 \
                   --rl-start-accuracy 0.2 --save-rl-start runs/m3d_start --grpo-iterations 0 \
                   --out "$RESULTS/grpo_start.json" ;;
-    grpo)       [ -d runs/m3d_start ] || { echo "grpo: runs/m3d_start missing: run SECTIONS=grpo_start first"; status=1; continue; }
+    grpo)       [ -d runs/m3d_start ] || { echo "grpo: runs/m3d_start missing: SECTIONS=grpo_start first"
+                                           status=1; continue; }
                 GRPO_LR=${GRPO_LR:-3e-5} GRPO_ITERS=${GRPO_ITERS:-180}
                 GRPO_TAG=${GRPO_TAG:-lr$GRPO_LR}
                 section "grpo_$GRPO_TAG" trun bench/sft_grpo.py --size m --skip-sft1 --rl-digits 3 --heldout 400 \
@@ -54,7 +55,8 @@ for s in $SECTIONS; do
                   --ceiling-sft-steps "$GRPO_ITERS" --ceiling-sft-lr "$GRPO_LR" \
                   --grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits \
                   --grpo-temperature 0.5 --grpo-lr "$GRPO_LR" --grpo-warmup 10 --grpo-iterations "$GRPO_ITERS" \
-                  --grpo-eval-every 30 --grpo-micro-batch-size 256 ${GRPO_ARGS:-} --out "$RESULTS/grpo_$GRPO_TAG.json" ;;
+                  --grpo-eval-every 30 --grpo-micro-batch-size 256 ${GRPO_ARGS:-} \
+                  --out "$RESULTS/grpo_$GRPO_TAG.json" ;;
     sync)       section sync       trun bench/sync.py --size l --repeats 3 --out "$RESULTS/sync_l.json" ;;
     offload)    section offload    trun bench/offload.py --size l --repeats 3 --out "$RESULTS/offload_l.json" ;;
     checkpoint) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
