@@ -169,8 +169,10 @@ def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
 
     Megatron-FSDP always issues them asynchronously and leaves some in flight after a forward or
     a step (overlap on GPU). Under gloo they write into bucket memory from gloo's thread while
-    later code may free it; our CPU stream/event stand-ins order nothing. Leaving none in
-    flight removed the rare heap corruption / SIGSEGV seen in CPU runs. No-op on GPU.
+    later code may free it; our CPU stream/event stand-ins order nothing. `compat.cpu` now makes
+    the gathers inside Megatron-FSDP's coalescing blocks synchronous (that ended the remaining
+    SIGSEGV / SIGABRT in longer CPU runs), so this only marks prefetched buckets ready; it stays
+    as the guard for any gather issued outside those blocks. No-op on GPU.
     """
     if torch.cuda.is_available():
         return

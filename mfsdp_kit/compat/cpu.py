@@ -10,7 +10,9 @@ sites work *inside megatron's own modules only*; torch itself is never modified:
    streams, events, synchronize, current_device -> cpu, RNG -> the CPU generator), tensor
    factories (a CUDA `device=` becomes cpu) and `torch.device('cuda...')` (-> cpu).
 2. Single names a proxy cannot reach: `tensor_parallel.random._lazy_call` (queues forever on
-   a CPU build, so the RNG tracker silently did nothing) and the adapter's `DeviceMesh`.
+   a CPU build, so the RNG tracker silently did nothing), the adapter's `DeviceMesh`, and
+   Megatron-FSDP's `_coalescing_manager` (its parameter all-gathers run synchronously: see
+   `_sync_coalescing_manager`).
 3. Tensor-method call sites (`x.type()`, `x.cuda()`) in the functions listed in `REWRITES`:
    those functions are recompiled from their own source with the calls routed to helpers
    that answer as CUDA would for a CPU tensor.
@@ -300,11 +302,33 @@ def enable() -> bool:
     _record("megatron.core.distributed.fsdp.mcore_fsdp_adapter:DeviceMesh",
             "distributed/fsdp/mcore_fsdp_adapter.py:251,265,276", 'device_type="cuda"')
 
+    import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as fsdp_buffer
+    fsdp_buffer._coalescing_manager = _sync_coalescing_manager
+    _record("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:_coalescing_manager",
+            "distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3607-3608 (async all-gathers ordered by "
+            "CUDA streams)", "dp_group, async_ops=async_param_gather")
+
     for (name, qualname), (upstream, snippet) in REWRITES.items():
         _recompile(importlib.import_module(name), qualname)
         _record(f"{name}:{qualname}", upstream, snippet)
     _enabled = True
     return True
+
+
+@contextlib.contextmanager
+def _sync_coalescing_manager(group=None, device=None, async_ops: bool = False):
+    """Megatron-FSDP's `_coalescing_manager` on CPU: the coalesced collectives finish before the
+    block exits, whatever `async_ops` asks; the yielded manager holds no work, so its `wait()`
+    returns at once.
+
+    Megatron-FSDP prefetches parameter all-gathers asynchronously and orders buffer reuse with
+    CUDA streams and events, which are no-ops here: an all-gather still running in gloo's thread
+    could then write into bucket memory the main thread has freed. In-flight gathers crashed
+    about one in four 2-rank CPU runs of ~100 steps (SIGSEGV / SIGABRT in a rank); synchronous
+    ones cost nothing on CPU, where there is no compute to overlap with."""
+    import torch.distributed.distributed_c10d as c10d
+    with c10d._coalescing_manager(group, device, async_ops=False) as cm:
+        yield cm
 
 
 class _CpuDeviceMesh:
@@ -324,7 +348,7 @@ def upstream_source(patch: Patch) -> str:
     """The unpatched upstream source a patch targets (module, or the original function)."""
     name, _, qualname = patch.target.partition(":")
     module = importlib.import_module(name)
-    if not qualname or qualname in ("_lazy_call", "DeviceMesh"):
+    if not qualname or qualname in ("_lazy_call", "DeviceMesh", "_coalescing_manager"):
         return inspect.getsource(module)
     owner, attr = _resolve(module, qualname)
     func = inspect.getattr_static(owner, attr)
