@@ -72,10 +72,8 @@ def sampled_accuracy(rollout, model, heldout, *, samples: int, temperature: floa
     share = heldout[rank * len(heldout) // dp:(rank + 1) * len(heldout) // dp]
     completions = rollout.sample([p for p, _ in share], n=samples, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_p=1.0, seed=seed + rank)
-    score = torch.tensor([0.0, 0.0], dtype=torch.float64, device=runtime.current().device)
-    for i, c in enumerate(completions):
-        score += torch.tensor([data.verify(share[i // samples][0], rollout.tokenizer.decode(c)), 1.0],
-                              dtype=torch.float64, device=score.device)
+    hits = sum(data.verify(share[i // samples][0], rollout.tokenizer.decode(c)) for i, c in enumerate(completions))
+    score = torch.tensor([hits, len(completions)], dtype=torch.float64, device=runtime.current().device)
     dist.all_reduce(score, group=ps.get_data_parallel_group())
     return (score[0] / score[1]).item()
 

@@ -92,8 +92,8 @@ def release_frees(*, release: bool) -> dict:
 
 
 def pending_gathers(*, settle: bool) -> dict:
-    """In-flight Megatron-FSDP all-gathers left after a training step and a forward-only pass
-    (CPU/gloo), with engine.settle_param_gathers as train/generate call it, or disabled."""
+    """Megatron-FSDP all-gathers left pending (issued, not waited on) after a training step and a
+    forward-only pass (CPU/gloo), with engine.settle_param_gathers as train/generate call it, or disabled."""
     if not settle:
         engine.settle_param_gathers = lambda chunks: None
     cfg = EngineConfig(use_megatron_fsdp=True)
