@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint import collective
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
@@ -72,7 +73,7 @@ def main() -> None:
     step(chunks, opt, Batch(toks[:, :-1], toks[:, 1:], torch.ones(toks.shape[0], spec.seq_len_tokens)),
          micro_batch_size=2)
     root = args.root or (tempfile.mkdtemp(prefix="mfsdp_ckpt_bench_") if rt.rank == 0 else None)
-    root = Path(ckpt._broadcast(root))
+    root = Path(collective.broadcast(root))
     mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads)
     save_s, load_s, blocking_s, phases, nbytes = [], [], [], [], 0
     for i in range(args.repeats):

@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint.restore import checked
 from tests.dist import launch
 
 WRAPPERS = ("fsdp", "ddp")
@@ -128,17 +129,17 @@ def test_missing_dcp_metadata(saved, work, tmp_path):
     os.chmod(d / "meta.json", 0o644)
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match=rf"{d} has no DCP .metadata"):
-        ckpt._checked(d, trust_checkpoint=False)
+        checked(d, trust_checkpoint=False)
 
 
 def test_group_writable_checkpoint_refused_unless_trusted(saved, work, tmp_path):
     d = _copy(saved, work, tmp_path)
     assert not stat.S_IMODE(os.stat(work / "ddp" / "step_000005").st_mode) & 0o022  # saved hardened
-    ckpt._checked(d, trust_checkpoint=False)
+    checked(d, trust_checkpoint=False)
     os.chmod(d / "__1_0.distcp", 0o664)
     with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is writable by group or others.*trust_checkpoint=True"):
-        ckpt._checked(d, trust_checkpoint=False)
-    ckpt._checked(d, trust_checkpoint=True)
+        checked(d, trust_checkpoint=False)
+    checked(d, trust_checkpoint=True)
 
 
 def test_manager_listing_and_unwritable_root(saved, work, tmp_path):

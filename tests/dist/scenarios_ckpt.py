@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint import state as ckpt_state
+from mfsdp_kit.checkpoint import storage as ckpt_storage
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import gpt_model_fn
@@ -57,7 +59,7 @@ def _flat(d, prefix=""):
 
 def local_snapshot(chunks, opt, fsdp: bool) -> dict:
     """Every model, optimizer and RNG tensor this rank holds (local shards), copied."""
-    state, padded = ckpt._build_state(chunks, opt, fsdp=fsdp, layout=ckpt._layout(), is_loading=False)
+    state, padded = ckpt_state.build_state(chunks, opt, fsdp=fsdp, layout=ckpt_state.layout(), is_loading=False)
     for key in padded:
         del state["optimizer"]["state"][key]
     return _flat(state)
@@ -76,7 +78,7 @@ def full_weights(chunks) -> dict:
     """Canonical name -> full tensor, assembled from each rank's (uneven) shard by offsets."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
     out = {}
-    for name, v in ckpt._model_state(chunks, fsdp=engine.is_fsdp(chunks[0]), mp_prefix="")["0"].items():
+    for name, v in ckpt_state.model_state(chunks, fsdp=engine.is_fsdp(chunks[0]), mp_prefix="")["0"].items():
         if not hasattr(v, "to_local"):
             out[name] = v.detach().clone()
             continue
@@ -92,16 +94,16 @@ def full_weights(chunks) -> dict:
 
 
 def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
-    """checkpoint._mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
+    """checkpoint.state._mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor)
-    ours = ckpt._build_state(chunks, opt, fsdp=True, layout=ckpt._layout(), is_loading=False)[0]
-    ours = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt._dtensors(ours)}
-    theirs = ckpt._build_state(chunks, opt, fsdp=True, layout=ckpt._layout(), is_loading=False)[0]
-    for _, t in ckpt._dtensors(theirs):
+    ours = ckpt_state.build_state(chunks, opt, fsdp=True, layout=ckpt_state.layout(), is_loading=False)[0]
+    ours = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt_state.dtensors(ours)}
+    theirs = ckpt_state.build_state(chunks, opt, fsdp=True, layout=ckpt_state.layout(), is_loading=False)[0]
+    for _, t in ckpt_state.dtensors(theirs):
         del t._local_tensor.__create_chunk_list__, t._local_tensor.__create_write_items__
     preprocess_state_dict_for_uneven_dtensor(theirs)
-    theirs = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt._dtensors(theirs)}
+    theirs = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt_state.dtensors(theirs)}
     counts = torch.tensor([sum(any(c.offsets) for v in ours.values() for c in v), int(ours != theirs)],
                           device=runtime.current().device)  # NCCL reduces device tensors only
     dist.all_reduce(counts)  # over ranks: rank 0's offsets are all 0
@@ -188,7 +190,7 @@ def crash_during_save(*, root: str) -> dict:
     mgr = ckpt.CheckpointManager(root)
     mgr.save(1, chunks, opt, sched)
     _train(chunks, opt, sched, batches, 1, 2)
-    original = ckpt._write
+    original = ckpt_storage.write
 
     def write_then_die(state, path, **kw):
         out = original(state, path, **kw)
@@ -196,7 +198,7 @@ def crash_during_save(*, root: str) -> dict:
             os.kill(os.getpid(), 9)
         dist.barrier()  # rank 0 waits here, like any rank still in the save's collectives
         return out
-    ckpt._write = write_then_die
+    ckpt_storage.write = write_then_die
     mgr.save(2, chunks, opt, sched)
     return dict(unreachable=True)
 

@@ -1,0 +1,38 @@
+"""Checkpoints: atomic save / load of model, optimizer, scheduler, RNG and data position; `to_hf`.
+
+    ckpt = CheckpointManager("runs/ckpt", keep_last=3)
+    ckpt.save(step, chunks, optimizer, scheduler, extra={"data_position": n})
+    info = ckpt.load(chunks, optimizer, scheduler)          # -> meta dict, info["extra"] ...
+    info = ckpt.load(chunks, optimizer, scheduler, fallback=True)   # skip damaged checkpoints
+
+Layout of one checkpoint, `root/step_000010/`: torch DCP files (`*.distcp`, `.metadata`)
+holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors,
+`scheduler.json`, and `meta.json` (written last, by rank 0: step, world size, tp/pp, fsdp,
+kit version, engine config, file list with a crc32 and size per file, `extra`). `root/latest`
+names the newest one.
+
+What the naive DCP save/load gets wrong, and where the kit does it differently:
+- Megatron-FSDP shards are uneven and ranks hold different optimizer keys: `state`.
+- A failure on one rank leaves the others waiting in a collective until the timeout: every phase
+  ends in `collective.agreed`, so every rank raises the same CheckpointError within seconds;
+  a failed save leaves no `.tmp-*` / `.probe-*` behind: `manager`.
+- `.metadata` is a pickle: loading it can run code. The kit reads it with an allow-list
+  unpickler, and refuses checkpoints that someone else could have written (owner and mode of
+  every path from the root down, and `latest`; `trust_checkpoint=True` skips only the latter): `trust`.
+- Bytes rot and files get truncated: crc32 per file at save, verified at load; names or shapes
+  that do not match the model fail before any tensor is read: `integrity`.
+- A kill mid-save must not damage the previous checkpoint: write into `.tmp-step_X`, commit by
+  rename, `latest` moved last by `os.replace` (`manager`). DCP reads and writes: `storage`;
+  loading one directory and `to_hf`: `restore`.
+
+Everything the kit adds is pickle-free: meta.json and scheduler.json are JSON, RNG states are
+tensors in DCP.
+"""
+from .errors import CheckpointCorruptError, CheckpointError
+from .integrity import read_meta
+from .manager import CheckpointManager, step_dirname
+from .restore import load_dir, to_hf
+from .trust import check_trusted
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointManager", "check_trusted", "load_dir",
+           "read_meta", "step_dirname", "to_hf"]

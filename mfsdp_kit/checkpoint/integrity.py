@@ -1,0 +1,133 @@
+"""Is a checkpoint intact, and does it fit this model? Both answered before any tensor is read.
+
+Intact: the naive load trusts the bytes; 256 flipped bytes in a shard then load silently as a
+tensor off by 1e24. So every file gets a checksum at save: each rank hashes the shard files it
+wrote (`__<rank>_*.distcp`, still in the page cache) right after writing them; rank 0 hashes the
+rest (`.metadata`, `scheduler.json`) at commit; `meta.json` records `{file: {bytes, crc32}}`.
+zlib.crc32 runs at ~2.1 GB/s per core here (hashlib.sha256 1.3, blake2b 0.45; CPU, 256 MiB):
+it is an integrity check against bit rot and truncation, not a signature (who may write the
+files is `trust.check_trusted`'s job). A load checks every file's size on every rank and each
+file's crc32 on one rank (file i on rank i % world size), so the bytes are read once in total.
+
+Fits: the naive load lets DCP match keys; keys the model lacks are silently dropped (a 2-layer
+checkpoint loads into a 1-layer model) and mismatched shapes fail deep in DCP. `check_fit`
+compares the DCP metadata's keys and global sizes with the state about to be loaded and lists
+the missing, unexpected and mismatched names, with both shapes.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointCorruptError, CheckpointError
+
+META = "meta.json"
+CHUNK_BYTES = 8 << 20
+"""Bytes hashed per read: large enough for crc32's full speed, small enough for any host."""
+SHOWN = 5
+"""Names listed per kind in a does-not-fit error."""
+
+
+def file_checksum(path) -> dict:
+    """{"bytes": size, "crc32": 8 hex digits} of one file, read in CHUNK_BYTES pieces."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def rank_files(directory: Path, rank: int) -> list[str]:
+    """The shard files DCP's FileSystemWriter wrote for `rank` (it names them `__<rank>_<i>.distcp`)."""
+    return sorted(p.name for p in Path(directory).glob(f"__{rank}_*.distcp"))
+
+
+def checksums(directory: Path, names) -> dict:
+    return {name: file_checksum(Path(directory) / name) for name in names}
+
+
+def read_meta(path) -> dict:
+    """meta.json of a checkpoint directory; a clear error when it or a listed file is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    meta_file = path / META
+    if not meta_file.is_file():
+        raise CheckpointCorruptError(f"checkpoint directory {path} has no {META}: the save did not finish "
+                                     "(meta.json is written last), or the directory is not a checkpoint")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{meta_file} is corrupt ({e}); the checkpoint in {path} cannot be trusted") from e
+    for key in ("step", "world_size", "files", "fsdp"):
+        if key not in meta:
+            raise CheckpointCorruptError(f"{meta_file} lacks the field {key!r}; the checkpoint in {path} is incomplete")
+    missing = [f for f in meta["files"] if not (path / f).is_file()]
+    if missing:
+        raise CheckpointCorruptError(f"checkpoint directory {path} is missing {len(missing)} file(s) listed in "
+                                     f"{META}: {missing[:SHOWN]}")
+    return meta
+
+
+def verify(path, meta: dict, *, rank: int = 0, world: int = 1) -> None:
+    """Sizes of all files, crc32 of this rank's share; CheckpointCorruptError naming file and checkpoint."""
+    path = Path(path)
+    recorded = meta.get("checksums")
+    if recorded is None:
+        warnings.warn(f"{path / META} records no checksums (saved by an older kit): content not verified")
+        return
+    for name in meta["files"]:
+        if name not in recorded:
+            raise CheckpointCorruptError(f"{path / name} has no checksum in {path / META}; the checkpoint {path} "
+                                         "was altered after it was saved")
+        size = (path / name).stat().st_size
+        if size != recorded[name]["bytes"]:
+            raise CheckpointCorruptError(f"{path / name} has {size} bytes, {recorded[name]['bytes']} were saved: "
+                                         f"the file is truncated or altered; checkpoint {path} is damaged")
+    for name in meta["files"][rank::world]:
+        got = file_checksum(path / name)["crc32"]
+        if got != recorded[name]["crc32"]:
+            raise CheckpointCorruptError(f"{path / name} has crc32 {got}, {recorded[name]['crc32']} was saved: "
+                                         f"its bytes changed since the save; checkpoint {path} is damaged")
+
+
+def check_fit(path, metadata, state: dict, *, model_prefix: str = "model.") -> None:
+    """Raise before any tensor is read when `state` and the checkpoint disagree on names or shapes.
+
+    missing: asked for, not in the checkpoint. unexpected: in the checkpoint under `model_prefix`
+    (the model's own namespace), not asked for: the naive load drops them silently. mismatched:
+    both have it, global shapes differ (or one holds a tensor, the other a non-tensor value).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    missing = [k for k in flat if k not in saved]
+    unexpected = [k for k in saved if k.startswith(model_prefix) and k not in flat]
+    mismatched = []
+    for k, v in flat.items():
+        entry = saved.get(k)
+        if entry is None:
+            continue
+        theirs = list(entry.size) if isinstance(entry, TensorStorageMetadata) else "a non-tensor value"
+        ours = list(v.shape) if torch.is_tensor(v) else "a non-tensor value"
+        if theirs != ours:
+            mismatched.append(f"{k}: checkpoint {theirs} vs model {ours}")
+    if missing or unexpected or mismatched:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model (nothing was read): {_listing('missing from the checkpoint', missing)}"
+            f"{_listing('unexpected (in the checkpoint, not in the model)', unexpected)}"
+            f"{_listing('shapes differ', mismatched)}Build the model with the checkpoint's configuration "
+            f"(meta.json's engine_config, hf_source), or load a checkpoint of this model")
+
+
+def _listing(title: str, names: list) -> str:
+    if not names:
+        return ""
+    more = f" (+{len(names) - SHOWN} more)" if len(names) > SHOWN else ""
+    return f"{len(names)} {title}: {', '.join(names[:SHOWN])}{more}. "

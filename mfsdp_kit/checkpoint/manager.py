@@ -1,0 +1,331 @@
+"""`CheckpointManager`: numbered checkpoints under a root; atomic save, checked load, fallback.
+
+A save runs in phases, each ending in `collective.agreed`: a failure on any rank raises the same
+CheckpointError on every rank at once, and rank 0 then removes `.tmp-step_X` (the probe file
+never outlives its check), so a failed save leaves nothing behind and the next one starts clean.
+
+1. every rank: `extra` must be JSON (it goes into meta.json) - checked before anything is written.
+2. rank 0: the root is writable (a probe file), the step is new, a stale `.tmp-step_X` goes.
+3. every rank: build the state to save (`state.build_state`).
+4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
+   end and 5 run in `wait()`); each rank then hashes the files it wrote (`integrity`).
+5. rank 0 commits: scheduler.json, checksums of the other files, meta.json (last), group/other
+   write bits dropped, fsync, rename to `step_X`, then `latest` (written aside, `os.replace`d).
+   A commit that fails before `latest` moved is rolled back.
+
+A load resolves the step (following `latest` only after `trust.check_path` accepted it; all ranks
+must resolve the same step), then `restore.load_dir`. With `fallback=True` a checkpoint whose
+bytes are damaged (CheckpointCorruptError: found before any tensor is read) is skipped for the
+next older one; a warning and the returned meta's `fallback_from` say which were skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import collective, integrity, restore, state, storage, trust
+from .collective import agreed
+from .errors import CheckpointCorruptError, CheckpointError
+
+log = logging.getLogger(__name__)
+
+SCHEDULER = restore.SCHEDULER
+LATEST = "latest"
+FORMAT_VERSION = 2
+"""1: no checksums. 2: meta.json's `checksums` ({file: {bytes, crc32}})."""
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def check_json(extra: dict) -> None:
+    """`extra` goes into meta.json: refuse what JSON cannot hold, naming the keys."""
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        bad = [k for k, v in extra.items() if not _jsonable(v)]
+        raise CheckpointError(f"extra keys {bad} cannot be saved in meta.json ({e}): pass numbers, strings, "
+                              "lists and dicts (for a tensor t: t.item() or t.tolist())") from e
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class CheckpointManager:
+    """Numbered checkpoints under `root`: atomic save, load, `latest()`, `list()`, `keep_last`.
+
+    Every method that reads or writes tensors is collective (all ranks call it).
+    """
+
+    def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
+                 hf_source: str | None = None, write_threads: int = 4):
+        """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count)."""
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
+        if write_threads < 1:
+            raise ValueError(f"write_threads={write_threads!r} is not allowed; allowed: an integer >= 1")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.write_threads = write_threads
+        self._pinned: dict = {}  # host staging buffers of async saves, reused
+        self.hf_source = None if hf_source is None else str(hf_source)
+        self.loaded_step: int | None = None
+        """The step last loaded through this manager: `keep_last` never deletes it."""
+        self._pending = None
+        self.last_save_s: float | None = None
+        """Seconds from `save` to the commit (for async saves: to the end of `wait`)."""
+        self.last_blocking_s: float | None = None
+        """Seconds `save` blocked the caller (async: state + host copy; sync: everything)."""
+        self.last_save_phases_s: dict = {}
+        """Seconds per phase of the last save: state (build + shard metadata), stage (async host
+        copy), checksum (this rank's files), commit (meta.json, fsync, rename, `latest`)."""
+        self.last_load_s: float | None = None
+
+    # ---- listing
+    def list(self) -> list[int]:
+        """Committed checkpoint steps (directories with meta.json), ascending."""
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and (p / integrity.META).is_file():
+                try:
+                    steps.append(int(p.name[len("step_"):]))
+                except ValueError:
+                    continue
+        return sorted(steps)
+
+    def latest(self) -> int | None:
+        """The step `latest` points to (None when there is no checkpoint)."""
+        pointer = self.root / LATEST
+        if not pointer.is_file():
+            return None
+        name = pointer.read_text().strip()
+        if not name.startswith("step_") or not name[len("step_"):].isdigit():
+            raise CheckpointError(f"{pointer} holds {name!r}, not a step directory name")
+        return int(name[len("step_"):])
+
+    def path(self, step: int) -> Path:
+        return self.root / step_dirname(step)
+
+    # ---- save
+    def save(self, step: int, chunks, optimizer=None, scheduler=None, extra: dict | None = None,
+             *, hf_source: str | None = None) -> Path:
+        """Write checkpoint `step` (collective); returns its final directory.
+
+        With `async_save=True` the tensors are written in the background and the commit
+        (meta.json, rename, `latest`) happens in `wait()`, which the next save and `load` call.
+        """
+        self.wait()
+        start = time.perf_counter()
+        extra = dict(extra or {})
+        tmp, final = self.root / f".tmp-{step_dirname(step)}", self.path(step)
+        with agreed("saving checkpoint", final):
+            check_json(extra)
+        with agreed("preparing checkpoint", final):
+            verdict = self._prepare(tmp, final) if collective.rank() == 0 else None
+            if verdict:
+                raise CheckpointError(verdict)
+        try:
+            future = self._write(chunks, optimizer, tmp, start)
+        except CheckpointError:
+            self._discard(tmp)
+            raise
+        meta = self._meta(step, chunks, extra, hf_source)
+        sched = scheduler.state_dict() if scheduler is not None else None
+        self._pending = (future, tmp, final, meta, sched, start)
+        self.last_blocking_s = time.perf_counter() - start
+        if future is None:
+            self.wait()
+        return final
+
+    def _write(self, chunks, optimizer, tmp: Path, start: float):
+        """Phases 3-4: build the state and hand it to DCP; the async future or None."""
+        phases = self.last_save_phases_s = {}
+        with agreed("building the state of checkpoint", tmp):
+            fsdp = state.is_fsdp(chunks)
+            to_save = state.build_state(chunks, optimizer, fsdp=fsdp, layout=state.layout(), is_loading=False)[0]
+        phases["state"] = time.perf_counter() - start
+        with agreed("writing checkpoint", tmp):
+            if self.async_save:
+                to_save = storage.stage(to_save, self._pinned)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the host copies are complete before training goes on
+                phases["stage"] = time.perf_counter() - start - phases["state"]
+            return storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
+                                 process_group=collective.gloo_group() if self.async_save else None)
+
+    def _meta(self, step: int, chunks, extra: dict, hf_source) -> dict:
+        from .. import runtime
+        layout = state.layout()
+        cfg = runtime.current_config() if runtime._current is not None else None
+        return dict(format=FORMAT_VERSION, step=step, world_size=layout["world_size"], tp=layout["tp"],
+                    pp=layout["pp"], fsdp=state.is_fsdp(chunks), num_chunks=len(chunks), kit_version=_kit_version(),
+                    engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),
+                    hf_source=hf_source or extra.get("hf_source") or self.hf_source, extra=extra,
+                    time_to_write_s=None)
+
+    def _prepare(self, tmp: Path, final: Path) -> str | None:
+        """Rank 0, before any collective write: root writable, stale tmp gone. Error text or None."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{os.getpid()}"
+            try:
+                probe.write_text("ok")
+            finally:
+                probe.unlink(missing_ok=True)
+            if final.exists():
+                return f"checkpoint {final} already exists; save under another step or delete it first"
+            if tmp.exists():  # left by a save that was killed
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            return f"cannot write checkpoints under {self.root}: {e}"
+        return None
+
+    def _discard(self, tmp: Path) -> None:
+        """Rank 0, after every rank agreed the save failed: its partial files go."""
+        if collective.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def wait(self) -> Path | None:
+        """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
+        if self._pending is None:
+            return None
+        future, tmp, final, meta, sched, start = self._pending
+        self._pending = None
+        try:
+            with agreed("writing checkpoint", tmp) as mine:
+                if future is not None:
+                    future.result()
+                hashing = time.perf_counter()
+                mine.value = integrity.checksums(tmp, integrity.rank_files(tmp, collective.rank()))
+            written = time.perf_counter()
+            self.last_save_phases_s["checksum"] = written - hashing
+            sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
+            with agreed("committing checkpoint", final):
+                if collective.rank() == 0:
+                    self._commit(tmp, final, meta, sched, sums, start)
+        except CheckpointError:
+            self._discard(tmp)
+            raise
+        self.last_save_s = time.perf_counter() - start
+        self.last_save_phases_s["commit"] = self.last_save_s - (written - start)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, meta: dict, sched, sums: dict, start: float) -> None:
+        """Rank 0: scheduler.json, checksums, meta.json (last), rename, move `latest`, prune."""
+        try:
+            if sched is not None:
+                storage.write_json(tmp / SCHEDULER, sched)
+            names = sorted(p.name for p in tmp.iterdir())
+            sums.update(integrity.checksums(tmp, [n for n in names if n not in sums]))
+            meta.update(files=names, checksums={n: sums[n] for n in names},
+                        bytes=sum(sums[n]["bytes"] for n in names), time_to_write_s=time.perf_counter() - start)
+            storage.write_json(tmp / integrity.META, meta)
+            storage.harden(tmp)
+            storage.fsync_dir(tmp)
+            os.replace(tmp, final)
+            self._point_latest_to(final, tmp)
+        except OSError as e:
+            raise CheckpointError(f"committing checkpoint {final} failed: {e}") from e
+        self._prune()
+
+    def _point_latest_to(self, final: Path, tmp: Path) -> None:
+        """`latest` := final's name, atomically; on failure final goes back to tmp (not committed)."""
+        pointer = self.root / f"{LATEST}.tmp"
+        try:
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, self.root / LATEST)
+            storage.fsync_dir(self.root)
+        except OSError:
+            pointer.unlink(missing_ok=True)
+            os.replace(final, tmp)
+            raise
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        steps = self.list()
+        keep = set(steps[-self.keep_last:]) | {self.latest(), self.loaded_step}
+        for s in steps:
+            if s not in keep:
+                shutil.rmtree(self.path(s), ignore_errors=True)
+
+    # ---- load
+    def load(self, chunks, optimizer=None, scheduler=None, *, step: int | str = "latest",
+             trust_checkpoint: bool = False, restore_rng: bool = True, fallback: bool = False) -> dict:
+        """Load checkpoint `step` ("latest" or an int) into the chunks/optimizer/scheduler; return meta.
+
+        Collective. Checked before any tensor is read: trust (`trust_checkpoint=True` skips the
+        ownership/mode check, never the safe unpickler), checksums, names and shapes. With
+        `fallback=True` a damaged checkpoint is skipped for the next older intact one (a warning;
+        meta["fallback_from"] lists what was skipped and why). The RNG states are restored when the
+        checkpoint has this job's TP/PP layout; optimizer state needs the saved wrapper and world size.
+        """
+        self.wait()
+        start = time.perf_counter()
+        with agreed("finding the checkpoint to load under", self.root) as mine:
+            mine.value = self._candidates(step, trust_checkpoint, fallback)
+        if any(v != mine.values[0] for v in mine.values):
+            raise CheckpointError(f"ranks asked for different checkpoints under {self.root}: "
+                                  + ", ".join(f"rank {r}: {v[:1]}" for r, v in enumerate(mine.values)))
+        skipped = []
+        for s in mine.values[0]:
+            try:
+                meta = restore.load_dir(self.path(s), chunks, optimizer, scheduler, trust_checkpoint=trust_checkpoint,
+                                        restore_rng=restore_rng, root=self.root)
+            except CheckpointCorruptError as e:
+                if not fallback:
+                    raise
+                skipped.append({"step": s, "error": str(e)})
+                continue
+            break
+        else:
+            raise CheckpointCorruptError(f"no intact checkpoint under {self.root}; tried steps {mine.values[0]}: "
+                                         + "; ".join(f["error"] for f in skipped))
+        if skipped:
+            msg = (f"loaded checkpoint {self.path(s)} instead of the damaged "
+                   f"{', '.join(step_dirname(f['step']) for f in skipped)}: {skipped[0]['error']}")
+            warnings.warn(msg)
+            log.warning(msg)
+        meta["fallback_from"] = skipped
+        self.loaded_step = s
+        self.last_load_s = time.perf_counter() - start
+        return meta
+
+    def _candidates(self, step, trust_checkpoint: bool, fallback: bool) -> list[int]:
+        """The step to load, then (with fallback) the older committed ones, newest first."""
+        if step == "latest":
+            pointer = self.root / LATEST
+            if not pointer.is_file():
+                raise CheckpointError(f"no checkpoint under {self.root} (no {pointer} pointer)")
+            if not trust_checkpoint:
+                trust.check_path(self.root)
+                trust.check_path(pointer)
+            step = self.latest()
+        step = int(step)
+        older = [s for s in reversed(self.list()) if s < step] if fallback else []
+        return [step, *older]
+
+
+def _kit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("mfsdp_kit")
+    except PackageNotFoundError:
+        return "unknown"
