@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Literal
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -33,7 +37,8 @@ class ConfigError(ValueError):
     """A config field holds a value that is not allowed; the message names both."""
 
 
-def _bad(field_name: str, value: Any, allowed: str) -> ConfigError:
+def bad_value(field_name: str, value: Any, allowed: str) -> ConfigError:
+    """The one message shape of every config mistake: field, value, what is allowed."""
     return ConfigError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
 
 
@@ -86,46 +91,46 @@ class EngineConfig:
     # ---- validation ----------------------------------------------------------------------
     def validate(self, world_size: int | None = None, on_gpu: bool | None = None) -> "EngineConfig":
         """Raise `ConfigError` naming the bad field; return self so calls chain."""
+        check_field_types(self)   # a bool is not a size, "no" is not False, "abc" is not a seed
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise _bad(name, value, "a positive integer")
+            if value < 1:
+                raise bad_value(name, value, "a positive integer")
+        if not 0 <= self.seed < 2**63:
+            raise bad_value("seed", self.seed, "an integer in [0, 2**63)")
         vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None and (not isinstance(vpp, int) or vpp < 1):
-            raise _bad("virtual_pipeline_model_parallel_size", vpp, "None or a positive integer")
+        if vpp is not None and vpp < 1:
+            raise bad_value("virtual_pipeline_model_parallel_size", vpp, "None or a positive integer")
         if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size == 1:
-            raise _bad("virtual_pipeline_model_parallel_size", vpp,
+            raise bad_value("virtual_pipeline_model_parallel_size", vpp,
                        "None or 1 when pipeline_model_parallel_size == 1 (virtual stages interleave pipeline stages)")
         if self.dtype not in DTYPES:
-            raise _bad("dtype", self.dtype, " | ".join(DTYPES))
+            raise bad_value("dtype", self.dtype, " | ".join(DTYPES))
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise _bad("attention_backend", self.attention_backend, " | ".join(ATTENTION_BACKENDS))
+            raise bad_value("attention_backend", self.attention_backend, " | ".join(ATTENTION_BACKENDS))
         if self.recompute not in RECOMPUTE:
-            raise _bad("recompute", self.recompute, " | ".join(RECOMPUTE))
-        if not isinstance(self.fused_kernels, bool):
-            raise _bad("fused_kernels", self.fused_kernels, "True | False")
-        if not isinstance(self.optimizer_offload, bool):
-            raise _bad("optimizer_offload", self.optimizer_offload, "True | False")
+            raise bad_value("recompute", self.recompute, " | ".join(RECOMPUTE))
         if self.use_megatron_fsdp and not self.use_distributed_optimizer:
-            raise _bad("use_distributed_optimizer", False,
+            raise bad_value("use_distributed_optimizer", False,
                        "True when use_megatron_fsdp=True (Megatron-FSDP steps its shards with the distributed optimizer)")
         if self.use_megatron_fsdp and self.pipeline_model_parallel_size > 1:
-            raise _bad("pipeline_model_parallel_size", self.pipeline_model_parallel_size,
+            raise bad_value("pipeline_model_parallel_size", self.pipeline_model_parallel_size,
                        "1 when use_megatron_fsdp=True: megatron-core 0.16.1's Megatron-FSDP adapter shards one "
                        "model chunk over data-parallel ranks and does not implement pipeline-parallel stages; "
                        "use DDP for pipeline parallelism")
-        _validate_overrides("override_ddp_config", self.override_ddp_config, _ddp_fields())
-        _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_fields())
+        _validate_overrides("override_ddp_config", self.override_ddp_config, _ddp_types(), DDP_RANGES)
+        _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_types(),
+                            TRANSFORMER_RANGES)
         strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
-            raise _bad("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))
+            raise bad_value("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))
         if world_size is not None and world_size % self.model_parallel_size:
-            raise _bad("world_size", world_size,
+            raise bad_value("world_size", world_size,
                        f"a multiple of tensor*pipeline*context parallel sizes = {self.tensor_model_parallel_size}"
                        f"*{self.pipeline_model_parallel_size}*{self.context_parallel_size} = {self.model_parallel_size}")
         on_gpu = _cuda_available() if on_gpu is None else on_gpu
         if self.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            raise _bad("CUDA_DEVICE_MAX_CONNECTIONS", "1",
+            raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
                        "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
                        "with compute on several CUDA streams)")
         return self
@@ -139,7 +144,7 @@ class EngineConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in d:
             if key not in names:
-                raise _bad(f"EngineConfig.{key}", d[key], f"one of the fields {names}")
+                raise bad_value(f"EngineConfig.{key}", d[key], f"one of the fields {names}")
         return cls(**d)
 
     def to_yaml(self, path: str | None = None) -> str:
@@ -178,12 +183,23 @@ class OptimConfig:
     """Max global grad norm (0 = no clipping)."""
 
     def validate(self) -> "OptimConfig":
-        if not self.lr > 0:
-            raise _bad("lr", self.lr, "a positive float")
-        if self.warmup_steps < 0:
-            raise _bad("warmup_steps", self.warmup_steps, "an integer >= 0")
-        if self.clip_grad < 0:
-            raise _bad("clip_grad", self.clip_grad, "a float >= 0")
+        """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.
+
+        Each of these once trained silently wrong: lr=inf or clip_grad=nan poison the weights,
+        decay_steps < 1 trains at lr 0, min_lr > lr decays upwards."""
+        check_field_types(self)
+        for name, ok, allowed in (
+                ("lr", _finite(self.lr) and self.lr > 0, "a finite number > 0"),
+                ("min_lr", _finite(self.min_lr) and 0 <= self.min_lr <= self.lr, f"a number in [0, lr={self.lr}]"),
+                ("warmup_steps", self.warmup_steps >= 0, "an integer >= 0"),
+                ("decay_steps", self.decay_steps is None or self.decay_steps >= 1, "None or an integer >= 1"),
+                ("weight_decay", _finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
+                ("adam_beta1", 0 <= self.adam_beta1 < 1, "a number in [0, 1)"),
+                ("adam_beta2", 0 <= self.adam_beta2 < 1, "a number in [0, 1)"),
+                ("adam_eps", _finite(self.adam_eps) and self.adam_eps > 0, "a finite number > 0"),
+                ("clip_grad", _finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)")):
+            if not ok:
+                raise bad_value(name, getattr(self, name), allowed)
         return self
 
 
@@ -211,21 +227,122 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _ddp_fields() -> list[str]:
+# ---- type checks ---------------------------------------------------------------------------
+# A dataclass's annotations are the contract; dataclasses do not enforce them, and megatron
+# fails (or silently misbehaves) long after the process group exists: "yes" is truthy, True is
+# the size 1, "2" * 64 is a string. The checker knows the plain kinds below and skips the rest
+# (Callables, torch.dtype, enums, megatron's own classes) rather than guess.
+
+def _kind(tp: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """(accepts(value), what is allowed) for annotation `tp`, or None when the checker does not know it."""
+    if tp is bool:
+        return (lambda v: isinstance(v, bool)), "True | False"
+    if tp is int:
+        return _is_int, "an integer"
+    if tp is float:   # an int is a fine float; a bool is not
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    if tp is str:
+        return (lambda v: isinstance(v, str)), "a string"
+    if tp is type(None):
+        return (lambda v: v is None), "None"
+    if tp in (dict, list):
+        return (lambda v: isinstance(v, tp)), f"a {tp.__name__}"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return (lambda v: any(v == a and type(v) is type(a) for a in args)), " | ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        kinds = [_kind(a) for a in args]
+        if None in kinds:   # Union[int, SomethingElse]: cannot say what is wrong
+            return None
+        return (lambda v: any(ok(v) for ok, _ in kinds)), " or ".join(text for _, text in kinds)
+    return None
+
+
+def type_error(field_name: str, value: Any, tp: Any, default: Any = dataclasses.MISSING) -> ConfigError | None:
+    """A `ConfigError` when `value` does not fit annotation `tp`, else None (also for kinds it does not know).
+
+    The field's own default always fits (megatron declares `int = None` in places)."""
+    kind = _kind(tp)
+    if kind is None or kind[0](value) or (default is not dataclasses.MISSING and value is default):
+        return None
+    return bad_value(field_name, value, kind[1])
+
+
+def check_field_types(obj: Any) -> None:
+    """Every field of dataclass `obj` holds what its annotation says (as far as `_kind` knows)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if err := type_error(f.name, getattr(obj, f.name), hints[f.name], f.default):
+            raise err
+
+
+@functools.cache
+def _ddp_types() -> dict[str, tuple[Any, Any]]:
     from megatron.core.distributed import DistributedDataParallelConfig
-    return [f.name for f in dataclasses.fields(DistributedDataParallelConfig)]
+    return _field_types(DistributedDataParallelConfig)
 
 
-def _transformer_fields() -> list[str]:
+@functools.cache
+def _transformer_types() -> dict[str, tuple[Any, Any]]:
     from megatron.core.transformer import TransformerConfig
-    return [f.name for f in dataclasses.fields(TransformerConfig)]
+    return _field_types(TransformerConfig)
 
 
-def _validate_overrides(field_name: str, overrides: dict, allowed: list[str]) -> None:
+def _field_types(cls: type) -> dict[str, tuple[Any, Any]]:
+    """field name -> (annotation, default) of a megatron config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+
+
+def _at_least(lo: int, *, none_ok: bool = False) -> tuple[Callable[[Any], bool], str]:
+    """For integer fields (the type check runs first)."""
+    return (lambda v: v >= lo), (f"None or an integer >= {lo}" if none_ok else f"an integer >= {lo}")
+
+
+def _probability() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: 0 <= v <= 1), "a number in [0, 1]"
+
+
+def _positive_finite() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: _finite(v) and v > 0), "a finite number > 0"
+
+
+DDP_RANGES = dict(
+    bucket_size=_at_least(1, none_ok=True),                    # elements per gradient bucket
+    num_distributed_optimizer_instances=_at_least(1),
+    suggested_communication_unit_size=_at_least(1, none_ok=True),
+)
+"""Ranges of override_ddp_config values (checked after the type; None passes where it is the default)."""
+TRANSFORMER_RANGES = dict(
+    num_layers=_at_least(1), hidden_size=_at_least(1), num_attention_heads=_at_least(1),
+    num_query_groups=_at_least(1, none_ok=True), ffn_hidden_size=_at_least(1, none_ok=True),
+    kv_channels=_at_least(1, none_ok=True), hidden_dropout=_probability(), attention_dropout=_probability(),
+    layernorm_epsilon=_positive_finite(), init_method_std=_positive_finite(),
+)
+"""Ranges of override_transformer_config values where the sane range is obvious."""
+
+
+def _validate_overrides(field_name: str, overrides: dict, types_: dict[str, tuple[Any, Any]],
+                        ranges: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """Known keys only (with close matches), each value of the megatron field's type and in its range."""
     if not isinstance(overrides, dict):
-        raise _bad(field_name, overrides, "a dict of field -> value")
-    for key in overrides:
-        if key not in allowed:
+        raise bad_value(field_name, overrides, "a dict of field -> value")
+    allowed = list(types_)
+    for key, value in overrides.items():
+        if key not in types_:
             close = difflib.get_close_matches(key, allowed, n=3)
             hint = f"did you mean {close}?" if close else f"see the {len(allowed)} fields of the megatron config"
             raise ConfigError(f"{field_name}: unknown key {key!r}; {hint} (allowed: {', '.join(sorted(allowed))})")
+        tp, default = types_[key]
+        if err := type_error(f"{field_name}.{key}", value, tp, default):
+            raise err
+        if key in ranges and value is not None and not ranges[key][0](value):
+            raise bad_value(f"{field_name}.{key}", value, ranges[key][1])
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return math.isfinite(value)

@@ -100,3 +100,67 @@ def test_optim_config_validation():
         OptimConfig(lr=0).validate()
     with pytest.raises(ConfigError, match="warmup_steps"):
         OptimConfig(warmup_steps=-1).validate()
+
+
+# The validation battery of issue 18 (item 12), one row per case: each was accepted, or failed only
+# inside megatron after the process group existed. (config kwargs, field the message must name).
+ENGINE_CASES = [
+    (dict(override_ddp_config={"bucket_size": "big"}), "override_ddp_config.bucket_size"),
+    (dict(override_ddp_config={"overlap_grad_reduce": "yes"}), "override_ddp_config.overlap_grad_reduce"),
+    (dict(override_ddp_config={"bucket_size": -5}), "override_ddp_config.bucket_size"),
+    (dict(use_megatron_fsdp="no"), "use_megatron_fsdp"),
+    (dict(tensor_model_parallel_size=True), "tensor_model_parallel_size"),
+    (dict(override_transformer_config={"num_layers": "2"}), "override_transformer_config.num_layers"),
+    (dict(seed="abc"), "seed"),
+    (dict(override_transformer_config={"num_layers": 0}), "override_transformer_config.num_layers"),
+    (dict(override_transformer_config={"normalization": "BatchNorm"}), "override_transformer_config.normalization"),
+    (dict(override_transformer_config={"hidden_dropout": 1.5}), "override_transformer_config.hidden_dropout"),
+    (dict(virtual_pipeline_model_parallel_size="2"), "virtual_pipeline_model_parallel_size"),
+    (dict(fused_kernels=1), "fused_kernels"),
+]
+OPTIM_CASES = [
+    (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
+    (dict(adam_beta2=-0.1), "adam_beta2"), (dict(weight_decay=-0.1), "weight_decay"), (dict(adam_eps=-1e-8), "adam_eps"),
+    (dict(lr=1e-3, min_lr=1e-2), "min_lr"), (dict(clip_grad=float("nan")), "clip_grad"), (dict(decay_steps=-5), "decay_steps"),
+    (dict(lr=float("nan")), "lr"), (dict(warmup_steps=1.5), "warmup_steps"), (dict(decay_steps=0), "decay_steps"),
+]
+
+
+def _says_field_value_allowed(msg: str, field: str, value) -> None:
+    assert msg.startswith(f"{field}="), msg
+    assert repr(value) in msg and "allowed:" in msg, msg
+
+
+@pytest.mark.parametrize("kwargs,field", ENGINE_CASES, ids=[f for _, f in ENGINE_CASES])
+def test_bad_engine_value_is_a_config_error_naming_it(kwargs, field):
+    (name, value), = kwargs.items()
+    if isinstance(value, dict):
+        (_, value), = value.items()
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kwargs).validate(on_gpu=False)
+    _says_field_value_allowed(str(e.value), field, value)
+
+
+@pytest.mark.parametrize("kwargs,field", OPTIM_CASES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(OPTIM_CASES)])
+def test_bad_optim_value_is_a_config_error_naming_it(kwargs, field):
+    with pytest.raises(ConfigError) as e:
+        OptimConfig(**kwargs).validate()
+    _says_field_value_allowed(str(e.value), field, kwargs[field])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(override_ddp_config={"bucket_size": None, "suggested_communication_unit_size": None}),
+    dict(override_ddp_config={"bucket_size": 40_000_000, "overlap_grad_reduce": True}),
+    dict(override_transformer_config={"num_layers": 2, "layernorm_epsilon": 1, "apply_rope_fusion": False,
+                                      "params_dtype": object()}),   # unknown kinds (torch.dtype) are not judged
+    dict(seed=0, virtual_pipeline_model_parallel_size=None)])
+def test_good_values_pass(kwargs):
+    EngineConfig(**kwargs).validate(on_gpu=False)
+
+
+def test_good_optim_values_pass():
+    OptimConfig(lr=1, min_lr=1, clip_grad=0, adam_beta1=0, decay_steps=None, weight_decay=0).validate()
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)   # callers' `except ValueError` keeps working
