@@ -7,6 +7,8 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). On a machine without CUDA the backend is 
 """
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -48,14 +50,26 @@ def _env_int(name: str, default: int | None) -> int:
     return int(value)
 
 
+def _check_world(*, backend: str, rank: int, world_size: int, local_rank: int, timeout_s: float) -> None:
+    """The launch arguments, checked like config fields: a bad one is a `ConfigError` before any socket opens."""
+    if backend not in BACKENDS:
+        raise bad_value("backend", backend, " | ".join(BACKENDS))
+    if not _is_int(world_size) or world_size < 1:
+        raise bad_value("world_size", world_size, "an integer >= 1")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise bad_value("rank", rank, f"an integer in [0, {world_size - 1}] (world_size={world_size})")
+    if not _is_int(local_rank) or local_rank < 0:
+        raise bad_value("local_rank", local_rank, "an integer >= 0")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise bad_value("timeout_s", timeout_s, "a finite number of seconds > 0")
+
+
 def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | None = None,
          world_size: int | None = None, local_rank: int | None = None, master_addr: str | None = None,
          master_port: int | None = None, timeout_s: float = 600.0) -> Runtime:
     """Start torch.distributed + megatron parallel state for `cfg`; idempotent for the same cfg."""
     global _current, _cfg
     cfg = cfg or EngineConfig()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not allowed; allowed: {' | '.join(BACKENDS)}")
     if _current is not None:
         if _cfg == cfg:
             return _current
@@ -63,6 +77,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     rank = _env_int("RANK", 0) if rank is None else rank
     world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", rank) if local_rank is None else local_rank
+    _check_world(backend=backend, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s)
     on_gpu = torch.cuda.is_available()
     cfg.validate(world_size=world_size, on_gpu=on_gpu)
     from .compat import no_te
@@ -77,20 +92,19 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
         device = torch.device("cpu")
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
-            raise ValueError(f"world_size={world_size} but this process already belongs to a world of "
-                             f"{dist.get_world_size()}; call shutdown(destroy_process_group=True) first")
+            raise bad_value("world_size", world_size, f"{dist.get_world_size()}, the world this process already belongs "
+                                                 "to; call shutdown(destroy_process_group=True) first")
     else:
         os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         os.environ.setdefault("MASTER_PORT", "29500")
+        _sockets_on_loopback_if_master_is(os.environ["MASTER_ADDR"])
         timeout = timedelta(seconds=timeout_s)
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent hosts the store on MASTER_PORT
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            store = _store(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
-                           world_size=world_size, timeout=timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        agent = master_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's
+        store = _rendezvous(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
+                            world_size=world_size, timeout=timeout, agent=agent)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _init_megatron(cfg)
     set_seed(cfg.seed)
     from megatron.core import parallel_state as ps
@@ -101,20 +115,86 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     return _current
 
 
-_listen_socket: socket.socket | None = None
+# ---- rendezvous ------------------------------------------------------------------------------
+_tcp_store: tuple[tuple, dist.TCPStore] | None = None
+"""((addr, port, rank, world_size, agent), the TCPStore): one per process, kept across init/shutdown cycles."""
+_incarnation = 0
+"""Process groups this process has created through `init`; every rank counts the same."""
 
 
-def _store(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
-    """The rendezvous store, its server (rank 0) listening on `addr` only.
+def _rendezvous(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta, agent: bool) -> dist.Store:
+    """The store for this incarnation of the world: the process's one TCPStore under a fresh key prefix.
+
+    The naive version builds a TCPStore per `init`. Rebinding the same port then fails while the
+    old store lives (EADDRINUSE), and a store that does outlive a world hands the next one stale
+    keys: torch numbers process groups from 0 again after `destroy_process_group`, so the new
+    world's gloo rendezvous would read the old world's addresses. So the store lives as long as
+    the process (or until addr/port/world change) and each world gets its own key prefix
+    `mfsdp_kit/<torchrun restart>/<n>/`; every rank runs the same init/shutdown sequence, so they
+    agree on n."""
+    global _tcp_store, _incarnation
+    key = (addr, port, rank, world_size, agent)
+    if _tcp_store is None or _tcp_store[0] != key:
+        _tcp_store = None   # drop the old one first: rank 0's server closes its socket, freeing the port
+        store = _new_tcp_store(addr=addr, port=port, rank=rank, world_size=world_size, timeout=timeout, agent=agent)
+        _tcp_store = (key, store)
+    _tcp_store[1].set_timeout(timeout)
+    _incarnation += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")   # torchrun's agent store outlives its workers
+    return dist.PrefixStore(f"mfsdp_kit/{restart}/{_incarnation}/", _tcp_store[1])
+
+
+def _new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta,
+                   agent: bool) -> dist.TCPStore:
+    """A client of torchrun's agent store, or (elsewhere) rank 0's server listening on `addr` only.
 
     torch's default TCPStore server listens on every interface, and the store has no
     authentication: bound to 127.0.0.1 (the default MASTER_ADDR) it is reachable from this
-    machine alone. Rank 0 binds the socket itself and hands it to the store."""
-    global _listen_socket
-    if rank != 0:
+    machine alone. Rank 0 binds the socket itself and hands it over with `detach()`: the store
+    owns the descriptor and closes it when it dies. (Passing `fileno()` and keeping the Python
+    socket closes the same descriptor twice -- the second time it may already belong to a
+    gloo pair or the next store.)"""
+    if rank != 0 or agent:
         return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-    _listen_socket = socket.create_server((addr, port), reuse_port=False)
-    return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=_listen_socket.fileno())
+    sock = socket.create_server((addr, port), reuse_port=False)
+    return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
+
+
+def _sockets_on_loopback_if_master_is(master_addr: str) -> None:
+    """With a loopback MASTER_ADDR, make gloo (and NCCL's bootstrap) listen on loopback too.
+
+    gloo does not use MASTER_ADDR for its own listening sockets: without GLOO_SOCKET_IFNAME it
+    binds to the address the hostname resolves to -- on most hosts the LAN address, so a
+    "local" world would accept connections from the network. A world whose rendezvous is on
+    127.0.0.1 is one machine by construction, so loopback loses nothing. A value the user set wins."""
+    if not _is_loopback(master_addr) or (name := _loopback_interface()) is None:
+        return
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:   # a host name: loopback when every address it resolves to is
+        try:
+            infos = socket.getaddrinfo(addr, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _loopback_interface() -> str | None:
+    """The name of the interface holding 127.0.0.1 ("lo" on Linux, "lo0" on macOS), None if none does."""
+    import psutil
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _init_megatron(cfg: EngineConfig) -> None:
@@ -152,11 +232,10 @@ def current_config() -> EngineConfig:
 def shutdown(*, destroy_process_group: bool = False) -> None:
     """Tear down megatron's parallel state so `init` can run again in this process.
 
-    The world process group stays by default: torch numbers new groups from 0 again after the
-    default group is destroyed, and the rendezvous store still holds the old incarnation's keys
-    under those names, so a second `init_process_group` in one process can connect to stale
-    addresses. Keeping the world lets `init` build any new parallel layout over it. Pass
-    `destroy_process_group=True` at the very end of a process.
+    The world process group stays by default, so `init` can build any new parallel layout over it
+    without a new rendezvous. `destroy_process_group=True` leaves the world (the end of a process,
+    or before joining another); a later `init` in this process rendezvouses again, under a fresh
+    key prefix of the same store (see `_rendezvous`).
     """
     global _current, _cfg
     from megatron.core import parallel_state as ps

@@ -1,8 +1,15 @@
-"""runtime: the rendezvous store listens on MASTER_ADDR only; re-init in one process works."""
+"""runtime: the rendezvous store listens on MASTER_ADDR only; re-init in one process works; bad launch
+arguments are ConfigErrors."""
 import os
+import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
+from mfsdp_kit.config import EngineConfig
+from tests.dist import launch
 from tests.dist.launch import free_port
 
 SCRIPT = """
@@ -26,3 +33,32 @@ def test_store_binds_loopback_only_and_reinit_works():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "LISTEN ['127.0.0.1']" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("own_store", [True, False], ids=["kit-store", "torchrun-store"])
+def test_three_init_shutdown_cycles_in_one_process(own_store):
+    """init after shutdown(destroy_process_group=True) rendezvouses again on the same store address,
+    under a fresh key prefix; each cycle all-reduces over the world and a megatron group."""
+    r = launch.run("reinit_cycles", cycles=3, port=free_port() if own_store else None, timeout_s=120)
+    assert r["sums"] == [3.0 * 2] * 3 and r["dp_sizes"] == [2, 2, 2], r   # (1 + 2) all-reduced twice
+    assert max(r["seconds"]) < 30, r
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(backend="mpi"), "backend"), (dict(world_size=0), "world_size"), (dict(rank=2, world_size=2), "rank"),
+    (dict(rank=True, world_size=2), "rank"), (dict(timeout_s=0), "timeout_s"), (dict(local_rank=-1), "local_rank")])
+def test_bad_launch_arguments_are_config_errors_before_any_socket(kwargs, field):
+    from mfsdp_kit import runtime
+    from mfsdp_kit.config import ConfigError
+    with pytest.raises(ConfigError, match=rf"^{field}=") as e:
+        runtime.init(EngineConfig(), **{"rank": 0, "world_size": 1, **kwargs})
+    assert "allowed:" in str(e.value) and isinstance(e.value, ValueError)
+    assert not torch.distributed.is_initialized()
+
+
+def test_loopback_interface_is_found_and_loopback_addresses_are_recognised():
+    from mfsdp_kit import runtime
+    name = runtime._loopback_interface()
+    assert name is not None and name in dict(socket.if_nameindex()).values()
+    assert runtime._is_loopback("127.0.0.1") and runtime._is_loopback("localhost") and runtime._is_loopback("::1")
+    assert not runtime._is_loopback("192.0.2.7")

@@ -108,3 +108,27 @@ def pending_gathers(*, settle: bool) -> dict:
     after_forward = pending()
     runtime.shutdown()
     return dict(after_step=after_step, after_forward=after_forward)
+
+
+def reinit_cycles(*, cycles: int, port: int | None) -> dict:
+    """init -> all-reduce (world and a megatron group) -> shutdown(destroy_process_group=True), `cycles` times
+    in one process. With `port`, through the kit's own store on it, as on a notebook engine; with None,
+    through torchrun's agent store. Every cycle reuses the same store address."""
+    import os
+    import time
+    from megatron.core import parallel_state as ps
+    if port is not None:
+        for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+            os.environ.pop(name, None)
+    sums, dp_sizes, seconds = [], [], []
+    for _ in range(cycles):
+        start = time.perf_counter()
+        rt = runtime.init(EngineConfig(), master_port=port)
+        x = torch.tensor([rt.rank + 1.0])
+        dist.all_reduce(x)
+        dist.all_reduce(x, group=ps.get_data_parallel_group())
+        sums.append(x.item())
+        dp_sizes.append(ps.get_data_parallel_world_size())
+        runtime.shutdown(destroy_process_group=True)
+        seconds.append(time.perf_counter() - start)
+    return dict(sums=sums, dp_sizes=dp_sizes, seconds=seconds)
