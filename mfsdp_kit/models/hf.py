@@ -1,7 +1,8 @@
 """Hugging Face folders <-> Megatron chunks through Megatron-Bridge (`AutoBridge`).
 
 `load(hf_path, cfg)` checks the folder before any weight is read (config present, architecture
-supported, TP divides the heads, safetensors rather than pickle), builds the model from the HF
+supported, TP divides the heads, safetensors rather than pickle, every tensor the architecture
+needs present with its shape: `check_tensors`), builds the model from the HF
 config with the local layer spec (Transformer Engine's where TE is installed), loads the HF
 weights into the plain chunks, then wraps them (DDP or Megatron-FSDP). Loading before the
 wrap means Megatron-FSDP copies the loaded values into both its compute and its fp32 main
@@ -63,7 +64,8 @@ def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool
                          f"supported: {', '.join(supported)}")
     if cfg is not None:
         _check_heads(config, cfg.tensor_model_parallel_size)
-    _check_weights(path, trust_pickle=trust_pickle)
+    if _check_weights(path, trust_pickle=trust_pickle):
+        check_tensors(path)
     return config
 
 
@@ -76,15 +78,63 @@ def _check_heads(config: dict, tp: int) -> None:
                              f"allowed: a divisor of {value}")
 
 
-def _check_weights(path: Path, *, trust_pickle: bool) -> None:
+def _check_weights(path: Path, *, trust_pickle: bool) -> bool:
+    """True when the weights are safetensors (whose headers `check_tensors` can read)."""
     if list(path.glob("*.safetensors")):
-        return
+        return True
     pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
     if pickles and not trust_pickle:
         raise ValueError(f"{path / pickles[0]} is a pickle checkpoint: loading it can run code. Convert it to "
                          "safetensors, or pass trust_pickle=True if you trust its source")
     if not pickles:
         raise FileNotFoundError(f"{path} holds no weights (*.safetensors)")
+    return False
+
+
+def expected_tensors(hf_path) -> dict[str, list[int]]:
+    """Name -> shape of every parameter the folder's architecture needs (tied ones named once).
+
+    Built from config.json on the meta device: no memory, no init, seconds even for large models.
+    """
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(str(hf_path))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def saved_tensors(hf_path) -> dict[str, tuple[list[int], str]]:
+    """Name -> (shape, file name) of every tensor in the folder's *.safetensors (headers only)."""
+    from safetensors import safe_open
+    out = {}
+    for file in sorted(Path(hf_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: (list(f.get_slice(name).get_shape()), file.name) for name in f.keys()})
+    return out
+
+
+def check_tensors(hf_path) -> None:
+    """Refuse a folder whose safetensors lack or misshape a tensor the architecture needs.
+
+    The naive load (Megatron-Bridge's `load_hf_weights`) logs one `WARNING: Can't find ...` for a
+    missing tensor and leaves that Megatron parameter at its random init; training then runs on a
+    half-loaded model. Here the safetensors headers are compared with `expected_tensors` first.
+    """
+    from ..checkpoint.errors import CheckpointError
+    path = Path(hf_path)
+    saved = saved_tensors(path)
+    files = sorted({file for _, file in saved.values()})
+    expected = expected_tensors(path)
+    missing = [n for n in expected if n not in saved]
+    wrong = [f"{n} in {path / saved[n][1]}: saved {saved[n][0]}, the architecture needs {shape}"
+             for n, shape in expected.items() if n in saved and saved[n][0] != shape]
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensor(s) the architecture in {path / 'config.json'} needs are "
+                              f"missing from {', '.join(str(path / f) for f in files)}: {missing[:5]}. The "
+                              "folder is incomplete or its config.json belongs to another model")
+    if wrong:
+        raise CheckpointError(f"{len(wrong)} tensor(s) in {path} have the wrong shape: {'; '.join(wrong[:5])}. "
+                              "The folder's config.json does not describe these weights (or they were saved transposed)")
 
 
 def _layer_spec(cfg: EngineConfig):
