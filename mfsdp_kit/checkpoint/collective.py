@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .errors import CheckpointCorruptError, CheckpointError
 
-ERROR_CHARS = 600
+ERROR_CHARS = 2000
 """Each rank's error text is cut to this many characters in the shared message."""
 
 
@@ -86,8 +86,20 @@ def agreed(what: str, path):
     outcome.values = [v for _, v in everyone]
     if failures:
         kind = CheckpointCorruptError if all(corrupt for _, (_, corrupt) in failures) else CheckpointError
-        detail = "; ".join(f"rank {r}: {text}" for r, (text, _) in failures)
+        detail = "; ".join(f"{_ranks(rs)}: {text}" for text, rs in _by_text(failures).items())
         raise kind(f"{what} {path} failed on {len(failures)} of {len(everyone)} rank(s): {detail}") from error
+
+
+def _by_text(failures: list) -> dict:
+    """{error text: [ranks]}: an error every rank hit alike is printed once."""
+    out: dict = {}
+    for r, (text, _) in failures:
+        out.setdefault(text, []).append(r)
+    return out
+
+
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 _GLOO_GROUPS: dict = {}

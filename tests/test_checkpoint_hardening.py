@@ -1,0 +1,251 @@
+"""Checkpoint hardening (issue 18), one test per case, mirroring mfsdp_kit/checkpoint/:
+
+trust      a `.metadata` pickle never runs (even trusted); another user's checkpoint is refused
+integrity  flipped bytes / truncated shards name the file; fallback to the newest intact one;
+           a model that does not fit fails before any tensor is read; an HF folder that lacks a tensor
+collective every rank raises the same error at once; a failed save leaves nothing behind
+
+The collective cases run in one 2-rank launch (`faults`); the rest run in this process on copies
+of its checkpoints (the checks that refuse them need no model).
+"""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import tempfile
+import zlib
+from pathlib import Path
+
+import pytest
+
+from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint.restore import checked
+from tests.dist import launch
+
+NOBODY = 65534
+
+
+@pytest.fixture(scope="module")
+def tmpfs(tmp_path_factory):
+    """A 16 MiB tmpfs to fill up (root only); None elsewhere."""
+    where = tmp_path_factory.mktemp("tmpfs")
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)]).returncode:
+        yield None
+        return
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory, tmpfs):
+    root = tmp_path_factory.mktemp("faults") / "ckpt"
+    result = launch.run("scenarios_ckpt_hardening:faults", nproc=2, root=str(root), tmpfs=tmpfs and str(tmpfs))
+    return dict(result, root=root)
+
+
+@pytest.fixture
+def step1(faults, tmp_path):
+    """A private copy of the intact step 1 (root 0700, as pytest makes it), latest -> it."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    shutil.copytree(faults["root"] / "step_000001", root / "step_000001")
+    (root / "latest").write_text("step_000001\n")
+    return root
+
+
+def _payload_pickle(flag: Path) -> bytes:
+    """A pickle that, when loaded with pickle.load, creates `flag`."""
+    class Payload:
+        def __reduce__(self):
+            return exec, (f"open({str(flag)!r}, 'w').close()",)
+    return pickle.dumps(Payload())
+
+
+def _rewrite(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace a file and record its new checksum in meta.json, as an attacker who knows the format would."""
+    (step_dir / name).chmod(0o644)
+    (step_dir / name).write_bytes(data)
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["checksums"][name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (step_dir / "meta.json").chmod(0o644)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+# ---- trust ------------------------------------------------------------------------------------
+def test_metadata_payload_never_runs_even_when_trusted(step1, tmp_path):
+    flag = tmp_path / "PWNED"
+    _rewrite(step1 / "step_000001", ".metadata", _payload_pickle(flag))
+    for trust in (False, True):
+        with pytest.raises(ckpt.CheckpointError, match=r"\.metadata was refused: global builtins\.exec is not allowed"):
+            ckpt.CheckpointManager(step1).load([], trust_checkpoint=trust)
+    assert not flag.exists()
+
+
+def test_another_users_checkpoint_is_refused(faults):
+    """Issue 18 case 1: root world-writable; uid 65534 adds step_000099 (0755, theirs) with a pickled
+    payload in .metadata and points `latest` at it. Every load is refused and the payload never runs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second user (setpriv)")
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        root, flag = base / "ckpt", base / "PWNED"
+        shutil.copytree(faults["root"] / "step_000001", root / "step_000001")
+        (root / "latest").write_text("step_000001\n")
+        root.chmod(0o777)
+        _attack_as_nobody(root, flag)
+        assert (root / "step_000099").stat().st_uid == NOBODY and (root / "latest").stat().st_uid == NOBODY
+        mgr = ckpt.CheckpointManager(root)
+        with pytest.raises(ckpt.CheckpointError, match=rf"{root} is writable by group or others \(mode drwxrwxrwx\)"):
+            mgr.load([])
+        root.chmod(0o755)  # the owner closes the root; what the attacker left stays theirs
+        with pytest.raises(ckpt.CheckpointError, match=rf"{root / 'latest'} is owned by uid 65534 \(nobody\), not by you"):
+            mgr.load([])
+        with pytest.raises(ckpt.CheckpointError, match=rf"{root / 'step_000099'} is owned by uid 65534"):
+            mgr.load([], step=99)
+        with pytest.raises(ckpt.CheckpointError, match=r"\.metadata was refused: global builtins\.exec"):
+            mgr.load([], trust_checkpoint=True)
+        assert not flag.exists()
+    finally:
+        shutil.rmtree(base)
+
+
+ATTACK = """
+import json, os, pickle, shutil, sys, zlib
+root, flag = sys.argv[1], sys.argv[2]
+step, good = os.path.join(root, "step_000099"), os.path.join(root, "step_000001")
+os.mkdir(step, 0o755)
+for name in os.listdir(good):
+    if name.endswith(".distcp") or name == "scheduler.json":
+        shutil.copy(os.path.join(good, name), step)
+class Payload:
+    def __reduce__(self):
+        return exec, ("open(%r, 'w').close()" % flag,)
+data = pickle.dumps(Payload())
+open(os.path.join(step, ".metadata"), "wb").write(data)
+meta = json.load(open(os.path.join(good, "meta.json")))
+meta["step"] = 99
+meta["checksums"][".metadata"] = {"bytes": len(data), "crc32": "%08x" % zlib.crc32(data)}
+json.dump(meta, open(os.path.join(step, "meta.json"), "w"))
+open(os.path.join(root, "latest.new"), "w").write("step_000099\\n")
+os.replace(os.path.join(root, "latest.new"), os.path.join(root, "latest"))
+"""
+
+
+def _attack_as_nobody(root: Path, flag: Path) -> None:
+    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "/usr/bin/python3",
+                    "-c", ATTACK, str(root), str(flag)], check=True, cwd=root.parent, capture_output=True)
+
+
+def test_group_writable_root_and_latest_refused(step1):
+    step1.chmod(0o775)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{step1} is writable by group or others"):
+        ckpt.CheckpointManager(step1).load([])
+    with pytest.raises(ckpt.CheckpointError, match=rf"{step1} is writable by group"):
+        checked(step1 / "step_000001", trust_checkpoint=False)  # the root of a step directory is its parent
+    step1.chmod(0o755)
+    (step1 / "latest").chmod(0o666)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{step1 / 'latest'} is writable by group or others"):
+        ckpt.CheckpointManager(step1).load([])
+
+
+# ---- integrity --------------------------------------------------------------------------------
+def test_flipped_bytes_name_the_file(step1):
+    shard = step1 / "step_000001" / "__1_0.distcp"
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{shard} has crc32 \w+, \w+ was saved.*checkpoint {step1 / 'step_000001'} is damaged"):
+        ckpt.CheckpointManager(step1).load([])
+
+
+def test_truncated_shard_names_the_file(step1):
+    shard = step1 / "step_000001" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size - 1000)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{shard} has {size - 1000} bytes, {size} were saved"):
+        ckpt.CheckpointManager(step1).load([])
+
+
+def test_checksums_recorded_and_cheap(faults):
+    meta = json.loads((faults["root"] / "step_000001" / "meta.json").read_text())
+    assert meta["format"] == 2 and set(meta["checksums"]) == set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    phases = faults["save"]["phases_s"]
+    print("save", round(faults["save"]["save_s"], 3), "s; phases", {k: round(v, 4) for k, v in phases.items()},
+          "; bytes", meta["bytes"])
+    assert phases["checksum"] < 0.25 * faults["save"]["save_s"]
+
+
+def test_damaged_newest_falls_back_when_asked(faults):
+    d = faults["damaged"]
+    assert d["same"] and d["type"] == "CheckpointCorruptError", d
+    assert "__1_0.distcp has crc32" in d["message"] and "step_000002 is damaged" in d["message"]
+    f = faults["fallback"]
+    assert f["step"] == 1 and f["loaded_step"] == 1 and [s["step"] for s in f["fallback_from"]] == [2]
+    assert f["warnings"] and "loaded checkpoint" in f["warnings"][0] and "step_000002" in f["warnings"][0]
+    assert f["resumed"] == f["straight"]  # the fallback checkpoint really loaded
+
+
+@pytest.mark.parametrize("case", ["one_layer", "narrower_mlp"])
+def test_model_that_does_not_fit_fails_before_reading(faults, case):
+    r = faults["does_not_fit"][case]
+    print(case, r["message"])
+    assert r["same"] and r["type"] == "CheckpointError" and r["untouched"], r
+    assert "does not fit this model (nothing was read)" in r["message"]
+    if case == "one_layer":  # 2-layer checkpoint, 1-layer model: the second layer's tensors are unexpected
+        assert "unexpected (in the checkpoint, not in the model): model.0.decoder.layers.1." in r["message"]
+    else:
+        assert "shapes differ: model.0.decoder.layers.0.mlp.linear_fc1.weight: checkpoint [512, 64] vs model [192, 64]" \
+            in r["message"]  # SwiGLU: fc1 holds gate and up, 2 * ffn_hidden_size rows
+
+
+def test_hf_folder_missing_or_misshaped_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mfsdp_kit.models import hf as hf_models
+    from mfsdp_kit.models.tiny import tiny
+    src = tiny(tmp_path / "tiny", size="xs", seed=1)
+    hf_models.check_folder(src)
+    weights = load_file(src / "model.safetensors")
+    up = weights.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match=rf"missing from {src / 'model.safetensors'}: \['model.layers.1.mlp.up_proj.weight'\]"):
+        hf_models.check_folder(src)
+    save_file({**weights, "model.layers.1.mlp.up_proj.weight": up.t().contiguous()}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match=r"model.layers.1.mlp.up_proj.weight in .*model.safetensors: saved \[64, 128\], the architecture needs \[128, 64\]"):
+        hf_models.check_folder(src)
+
+
+# ---- collective -------------------------------------------------------------------------------
+def _in_step(r: dict, within_s: float = 10.0) -> None:
+    assert r["same"] and r["type"] == "CheckpointError", r
+    assert max(p["seconds"] for p in r["per_rank"]) < within_s, r
+
+
+def test_non_json_extra_on_one_rank_fails_everywhere(faults):
+    r = faults["bad_extra"]
+    _in_step(r)
+    assert "rank 0: extra keys ['data_position'] cannot be saved in meta.json" in r["message"], r["message"]
+    assert r["leftovers"] == []
+
+
+def test_full_disk_fails_everywhere_and_leaves_nothing(faults):
+    if "full_disk" not in faults:
+        pytest.skip("needs root to mount a tmpfs")
+    r = faults["full_disk"]
+    for case in ("no_space_at_all", "space_for_a_few_shards"):
+        print(case, r[case]["message"][:300])
+        _in_step(r[case])
+        assert "No space left on device" in r[case]["message"] and r[case]["leftovers"] == []
+    assert "cannot write checkpoints under" in r["no_space_at_all"]["message"]
+    assert "writing checkpoint" in r["space_for_a_few_shards"]["message"] and ".tmp-step_000001" in r["space_for_a_few_shards"]["message"]
+    assert r["after_freeing"] == dict(listed=[1], latest=1, leftovers=[])
+
+
+def test_ranks_asking_for_different_steps_fail_together(faults):
+    r = faults["ranks_disagree"]
+    _in_step(r)
+    assert "ranks asked for different checkpoints" in r["message"]
