@@ -213,7 +213,8 @@ class CheckpointManager:
                 if future is not None:
                     future.result()
                 hashing = time.perf_counter()
-                mine.value = integrity.checksums(tmp, integrity.rank_files(tmp, collective.rank()))
+                mine.value = integrity.checksums(tmp, integrity.rank_files(tmp, collective.rank()),
+                                                 threads=self.write_threads)
             written = time.perf_counter()
             self.last_save_phases_s["checksum"] = written - hashing
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
