@@ -132,3 +132,18 @@ def reinit_cycles(*, cycles: int, port: int | None) -> dict:
         runtime.shutdown(destroy_process_group=True)
         seconds.append(time.perf_counter() - start)
     return dict(sums=sums, dp_sizes=dp_sizes, seconds=seconds)
+
+
+def listening_addresses() -> dict:
+    """Every rank's listening TCP sockets after init and an all-reduce (gloo's included)."""
+    import os
+    import psutil
+    rt = runtime.init(EngineConfig())
+    x = torch.tensor([1.0])
+    dist.all_reduce(x)
+    mine = [c.laddr.ip for c in psutil.Process(os.getpid()).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+    everyone = [None] * rt.world_size
+    dist.all_gather_object(everyone, mine)
+    runtime.shutdown(destroy_process_group=True)
+    return dict(listening=everyone, gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
