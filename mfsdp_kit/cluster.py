@@ -10,7 +10,8 @@ A dead engine is the usual way a notebook world breaks; `ClusterHandle.wait` nam
 died and `restart()` rebuilds the world with the same ranks. `report(step=, total=, **metrics)`
 on engines plus `run_with_progress` on the client give per-rank progress bars.
 
-Everything binds to 127.0.0.1 unless `ip=` names another address (see docs/cluster.md).
+Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
+points GLOO_SOCKET_IFNAME at the loopback interface): see docs/cluster.md for what a multi-node launcher opens.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig, bad_value
 from .progress import report  # noqa: F401  (engine side; re-exported as cluster.report)
 
 LOCALHOST = "127.0.0.1"
@@ -38,6 +39,15 @@ LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 
 class ClusterError(RuntimeError):
     """The engine world cannot be (or is no longer) used; the message says which rank and what to do."""
+
+
+class ClusterConfigError(ClusterError, ConfigError):
+    """A `start` argument is not allowed; raised before anything starts. Both a `ClusterError` (what
+    `start` raises) and a `ConfigError` / `ValueError` (what a bad value is everywhere else in the kit)."""
+
+
+def _bad_start(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
+    return ClusterConfigError(str(bad_value(field_name, value, allowed)))
 
 
 # ---- engine side: these run on the engines (pickled by reference, so importable there) ----------
@@ -302,13 +312,21 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     """
     from .runtime import BACKENDS
     if backend not in BACKENDS:   # fail here, not after engines have started
-        raise ClusterError(f"backend={backend!r} is not allowed; allowed: {' | '.join(BACKENDS)}")
+        raise _bad_start("backend", backend, " | ".join(BACKENDS))
+    if device_count is not None and (not _is_int(device_count) or device_count < 0):
+        raise _bad_start("device_count", device_count, "None or an integer >= 0")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise _bad_start("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise _bad_start("timeout_s", timeout_s, "a finite number of seconds > 0")
     device_count = _visible_gpus() if device_count is None else device_count
     n = n if n is not None else (device_count or 2)
+    if cfg is not None:   # a bad cfg fails here, not on every engine after launch (engines check CUDA rules)
+        cfg.validate(world_size=n, on_gpu=False)
     local = str(launcher.get("engines", "")).lower() in LOCAL_LAUNCHERS
     if local and device_count and n > device_count:
-        raise ClusterError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
-                           f"engine); use n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
+        raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
+                                 f"engine); allowed: n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
@@ -327,6 +345,10 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     except BaseException:
         _stop(cluster, client)
         raise
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:

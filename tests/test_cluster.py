@@ -9,6 +9,7 @@ import pytest
 
 from mfsdp_kit import cluster
 from mfsdp_kit.cluster import ClusterError
+from mfsdp_kit.config import ConfigError, EngineConfig
 
 
 def _engine_processes():
@@ -115,3 +116,15 @@ def test_zz_stop_leaves_no_engine_processes(handle):
     handle.stop()
     psutil.wait_procs(_engine_processes(), timeout=10)
     assert not [p for p in _engine_processes() if p.is_running()]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(n=0), "n"), (dict(n=True), "n"), (dict(backend="mpi"), "backend"), (dict(timeout_s=-1), "timeout_s"),
+    (dict(device_count=-1), "device_count"), (dict(n=2, cfg=EngineConfig(seed="abc")), "seed"),
+    (dict(n=3, cfg=EngineConfig(tensor_model_parallel_size=2)), "world_size")])
+def test_bad_start_arguments_are_config_errors_before_anything_starts(kwargs, field):
+    before = {p.pid for p in _engine_processes()}
+    with pytest.raises(ConfigError, match=rf"^{field}=") as e:
+        cluster.start(**kwargs)
+    assert isinstance(e.value, ValueError) and "allowed" in str(e.value)
+    assert {p.pid for p in _engine_processes()} == before
