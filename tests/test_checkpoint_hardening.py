@@ -249,3 +249,11 @@ def test_ranks_asking_for_different_steps_fail_together(faults):
     r = faults["ranks_disagree"]
     _in_step(r)
     assert "ranks asked for different checkpoints" in r["message"]
+
+
+def test_failed_commit_is_undone_on_every_rank(faults):
+    r = faults["commit_fails"]
+    _in_step(r)
+    assert "committing checkpoint" in r["message"] and "step_000007" in r["message"] and "rank 0:" in r["message"]
+    assert r["left"] == ["latest"]  # no step_000007, no .tmp-step_000007, no latest.tmp
+    assert r["after_fixing"] == dict(listed=[7], latest=7)

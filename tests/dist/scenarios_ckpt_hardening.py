@@ -2,7 +2,7 @@
 
 `faults` saves steps 1 and 2 of the tiny GPT (DDP), then provokes, one after the other: a
 non-JSON `extra` on rank 0 only, a full disk (a small tmpfs the test mounted, filled by rank 0),
-ranks asking for different steps, a model that does not fit the checkpoint (fewer layers,
+a commit that fails on rank 0 (`latest` is a directory), ranks asking for different steps, a model that does not fit the checkpoint (fewer layers,
 narrower), and damaged bytes in the newest checkpoint (with and without `fallback=True`).
 For each fault every rank records the error it raised and how long it took; rank 0 returns all.
 """
@@ -69,6 +69,23 @@ def _full_disk(mgr: CheckpointManager, tmpfs: Path, chunks, opt, sched) -> dict:
     return out
 
 
+def _commit_fails(root: Path, chunks, opt, sched) -> dict:
+    """`latest` is a directory: rank 0's commit fails at its last step, after the rename."""
+    mgr = CheckpointManager(root)
+    if dist.get_rank() == 0:
+        (root / "latest").mkdir(parents=True)
+    dist.barrier()
+    out = _failure(lambda: mgr.save(7, chunks, opt, sched))
+    out["left"] = sorted(p.name for p in root.iterdir())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest").rmdir()
+    dist.barrier()
+    mgr.save(7, chunks, opt, sched)
+    out["after_fixing"] = dict(listed=mgr.list(), latest=mgr.latest())
+    return out
+
+
 def _weights(chunks) -> dict:
     return {k: v.detach().clone() for c in chunks for k, v in c.state_dict().items() if torch.is_tensor(v)}
 
@@ -116,6 +133,7 @@ def faults(*, root: str, tmpfs: str | None) -> dict:
     result["bad_extra"]["leftovers"] = _leftovers(root)
     if tmpfs:
         result["full_disk"] = _full_disk(CheckpointManager(tmpfs), Path(tmpfs), chunks, opt, sched)
+    result["commit_fails"] = _commit_fails(Path(root).parent / "commit", chunks, opt, sched)
     result["ranks_disagree"] = _failure(lambda: mgr.load(chunks, opt, sched, step=1 if rank == 0 else 99))
     result["does_not_fit"] = _does_not_fit(cfg, mgr)
     _damage(mgr.path(2))
