@@ -173,7 +173,7 @@ _ = cluster.run_with_panel(handle, panel, "history = {FIT}")
 '''),
     code('''
 %%px
-ddp_loss, acc["DDP after"] = history.loss, accuracy(model)
+ddp_history, acc["DDP after"] = history, accuracy(model)
 '''),
     md("**Megatron-FSDP**, same seed (change `seed` here and the final check fails: different batches, different losses):"),
     code('''
@@ -187,30 +187,43 @@ _ = cluster.run_with_panel(handle, panel, "history = {FIT}")
 '''),
     code('''
 %%px
-fsdp_loss, acc["FSDP after"] = history.loss, accuracy(model)
+fsdp_history, acc["FSDP after"] = history, accuracy(model)
 samples = generate.evaluate(model.chunks, tok, heldout[:4], reward_fn=data.verify)["samples"]
 '''),
     code('''
-ddp_loss, fsdp_loss = handle.view["ddp_loss"][0], handle.view["fsdp_loss"][0]
+ddp, fsdp = handle.view["ddp_history"][0], handle.view["fsdp_history"][0]
 acc, samples = handle.view["acc"][0], handle.view["samples"][0]
 print("held-out accuracy:", acc)
 print("rank 0's FSDP samples after training:", samples)
-plots.loss_curves({"DDP": ddp_loss, "Megatron-FSDP": fsdp_loss})
+plots.loss_curves({"DDP": ddp.loss, "Megatron-FSDP": fsdp.loss})
 '''),
     md('''
-The check: the first 30 steps' losses agree within 1e-5 relative (in practice ~1e-7: DDP
-all-reduces and FSDP reduce-scatters the same gradient sums in a different order), the loss
-fell, and held-out accuracy rose under both wrappers. Later steps are not compared that tightly:
-training amplifies those last-bit differences (with this recipe they pass 1e-5 around step 35
-and reach percent level by step 100 — the runs stay statistically alike, not bitwise alike).
+The check. DDP all-reduces full gradients, Megatron-FSDP reduce-scatters them into shards and
+sums the gradient norm from per-shard pieces: the same numbers added in a different order. In fp32
+(unit roundoff 6e-8) that moves a sum by a few roundoffs, so at step 1 (identical weights and
+data) loss and gradient norm agree to ~1e-7 relative, and they stay that close through the
+10-step warm-up. Those steps are compared tightly: within 1e-5 relative, 100x the reduction-order
+difference.
+
+Later steps are not compared step by step. Training amplifies the last-bit differences: Adam
+divides each update by sqrt(v), so a 1e-8 difference in a weight with a tiny gradient becomes an
+lr-sized one, and the runs separate exponentially (from 1e-7 to 1e-5 in ~10 steps once it starts,
+somewhere between step 25 and 60 depending on the batches and on which float kernels the CPU runs:
+`ATEN_CPU_CAPABILITY`). By step 100 they are two samples of the same noisy training, so the
+check becomes statistical: over the last 50 steps the two runs' median losses must lie within
+3x their own step-to-step spread (the interquartile range of those 50 losses). Measured with
+three CPU kernel sets (AVX-512, AVX2, no SIMD) the warm-up differed by at most 4.6e-7 and the
+late gap was at most half the spread; a real sharding bug shows at step 1 already, and later as
+a gap of many spreads. `mfsdp_kit.parity.compare_curves` holds this logic;
+its docstring has the details.
 '''),
     code('''
-parity_steps = 30
-assert len(ddp_loss) == len(fsdp_loss) >= parity_steps
-worst = max(abs(a - b) / abs(a) for a, b in zip(ddp_loss[:parity_steps], fsdp_loss[:parity_steps]))
-print(f"largest relative loss difference over the first {parity_steps} steps: {worst:.1e}")
-assert worst <= 1e-5, f"FSDP and DDP losses differ by {worst:.2e} (relative)"
-assert fsdp_loss[-1] < 0.5 * fsdp_loss[0] and ddp_loss[-1] < 0.5 * ddp_loss[0]
+from mfsdp_kit.parity import compare_curves
+report = compare_curves(ddp.loss, fsdp.loss, exact_steps=10, late_window=50,
+                        reference_grad_norm=ddp.grad_norm, candidate_grad_norm=fsdp.grad_norm)
+print(report)
+report.check()
+assert fsdp.loss[-1] < 0.5 * fsdp.loss[0] and ddp.loss[-1] < 0.5 * ddp.loss[0]
 assert acc["DDP after"] > acc["DDP before"] and acc["FSDP after"] > acc["FSDP before"], acc
 assert all(a == acc for a in handle.view["acc"])    # every rank measured the same accuracy
 '''),
