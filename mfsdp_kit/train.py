@@ -7,8 +7,10 @@ makes DDP and FSDP, and any micro-batch split, compute the same gradient.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -61,6 +63,19 @@ class StepResult:
 
 class NonFiniteLossError(RuntimeError):
     """Raised when loss or gradient norm is NaN/inf; names the step so a run can stop cleanly."""
+
+
+class BadBatchError(NonFiniteLossError, ValueError):
+    """A batch that cannot give a finite loss (NaN/inf in `loss_mask`); names the step and the field.
+
+    Also a ValueError: the data, not the model, is wrong."""
+
+
+class DeadModelWarning(RuntimeWarning):
+    """Training runs on with a finite loss but has stopped learning (see `HealthWatch`)."""
+
+
+log = logging.getLogger(__name__)
 
 
 def data_parallel_slice(batch: Batch) -> Batch:
@@ -135,6 +150,7 @@ def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_
          scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
     """One optimizer step over a global batch: zero grads, forward/backward, finalize, step."""
     start = time.perf_counter()
+    check_batch(batch, step_index=step_index)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -151,6 +167,60 @@ def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_
     lr = optimizer.param_groups[0]["lr"]
     return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr,
                       step_time_s=time.perf_counter() - start, skipped=not ok, metrics=metrics)
+
+
+def check_batch(batch: Batch, *, step_index: int) -> None:
+    """Refuse a batch whose loss_mask is not finite, naming the step.
+
+    Unchecked, a NaN in the mask makes the token count NaN and the step dies in `_reduce_logged`
+    with "cannot convert float NaN to integer", naming nothing. Every rank holds the same global
+    batch, so every rank raises here: no rank is left waiting in a collective."""
+    bad = ~torch.isfinite(batch.loss_mask.float())
+    if bad.any():
+        where = bad.nonzero()[0].tolist()
+        raise BadBatchError(f"step {step_index}: loss_mask holds {int(bad.sum())} non-finite value(s) (first at "
+                            f"[sequence, position] = {where}); allowed: finite weights, 1.0 = in the loss, 0.0 = not. "
+                            "Check the data pipeline that built this batch")
+
+
+class HealthWatch:
+    """Warns once (warnings + logging, naming the step) when a run is alive but no longer learning.
+
+    `NonFiniteLossError` catches a run that blows up; it misses one that dies quietly. At lr 1e6 the
+    tiny model's weights saturate on the first step: from then on the logits are flat, so the loss
+    sits at ln(vocab) -- a uniform guess -- and the gradient norm is exactly 0.0, step after step,
+    with no error. Signs watched: a grad norm of exactly 0.0 after a non-zero one (clip_grad=0 reports
+    0.0 from the start, so that alone is not a sign), and a loss within `rel_tol` of ln(vocab_size)
+    for `patience_steps` steps in a row."""
+
+    def __init__(self, *, vocab_size: int | None, patience_steps: int = 5, rel_tol: float = 1e-3):
+        self.uniform_loss = math.log(vocab_size) if vocab_size else None
+        self.patience_steps, self.rel_tol = patience_steps, rel_tol
+        self.seen_nonzero_grad, self.uniform_run, self.warned = False, 0, False
+
+    def __call__(self, step_index: int, result: StepResult) -> None:
+        if result.grad_norm == 0.0 and self.seen_nonzero_grad:
+            self._warn(step_index, "gradient norm is exactly 0.0 after non-zero ones")
+        self.seen_nonzero_grad |= result.grad_norm != 0.0
+        uniform = self.uniform_loss is not None and math.isclose(result.loss, self.uniform_loss, rel_tol=self.rel_tol)
+        self.uniform_run = self.uniform_run + 1 if uniform else 0
+        if self.uniform_run >= self.patience_steps:
+            self._warn(step_index, f"loss {result.loss:.4f} has equalled ln(vocab) = {self.uniform_loss:.4f} (a "
+                                   f"uniform guess) for {self.uniform_run} steps")
+
+    def _warn(self, step_index: int, what: str) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        message = (f"step {step_index}: {what}: the model has stopped learning (a dead model; too high an lr? "
+                   "lr=1e6 does this). Training continues; lower the lr and restart from a checkpoint")
+        log.warning(message)
+        warnings.warn(message, DeadModelWarning, stacklevel=3)
+
+
+def vocab_size_of(chunks: list[torch.nn.Module]) -> int | None:
+    """The vocabulary size of the (wrapped) megatron model, None if it does not say."""
+    return getattr(engine.unwrap_model(chunks[-1]), "vocab_size", None)
 
 
 @dataclass
@@ -178,7 +248,8 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
 
     Progress shows as a tqdm bar on rank 0 in scripts, and as the cluster widget when running
     on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
-    (e.g. to checkpoint); a non-finite loss raises NonFiniteLossError naming the step.
+    (e.g. to checkpoint); a non-finite loss raises NonFiniteLossError naming the step, and a run that
+    stops learning (`HealthWatch`) warns once, naming the step.
     """
     from tqdm.auto import tqdm
 
@@ -186,10 +257,12 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     history = History()
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))
+    watch = HealthWatch(vocab_size=vocab_size_of(chunks))
     for i in range(start_step, start_step + steps):
         result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
                       scheduler=scheduler, step_index=i)
         history.append(result)
+        watch(i, result)
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
         report(step=i + 1, total=start_step + steps, loss=result.loss, tokens_per_s=history.tokens_per_s[-1])

@@ -1,0 +1,49 @@
+"""Training health: a dead model (lr 1e6) warns once naming the step; a NaN loss_mask stops naming the step.
+
+The 2-rank runs use the embedded tiny model under Megatron-FSDP on gloo; the HealthWatch rows feed it
+step results directly to pin each rule down."""
+import math
+import warnings
+
+import pytest
+
+from mfsdp_kit.train import DeadModelWarning, HealthWatch, StepResult
+from tests.dist import launch
+
+
+def test_lr_1e6_kills_the_model_and_fit_warns_once_naming_the_step(tmp_path):
+    r = launch.run("scenarios_health:dead_model", workdir=str(tmp_path), lr=1e6)
+    assert r["grad_norm"][0] > 0 and r["grad_norm"][1:] == [0.0] * 7, r          # what the issue saw
+    assert all(math.isclose(loss, r["ln_vocab"], rel_tol=1e-3) for loss in r["loss"][1:]), r
+    assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("step 1: gradient norm is exactly 0.0"), r
+
+
+def test_healthy_run_does_not_warn(tmp_path):
+    r = launch.run("scenarios_health:dead_model", workdir=str(tmp_path), lr=3e-3, steps=6)
+    assert r["warnings"] == [] and r["loss"][-1] < r["loss"][0] - 0.5, r
+
+
+def test_nan_in_loss_mask_stops_fit_naming_step_and_field(tmp_path):
+    r = launch.run("scenarios_health:nan_loss_mask", workdir=str(tmp_path), bad_step=2)
+    assert r["error"].startswith("step 2: loss_mask holds 1 non-finite"), r
+    assert {"NonFiniteLossError", "ValueError"} <= set(r["error_type"]), r
+
+
+def _feed(watch, rows):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (loss, grad_norm) in enumerate(rows):
+            watch(i, StepResult(loss=loss, grad_norm=grad_norm, tokens=1, lr=1e-3, step_time_s=1.0))
+    return [str(w.message) for w in caught if issubclass(w.category, DeadModelWarning)]
+
+
+@pytest.mark.parametrize("rows,first_words", [
+    ([(4.0, 1.0), (3.0, 0.0), (3.0, 0.0)], "step 1: gradient norm is exactly 0.0"),      # once, at the first zero
+    ([(math.log(128), 1.0)] * 6, "step 4: loss 4.8520 has equalled ln(vocab)"),          # the 5th uniform step
+    ([(math.log(128) * 1.0005, 1.0)] * 5, "step 4: loss"),                               # within 1e-3 relative
+    ([(3.0, 0.0)] * 6, None),                                                            # clip_grad=0 reports 0.0
+    ([(math.log(128), 1.0)] * 4 + [(3.0, 1.0)] + [(math.log(128), 1.0)] * 4, None),     # not 5 in a row
+    ([(math.log(128) * 1.01, 1.0)] * 6, None)])                                          # 1 % off: learning
+def test_health_watch_rules(rows, first_words):
+    caught = _feed(HealthWatch(vocab_size=128), rows)
+    assert (caught == []) if first_words is None else (len(caught) == 1 and caught[0].startswith(first_words)), caught
