@@ -3,17 +3,21 @@
 `build` follows megatron's own `get_model`: one chunk per virtual-pipeline stage, moved to
 the device, the mixed-precision wrapper (Float16Module) for bf16/fp16, then DDP or
 megatron-core's `FullyShardedDataParallel` adapter (Megatron-FSDP) as `cfg` says.
-Every wrapper class is stripped by `unwrap_model`; every FSDP chunk is synced by
-`synchronize_fsdp_params` (all of them: verl's first version stopped after one).
+Every wrapper class is stripped by `unwrap_model`. Which parameters an FSDP chunk shows, its
+sharded DTensors or its unsharded compute tensors, is switched here only: `params_view` (and its
+two halves `synchronize_fsdp_params` / `restore_fsdp_params`), always for every chunk (verl's
+first version stopped after one).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+import contextlib
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from . import runtime
 from .config import EngineConfig, OptimConfig, ddp_config
+from .introspect import is_fsdp, local, param_view, set_param_view, torch_dtype
 
 
 class ModelProvider(Protocol):
@@ -107,17 +111,11 @@ def unwrap_model(model):
     return model
 
 
-def is_fsdp(chunk: torch.nn.Module) -> bool:
-    from megatron.core.distributed import FullyShardedDataParallel
-    return isinstance(chunk, FullyShardedDataParallel)
-
-
 def module_device(chunk: torch.nn.Module) -> torch.device:
     """Device of a chunk's weights: works for FSDP (DTensor shards, `.buffers` not a list) and
     for chunks without buffers or parameters (falls back to the runtime's device)."""
     for p in chunk.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        return local.device
+        return local(p).device
     buffers = getattr(chunk, "buffers", None)
     if isinstance(buffers, list) and buffers:
         return buffers[0].param_data.device
@@ -129,7 +127,7 @@ def local_numel(chunks: Iterable[torch.nn.Module]) -> int:
     total = 0
     for chunk in chunks:
         for p in chunk.parameters():
-            total += (p.to_local() if hasattr(p, "to_local") else p).numel()
+            total += local(p).numel()
     return total
 
 
@@ -145,23 +143,32 @@ def synchronize_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
     distributed (sharded) view, so `named_parameters()` yields DTensors that exporters gather
     one at a time. Returns how many chunks it synced (0 for DDP, which needs nothing).
     """
-    synced = 0
-    for chunk in chunks:
-        if is_fsdp(chunk):
-            chunk.module.synchronize_param_gather()
-            synced += 1
-    return synced
+    return sum(set_param_view(chunk, "sharded") for chunk in chunks)
 
 
 def restore_fsdp_params(chunks: Iterable[torch.nn.Module]) -> int:
     """Inverse of `synchronize_fsdp_params`: put the unsharded compute parameters back for the
     next forward/backward. Returns how many chunks it restored."""
-    restored = 0
+    return sum(set_param_view(chunk, "compute") for chunk in chunks)
+
+
+@contextlib.contextmanager
+def params_view(chunks: Iterable[torch.nn.Module], view: str) -> Iterator[None]:
+    """Show every FSDP chunk's parameters as `view` ("sharded" | "compute") inside the block, then
+    put back the view each chunk showed before. DDP chunks are left alone.
+
+    Why it matters: the optimizer is built from, and steps, the sharded view; exporters gather
+    the sharded DTensors; `sync` converts the compute view; a forward installs the compute view.
+    """
+    chunks = list(chunks)
+    before = [(chunk, param_view(chunk)) for chunk in chunks if is_fsdp(chunk)]
     for chunk in chunks:
-        if is_fsdp(chunk):
-            chunk.module._replace_param_with_raw_if_needed()
-            restored += 1
-    return restored
+        set_param_view(chunk, view)
+    try:
+        yield
+    finally:
+        for chunk, old in before:
+            set_param_view(chunk, old)
 
 
 def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
@@ -219,7 +226,7 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         optimizer="adam", lr=ocfg.lr, min_lr=ocfg.min_lr, weight_decay=ocfg.weight_decay,
         adam_beta1=ocfg.adam_beta1, adam_beta2=ocfg.adam_beta2, adam_eps=ocfg.adam_eps,
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
-        params_dtype=_torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
+        params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
     from .offload import apply_config  # optimizer_offload: states + main weights live on the host
     return apply_config(cfg, chunks, optimizer)
@@ -234,7 +241,3 @@ def build_scheduler(optimizer, ocfg: OptimConfig, *, total_steps: int | None = N
         lr_warmup_steps=ocfg.warmup_steps, lr_decay_steps=ocfg.warmup_steps + max(decay, 1),
         lr_decay_style="cosine" if ocfg.decay_steps else "constant",
         start_wd=ocfg.weight_decay, end_wd=ocfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]

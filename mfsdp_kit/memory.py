@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .engine import is_fsdp, unwrap_model
+from .engine import unwrap_model
+from .introspect import fsdp_buffers, inner_optimizers, is_fsdp, local, main_params
 
 
 @dataclass
@@ -46,7 +47,7 @@ def _nbytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = local(t)
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.device)
         if key in seen or storage.nbytes() == 0:
@@ -56,42 +57,23 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _fsdp_buffers(chunks, name: str):
-    for chunk in chunks:
-        for group in chunk.module.param_and_grad_buffer.parameter_groups:
-            buffer = getattr(group, name)
-            if buffer is not None and getattr(buffer, "data", None) is not None:
-                yield buffer.data
-
-
-def _inner_optimizers(optimizer):
-    return getattr(optimizer, "chained_optimizers", [optimizer])
-
-
 def _optimizer_state_tensors(optimizer):
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         for state in opt.optimizer.state.values():
             yield from (v for v in state.values() if torch.is_tensor(v) and v.numel() > 1)
-
-
-def _main_params(optimizer):
-    for opt in _inner_optimizers(optimizer):
-        for groups_name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
-            for group in getattr(opt, groups_name, []) or []:
-                yield from group
 
 
 def memory_report(chunks, optimizer) -> MemoryReport:
     """Per-rank bytes of params, grads, main params and optimizer states (after >= 1 step)."""
     from megatron.core import parallel_state as ps
     if all(is_fsdp(c) for c in chunks):
-        params = _nbytes(_fsdp_buffers(chunks, "model_weight_buffer"))
-        grads = _nbytes(_fsdp_buffers(chunks, "main_grad_buffer"))
-        main = _nbytes(_fsdp_buffers(chunks, "main_weight_buffer"))
+        params = _nbytes(fsdp_buffers(chunks, "model_weight_buffer"))
+        grads = _nbytes(fsdp_buffers(chunks, "main_grad_buffer"))
+        main = _nbytes(fsdp_buffers(chunks, "main_weight_buffer"))
     else:
         params = _nbytes(b.param_data for c in chunks for b in c.buffers)
         grads = _nbytes(b.grad_data for c in chunks for b in c.buffers)
-        main = _nbytes(_main_params(optimizer))
+        main = _nbytes(main_params(optimizer))
     states = _nbytes(_optimizer_state_tensors(optimizer))
     num_params = sum(p.numel() for c in unwrap_model(chunks) for p in c.parameters())
     model_state = params + grads + main + states

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import is_fsdp
+from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
+                         set_param_view)
 
 KINDS = ("model_weights", "main_weights", "main_grads", "optimizer_states")
 OPTIMIZER_KINDS = ("main_weights", "optimizer_states")
@@ -73,10 +74,6 @@ class OffloadState:
 
 
 # ---- what to move --------------------------------------------------------------------------
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _check_wrappers(chunks) -> None:
     from megatron.core.distributed import DistributedDataParallel
     for i, chunk in enumerate(chunks):
@@ -89,24 +86,23 @@ def _check_wrappers(chunks) -> None:
 
 def shard_tensors(chunks, optimizer) -> dict:
     """{kind: [local tensors]} this rank holds: the buffers megatron's views point into."""
-    from .memory import _fsdp_buffers, _inner_optimizers, _main_params
     _check_wrappers(chunks)
     out = {k: [] for k in KINDS}
     for chunk in chunks:
         if is_fsdp(chunk):
-            out["model_weights"] += list(_fsdp_buffers([chunk], "model_weight_buffer"))
-            out["main_weights"] += list(_fsdp_buffers([chunk], "main_weight_buffer"))
-            out["main_grads"] += list(_fsdp_buffers([chunk], "main_grad_buffer"))
+            out["model_weights"] += list(fsdp_buffers([chunk], "model_weight_buffer"))
+            out["main_weights"] += list(fsdp_buffers([chunk], "main_weight_buffer"))
+            out["main_grads"] += list(fsdp_buffers([chunk], "main_grad_buffer"))
         else:  # DDP: param_data / grad_data of every bucket buffer
             buffers = list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
             out["model_weights"] += [b.param_data for b in buffers if b.param_data is not None]
             out["main_grads"] += [b.grad_data for b in buffers if b.grad_data is not None]
     if not all(is_fsdp(c) for c in chunks):
-        out["main_weights"] += list(_main_params(optimizer))
-    for opt in _inner_optimizers(optimizer):
+        out["main_weights"] += list(main_params(optimizer))
+    for opt in inner_optimizers(optimizer):
         for state in opt.optimizer.state.values():
             out["optimizer_states"] += [v for v in state.values() if torch.is_tensor(v)]
-    return {k: [_local(t) for t in ts] for k, ts in out.items()}
+    return {k: [local(t) for t in ts] for k, ts in out.items()}
 
 
 def _distinct_storages(chunks, optimizer, kinds) -> list[tuple[str, torch.Tensor]]:
@@ -182,10 +178,9 @@ def offload(chunks, optimizer, *, kinds=KINDS, guard: bool = True) -> dict:
     state = OffloadState(kinds=tuple(kinds))
     start = time.perf_counter()
     for chunk in chunks:
-        if is_fsdp(chunk):
-            if not chunk.module.is_param_fsdp_distributed:
-                state.raw_chunks.append(chunk)
-            chunk.module.synchronize_param_gather()  # releases the all-gathered (unsharded) buckets
+        if param_view(chunk) == "compute":
+            state.raw_chunks.append(chunk)
+        set_param_view(chunk, "sharded")  # releases the all-gathered (unsharded) buckets
     _drop_optimizer_grads(chunks, optimizer)
     pin = torch.cuda.is_available()
     for kind, full in _distinct_storages(chunks, optimizer, state.kinds):
@@ -209,11 +204,10 @@ def _drop_optimizer_grads(chunks, optimizer) -> None:
     `update_main_grads` hands the optimizer fp32 copies of this rank's grad shard and keeps them in
     `param_and_grad_buffer.dist_main_grad` (4 B x params / N: 3.4 GB per GPU for 1.7 B on 2
     GPUs). They only feed the step that made them; the next step re-creates them."""
-    from .memory import _inner_optimizers
     for chunk in chunks:
         if is_fsdp(chunk):
             chunk.module.param_and_grad_buffer.dist_main_grad.clear()
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -232,8 +226,8 @@ def reload(chunks, optimizer) -> dict:
     _sync()
     for undo in state.undo:
         undo()
-    for chunk in state.raw_chunks:  # as engine.restore_fsdp_params: compute params back in place
-        chunk.module._replace_param_with_raw_if_needed()
+    for chunk in state.raw_chunks:  # compute params back in place
+        set_param_view(chunk, "compute")
     delattr(optimizer, _ATTR)
     return _stats(state.nbytes, time.perf_counter() - start, state.bytes_by_kind)
 

@@ -9,7 +9,6 @@ tensor, never the whole model. Every rank must iterate the stream (the gathers a
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .engine import is_fsdp, restore_fsdp_params, synchronize_fsdp_params, unwrap_model
+from .engine import params_view, unwrap_model
+from .introspect import is_fsdp
 
 
 def _fsdp_owner(chunks, param):
@@ -60,7 +60,7 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every HF weight, from DDP or Megatron-FSDP chunks, any TP."""
     inner = unwrap_model(list(chunks))
-    with _compute_params(chunks):  # name lookup and bucket lookup both use the compute params
+    with params_view(chunks, "compute"):  # name lookup and bucket lookup both use the compute params
         tasks = bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, inner)
         if any(is_fsdp(c) for c in chunks):
             tasks = _tasks_with_full_params(tasks, chunks)
@@ -69,21 +69,6 @@ def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str
             # The bridge can hand back the live parameter itself (TP=1, already on the target
             # device): copy it, or a later optimizer step would change what was exported.
             yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
-
-
-@contextlib.contextmanager
-def _compute_params(chunks):
-    """Install FSDP's compute (raw) params for the block; put back the sharded view if it was there.
-
-    Which view a chunk's `parameters()` shows matters beyond export: the optimizer is built
-    from the sharded (DTensor) view, and one built from the raw view steps the wrong tensors.
-    """
-    sharded = [c for c in chunks if is_fsdp(c) and c.module.is_param_fsdp_distributed]
-    restore_fsdp_params(chunks)
-    try:
-        yield
-    finally:
-        synchronize_fsdp_params(sharded)
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
+from ..introspect import torch_dtype
 from . import fusions
 
 
@@ -36,7 +37,7 @@ class GPTSpec:
 def transformer_config(spec: GPTSpec, cfg: EngineConfig):
     """megatron TransformerConfig for `spec` under `cfg` (parallel sizes, dtype, overrides)."""
     from megatron.core.transformer import TransformerConfig
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     recompute = {"none": {}, "selective": dict(recompute_granularity="selective"),
                  "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
     kwargs = dict(

@@ -20,6 +20,7 @@ import torch
 
 from .. import engine
 from ..config import EngineConfig
+from ..introspect import torch_dtype
 from . import fusions
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
@@ -159,7 +160,7 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     import_bridge()
     from megatron.bridge import AutoBridge
     from megatron.core.extensions.transformer_engine import HAVE_TE
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=dtype, trust_remote_code=trust_remote_code)
     p = bridge.to_megatron_provider(load_weights=False)
     p.transformer_layer_spec = _layer_spec(cfg)

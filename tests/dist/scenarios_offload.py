@@ -38,9 +38,9 @@ def _error(fn) -> str:
 
 def _grad_copies(chunks, opt) -> int:
     """Grad tensors the optimizer step left behind (Megatron-FSDP's dist_main_grad, params' .grad)."""
-    from mfsdp_kit.memory import _inner_optimizers
+    from mfsdp_kit.introspect import inner_optimizers
     n = sum(len(c.module.param_and_grad_buffer.dist_main_grad) for c in chunks if engine.is_fsdp(c))
-    return n + sum(p.grad is not None for o in _inner_optimizers(opt) for g in o.optimizer.param_groups
+    return n + sum(p.grad is not None for o in inner_optimizers(opt) for g in o.optimizer.param_groups
                    for p in g["params"])
 
 
