@@ -27,7 +27,7 @@ from typing import Any, Callable
 import ipyparallel as ipp
 
 from .config import ConfigError, EngineConfig, bad_value
-from .progress import report  # noqa: F401  (engine side; re-exported as cluster.report)
+from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
 LOCALHOST = "127.0.0.1"
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -355,45 +355,6 @@ def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:
     ranks = assign_ranks(dict(zip(engine_ids, idents)))
     rank0 = next(e for e, (r, _) in ranks.items() if r == 0)
     return idents[engine_ids.index(rank0)]["host"]
-
-
-# ---- progress ------------------------------------------------------------------------------------
-class ProgressPanel:
-    """One bar and one line of metrics per rank; ipywidgets in a notebook, plain text elsewhere."""
-
-    def __init__(self, ranks: list[int]):
-        self.ranks = ranks
-        self.last: dict[int, dict] = {}
-        self._bars, self._labels, self._box = {}, {}, None
-        try:
-            from IPython import get_ipython
-            import ipywidgets as w
-        except ImportError:
-            return
-        if get_ipython() is None:
-            return
-        from IPython.display import display
-        for r in ranks:
-            self._bars[r] = w.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
-            self._labels[r] = w.Label("")
-        self._box = w.VBox([w.HBox([self._bars[r], self._labels[r]]) for r in ranks])
-        display(self._box)
-
-    def update(self, data_by_rank: dict[int, dict]) -> None:
-        for r, data in data_by_rank.items():
-            if not data:
-                continue
-            self.last[r] = dict(data)
-            if r in self._bars:
-                total = data.get("total") or max(data.get("step", 0), 1)
-                self._bars[r].max, self._bars[r].value = total, data.get("step", 0)
-                self._labels[r].value = self.text(r)
-
-    def text(self, rank: int) -> str:
-        data = self.last.get(rank, {})
-        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in data.items() if k not in ("step", "total"))
-        return f"step {data.get('step', '-')}/{data.get('total') or '?'} {metrics}".strip()
 
 
 def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,

@@ -2,7 +2,7 @@
 
 Every example is a (prompt, response) pair of plain text in the tiny tokenizer's chat format:
 prompt "<|user|>12+34=<|assistant|>", response "46</s>" (the response ends with eos, so the
-model learns to stop). `tokenize_sft` turns pairs into the kit's `train.Batch`, with the loss
+model learns to stop). `tokenize_sft` turns pairs into a `Batch`, with the loss
 only on the response tokens.
 """
 from __future__ import annotations
@@ -12,13 +12,12 @@ import pathlib
 import random
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from .models.tiny import ASSISTANT, EOS, USER
-from .train import Batch
 
 Pair = tuple[str, str]
 """(prompt, response): the prompt rendered with the chat markers, the response ending in eos."""
@@ -29,6 +28,34 @@ _PROMPT_RE = re.compile(re.escape(USER) + r"(\d+)([+\-*])(\d+)=" + re.escape(ASS
 _ANSWER_RE = re.compile(r"-?\d+")
 _ENUMERATE_MAX = 200_000
 """Problem spaces up to this size are enumerated and shuffled; larger ones are sampled."""
+
+
+# ---- what a training step consumes ------------------------------------------------------
+@dataclass
+class Batch:
+    """One global batch: every rank holds the same tensors and takes its data-parallel slice."""
+
+    tokens: torch.Tensor
+    """[batch, seq] input token ids."""
+    labels: torch.Tensor
+    """[batch, seq] next-token targets."""
+    loss_mask: torch.Tensor
+    """[batch, seq] 1.0 where the token counts in the loss (e.g. the answer), else 0.0."""
+    extras: dict = field(default_factory=dict)
+    """More per-sequence tensors ([batch, ...]) a custom loss reads, e.g. GRPO's advantages."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    def slice(self, start: int, stop: int) -> "Batch":
+        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop],
+                     {k: v[start:stop] for k, v in self.extras.items()})
+
+    def to(self, device) -> "Batch":
+        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device),
+                     {k: v.to(device) for k, v in self.extras.items()})
+
 
 
 # ---- synthetic arithmetic ------------------------------------------------------------------

@@ -1,6 +1,9 @@
-"""Engine-side progress: `report(step=, total=, **metrics)` publishes to the notebook when the
-code runs on an ipyparallel engine, and does nothing anywhere else (scripts, torchrun, a GPU
-node without ipyparallel installed). The client side that draws it lives in cluster.py."""
+"""Progress across ranks, both ends.
+
+Engine side: `report(step=, total=, **metrics)` publishes to the notebook when the code runs on an
+ipyparallel engine, and does nothing anywhere else (scripts, torchrun, a GPU node without
+ipyparallel installed). Notebook side: `ProgressPanel` draws one bar and one metrics line per rank
+from what the ranks reported; `cluster.run_with_progress` feeds it while a cell runs."""
 from __future__ import annotations
 
 import sys
@@ -22,3 +25,41 @@ def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
     shell = _engine_shell()
     if shell is not None:
         shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
+
+
+class ProgressPanel:
+    """One bar and one line of metrics per rank; ipywidgets in a notebook, plain text elsewhere."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        self.last: dict[int, dict] = {}
+        self._bars, self._labels, self._box = {}, {}, None
+        try:
+            from IPython import get_ipython
+            import ipywidgets as w
+        except ImportError:
+            return
+        if get_ipython() is None:
+            return
+        from IPython.display import display
+        for r in ranks:
+            self._bars[r] = w.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
+            self._labels[r] = w.Label("")
+        self._box = w.VBox([w.HBox([self._bars[r], self._labels[r]]) for r in ranks])
+        display(self._box)
+
+    def update(self, data_by_rank: dict[int, dict]) -> None:
+        for r, data in data_by_rank.items():
+            if not data:
+                continue
+            self.last[r] = dict(data)
+            if r in self._bars:
+                total = data.get("total") or max(data.get("step", 0), 1)
+                self._bars[r].max, self._bars[r].value = total, data.get("step", 0)
+                self._labels[r].value = self.text(r)
+
+    def text(self, rank: int) -> str:
+        data = self.last.get(rank, {})
+        metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in data.items() if k not in ("step", "total"))
+        return f"step {data.get('step', '-')}/{data.get('total') or '?'} {metrics}".strip()

@@ -18,32 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import engine, runtime
-
-
-@dataclass
-class Batch:
-    """One global batch: every rank holds the same tensors and takes its data-parallel slice."""
-
-    tokens: torch.Tensor
-    """[batch, seq] input token ids."""
-    labels: torch.Tensor
-    """[batch, seq] next-token targets."""
-    loss_mask: torch.Tensor
-    """[batch, seq] 1.0 where the token counts in the loss (e.g. the answer), else 0.0."""
-    extras: dict = field(default_factory=dict)
-    """More per-sequence tensors ([batch, ...]) a custom loss reads, e.g. GRPO's advantages."""
-
-    @property
-    def num_sequences(self) -> int:
-        return self.tokens.shape[0]
-
-    def slice(self, start: int, stop: int) -> "Batch":
-        return Batch(self.tokens[start:stop], self.labels[start:stop], self.loss_mask[start:stop],
-                     {k: v[start:stop] for k, v in self.extras.items()})
-
-    def to(self, device) -> "Batch":
-        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device),
-                     {k: v.to(device) for k, v in self.extras.items()})
+from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
 
 
 @dataclass
