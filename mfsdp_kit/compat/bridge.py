@@ -19,6 +19,8 @@ import inspect
 import sys
 import types
 
+from . import registry
+
 PLACEHOLDER = "__mfsdp_kit_placeholder__"
 _scatter_patched = False
 
@@ -84,9 +86,14 @@ def _placeholders():
 def import_bridge():
     """`megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
     if "megatron.bridge" not in sys.modules:
-        with _placeholders():
+        with _placeholders() as added:
             import megatron.bridge  # noqa: F401
             import megatron.bridge.models  # noqa: F401
+        if added:
+            registry.record(registry.Patch(
+                target="megatron.bridge.peft.lora_layers", package="megatron-bridge",
+                upstream="megatron/bridge/peft/lora_layers.py:20, peft/lora.py:21 (import TE unconditionally)",
+                needed_if=placeholders_still_needed))
     _patch_tp_scatter()
     _cpu_patches()
     return sys.modules["megatron.bridge"]
@@ -122,6 +129,10 @@ def _patch_tp_scatter() -> None:
     scatter_to_tp_ranks.__wrapped__ = original
     MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
     _scatter_patched = True
+    registry.record(registry.Patch(
+        target="megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.scatter_to_tp_ranks",
+        upstream="megatron/bridge/models/conversion/param_mapping.py:502 (non-contiguous TP splits)",
+        package="megatron-bridge", needed_if=scatter_fix_still_needed))
 
 
 def scatter_fix_still_needed() -> bool:

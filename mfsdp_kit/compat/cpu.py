@@ -17,9 +17,9 @@ sites work *inside megatron's own modules only*; torch itself is never modified:
    those functions are recompiled from their own source with the calls routed to helpers
    that answer as CUDA would for a CPU tensor.
 
-`enable()` is a no-op when CUDA is available. Every patch names the upstream file:line it
-works around; `still_needed(patch)` checks the upstream source still has the problem, and
-tests/compat/test_cpu.py fails for a patch upstream no longer needs (then delete it).
+`enable()` is a no-op when CUDA is available. Every patch is a row of `compat.registry` naming
+the upstream file:line it works around; `still_needed(patch)` checks the upstream source still has
+the problem, and tests/compat/ fails for a patch upstream no longer needs (then delete it).
 """
 from __future__ import annotations
 
@@ -30,24 +30,14 @@ import inspect
 import sys
 import textwrap
 import types
-from dataclasses import dataclass
 from typing import Callable
 
 import torch as _torch
 
+from . import registry
+from .registry import Patch
+
 CPU = _torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One CPU patch: where upstream assumes CUDA, and how to tell it still does."""
-
-    target: str
-    """Dotted megatron module (or module:function) the patch changes."""
-    upstream: str
-    """megatron-core 0.16.1 file:line(s) that assume CUDA."""
-    needed_if: str
-    """A snippet of upstream source whose presence means the patch is still needed."""
 
 
 PROXY_MODULES = {
@@ -55,7 +45,8 @@ PROXY_MODULES = {
     "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp":
         ("distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:182,184,361-362", "torch.cuda.Stream()"),
     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer":
-        ("distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py (streams, current_device)", "torch.cuda."),
+        ("distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:3020,3404,3791 (streams, current_device)",
+         "torch.cuda.Stream()"),
     "megatron.core.distributed.fsdp.mcore_fsdp_adapter":
         ("distributed/fsdp/mcore_fsdp_adapter.py:91", "torch.cuda.current_device()"),
     "megatron.core.distributed.param_and_grad_buffer":
@@ -65,7 +56,7 @@ PROXY_MODULES = {
     "megatron.core.optimizer.distrib_optimizer":
         ("optimizer/distrib_optimizer.py:791", "device=torch.cuda.current_device()"),
     "megatron.core.optimizer.clip_grads":
-        ("optimizer/clip_grads.py (norm buffers on cuda)", "torch.cuda"),
+        ("optimizer/clip_grads.py:90,103,115,174,207 (norm buffers on cuda)", "device='cuda'"),
     "megatron.core.utils":
         ("utils.py:631 (GlobalMemoryBuffer)", "device=torch.cuda.current_device()"),
     "megatron.core.tensor_parallel.random":
@@ -92,7 +83,7 @@ REWRITES = {
         ("distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py:183", ".cuda()"),
 }
 
-PATCHES: list[Patch] = []  # what enable() changed, in order
+PATCHES: list[Patch] = registry.ACTIVE  # what enable() (and compat.bridge) changed, in order
 _enabled = False
 
 
@@ -273,7 +264,9 @@ def _recompile(module, qualname: str) -> None:
 
 # ---------------------------------------------------------------- enable / inspect
 def _record(target: str, upstream: str, needed_if: str) -> None:
-    PATCHES.append(Patch(target=target, upstream=upstream, needed_if=needed_if))
+    package = "megatron-bridge" if target.startswith("megatron.bridge") else "megatron-core"
+    root = "" if upstream.startswith("megatron/") else "megatron/core/"
+    registry.record(Patch(target=target, upstream=root + upstream, needed_if=needed_if, package=package))
 
 
 def proxy_module(name: str, *, upstream: str, needed_if: str) -> None:
@@ -344,23 +337,11 @@ class _CpuDeviceMesh:
         return getattr(DeviceMesh, name)
 
 
-def upstream_source(patch: Patch) -> str:
-    """The unpatched upstream source a patch targets (module, or the original function)."""
-    name, _, qualname = patch.target.partition(":")
-    module = importlib.import_module(name)
-    if not qualname or qualname in ("_lazy_call", "DeviceMesh", "_coalescing_manager"):
-        return inspect.getsource(module)
-    owner, attr = _resolve(module, qualname)
-    func = inspect.getattr_static(owner, attr)
-    func = getattr(func, "__func__", func)
-    return inspect.getsource(getattr(func, "__wrapped__", func))
-
-
 def still_needed(patch: Patch) -> bool:
-    """True while megatron's source still holds the CUDA assumption the patch works around."""
-    return patch.needed_if in upstream_source(patch)
+    """True while upstream's source still holds the CUDA assumption the patch works around."""
+    return patch.still_needed()
 
 
 def describe() -> str:
     """One line per active patch: target, then the upstream file:line it works around."""
-    return "\n".join(f"{p.target}  <-  megatron/core/{p.upstream}" for p in PATCHES) or "(no CPU patches active)"
+    return registry.describe()

@@ -7,6 +7,8 @@ there) and lets Megatron-FSDP wrap tensor-parallel models. Delete when `still_ne
 """
 from __future__ import annotations
 
+from . import registry
+
 UPSTREAM = "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:41,184"
 
 
@@ -27,4 +29,6 @@ def enable() -> bool:
         return False
     adapter._mfsdp_kit_original_TELinear = adapter.TELinear
     adapter.TELinear = _NoTELinear
+    registry.record(registry.Patch(target="megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear",
+                                   upstream=UPSTREAM, needed_if=still_needed))
     return True

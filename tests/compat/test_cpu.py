@@ -48,3 +48,23 @@ def test_proxy_routes_cuda_to_cpu(patches):
 def test_no_te_placeholder_still_needed():
     no_te.enable()
     assert no_te.still_needed(), "megatron-core now guards TELinear: delete compat/no_te.py"
+
+
+def test_every_active_patch_is_still_needed_and_written_for_this_version(patches):
+    """One registry for cpu, no_te and bridge rows: each still needed, each package at the version its
+    file:line references were checked against (a new megatron: re-check them, then bump WRITTEN_FOR)."""
+    from mfsdp_kit.compat import bridge, registry
+    no_te.enable()
+    bridge.import_bridge()
+    packages = {p.package for p in registry.ACTIVE}
+    print("\n" + registry.describe())
+    assert packages == {"megatron-core", "megatron-bridge"}
+    assert [p.target for p in registry.ACTIVE if not p.still_needed()] == []
+    assert registry.version_mismatches() == {}
+
+
+def test_a_snippet_upstream_no_longer_has_is_reported_as_not_needed():
+    from mfsdp_kit.compat.registry import Patch
+    real = Patch(target="megatron.core.utils", upstream="utils.py", needed_if="class GlobalMemoryBuffer")
+    fixed = Patch(target="megatron.core.utils", upstream="utils.py", needed_if="this text is not in utils.py")
+    assert real.still_needed() and not fixed.still_needed()

@@ -1,0 +1,94 @@
+"""The package's shape, checked from source with `ast`: no import cycle, short modules, tests that
+use only public names of the kit and nothing of bench/. Run alone: pytest tests/test_layout.py -s."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "mfsdp_kit"
+MAX_LINES = 400
+LONG_REASON = "Longer than 400 lines because"  # a module over MAX_LINES says why in its docstring
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(imported module, names) for every import in the file, lazy ones inside functions included."""
+    tree, here = ast.parse(path.read_text()), module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            out.append((target, [alias.name for alias in node.names]))
+    return out
+
+
+def kit_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in (ROOT / PACKAGE).rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> kit modules it imports (`from pkg import submodule` counts as the submodule)."""
+    modules = kit_modules()
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for target, names in imports(path):
+            subs = {f"{target}.{n}" for n in names} & modules.keys()
+            edges |= subs or ({target} & modules.keys())
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n))), None)
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    graph = import_graph()
+    assert len(graph) > 20 and graph[f"{PACKAGE}.memory"]  # the scan sees the package and its edges
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_modules_are_short_or_say_why():
+    long = {name: n for name, p in kit_modules().items()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and LONG_REASON not in (ast.get_docstring(ast.parse(p.read_text())) or "")}
+    assert not long, f"modules over {MAX_LINES} lines without '{LONG_REASON} ...' in their docstring: {long}"
+
+
+def test_tests_import_no_bench_and_no_private_kit_names():
+    bad = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for target, names in imports(path):
+            top = target.split(".")[0]
+            if top == "bench" and "tests/bench" not in path.as_posix():
+                bad.append(f"{path.relative_to(ROOT)}: imports {target}")
+            if top == PACKAGE:
+                bad += [f"{path.relative_to(ROOT)}: {target}.{n}" for n in names if n.startswith("_")]
+                bad += [f"{path.relative_to(ROOT)}: {target}" for part in target.split(".") if part.startswith("_")]
+    assert not bad, "\n".join(bad)
