@@ -17,12 +17,28 @@ from . import engine, runtime
 
 
 @torch.no_grad()
-def _next_tokens(chunks, tokens: torch.Tensor) -> torch.Tensor:
+def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size: int | None = None) -> torch.Tensor:
+    """The model's fp32 logits for `tokens` [batch, seq]: [batch, seq, vocab] (or [batch, 1, vocab]
+    with `last_only`), the same full vocabulary on every tensor-parallel rank.
+
+    The output layer is vocab-parallel: each TP rank computes logits for its slice of the
+    vocabulary, so the forward is followed by an all-gather over the TP group (`last_only` gathers
+    only the last position, all greedy decoding needs). Megatron pads the vocabulary to a multiple
+    of 128 * TP; `vocab_size` cuts the padding off. The chunks run in eval mode (no dropout) and go
+    back to the mode they were in. With Megatron-FSDP the forward all-gathers parameters, so every
+    data-parallel rank must call this as often as the others; afterwards
+    `engine.settle_param_gathers(chunks)` finishes what the forward prefetched (greedy does).
+    """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    logits = chunks[0](tokens, positions, None)
-    logits = gather_from_tensor_model_parallel_region(logits[:, -1:, :])
-    return logits[:, -1, :].argmax(dim=-1)
+    out = chunks[0](tokens, positions, None)
+    for c, mode in zip(chunks, was_training):
+        c.train(mode)
+    out = gather_from_tensor_model_parallel_region(out[:, -1:, :] if last_only else out)
+    return (out if vocab_size is None else out[..., :vocab_size]).float()
 
 
 def _my_share(items: list, *, dp_rank: int, dp_size: int) -> tuple[list, int]:
@@ -53,7 +69,8 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int
                                 dp_size=ps.get_data_parallel_world_size())
         tokens = torch.tensor([prompts[i] for i in share], device=device)
         for _ in range(max_new_tokens):  # fixed count: every rank runs the same forwards
-            tokens = torch.cat([tokens, _next_tokens(chunks, tokens).unsqueeze(1)], dim=1)
+            next_ids = logits(chunks, tokens, last_only=True)[:, -1, :].argmax(dim=-1)
+            tokens = torch.cat([tokens, next_ids.unsqueeze(1)], dim=1)
         for i, row in zip(share[:real], tokens[:real, length:].tolist()):
             out[i] = row[:row.index(eos_id) + 1] if eos_id in row else row
     engine.settle_param_gathers(chunks)

@@ -68,7 +68,7 @@ def sync_two_chunks(*, first_only: bool = False) -> dict:
 
 def hf_roundtrip(*, arch: str, tp: int, fsdp: bool, workdir: str) -> dict:
     """HF -> Megatron (wrapped) -> logits parity, exact export, one step, export, save_hf, reload."""
-    from bench.roundtrip import roundtrip
+    from mfsdp_kit.perf.roundtrip import roundtrip
     return roundtrip(arch=arch, size="xs", tp=tp, fsdp=fsdp, dtype="fp32", workdir=workdir)
 
 

@@ -27,8 +27,8 @@ OCFG = OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=20, min_lr=1e-4)
 
 @torch.no_grad()
 def _megatron_logits(chunks, tokens):
-    from bench.roundtrip import megatron_logits
-    return megatron_logits(chunks, tokens.to(runtime.current().device), 128).cpu()
+    from mfsdp_kit.generate import logits
+    return logits(chunks, tokens.to(runtime.current().device), vocab_size=128).cpu()
 
 
 def _batches():

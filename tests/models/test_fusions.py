@@ -97,7 +97,7 @@ def test_bad_value_is_named():
 def test_hf_model_logits_match_transformers(arch, tmp_path):
     """The Megatron-Bridge path: a tiny HF folder loaded with fused_kernels=True gives transformers' logits."""
     import transformers
-    from bench.roundtrip import megatron_logits
+    from mfsdp_kit.generate import logits
     from mfsdp_kit.models.hf import load
     from mfsdp_kit.models.tiny import tiny
     src = tiny(tmp_path / arch, arch=arch, size="xs", seed=1)
@@ -105,7 +105,7 @@ def test_hf_model_logits_match_transformers(arch, tmp_path):
     assert model.config.apply_rope_fusion and model.config.bias_activation_fusion
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tokens = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
-    ours = megatron_logits(model.chunks, tokens, hf.config.vocab_size)
+    ours = logits(model.chunks, tokens, vocab_size=hf.config.vocab_size)
     with torch.no_grad():
         theirs = hf(tokens).logits
     engine.release(model.chunks)
