@@ -34,6 +34,23 @@ class GPTSpec:
         return self.num_layers * per_layer + 2 * self.vocab_size * h + h
 
 
+SPECS = {
+    # the CPU smoke size of the benchmarks (2 gloo ranks, seconds per step)
+    "tiny": GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                    vocab_size=128, seq_len_tokens=32),
+    # 24 * (4 * 2048^2 + 3 * 2048 * 5632) = 1.23 B in layers + 2 * 32768 * 2048 = 0.13 B embeddings
+    "1.7b": GPTSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632,
+                    vocab_size=32768, seq_len_tokens=2048),
+    # 26 * (4 * 3072^2 + 3 * 3072 * 8192) = 2.94 B + 0.20 B embeddings
+    "3b": GPTSpec(num_layers=26, hidden_size=3072, num_attention_heads=24, ffn_hidden_size=8192,
+                  vocab_size=32768, seq_len_tokens=2048),
+    # Llama-2-7B shape: 32 * (4 * 4096^2 + 3 * 4096 * 11008) = 6.48 B + 0.27 B embeddings
+    "7b": GPTSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+                  vocab_size=32768, seq_len_tokens=2048),
+}
+"""Named model sizes of the benchmarks (bench/throughput.py --spec, bench/max_model.py --spec)."""
+
+
 def transformer_config(spec: GPTSpec, cfg: EngineConfig):
     """megatron TransformerConfig for `spec` under `cfg` (parallel sizes, dtype, overrides)."""
     from megatron.core.transformer import TransformerConfig
