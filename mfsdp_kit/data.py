@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .config import bad_value
 from .models.tiny import ASSISTANT, EOS, USER
 
 Pair = tuple[str, str]
@@ -81,10 +82,10 @@ class ArithmeticTask:
 
     def __post_init__(self):
         if self.digits < 1:
-            raise ValueError(f"digits={self.digits} must be >= 1")
+            raise bad_value("digits", self.digits, "an integer >= 1")
         bad = [op for op in self.ops if op not in OPS]
         if bad or not self.ops:
-            raise ValueError(f"ops={self.ops!r} is not supported; allowed: a non-empty subset of {OPS}")
+            raise bad_value("ops", self.ops, f"a non-empty subset of {OPS}")
 
     def prompt(self, a: int, op: str, b: int) -> str:
         return f"{USER}{a}{op}{b}={ASSISTANT}"
@@ -96,7 +97,7 @@ class ArithmeticTask:
     def problems(self, n: int, *, split: str = "train") -> list[tuple[int, str, int]]:
         """n distinct (a, op, b) of `split`, deterministic by seed; a longer n extends a shorter one."""
         if split not in SPLITS:
-            raise ValueError(f"split={split!r} is not supported; allowed: {SPLITS}")
+            raise bad_value("split", split, " | ".join(SPLITS))
         rng = random.Random(f"{self.seed}-{split}")  # str seeds hash with sha512: stable across runs
         space = len(self.ops) * 10 ** (2 * self.digits)
         if space <= _ENUMERATE_MAX:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from .config import bad_value
+
 
 def relative_differences(a: list[float], b: list[float]) -> list[float]:
     """|a_i - b_i| / max(|a_i|, |b_i|) per step (0 where both are 0)."""
@@ -105,9 +107,9 @@ def compare_curves(reference_loss: list[float], candidate_loss: list[float], *, 
         raise ValueError(f"the curves have {len(reference_loss)} and {len(candidate_loss)} steps; "
                          "compare runs of the same length")
     if not 1 <= exact_steps <= len(reference_loss):
-        raise ValueError(f"exact_steps={exact_steps} is not allowed; allowed: 1 .. {len(reference_loss)}")
+        raise bad_value("exact_steps", exact_steps, f"1 .. {len(reference_loss)}")
     if late_window and not 4 <= late_window <= len(reference_loss):
-        raise ValueError(f"late_window={late_window} is not allowed; allowed: 0 or 4 .. {len(reference_loss)}")
+        raise bad_value("late_window", late_window, f"0 or 4 .. {len(reference_loss)}")
     diffs = relative_differences(reference_loss[:exact_steps], candidate_loss[:exact_steps])
     if reference_grad_norm is not None and candidate_grad_norm is not None:
         grads = relative_differences(reference_grad_norm[:exact_steps], candidate_grad_norm[:exact_steps])

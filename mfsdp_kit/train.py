@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import engine, runtime
+from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
 
 
@@ -58,16 +59,16 @@ def data_parallel_slice(batch: Batch) -> Batch:
     from megatron.core import parallel_state as ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if batch.num_sequences % dp:
-        raise ValueError(f"global batch of {batch.num_sequences} sequences does not split over "
-                         f"{dp} data-parallel ranks; use a multiple of {dp}")
+        raise ConfigError(f"global batch of {batch.num_sequences} sequences does not split over "
+                          f"{dp} data-parallel ranks; allowed: a multiple of {dp}")
     n = batch.num_sequences // dp
     return batch.slice(dp_rank * n, (dp_rank + 1) * n)
 
 
 def micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
     if batch.num_sequences % micro_batch_size:
-        raise ValueError(f"micro_batch_size={micro_batch_size} does not divide this rank's "
-                         f"{batch.num_sequences} sequences; allowed: a divisor of {batch.num_sequences}")
+        raise bad_value("micro_batch_size", micro_batch_size,
+                        f"a divisor of this rank's {batch.num_sequences} sequences")
     return [batch.slice(i, i + micro_batch_size) for i in range(0, batch.num_sequences, micro_batch_size)]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import engine
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
 from . import fusions
 
@@ -61,7 +61,7 @@ def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool
     archs = config.get("architectures") or []
     supported = supported_architectures()
     if not any(a in supported for a in archs):
-        raise ValueError(f"architectures={archs} in {config_file} is not supported by Megatron-Bridge 0.3.1; "
+        raise ConfigError(f"architectures={archs} in {config_file} is not supported by Megatron-Bridge 0.3.1; "
                          f"supported: {', '.join(supported)}")
     if cfg is not None:
         _check_heads(config, cfg.tensor_model_parallel_size)
@@ -75,7 +75,7 @@ def _check_heads(config: dict, tp: int) -> None:
     kv_heads = config.get("num_key_value_heads", heads)
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp} does not divide the model's {name}={value}; "
+            raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the model's {name}={value}; "
                              f"allowed: a divisor of {value}")
 
 

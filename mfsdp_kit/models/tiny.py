@@ -17,6 +17,8 @@ import zlib
 
 import torch
 
+from ..config import bad_value
+
 ARCHS = ("qwen2", "llama")
 
 SIZES: dict[str, dict[str, int]] = {
@@ -88,7 +90,7 @@ def build_tokenizer():
 # ---- model ---------------------------------------------------------------------------------
 def _check(field: str, value: str, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{field}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+        raise bad_value(field, value, ", ".join(map(repr, allowed)))
 
 
 def hf_config(*, arch: str = "qwen2", size: str = "xs"):
