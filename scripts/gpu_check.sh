@@ -37,7 +37,7 @@ for s in $SECTIONS; do
   case $s in
     parity)     section parity     trun bench/parity.py --dtype bf16 --out "$RESULTS/parity.json" ;;
     roundtrip)  section roundtrip  trun bench/roundtrip.py --size m --dtype bf16 --out "$RESULTS/roundtrip.json" ;;
-    # GRPO (issue 7), in two steps that share runs/ on one warm node (a call's machine stays warm ~30 s):
+    # GRPO, in two steps that share runs/ on one warm node (a call's machine stays warm ~30 s):
     # grpo_start: 2-digit SFT, then 3-digit SFT rounds until held-out >= 0.2 (reached at 600 steps: 0.233);
     # saves the start. grpo: GRPO_ITERS iterations of 64 prompts x 16 samples at GRPO_LR, sampling at T 0.5
     # (near the greedy answer the held-out accuracy scores), from that start, against the gold-SFT control
@@ -67,7 +67,7 @@ for s in $SECTIONS; do
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -x -p no:cacheprovider tests/test_checkpoint.py ;;  # NCCL, one GPU per rank
-    # headline (issue 9): fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
+    # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
     # profile of ddp/fsdp/fsdp2; traces: $RESULTS/throughput.<mode>.trace.json.gz
     throughput) section throughput trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 6 --warmup 2 --fused-kernels --profile \
@@ -84,7 +84,7 @@ for s in $SECTIONS; do
     throughput_unit8) section throughput_unit8 trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit8.json" ;;
-    # the large end (issue 9: "and the largest size that fits"): 7b spec, mb 2, where all three modes fit
+    # the large end (the largest size where all three modes fit): 7b spec, mb 2, where all three modes fit
     throughput_7b) section throughput_7b trun bench/throughput.py --spec 7b --attention sdpa \
                   --micro-batch-size 2 --global-batch 8 --steps 4 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_7b.json" ;;
@@ -96,7 +96,7 @@ for s in $SECTIONS; do
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
                   --out "$RESULTS/throughput_knobs.json" ;;
-    # the 1-GPU column of the same comparison (issue 9 asks for 1 and 2 GPUs)
+    # the 1-GPU column of the same comparison
     throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
                   bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \
                   --steps 6 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;

@@ -1,4 +1,4 @@
-"""Checkpoint hardening (issue 18), one test per case, mirroring mfsdp_kit/checkpoint/:
+"""Checkpoint hardening, one test per case, mirroring mfsdp_kit/checkpoint/:
 
 trust      a `.metadata` pickle never runs (even trusted); another user's checkpoint is refused
 integrity  flipped bytes / truncated shards name the file; fallback to the newest intact one;

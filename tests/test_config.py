@@ -102,7 +102,7 @@ def test_optim_config_validation():
         OptimConfig(warmup_steps=-1).validate()
 
 
-# The validation battery of issue 18 (item 12), one row per case: each was accepted, or failed only
+# The validation battery (bad values a hostile or careless user tried), one row per case: each was accepted, or failed only
 # inside megatron after the process group existed. (config kwargs, field the message must name).
 ENGINE_CASES = [
     (dict(override_ddp_config={"bucket_size": "big"}), "override_ddp_config.bucket_size"),

@@ -6,7 +6,7 @@ separate softmax and keeps the probabilities for backward - O(s^2) memory per la
 kernels where one would do. `SDPAttention` takes the same constructor and forward arguments
 and calls torch's SDPA instead, which dispatches to a fused kernel (flash / memory-efficient /
 cuDNN on GPU) that never stores the score matrix. On 2 x H200 at 1.7 B params that was 1.7x
-the throughput at half the peak memory (shared/RESEARCH.md).
+the throughput at half the peak memory (docs/benchmarks.md has the kit's own runs).
 
 What it keeps equal to `DotProductAttention` (megatron-core 0.16.1,
 megatron/core/transformer/dot_product_attention.py):
