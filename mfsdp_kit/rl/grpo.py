@@ -1,16 +1,23 @@
 """GRPO at notebook scale: rollouts from synced FSDP weights, verifiable rewards, policy update.
 
-One iteration:
-  1. sync      every chunk's weights -> the HF rollout model on each rank (`sync.load_into`,
-               between `synchronize_fsdp_params` and `restore_fsdp_params`)
-  2. rollout   each data-parallel rank samples n completions for its share of the prompts
-               (transformers `generate`, KV cache, temperature / top-p)
-  3. reward    `reward_fn(prompt, completion) -> float` (any callable; default: exact match)
-  4. advantage per prompt group: A = (r - mean(r)) / (std(r) + eps), eps = 1e-6 so a group
+One iteration, each step a function of `rl.core` called in the open by `iteration`:
+  1. collect   sync every chunk's weights into the rollout backend (`rollout.HFRollout.refresh`),
+               each data-parallel rank samples n completions for its share of the prompts, the
+               reward scores them (`reward_fn(prompt, completion) -> float`; default: exact match)
+  2. advantage per prompt group: A = (r - mean(r)) / (std(r) + eps), eps = 1e-6 so a group
                whose samples all scored alike gets A = 0 instead of a division by zero
-  5. update    log-probs of the sampled tokens recomputed by the Megatron model (`old`, before
-               the update), clipped-ratio loss, optional k3 KL to a frozen reference model,
-               `ppo_epochs` passes over `num_minibatches` mini-batches.
+  3. log-probs of the sampled tokens recomputed by the Megatron model (`old`, before the update)
+               and by a frozen reference model (optional)
+  4. update    `ppo_epochs` passes over `num_minibatches` mini-batches with `grpo_loss`.
+
+The loss per completion token t of sequence i, with ratio rho = exp(log p_theta - log p_old):
+
+    l_it = -min(rho * A_i, clip(rho, 1 - eps, 1 + eps) * A_i) + kl_coef * k3_it
+    k3_it = exp(d) - d - 1,  d = log p_ref - log p_theta     (>= 0, unbiased for KL(pi || ref))
+
+averaged over all completion tokens of the minibatch (`loss_level="token"`, as the kit's GRPO
+always did through megatron's per-token loss), or per sequence first (`"sequence"`, the paper's
+(1/G) sum_i (1/|o_i|) sum_t l_it); `rl.core.aggregate` writes both out.
 """
 from __future__ import annotations
 
@@ -19,12 +26,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
-from .. import engine, offload, runtime, sync
-from ..train import Batch, data_parallel_slice, micro_batches, step
+from . import core
+from .core import ADV_EPS, Reward, group_advantages, rollout_batch, token_logprobs  # noqa: F401 (public names)
+from .rollout import HFRollout, RolloutBackend
+from ..train import Batch
 
-ADV_EPS = 1e-6
+Rollout = HFRollout
+"""The HF rollout backend under its first name."""
 
 
 @dataclass(kw_only=True)
@@ -55,109 +64,40 @@ class GRPOConfig:
     offload_during_rollout: bool = False
     """Move the training state (weights, grads, Adam) to host memory while the rollout model
     samples, and back before the update (`offload.offload` / `offload.reload`)."""
+    loss_level: core.LossLevel = "token"
+    """"token": mean over all completion tokens of a minibatch; "sequence": mean of per-sequence
+    means (the GRPO paper). See `rl.core.aggregate`."""
 
 
-def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = ADV_EPS) -> torch.Tensor:
-    """[num_prompts * group_size] rewards -> advantages normalised within each prompt's group."""
-    groups = rewards.view(-1, group_size).float()
-    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, unbiased=False, keepdim=True)
-    return ((groups - mean) / (std + eps)).reshape(-1)
-
-
-def grpo_loss(mb: Batch, token_losses: torch.Tensor, *, clip_eps: float, kl_coef: float):
-    """megatron loss_func for GRPO: token_losses = -log p_theta(sampled token)."""
+def policy_loss(mb: Batch, token_losses: torch.Tensor, *, eps_low: float, eps_high: float, kl_coef: float,
+                level: core.LossLevel = "token"):
+    """megatron loss_func of the clipped-ratio objective (module docstring) with the clip range
+    [1 - eps_low, 1 + eps_high]; token_losses = -log p_theta(sampled token). Logs kl, clip_frac
+    and the sampled-token entropy estimate as per-token means."""
     mask = mb.loss_mask.float()
     logp = -token_losses.float()
     ratio = torch.exp(logp - mb.extras["old_logprobs"])
     adv = mb.extras["advantages"].unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     delta = mb.extras["ref_logprobs"] - logp
     kl = torch.exp(delta) - delta - 1  # k3 estimator: >= 0, unbiased for KL(pi || ref)
     if kl_coef:
         per_token = per_token + kl_coef * kl
-    loss_sum = (per_token * mask).sum()
-    count = mask.sum()
+    loss_sum, count = core.aggregate(per_token, mask, level=level)
+    tokens = mask.sum()
     clip_frac = ((ratio - clipped).abs() > 0).float()
     logged = {"lm loss": torch.stack([loss_sum.detach(), count]),
-              "kl": torch.stack([(kl.detach() * mask).sum(), count]),
-              "clip_frac": torch.stack([(clip_frac * mask).sum(), count]),
-              "entropy": torch.stack([(-logp.detach() * mask).sum(), count])}  # sampled-token estimate
+              "kl": torch.stack([(kl.detach() * mask).sum(), tokens]),
+              "clip_frac": torch.stack([(clip_frac * mask).sum(), tokens]),
+              "entropy": torch.stack([(-logp.detach() * mask).sum(), tokens])}  # sampled-token estimate
     return loss_sum, count.to(torch.int), logged
 
 
-class Rollout:
-    """An HF model on this rank's device, refreshed from the training chunks, that samples."""
-
-    def __init__(self, hf_model, tokenizer):
-        self.model, self.tokenizer = hf_model.eval(), tokenizer
-        self.tokenizer.padding_side = "left"  # batched generation appends on the right
-
-    def refresh(self, chunks, bridge) -> dict:
-        """Copy the current training weights in (every chunk); returns time and bytes."""
-        engine.synchronize_fsdp_params(chunks)
-        stats = sync.load_into(self.model, chunks, bridge)
-        engine.restore_fsdp_params(chunks)
-        return stats
-
-    @torch.no_grad()
-    def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-               seed: int) -> list[list[int]]:
-        """n completions (token ids, cut after eos) per prompt, in prompt-major order."""
-        if not prompts:
-            return []
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: enc[k].to(self.model.device) for k in ("input_ids", "attention_mask")}
-        torch.manual_seed(seed)  # TP ranks of one replica draw the same samples
-        out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
-                                  max_new_tokens=max_new_tokens, num_return_sequences=n,
-                                  eos_token_id=self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id)
-        completions = []
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            eos = self.tokenizer.eos_token_id
-            completions.append(row[:row.index(eos) + 1] if eos in row else row)
-        return completions
-
-
-def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, *,
-                  seq_len_tokens: int, pad_id: int) -> Batch:
-    """Sequences prompt + completion as a training Batch; loss only on completion tokens."""
-    n = len(completions)
-    tokens = torch.full((n, seq_len_tokens), pad_id, dtype=torch.long)
-    labels, mask = tokens.clone(), torch.zeros(n, seq_len_tokens)
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        ids = (p + c)[:seq_len_tokens + 1]
-        tokens[i, :len(ids) - 1] = torch.tensor(ids[:-1])
-        labels[i, :len(ids) - 1] = torch.tensor(ids[1:])
-        mask[i, len(p) - 1:len(ids) - 1] = 1.0
-    zeros = torch.zeros(n, seq_len_tokens)
-    return Batch(tokens, labels, mask, dict(advantages=advantages.float(), old_logprobs=zeros,
-                                            ref_logprobs=zeros.clone()))
-
-
-@torch.no_grad()
-def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-    """log p(label) per position [n, seq] for the whole batch: each data-parallel rank computes
-    its slice, then the slices are summed over the data-parallel group (mini-batches later
-    re-slice the batch, so every rank needs every row)."""
-    from megatron.core import parallel_state as ps
-    device = runtime.current().device
-    local = data_parallel_slice(batch)
-    out = torch.zeros(batch.tokens.shape)
-    start = ps.get_data_parallel_rank() * local.num_sequences
-    for i, mb in enumerate(micro_batches(local.to(device), micro_batch_size)):
-        positions = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
-        for c in chunks:
-            c.eval()
-        losses = chunks[0](mb.tokens, positions, None, labels=mb.labels)
-        for c in chunks:
-            c.train()
-        rows = slice(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)
-        out[rows] = -losses.float().cpu()
-    out = out.to(device)
-    dist.all_reduce(out, group=ps.get_data_parallel_group())
-    return out.cpu()
+def grpo_loss(mb: Batch, token_losses: torch.Tensor, *, clip_eps: float, kl_coef: float,
+              level: core.LossLevel = "token"):
+    """megatron loss_func for GRPO: `policy_loss` with the symmetric clip [1 - clip_eps, 1 + clip_eps]."""
+    return policy_loss(mb, token_losses, eps_low=clip_eps, eps_high=clip_eps, kl_coef=kl_coef, level=level)
 
 
 @dataclass
@@ -176,96 +116,46 @@ class GRPOHistory:
     train_s: list[float] = field(default_factory=list)
 
 
-def _gather(obj) -> list:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def iteration(*, chunks, optimizer, bridge, rollout: Rollout, prompts: list[tuple[str, str]], reward_fn,
+def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: list[tuple[str, str]], reward_fn,
               gcfg: GRPOConfig, seq_len_tokens: int, ref_chunks=None, index: int = 0, scheduler=None) -> dict:
-    """One GRPO iteration over `prompts` [(prompt, answer)] (same list on every rank); `scheduler`
+    """One GRPO iteration over `prompts` [(prompt, answer)] (same list on every rank); `reward_fn`
+    is a callable or a `core.Reward` (which says what counts as solved: `accuracy`); `scheduler`
     (e.g. `engine.build_scheduler`, for a warm-up) steps once per optimizer step."""
-    from megatron.core import parallel_state as ps
-    metrics = {}
-    t0 = time.perf_counter()
-    stats = rollout.refresh(chunks, bridge)
-    metrics.update(sync_s=time.perf_counter() - t0, sync_bytes=stats["bytes"])
-    if gcfg.offload_during_rollout:
-        offload.offload(chunks, optimizer)
-
-    t0 = time.perf_counter()
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if len(prompts) % dp:
-        raise ValueError(f"prompts_per_iteration={len(prompts)} must be a multiple of the data-parallel size {dp}")
-    share = prompts[dp_rank * len(prompts) // dp:(dp_rank + 1) * len(prompts) // dp]
-    completions = rollout.sample([p for p, _ in share], n=gcfg.samples_per_prompt, max_new_tokens=gcfg.max_new_tokens,
-                                 temperature=gcfg.temperature, top_p=gcfg.top_p,
-                                 seed=gcfg.seed * 100_003 + index * 1009 + dp_rank)
-    texts = [rollout.tokenizer.decode(c) for c in completions]
-    rewards = [float(reward_fn(share[i // gcfg.samples_per_prompt][0], t)) for i, t in enumerate(texts)]
-    metrics["rollout_s"] = time.perf_counter() - t0
-    if gcfg.offload_during_rollout:
-        offload.reload(chunks, optimizer)
-
-    # every rank assembles the same global batch (TP ranks of a replica contributed identical rows)
-    gathered = _gather((completions, rewards))[::runtime.current().world_size // dp]
-    completions = [c for part, _ in gathered for c in part]
-    rewards_t = torch.tensor([r for _, part in gathered for r in part])
-    enc = rollout.tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"]
-    prompt_ids = [enc[i // gcfg.samples_per_prompt] for i in range(len(completions))]
-    adv = group_advantages(rewards_t, group_size=gcfg.samples_per_prompt)
+    rollouts = core.collect(chunks=chunks, bridge=bridge, backend=rollout, prompts=prompts,
+                            reward=core.as_reward(reward_fn), samples_per_prompt=gcfg.samples_per_prompt,
+                            max_new_tokens=gcfg.max_new_tokens, temperature=gcfg.temperature, top_p=gcfg.top_p,
+                            seed=core.rollout_seed(seed=gcfg.seed, iteration=index),
+                            offload_optimizer=optimizer if gcfg.offload_during_rollout else None)
+    adv = group_advantages(rollouts.rewards, group_size=gcfg.samples_per_prompt)
     if gcfg.min_advantage is not None:
         adv = adv.clamp(min=gcfg.min_advantage)
-    batch = rollout_batch(prompt_ids, completions, adv, seq_len_tokens=seq_len_tokens,
-                          pad_id=rollout.tokenizer.pad_token_id)
-
     t0 = time.perf_counter()
-    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, micro_batch_size=gcfg.micro_batch_size)
-    if ref_chunks is not None:
-        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, micro_batch_size=gcfg.micro_batch_size)
-    else:
-        batch.extras["ref_logprobs"] = batch.extras["old_logprobs"].clone()
-    results = []
-    per_mb = batch.num_sequences // gcfg.num_minibatches
-    loss_fn = partial(grpo_loss, clip_eps=gcfg.clip_eps, kl_coef=gcfg.kl_coef)
-    for _ in range(gcfg.ppo_epochs):
-        for m in range(gcfg.num_minibatches):
-            results.append(step(chunks, optimizer, batch.slice(m * per_mb, (m + 1) * per_mb),
-                                micro_batch_size=gcfg.micro_batch_size, loss_fn=loss_fn, scheduler=scheduler))
-    metrics["train_s"] = time.perf_counter() - t0
-    last = results[-1].metrics
-    metrics.update(reward=rewards_t.mean().item(), accuracy=(rewards_t == 1.0).float().mean().item(),
-                   response_tokens=sum(len(c) for c in completions) / len(completions),
-                   kl=last["kl"], clip_frac=last["clip_frac"], entropy=last["entropy"], loss=results[-1].loss)
-    return metrics
+    batch = core.training_batch(rollouts, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
+                                pad_id=rollout.tokenizer.pad_token_id, micro_batch_size=gcfg.micro_batch_size)
+    results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=gcfg.ppo_epochs,
+                          num_minibatches=gcfg.num_minibatches, micro_batch_size=gcfg.micro_batch_size,
+                          scheduler=scheduler, loss_fn=partial(grpo_loss, clip_eps=gcfg.clip_eps,
+                                                               kl_coef=gcfg.kl_coef, level=gcfg.loss_level))
+    return dict(**rollouts.stats, train_s=time.perf_counter() - t0, **core.rollout_metrics(rollouts),
+                **core.update_metrics(results))
 
 
-def fit(*, chunks, optimizer, bridge, rollout: Rollout, prompt_pool: list[tuple[str, str]], reward_fn,
+def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list[tuple[str, str]], reward_fn,
         gcfg: GRPOConfig, iterations: int, seq_len_tokens: int, ref_chunks=None, progress: bool = True,
         on_iteration=None, scheduler=None) -> GRPOHistory:
-    """`iterations` GRPO iterations, cycling deterministically through `prompt_pool`.
+    """`iterations` GRPO iterations, each on `prompts_per_iteration` prompts drawn deterministically
+    from `prompt_pool` (`core.PromptDraw`, seeded by `gcfg.seed`).
 
     `on_iteration(iteration, metrics)` runs on every rank after each iteration (e.g. a held-out
     evaluation every k iterations; it may run collectives, as all ranks call it). A fresh Adam
     without warm-up takes sign-like steps of the full lr at first, which on CPU at lr 3e-5 cost a
     small SFT'd model ~5 held-out points in 15 steps even on gold SFT data: pass a `scheduler`
     with a warm-up."""
-    from tqdm.auto import tqdm
+    draw = core.PromptDraw(prompt_pool, seed=gcfg.seed)
 
-    from ..progress import report
-    history = GRPOHistory()
-    rng = torch.Generator().manual_seed(gcfg.seed)
-    bar = tqdm(range(iterations), desc="grpo", disable=not (progress and runtime.current().rank == 0))
-    for it in bar:
-        pick = torch.randperm(len(prompt_pool), generator=rng)[:gcfg.prompts_per_iteration].tolist()
-        m = iteration(chunks=chunks, optimizer=optimizer, bridge=bridge, rollout=rollout,
-                      prompts=[prompt_pool[i] for i in pick], reward_fn=reward_fn, gcfg=gcfg,
-                      seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=it, scheduler=scheduler)
-        for key in vars(history):
-            getattr(history, key).append(m[key])
-        bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
-        report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
-        if on_iteration is not None:
-            on_iteration(it, m)
-    return history
+    def one(it: int) -> dict:
+        return iteration(chunks=chunks, optimizer=optimizer, bridge=bridge, rollout=rollout,
+                         prompts=draw(gcfg.prompts_per_iteration), reward_fn=reward_fn, gcfg=gcfg,
+                         seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=it, scheduler=scheduler)
+    return core.run_iterations(iteration=one, iterations=iterations, history=GRPOHistory(), desc="grpo",
+                               progress=progress, on_iteration=on_iteration)

@@ -1,0 +1,304 @@
+"""The algorithm-independent pieces of policy-gradient RL on the kit's chunks.
+
+An RL algorithm here is a composition of five functions, called in the open by its `iteration`:
+
+    collect          sync weights into the rollout backend, sample n completions per prompt on each
+                     data-parallel rank, score them -> a `RolloutBatch` (the same on every rank)
+    group_advantages A = (r - mean(r)) / (std(r) + eps) within each prompt's group of n
+    training_batch   prompt + completion as a training `Batch` (loss on completion tokens), with the
+                     log-probs of the sampled tokens under the current model (`old`) and a reference
+    update           `epochs` passes of `num_minibatches` optimizer steps, each with a loss_fn
+    aggregate        how a loss_fn reduces its per-token losses: the normaliser of the gradient
+
+Why the normaliser is the loss_fn's to choose: megatron divides the gradient by the SUM of the
+counts the loss_fn returns over micro-batches and data-parallel ranks (`train.py`). Return
+(sum over tokens, token count) and the loss is the token-level mean of the minibatch,
+    L = sum_i sum_t l_it / sum_i |o_i|;
+return (sum_i mean_t l_it, number of sequences) and it is the mean of per-sequence means,
+    L = (1/G) sum_i (1/|o_i|) sum_t l_it,
+which is the GRPO paper's; a long completion then weighs as much as a short one in total, so
+each of its tokens weighs less. The kit's GRPO has always used the token level (see `rl.grpo`).
+
+`rl.grpo` adds its loss and config; `rl.dapo` adds dynamic sampling and clip-higher.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from .. import offload, runtime
+from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
+from .rollout import RolloutBackend
+
+ADV_EPS = 1e-6
+"""Keeps a group whose samples all scored alike at A = 0 instead of 0 / 0."""
+
+
+# ---- rewards ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Reward:
+    """A reward function and what counts as solved, so accuracy is the reward's own convention."""
+
+    fn: Callable[[str, str], float]
+    """`fn(prompt, completion_text) -> float`, e.g. `data.verify` (exact match, 0 or 1)."""
+    solved_threshold: float = 1.0
+    """A completion counts as solved when its reward >= this. 1.0 suits rewards in [0, 1] whose
+    maximum means right (`data.verify`, `data.digit_match`: partial credit < 1 is not solved)."""
+
+    def __call__(self, prompt: str, completion: str) -> float:
+        return float(self.fn(prompt, completion))
+
+    def solved(self, rewards: torch.Tensor) -> torch.Tensor:
+        return rewards >= self.solved_threshold
+
+
+def as_reward(reward_fn) -> Reward:
+    """A `Reward` as is; a plain callable gets the default threshold (1.0: reward 1 = solved)."""
+    return reward_fn if isinstance(reward_fn, Reward) else Reward(fn=reward_fn)
+
+
+# ---- collect ---------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """Scored samples of the whole global batch, identical on every rank, in group-major order:
+    completion i answers prompt i // group_size."""
+
+    prompts: list[tuple[str, str]]
+    """(prompt, answer) per group."""
+    prompt_ids: list[list[int]]
+    """Token ids of each group's prompt."""
+    completions: list[list[int]]
+    """Sampled token ids (cut after eos), num_groups * group_size of them."""
+    rewards: torch.Tensor
+    """[num_groups * group_size] float rewards."""
+    solved: torch.Tensor
+    """[num_groups * group_size] bool: the reward's own `solved` convention."""
+    group_size: int
+    stats: dict = field(default_factory=dict)
+    """sync_s, sync_bytes (when refreshed), rollout_s."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def select_groups(self, groups: list[int]) -> "RolloutBatch":
+        """The batch restricted to the given group indices (in that order)."""
+        rows = [g * self.group_size + j for g in groups for j in range(self.group_size)]
+        return RolloutBatch(prompts=[self.prompts[g] for g in groups], prompt_ids=[self.prompt_ids[g] for g in groups],
+                            completions=[self.completions[i] for i in rows], rewards=self.rewards[rows],
+                            solved=self.solved[rows], group_size=self.group_size, stats=dict(self.stats))
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Groups of several batches in order; stats: seconds and bytes summed."""
+    stats: dict = {}
+    for b in batches:
+        for k, v in b.stats.items():
+            stats[k] = stats.get(k, 0) + v
+    return RolloutBatch(prompts=[p for b in batches for p in b.prompts],
+                        prompt_ids=[p for b in batches for p in b.prompt_ids],
+                        completions=[c for b in batches for c in b.completions],
+                        rewards=torch.cat([b.rewards for b in batches]), solved=torch.cat([b.solved for b in batches]),
+                        group_size=batches[0].group_size, stats=stats)
+
+
+def rollout_seed(*, seed: int, iteration: int, round: int = 0) -> int:
+    """Base sampling seed of one collect (`collect` adds the data-parallel rank). Round 0 is the
+    seed GRPO has always used; dynamic sampling's later rounds are offset by 101 each."""
+    return seed * 100_003 + iteration * 1009 + round * 101
+
+
+@contextmanager
+def offloaded(chunks, optimizer):
+    """Training state (weights, grads, Adam) in host memory inside the block (`offload`)."""
+    offload.offload(chunks, optimizer)
+    try:
+        yield
+    finally:
+        offload.reload(chunks, optimizer)
+
+
+def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward,
+            samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+            refresh: bool = True, offload_optimizer=None) -> RolloutBatch:
+    """Sync (if `refresh`), sample `samples_per_prompt` completions for this data-parallel rank's
+    share of `prompts` (same list on every rank) with seed `seed + dp_rank`, score them, gather.
+
+    `offload_optimizer`: move the training state to the host while sampling (`offloaded`)."""
+    from megatron.core import parallel_state as ps
+    stats = {}
+    if refresh:
+        t0 = time.perf_counter()
+        nbytes = backend.refresh(chunks, bridge)["bytes"]
+        stats.update(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if len(prompts) % dp:
+        raise ValueError(f"prompts_per_iteration={len(prompts)} must be a multiple of the data-parallel size {dp}")
+    share = prompts[dp_rank * len(prompts) // dp:(dp_rank + 1) * len(prompts) // dp]
+    t0 = time.perf_counter()
+    with offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
+        completions = backend.sample([p for p, _ in share], n=samples_per_prompt, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, seed=seed + dp_rank)
+        texts = [backend.tokenizer.decode(c) for c in completions]
+        rewards = [reward(share[i // samples_per_prompt][0], t) for i, t in enumerate(texts)]
+    stats["rollout_s"] = time.perf_counter() - t0
+    return _gather_replicas(prompts, completions, rewards, backend=backend, reward=reward,
+                            group_size=samples_per_prompt, stats=stats)
+
+
+def _gather_replicas(prompts, completions, rewards, *, backend, reward: Reward, group_size: int,
+                     stats: dict) -> RolloutBatch:
+    """Every rank assembles the same global batch; TP ranks of one replica sampled identical rows,
+    so one rank per replica (every `world / dp`-th) is kept."""
+    from megatron.core import parallel_state as ps
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (completions, rewards))
+    gathered = gathered[::runtime.current().world_size // ps.get_data_parallel_world_size()]
+    rewards_t = torch.tensor([r for _, part in gathered for r in part])
+    return RolloutBatch(prompts=list(prompts),
+                        prompt_ids=backend.tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"],
+                        completions=[c for part, _ in gathered for c in part], rewards=rewards_t,
+                        solved=reward.solved(rewards_t), group_size=group_size, stats=stats)
+
+
+# ---- advantages ------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = ADV_EPS) -> torch.Tensor:
+    """[num_prompts * group_size] rewards -> advantages normalised within each prompt's group:
+    A = (r - mean) / (population std + eps)."""
+    groups = rewards.view(-1, group_size).float()
+    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, unbiased=False, keepdim=True)
+    return ((groups - mean) / (std + eps)).reshape(-1)
+
+
+# ---- the training batch and its log-probs ----------------------------------------------------
+def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, *,
+                  seq_len_tokens: int, pad_id: int) -> Batch:
+    """Sequences prompt + completion as a training Batch; loss only on completion tokens.
+    `prompt_ids` has one entry per completion. old/ref log-probs start as zeros."""
+    n = len(completions)
+    tokens = torch.full((n, seq_len_tokens), pad_id, dtype=torch.long)
+    labels, mask = tokens.clone(), torch.zeros(n, seq_len_tokens)
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        ids = (p + c)[:seq_len_tokens + 1]
+        tokens[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+        labels[i, :len(ids) - 1] = torch.tensor(ids[1:])
+        mask[i, len(p) - 1:len(ids) - 1] = 1.0
+    zeros = torch.zeros(n, seq_len_tokens)
+    return Batch(tokens, labels, mask, dict(advantages=advantages.float(), old_logprobs=zeros,
+                                            ref_logprobs=zeros.clone()))
+
+
+@torch.no_grad()
+def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+    """log p(label) per position [n, seq] for the whole batch: each data-parallel rank computes
+    its slice, then the slices are summed over the data-parallel group (mini-batches later
+    re-slice the batch, so every rank needs every row)."""
+    from megatron.core import parallel_state as ps
+    device = runtime.current().device
+    local = data_parallel_slice(batch)
+    out = torch.zeros(batch.tokens.shape)
+    start = ps.get_data_parallel_rank() * local.num_sequences
+    for i, mb in enumerate(micro_batches(local.to(device), micro_batch_size)):
+        positions = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
+        for c in chunks:
+            c.eval()
+        losses = chunks[0](mb.tokens, positions, None, labels=mb.labels)
+        for c in chunks:
+            c.train()
+        rows = slice(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)
+        out[rows] = -losses.float().cpu()
+    out = out.to(device)
+    dist.all_reduce(out, group=ps.get_data_parallel_group())
+    return out.cpu()
+
+
+def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, ref_chunks, seq_len_tokens: int,
+                   pad_id: int, micro_batch_size: int) -> Batch:
+    """`rollout_batch` plus old log-probs (the current model, before the update) and reference
+    log-probs (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step)."""
+    n = rollouts.group_size
+    batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
+                          rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
+    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, micro_batch_size=micro_batch_size)
+    if ref_chunks is not None:
+        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, micro_batch_size=micro_batch_size)
+    else:
+        batch.extras["ref_logprobs"] = batch.extras["old_logprobs"].clone()
+    return batch
+
+
+# ---- loss reduction and the update loop ------------------------------------------------------
+LossLevel = Literal["token", "sequence"]
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, count) a megatron loss_func returns; megatron divides the summed sums by the
+    summed counts over the minibatch (all micro-batches, all data-parallel ranks):
+
+        "token":    (sum_i sum_t m_it l_it,          sum_i sum_t m_it)   -> per-token mean
+        "sequence": (sum_i sum_t m_it l_it / |o_i|,  #{i : |o_i| > 0})   -> mean of per-sequence means
+
+    with |o_i| = sum_t m_it the loss tokens of sequence i."""
+    lengths = mask.sum(dim=1)
+    if level == "token":
+        return (per_token * mask).sum(), mask.sum()
+    if level == "sequence":
+        return ((per_token * mask).sum(dim=1) / lengths.clamp(min=1)).sum(), (lengths > 0).float().sum()
+    raise ValueError(f"level={level!r}: allowed 'token' | 'sequence'")
+
+
+def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,
+           scheduler=None) -> list[StepResult]:
+    """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices
+    (`train.step` with `loss_fn`); `scheduler` steps once per optimizer step."""
+    per_mb = batch.num_sequences // num_minibatches
+    return [step(chunks, optimizer, batch.slice(m * per_mb, (m + 1) * per_mb), micro_batch_size=micro_batch_size,
+                 loss_fn=loss_fn, scheduler=scheduler)
+            for _ in range(epochs) for m in range(num_minibatches)]
+
+
+# ---- metrics and the outer loop --------------------------------------------------------------
+def rollout_metrics(rollouts: RolloutBatch) -> dict:
+    """reward (mean), accuracy (share solved), response_tokens (mean completion length)."""
+    return dict(reward=rollouts.rewards.mean().item(), accuracy=rollouts.solved.float().mean().item(),
+                response_tokens=sum(len(c) for c in rollouts.completions) / len(rollouts.completions))
+
+
+def update_metrics(results: list[StepResult]) -> dict:
+    """The last optimizer step's loss and the loss_fn's logged kl, clip_frac, entropy."""
+    last = results[-1].metrics
+    return dict(kl=last["kl"], clip_frac=last["clip_frac"], entropy=last["entropy"], loss=results[-1].loss)
+
+
+class PromptDraw:
+    """Deterministic prompt picks from a pool: each `draw(k)` is a fresh permutation's first k."""
+
+    def __init__(self, pool: list[tuple[str, str]], *, seed: int):
+        self.pool, self.rng = pool, torch.Generator().manual_seed(seed)
+
+    def __call__(self, k: int) -> list[tuple[str, str]]:
+        return [self.pool[i] for i in torch.randperm(len(self.pool), generator=self.rng)[:k].tolist()]
+
+
+def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
+                   on_iteration=None):
+    """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;
+    tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each."""
+    from tqdm.auto import tqdm
+
+    from ..progress import report
+    bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
+    for it in bar:
+        m = iteration(it)
+        for key in vars(history):
+            getattr(history, key).append(m[key])
+        bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
+        report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
+        if on_iteration is not None:
+            on_iteration(it, m)
+    return history

@@ -1,0 +1,49 @@
+"""The `transformers` rollout backend: an HF model per rank, refreshed in place from the chunks.
+
+Refresh = `engine.synchronize_fsdp_params` (sharded view: wait for in-flight all-gathers, show
+the optimized DTensor shards) -> `sync.load_into` (export every HF tensor, copy it in) ->
+`engine.restore_fsdp_params` (compute view, ready for the next forward). The two engine halves,
+not `engine.params_view(chunks, "sharded")`: that context manager puts back the view each chunk
+showed before, which right after `engine.build_optimizer` is the sharded one; the rollout path has
+always left the compute view installed (and `offload.offload` records the chunks that showed it,
+to put it back at `reload`), so the halves keep the behaviour exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import engine, sync
+
+
+class HFRollout:
+    """An HF causal LM on this rank's device that samples with `generate` (KV cache, top-p)."""
+
+    def __init__(self, hf_model, tokenizer):
+        self.model, self.tokenizer = hf_model.eval(), tokenizer
+        self.tokenizer.padding_side = "left"  # batched generation appends on the right
+
+    def refresh(self, chunks, bridge) -> dict:
+        """Copy the current training weights in (every chunk); returns {"seconds", "bytes", "tensors", ...}."""
+        engine.synchronize_fsdp_params(chunks)
+        try:
+            return sync.load_into(self.model, chunks, bridge)
+        finally:
+            engine.restore_fsdp_params(chunks)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int) -> list[list[int]]:
+        """n completions (token ids, cut after eos) per prompt, in prompt-major order.
+
+        `top_k=0` turns off transformers' default top-k of 50, so top_p alone truncates."""
+        if not prompts:
+            return []
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: enc[k].to(self.model.device) for k in ("input_ids", "attention_mask")}
+        torch.manual_seed(seed)  # TP ranks of one replica draw the same samples
+        eos = self.tokenizer.eos_token_id
+        out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                  max_new_tokens=max_new_tokens, num_return_sequences=n,
+                                  eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
+        rows = out[:, enc["input_ids"].shape[1]:].tolist()
+        return [row[:row.index(eos) + 1] if eos in row else row for row in rows]
