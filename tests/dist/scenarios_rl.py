@@ -1,25 +1,40 @@
-"""GRPO scenarios: sync parity, update direction, a few iterations end to end (2 gloo ranks)."""
+"""RL scenarios (2 gloo ranks): GRPO sync parity, update direction and iterations end to end; DAPO's
+loss reduction through megatron, dynamic sampling on real rollouts, iterations end to end."""
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from mfsdp_kit import data, engine, runtime, sync
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
-from mfsdp_kit.rl import grpo
-from mfsdp_kit.train import fit
+from mfsdp_kit.rl import core, dapo, grpo
+from mfsdp_kit.rl.rollout import HFRollout, RolloutBackend
+from mfsdp_kit.train import fit, forward_backward
 from scenarios_train import tiny_world
+
+
+def _sft_start(workdir: str):
+    """The tiny model after a short SFT on 1-digit addition, so rewards are not all zero."""
+    cfg, src, tok = tiny_world(fsdp=True, workdir=workdir)
+    model = load(src, cfg)
+    task = data.ArithmeticTask(digits=1)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=3e-3, warmup_steps=5), cfg)
+    fit(model.chunks, opt, data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32),
+        steps=40, micro_batch_size=16, progress=False)
+    return cfg, src, tok, model, task
+
+
+def _shards(chunks) -> list[torch.Tensor]:
+    """Copies of this rank's weight shards (the sharded view the optimizer steps)."""
+    engine.synchronize_fsdp_params(chunks)
+    return [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in chunks[0].parameters()]
 
 
 def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     import transformers
-    cfg, src, tok = tiny_world(fsdp=True, workdir=workdir)
-    model = load(src, cfg)
-    task = data.ArithmeticTask(digits=1)
-    ocfg = OptimConfig(lr=3e-3, warmup_steps=5)
-    opt = engine.build_optimizer(model.chunks, ocfg, cfg)
-    fit(model.chunks, opt, data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32),
-        steps=40, micro_batch_size=16, progress=False)  # a short SFT so rewards are not all zero
+    cfg, src, tok, model, task = _sft_start(workdir)
     result = {}
 
     # sync: rollout weights == Megatron export, rollout logits == Megatron logits
@@ -49,7 +64,6 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     batch.extras["old_logprobs"] = before
     batch.extras["ref_logprobs"] = before.clone()
     opt_rl = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
-    from functools import partial
     from mfsdp_kit.train import step
     first = step(model.chunks, opt_rl, batch, micro_batch_size=8,
                  loss_fn=partial(grpo.grpo_loss, clip_eps=0.2, kl_coef=0.0))
@@ -70,6 +84,56 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     history = grpo.fit(chunks=model.chunks, optimizer=opt_rl, bridge=model.bridge, rollout=rollout,
                        prompt_pool=task.rl_prompts(80), reward_fn=data.verify, gcfg=gcfg, iterations=iterations,
                        seq_len_tokens=16, ref_chunks=ref, progress=False)
+    result["history"] = {k: v for k, v in vars(history).items()}
+    runtime.shutdown()
+    return result
+
+
+def dapo_end_to_end(*, workdir: str, iterations: int = 2) -> dict:
+    import transformers
+    cfg, src, tok, model, task = _sft_start(workdir)
+    rollout = HFRollout(transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32), tok)
+    assert isinstance(rollout, RolloutBackend)
+    exact = core.Reward(fn=data.verify, solved_threshold=1.0)
+    draw = core.PromptDraw(task.rl_prompts(80), seed=0)
+    sampling = dict(samples_per_prompt=4, max_new_tokens=4, temperature=1.0, top_p=1.0)
+    result = {}
+
+    # dynamic sampling on real rollouts: 8 groups wanted, flat ones dropped, refilled in rounds
+    asked, first = [], {}
+
+    def sample_round(r, k):
+        asked.append(k)
+        batch = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=draw(k),
+                             reward=exact, seed=core.rollout_seed(seed=0, iteration=0, round=r), refresh=r == 0,
+                             **sampling)
+        first.setdefault("informative", len(dapo.informative_groups(batch.rewards, group_size=4)))
+        return batch
+    kept, sampled, _ = dapo.dynamic_sample(sample_round=sample_round, wanted_groups=8, max_rounds=4, multiple_of=2)
+    result["dynamic_sample"] = dict(asked=asked, sampled_groups=sampled.num_groups, kept_groups=kept.num_groups,
+                                    informative_in_round_0=first["informative"],
+                                    kept_group_std=kept.rewards.view(-1, 4).std(dim=1).tolist())
+
+    # megatron's reduction over 2 ranks x 2 micro-batches == the one-process formula (ratio 1: l = -A)
+    batch = core.training_batch(sampled, core.group_advantages(sampled.rewards, group_size=4), chunks=model.chunks,
+                                ref_chunks=None, seq_len_tokens=16, pad_id=tok.pad_token_id, micro_batch_size=4)
+    batch = batch.slice(0, batch.num_sequences - batch.num_sequences % 16)
+    adv, lengths = batch.extras["advantages"], batch.loss_mask.sum(dim=1)
+    by_hand = {"token": (-(adv * lengths).sum() / lengths.sum()).item(), "sequence": (-adv.mean()).item()}
+    for level in ("token", "sequence"):
+        fn = partial(grpo.policy_loss, eps_low=0.2, eps_high=0.28, kl_coef=0.0, level=level)
+        mean, _, _ = forward_backward(model.chunks, batch, micro_batch_size=4, forward_only=True, loss_fn=fn)
+        result[f"{level}_level"] = [mean, by_hand[level]]
+
+    # iterations end to end
+    before = _shards(model.chunks)
+    dcfg = dapo.DAPOConfig(prompts_per_iteration=8, max_sampling_rounds=4, num_minibatches=1, micro_batch_size=4,
+                           **{k: v for k, v in sampling.items() if k != "samples_per_prompt"})
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
+    history = dapo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
+                       prompt_pool=task.rl_prompts(80), reward_fn=exact, dcfg=dcfg, iterations=iterations,
+                       seq_len_tokens=16, progress=False)
+    result["weights_changed"] = any(not torch.equal(a, b) for a, b in zip(before, _shards(model.chunks)))
     result["history"] = {k: v for k, v in vars(history).items()}
     runtime.shutdown()
     return result
