@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 bench/max_model.py --spec 7b --out runs/bench/max_model.json             # GPU
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/max_model.py --spec tiny --max-trials 1         # CPU
 
-The model is the 7b spec of bench/throughput.py (hidden 4096, ffn 11008, 32 heads, vocab 32768) at
+The model is the 7b spec of mfsdp_kit.models.gpt.SPECS (hidden 4096, ffn 11008, 32 heads, vocab 32768) at
 seq 2048, micro-batch 1 per rank, bf16, SDPA, no recompute; only num_layers varies:
     per layer   4 * 4096^2 + 3 * 4096 * 11008 + 2 * 4096 = 202.4 M params
     fixed       2 * 32768 * 4096 (embedding + output layer) + 4096 = 268.4 M params
@@ -24,7 +24,8 @@ Method (about 6 builds per mode, each one build + --steps full training steps):
    collective. If a trial hangs anyway, a watchdog ends the job after --trial-timeout-s; --out
    holds every trial finished before it (it is rewritten after each).
 3. predict L* = floor((cap - fixed) / per_layer), then verify: L* must train and L* + --layer-step
-   must OOM; step up while it trains, down while it OOMs, --max-trials at most.
+   must OOM; step up while it trains, down while it OOMs, --max-trials at most
+   (mfsdp_kit.perf.capacity decides the sizes; this script runs the trials).
 On CPU there is no device memory to measure: the calibration sizes and --max-trials larger ones
 train, without OOM search.
 """
@@ -32,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import sys
 import threading
 import time
 import traceback
@@ -43,53 +42,21 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.throughput
-from bench.throughput import (SPECS, VARIANTS, add_engine_args, batches, build_trainer,  # noqa: E402
-                              engine_config, free_memory, layer_params, parse_modes)
-from mfsdp_kit import runtime  # noqa: E402
-from mfsdp_kit.memory import zero_formula_bytes  # noqa: E402
-from mfsdp_kit.models import GPTSpec  # noqa: E402
-
-
-# ---- pure arithmetic -----------------------------------------------------------------------
-def fit_line(points: list[tuple[int, int]]) -> tuple[float, float]:
-    """Least-squares (fixed, per_layer) of bytes = fixed + per_layer * layers over (layers, bytes)."""
-    n = len(points)
-    if n < 2 or len({x for x, _ in points}) < 2:
-        raise ValueError(f"need two distinct layer counts to fit a line, got {points}")
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - slope * mx, slope
-
-
-def predict_layers(cap_bytes: float, fixed: float, per_layer: float, *, min_layers: int = 1) -> int:
-    """Most layers whose predicted peak fits under `cap_bytes` (at least `min_layers`)."""
-    if per_layer <= 0:
-        raise ValueError(f"per-layer bytes must be positive, got {per_layer}")
-    return max(min_layers, math.floor((cap_bytes - fixed) / per_layer))
-
-
-def next_layers(trials: list[tuple[int, bool]], *, step: int, min_layers: int = 1) -> int | None:
-    """Next layer count to try after `trials` [(layers, trained)], or None once the largest that
-    trained and the smallest that OOMed are at most `step` apart: `step` up from a success, down
-    from an OOM, the middle of the bracket if that step would leave it."""
-    hi_ok = max((n for n, trained in trials if trained), default=None)
-    lo_oom = min((n for n, trained in trials if not trained), default=None)
-    bracket = hi_ok is not None and lo_oom is not None
-    if bracket and lo_oom - hi_ok <= step:
-        return None
-    last, trained = trials[-1]
-    nxt = last + step if trained else last - step
-    if bracket and not hi_ok < nxt < lo_oom:
-        nxt = (hi_ok + lo_oom) // 2
-    return nxt if nxt >= min_layers else None
+from mfsdp_kit import runtime
+from mfsdp_kit.memory import zero_formula_bytes
+from mfsdp_kit.models.gpt import SPECS, GPTSpec
+from mfsdp_kit.perf import capacity
+from mfsdp_kit.perf.flops import layer_params
+from mfsdp_kit.perf.peaks import free_memory
+from mfsdp_kit.perf.trainers import batches, build_trainer
+from mfsdp_kit.perf.variants import VARIANTS, add_engine_args, engine_config_from_args, parse_modes, trainer_of
 
 
 # ---- one trial: build + --steps full training steps -------------------------------------------
 def _train(mode: str, spec: GPTSpec, args) -> list[float]:
     """Build `mode` at `spec` and run --steps steps; the model lives (and dies) in this frame."""
-    cfg = engine_config(args, mode, spec)
-    trainer = build_trainer(mode, cfg, spec, args)
+    cfg = engine_config_from_args(args, mode, spec)
+    trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size)
     world = dist.get_world_size()
     data = batches(spec, n=args.steps, global_batch=args.micro_batch_size * world)
     losses = [trainer.step(b, i) for i, b in enumerate(data)]
@@ -152,50 +119,21 @@ def set_cap(margin_bytes: int) -> dict:
 
 
 def search_mode(mode: str, base: GPTSpec, args, state: dict, record) -> dict:
-    """Calibrate, predict, verify one mode; `record(trial)` saves each finished trial."""
+    """Calibrate, predict, verify one mode (capacity.search); `record(trial)` saves each finished trial.
+    The allocator cap is set once, after the first trial of the first mode (state["cap"])."""
     on_gpu = torch.cuda.is_available()
-    sized = lambda layers: replace(base, num_layers=layers)  # noqa: E731
-    trials = []
 
     def run(layers: int, purpose: str) -> dict:
-        t = trial(mode, sized(layers), args, purpose=purpose)
-        trials.append(t)
+        t = trial(mode, replace(base, num_layers=layers), args, purpose=purpose)
         record(t)
         if on_gpu and "cap" not in state:  # communicators exist now: measure what is left
             state["cap"] = set_cap(int(args.margin_gib * 2**30))
         return t
 
-    calib = [run(n, "calibrate") for n in args.calib_layers]
-    summary = dict(mode=mode)
-    if not all(t["trained"] for t in calib):
-        return dict(summary, error="a calibration size did not train")
-    if not on_gpu:  # no device memory: train a few larger sizes, no OOM search
-        for i in range(args.max_trials):
-            run(args.calib_layers[-1] + (i + 1) * args.layer_step, "size")
-        largest = max(t["layers"] for t in trials if t["trained"])
-        return dict(summary, largest_trained_layers=largest, largest_trained_params=sized(largest).param_count())
-    fixed, per_layer = fit_line([(t["layers"], t["peak_reserved_bytes"]) for t in calib])
-    predicted = predict_layers(state["cap"]["cap_bytes"], fixed, per_layer, min_layers=1)
-    summary.update(fixed_bytes=fixed, per_layer_bytes=per_layer, predicted_layers=predicted)
-    history = [(t["layers"], t["trained"]) for t in calib]
-    layers = predicted
-    for _ in range(args.max_trials):
-        t = run(layers, "verify")
-        if not t["trained"] and not t["oom"]:
-            summary["error"] = t["error"]
-            break
-        history.append((layers, t["trained"]))
-        layers = next_layers(history, step=args.layer_step)
-        if layers is None:
-            break
-    largest = max((n for n, trained in history if trained), default=None)
-    smallest_oom = min((n for n, trained in history if not trained), default=None)
-    summary.update(largest_trained_layers=largest, smallest_oom_layers=smallest_oom,
-                   bracketed=largest is not None and smallest_oom is not None
-                   and smallest_oom - largest <= args.layer_step)
-    if largest is not None:
-        summary["largest_trained_params"] = sized(largest).param_count()
-    return summary
+    cap = (lambda: state["cap"]["cap_bytes"]) if on_gpu else None
+    summary = capacity.search(run, base, calib_layers=args.calib_layers, layer_step=args.layer_step,
+                              max_trials=args.max_trials, cap_bytes=cap)
+    return dict(mode=mode, **summary)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -214,7 +152,7 @@ def print_summary(summaries: dict, base: GPTSpec, state: dict, args, world: int)
         print(f"torch allocator cap {c['cap_bytes'] / 2**30:.2f} GiB of {c['total_bytes'] / 2**30:.2f} GiB per GPU "
               f"(outside torch {c['outside_torch_bytes'] / 2**30:.2f} GiB, margin {c['margin_bytes'] / 2**30:.2f} GiB)")
     for mode, s in summaries.items():
-        fsdp = VARIANTS[mode][0] != "ddp"
+        fsdp = trainer_of(mode) != "ddp"
         formula = zero_formula_bytes(num_params=per_layer, dp_size=world, fsdp=fsdp, dtype=args.dtype)
         line = f"{mode}: model state {formula / 2**30:.3f} GiB/layer by the ZeRO formula"
         if "per_layer_bytes" in s:
@@ -228,16 +166,9 @@ def print_summary(summaries: dict, base: GPTSpec, state: dict, args, world: int)
         if "error" in s:
             line += f"; ERROR {s['error']}"
         print(line)
-    ratio = summary_ratio(summaries)
+    ratio = capacity.params_ratio(summaries)
     if ratio is not None:
         print(f"largest trainable model, Megatron-FSDP / DDP: {ratio:.3f}x params")
-
-
-def summary_ratio(summaries: dict) -> float | None:
-    a, b = summaries.get("fsdp", {}), summaries.get("ddp", {})
-    if a.get("largest_trained_params") and b.get("largest_trained_params"):
-        return a["largest_trained_params"] / b["largest_trained_params"]
-    return None
 
 
 def main() -> None:
@@ -273,7 +204,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), spec=vars(base), world=world, cap=state.get("cap"), trials=all_trials,
-                           summaries=summaries, fsdp_over_ddp_params=summary_ratio(summaries)), f, indent=1)
+                           summaries=summaries, fsdp_over_ddp_params=capacity.params_ratio(summaries)), f, indent=1)
 
     def record(t: dict) -> None:
         all_trials.append(t)
@@ -284,7 +215,7 @@ def main() -> None:
                   f"peak reserved {t['peak_reserved_bytes'] / 2**30:.2f} GiB, {t['seconds']:.1f} s", flush=True)
 
     for mode in modes:
-        runtime.init(engine_config(args, mode, base), timeout_s=args.timeout_s)
+        runtime.init(engine_config_from_args(args, mode, base), timeout_s=args.timeout_s)
         summaries[mode] = search_mode(mode, base, args, state, record)
         save()
         runtime.shutdown()

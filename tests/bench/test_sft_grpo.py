@@ -1,24 +1,10 @@
 """bench/sft_grpo.py end to end on 2 gloo ranks (size xs, 1-digit): SFT start saved, gold-SFT control,
 GRPO with greedy and sampled held-out accuracy; a second run from the saved start stops after the SFT."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from tests.dist.launch import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.cli import run
 
 
-def _bench(*flags: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "--master_addr=127.0.0.1", str(ROOT / "bench" / "sft_grpo.py"), "--size", "xs", "--sft-digits", "1",
-           "--rl-digits", "1", *flags, "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+def _bench(*flags: str, out) -> dict:
+    return run("sft_grpo.py", "--size", "xs", "--sft-digits", "1", "--rl-digits", "1", *flags, out=out)
 
 
 def test_sft_grpo_bench(tmp_path):

@@ -1,0 +1,121 @@
+"""The named training configurations a benchmark compares, each one knob away from its baseline.
+
+Three trainers train the SAME megatron GPT (local spec, same attention backend, seed, batches):
+- ddp:   megatron DistributedDataParallel + distributed optimizer (ZeRO-1), bf16 Float16Module;
+- fsdp:  Megatron-FSDP, optim_grads_params (ZeRO-3);
+- fsdp2: torch `fully_shard` per TransformerLayer then the root (perf.trainers.build_fsdp2).
+A variant is (trainer, EngineConfig overrides): fsdp-recompute is fsdp with recompute="full", so
+each knob is measured in the same run as the mode it changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..config import EngineConfig
+from ..models.gpt import GPTSpec
+from .flops import layer_params
+
+TRAINERS = ("ddp", "fsdp", "fsdp2")
+
+
+def megatron_default_unit_elements(spec: GPTSpec) -> int:
+    """What Megatron-FSDP uses when `suggested_communication_unit_size` is None (megatron-core
+    0.16.1, megatron_fsdp.py, MegatronFSDP.__init__): twice the mean elements of an FSDP unit
+    (a TransformerLayer), then `max(1e9, ...)` - commented "Cap to 1B elements" but a floor
+    (upstream fixes it to `min`: NVIDIA/Megatron-LM PR #7134), so it is 1e9 elements for every
+    spec of gpt.SPECS (a 7b layer is 0.2e9). Megatron then prefetches all-gathers up to unit // 2
+    elements ahead of the running layer (5e8 = 1 GB of bf16 weights, ~10 layers of 1.7b) and
+    lets up to unit elements of gradient reduce-scatters queue before it waits."""
+    return max(1_000_000_000, 2 * layer_params(spec))
+
+
+# name -> (trainer, EngineConfig overrides, or a function of the spec returning them).
+# override_ddp_config entries are merged into the command line's overrides, not replacing them.
+VARIANTS = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "fsdp2": ("fsdp2", {}),
+    # How much does overlap buy? The two flags alone change nothing: MegatronFSDP.__init__ sets
+    # both back to True for optim_grads_params (megatron_fsdp.py:274-279, megatron-core 0.16.1).
+    # What does stop the overlap is a unit of 1 element: no all-gather prefetch (each layer's
+    # all-gather starts when the layer needs it) and a reduce-scatter queue of 1 element (each
+    # reduce-scatter waits for the previous one before backward goes on).
+    "fsdp-no-overlap": ("fsdp", dict(override_ddp_config=dict(
+        overlap_param_gather=False, overlap_grad_reduce=False, suggested_communication_unit_size=1))),
+    # twice the prefetch depth and reduce-scatter queue: more memory, fewer waits?
+    "fsdp-unit2x": ("fsdp", lambda spec: dict(override_ddp_config=dict(
+        suggested_communication_unit_size=2 * megatron_default_unit_elements(spec)))),
+    # what the fixed `min` would pick: 2 x the mean layer, i.e. prefetch about one layer ahead
+    "fsdp-unit-min": ("fsdp", lambda spec: dict(override_ddp_config=dict(
+        suggested_communication_unit_size=min(1_000_000_000, 2 * layer_params(spec))))),
+    # "full", not "selective": selective recomputes core attention only, and SDPA already keeps
+    # no S x S scores, so it would cost time and save nothing. Full recomputes each layer's
+    # forward in backward (+1 forward, ~+33 % FLOPs) and keeps only layer inputs.
+    "fsdp-recompute": ("fsdp", dict(recompute="full")),
+    # Adam moments + fp32 main weights (12 B/param / N) on the host between steps (mfsdp_kit.offload)
+    "fsdp-optoffload": ("fsdp", dict(optimizer_offload=True)),
+    # the effect of fused kernels in the same run (megatron's unfused RoPE and SwiGLU)
+    "fsdp-unfused": ("fsdp", dict(fused_kernels=False)),
+}
+
+
+def trainer_of(mode: str) -> str:
+    """"ddp" | "fsdp" | "fsdp2": which trainer the variant `mode` runs."""
+    return VARIANTS[mode][0]
+
+
+def variant_overrides(mode: str, spec: GPTSpec) -> dict:
+    """The EngineConfig fields variant `mode` sets at `spec` (a fresh dict)."""
+    overrides = VARIANTS[mode][1]
+    return dict(overrides(spec) if callable(overrides) else overrides)
+
+
+def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recompute: str = "none",
+                  fused_kernels: bool = False, fsdp_overrides: dict | None = None,
+                  ddp_overrides: dict | None = None) -> EngineConfig:
+    """The EngineConfig of variant `mode`: the shared settings, then the variant's overrides.
+    `fsdp_overrides` / `ddp_overrides` are the override_ddp_config of the fsdp / ddp trainers."""
+    trainer = trainer_of(mode)
+    overrides = variant_overrides(mode, spec)
+    ddp_config = dict((fsdp_overrides if trainer == "fsdp" else ddp_overrides) or {})
+    ddp_config.update(overrides.pop("override_ddp_config", {}))
+    fields = dict(
+        use_megatron_fsdp=trainer == "fsdp", dtype=dtype, attention_backend=attention,
+        recompute=recompute, fused_kernels=fused_kernels, seed=1234, override_ddp_config=ddp_config,
+        # Initialise on the GPU: CPU init of billions of parameters takes minutes.
+        override_transformer_config=dict(use_cpu_initialization=False) if torch.cuda.is_available() else {})
+    return EngineConfig(**{**fields, **overrides})
+
+
+# ---- the command line of the benchmarks that compare variants (bench/throughput.py, max_model.py) ----
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The options `engine_config_from_args` reads."""
+    on_gpu = torch.cuda.is_available()
+    ap.add_argument("--attention", default="sdpa", choices=["local", "sdpa"])
+    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--fused-kernels", action="store_true", help="EngineConfig.fused_kernels: compiled RoPE + SwiGLU")
+    ap.add_argument("--fsdp-overrides", default='{"overlap_param_gather": true}',
+                    help="JSON for EngineConfig.override_ddp_config in the fsdp modes")
+    ap.add_argument("--ddp-overrides", default='{"overlap_grad_reduce": true}',
+                    help="JSON for EngineConfig.override_ddp_config in the ddp mode")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+
+
+def engine_config_from_args(args: argparse.Namespace, mode: str, spec: GPTSpec) -> EngineConfig:
+    """`engine_config` with the settings of `add_engine_args`' options."""
+    return engine_config(mode, spec, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
+                         fused_kernels=args.fused_kernels, fsdp_overrides=json.loads(args.fsdp_overrides),
+                         ddp_overrides=json.loads(args.ddp_overrides))
+
+
+def parse_modes(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """"ddp,fsdp" -> ["ddp", "fsdp"]; an unknown name ends the program with argparse's error."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in modes:
+        if m not in VARIANTS:
+            ap.error(f"mode {m!r} is not one of {', '.join(VARIANTS)}")
+    return modes
