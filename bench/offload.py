@@ -18,7 +18,6 @@ step (same batches: must be identical, bf16 on GPU too). On CPU allocator number
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import os
@@ -31,12 +30,11 @@ import torch.distributed as dist
 
 from mfsdp_kit import data, engine, offload, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _sync() -> None:
@@ -116,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="m" if on_gpu else "xs", help="models.tiny size: xs | s | m | l (1.7 B)")
     ap.add_argument("--arch", default="qwen2", help="models.tiny arch: qwen2 | llama")
-    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=list(DTYPES))
+    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--twin-steps", type=int, default=4, help="steps of the offloaded-vs-plain loss comparison")
     ap.add_argument("--workdir", default="runs/bench/offload_models")
@@ -153,7 +151,7 @@ def main() -> None:
     del resident
     twin = losses_with_and_without_offload(model, opt, batches[1:])
 
-    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(rt.device)
+    rollout = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(args.dtype)).to(rt.device)
     from mfsdp_kit.rl.grpo import Rollout
     rollout = Rollout(rollout, tok)
     prompts = [p for p, _ in data.ArithmeticTask(digits=1).rl_prompts(8)]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import data, engine, generate, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.memory import format_table, memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
@@ -201,8 +202,7 @@ def grpo_optimizer(args, cfg, model, tok):
 def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
     """GRPO from the current model; held-out accuracy (greedy and sampled) along the way."""
     from transformers import AutoModelForCausalLM
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(rt.device), tok)
+    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(args.dtype)).to(rt.device), tok)
     per_rank = args.grpo_prompts * args.grpo_samples // args.grpo_minibatches // rt.dp_size  # sequences/rank/update
     gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
                            max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,

@@ -26,11 +26,10 @@ import torch.distributed as dist
 
 from mfsdp_kit import runtime
 from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.sync import load_into
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _sync() -> None:
@@ -44,7 +43,7 @@ def run_mode(mode: str, path: Path, args) -> dict:
     cfg = EngineConfig(use_megatron_fsdp=mode == "fsdp", dtype=args.dtype)
     rt = runtime.init(cfg)
     model = hf_models.load(path, cfg)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(rt.device).eval()
     with torch.no_grad():
         for p in rollout.parameters():
@@ -79,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="m" if on_gpu else "xs", help="models.tiny size: xs | s | m | l (1.7 B)")
     ap.add_argument("--arch", default="qwen2", help="models.tiny arch: qwen2 | llama")
-    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=list(DTYPES))
+    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--modes", default="fsdp,ddp")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
