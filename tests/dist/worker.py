@@ -1,13 +1,12 @@
 """torchrun entry: `worker.py [MODULE:]SCENARIO JSON_KWARGS OUT_PATH`; rank 0 writes the result.
 
-SCENARIO alone is looked up in scenarios.py; `scenarios_train:sft` names another module here."""
+SCENARIO alone is looked up in scenarios.py; `scenarios_train:sft` names another module here.
+torchrun runs this file as a script, so Python puts its folder (tests/dist) first on sys.path:
+that is how `scenarios*` import each other by bare name; mfsdp_kit comes from the installed package."""
 import importlib
 import json
 import os
 import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # scenarios*, and the repo root (bench/)
 
 if __name__ == "__main__":
     name, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
