@@ -123,15 +123,16 @@ def offloaded(chunks, optimizer):
         offload.reload(chunks, optimizer)
 
 
-def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward,
+def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
             refresh: bool = True, offload_optimizer=None) -> RolloutBatch:
     """Sync (if `refresh`), sample `samples_per_prompt` completions for this data-parallel rank's
-    share of `prompts` (same list on every rank) with seed `seed + dp_rank`, score them, gather.
+    share of `prompts` (same list on every rank) with seed `seed + dp_rank`, score them with
+    `reward` (a `Reward`, or a plain callable: `as_reward`), gather.
 
     `offload_optimizer`: move the training state to the host while sampling (`offloaded`)."""
     from megatron.core import parallel_state as ps
-    stats = {}
+    reward, stats = as_reward(reward), {}
     if refresh:
         t0 = time.perf_counter()
         nbytes = backend.refresh(chunks, bridge)["bytes"]

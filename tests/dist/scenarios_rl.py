@@ -105,7 +105,7 @@ def dapo_end_to_end(*, workdir: str, iterations: int = 2) -> dict:
     def sample_round(r, k):
         asked.append(k)
         batch = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=draw(k),
-                             reward=exact, seed=core.rollout_seed(seed=0, iteration=0, round=r), refresh=r == 0,
+                             reward=data.verify, seed=core.rollout_seed(seed=0, iteration=0, round=r), refresh=r == 0,
                              **sampling)
         first.setdefault("informative", len(dapo.informative_groups(batch.rewards, group_size=4)))
         return batch
