@@ -1,9 +1,11 @@
 """Data without downloads: a synthetic arithmetic task, SFT tokenization, a JSONL loader.
 
-Every example is a (prompt, response) pair of plain text in the tiny tokenizer's chat format:
-prompt "<|user|>12+34=<|assistant|>", response "46</s>" (the response ends with eos, so the
-model learns to stop). `tokenize_sft` turns pairs into a `Batch`, with the loss
-only on the response tokens.
+Text is rendered by the tokenizer's own chat template (`mfsdp_kit.chat`). An arithmetic example is
+a (prompt, response) pair of text: with the tiny tokenizer prompt "<|user|>12+34=<|assistant|>",
+response "46</s>"; with a ChatML one "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
+and "46<|im_end|>" (the response ends with the end-of-turn token, so the model learns to stop). A
+JSONL conversation becomes an `Example`: token ids and which of them are the assistant's (every
+assistant turn). `tokenize_sft` turns either into a `Batch`, with the loss only on reply tokens.
 """
 from __future__ import annotations
 
@@ -13,20 +15,35 @@ import random
 import re
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Iterator
 
 import torch
 
+from . import chat
 from .config import bad_value
-from .models.tiny import ASSISTANT, EOS, USER
+from .models.tiny import EOS, build_tokenizer
 
 Pair = tuple[str, str]
-"""(prompt, response): the prompt rendered with the chat markers, the response ending in eos."""
+"""(prompt, response): the prompt rendered by the chat template up to the generation prompt, the
+response the reply text ending with the end-of-turn token."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized conversation (e.g. a JSONL row): its ids and which ones the model must produce."""
+
+    ids: tuple[int, ...]
+    """Token ids of the whole rendered conversation."""
+    target: tuple[bool, ...]
+    """Per token: True on the assistant's tokens (every assistant turn, end-of-turn included)."""
+
 
 OPS = ("+", "-", "*")
 SPLITS = ("train", "heldout")
-_PROMPT_RE = re.compile(re.escape(USER) + r"(\d+)([+\-*])(\d+)=" + re.escape(ASSISTANT))
+_PROBLEM_RE = re.compile(r"(\d+)([+\-*])(\d+)=")
 _ANSWER_RE = re.compile(r"-?\d+")
+_THINK_RE = re.compile(r"\s*<think>.*?</think>", re.DOTALL)
 _ENUMERATE_MAX = 200_000
 """Problem spaces up to this size are enumerated and shuffled; larger ones are sampled."""
 
@@ -79,6 +96,8 @@ class ArithmeticTask:
     """Operators among + - * (difficulty grows with digits and with *)."""
     seed: int = 0
     """Same seed -> same problems in the same order."""
+    tokenizer: object = field(default=None, repr=False, compare=False)
+    """Whose chat template renders the prompts and replies; None: the tiny model's tokenizer."""
 
     def __post_init__(self):
         if self.digits < 1:
@@ -86,9 +105,17 @@ class ArithmeticTask:
         bad = [op for op in self.ops if op not in OPS]
         if bad or not self.ops:
             raise bad_value("ops", self.ops, f"a non-empty subset of {OPS}")
+        self._frame = _checked_frame(self.tokenizer or tiny_tokenizer())
 
     def prompt(self, a: int, op: str, b: int) -> str:
-        return f"{USER}{a}{op}{b}={ASSISTANT}"
+        """The question "a op b =" as one user turn, rendered up to the generation prompt."""
+        before, after, _, _ = self._frame
+        return f"{before}{a}{op}{b}={after}"
+
+    def reply(self, answer: str) -> str:
+        """The reply text the model must produce: `answer` and the template's end-of-turn."""
+        _, _, before, after = self._frame
+        return before + answer + after
 
     def answer(self, a: int, op: str, b: int) -> str:
         """The ground-truth answer text, without eos."""
@@ -126,7 +153,7 @@ class ArithmeticTask:
         return out
 
     def pairs(self, n: int, *, split: str = "train") -> list[Pair]:
-        return [(self.prompt(*p), self.answer(*p) + EOS) for p in self.problems(n, split=split)]
+        return [(self.prompt(*p), self.reply(self.answer(*p))) for p in self.problems(n, split=split)]
 
     def train_pairs(self, n: int) -> list[Pair]:
         return self.pairs(n, split="train")
@@ -135,21 +162,43 @@ class ArithmeticTask:
         return self.pairs(n, split="heldout")
 
     def rl_prompts(self, n: int, *, split: str = "train") -> list[tuple[str, str]]:
-        """(prompt, ground-truth answer without eos) for RL rollouts; score with `verify`."""
+        """(prompt, ground-truth answer without end-of-turn) for RL rollouts; score with `verify`."""
         return [(self.prompt(*p), self.answer(*p)) for p in self.problems(n, split=split)]
 
     def verify(self, prompt: str, completion: str) -> float:
         return verify(prompt, completion)
 
 
+@lru_cache(maxsize=1)
+def tiny_tokenizer():
+    """The tiny model's tokenizer (built once per process): the default for `ArithmeticTask`."""
+    return build_tokenizer()
+
+
+def _checked_frame(tokenizer) -> tuple[str, str, str, str]:
+    """`chat.reply_frame`, checked against the template's own rendering of one problem."""
+    frame = chat.reply_frame(tokenizer)
+    question = [{"role": "user", "content": "12+34="}]
+    prompt = chat.render(tokenizer, question, add_generation_prompt=True)
+    if prompt != f"{frame[0]}12+34={frame[1]}":
+        raise chat.ChatTemplateError(f"the chat template of {getattr(tokenizer, 'name_or_path', '')!r} changes "
+                                     f"the question text it renders: {prompt!r}")
+    return frame
+
+
 def _truth_and_answer(prompt: str, completion: str) -> tuple[str, str | None]:
     """(true result text, the completion's leading integer or None): the completion is cut at
-    the first eos and stripped; the integer is an optional '-' then digits."""
-    match = _PROMPT_RE.search(prompt)
-    if match is None:
-        raise ValueError(f"prompt {prompt!r} is not an arithmetic prompt like '{USER}12+34={ASSISTANT}'")
-    got = _ANSWER_RE.match(completion.split(EOS, 1)[0].strip())
-    return str(solve(int(match[1]), match[2], int(match[3]))), None if got is None else got[0]
+    the first eos, a leading <think>...</think> block is dropped, the rest stripped; the integer
+    is an optional '-' then digits. The problem is the prompt's last "a op b=" (after any
+    system text the template adds)."""
+    found = _PROBLEM_RE.findall(prompt)
+    if not found:
+        raise ValueError(f"prompt {prompt!r} is not an arithmetic prompt like '<|user|>12+34=<|assistant|>'")
+    a, op, b = found[-1]
+    text = completion.split(EOS, 1)[0]
+    think = _THINK_RE.match(text)
+    got = _ANSWER_RE.match(text[think.end() if think else 0:].strip())
+    return str(solve(int(a), op, int(b))), None if got is None else got[0]
 
 
 def verify(prompt: str, completion: str) -> float:
@@ -186,40 +235,60 @@ REWARDS = {"exact": verify, "digits": digit_match}
 
 # ---- SFT tokenization ----------------------------------------------------------------------
 def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return chat.encode_text(tokenizer, text)
 
 
-def tokenize_sft(pairs: list[Pair], tokenizer, *, seq_len_tokens: int) -> Batch:
-    """Pairs -> Batch[n, seq_len_tokens]: tokens = text[:-1], labels = text[1:] (next token).
+def _example(item, tokenizer, i: int) -> Example:
+    """A Pair (prompt and response encoded separately, so the boundary is exact for any
+    tokenizer), a list of messages (rendered by the chat template) or an Example as it is."""
+    if isinstance(item, Example):
+        return item
+    if isinstance(item, list):
+        ids, target = chat.encode(tokenizer, item, where=f"example {i}")
+        return Example(tuple(ids), tuple(target))
+    prompt, response = item
+    p, r = _encode(tokenizer, prompt), _encode(tokenizer, response)
+    if not p or not r:
+        raise ValueError(f"pair {i} has an empty prompt or response: {(prompt, response)!r}")
+    return Example(tuple(p + r), (False,) * len(p) + (True,) * len(r))
 
-    loss_mask is 1.0 where the TARGET is a response token (eos included), 0.0 on prompt and
-    padding. Prompt and response are encoded separately, so the boundary is exact for any
-    tokenizer. A pair longer than seq_len_tokens + 1 tokens would lose its answer: ValueError."""
-    pad = tokenizer.pad_token_id
-    tokens = torch.full((len(pairs), seq_len_tokens), pad, dtype=torch.long)
-    labels, loss_mask = tokens.clone(), torch.zeros(len(pairs), seq_len_tokens)
-    for i, (prompt, response) in enumerate(pairs):
-        p, r = _encode(tokenizer, prompt), _encode(tokenizer, response)
-        ids = p + r
-        if not p or not r:
-            raise ValueError(f"pair {i} has an empty prompt or response: {(prompt, response)!r}")
-        if len(ids) - 1 > seq_len_tokens:
-            raise ValueError(f"pair {i} has {len(ids)} tokens; seq_len_tokens={seq_len_tokens} would "
-                             f"cut its answer; use seq_len_tokens >= {len(ids) - 1}")
-        n = len(ids) - 1
-        tokens[i, :n] = torch.tensor(ids[:-1])
-        labels[i, :n] = torch.tensor(ids[1:])
-        loss_mask[i, len(p) - 1:n] = 1.0  # position j predicts ids[j+1]; response starts at len(p)
+
+def seq_len_needed(items: list, tokenizer) -> int:
+    """The shortest seq_len_tokens that keeps every example whole (its tokens - 1)."""
+    return max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items))
+
+
+def tokenize_sft(items: list, tokenizer, *, seq_len_tokens: int) -> Batch:
+    """Pairs, conversations (lists of messages) or Examples -> Batch[n, seq_len_tokens]:
+    tokens = ids[:-1], labels = ids[1:] (next token).
+
+    loss_mask is 1.0 where the TARGET is a reply token (end-of-turn included), 0.0 on prompt,
+    template text and padding. Padding is the pad token, else eos (`chat.pad_id`); it is never
+    a target. An example longer than seq_len_tokens + 1 tokens would lose reply tokens: ValueError."""
+    tokens = torch.full((len(items), seq_len_tokens), chat.pad_id(tokenizer), dtype=torch.long)
+    labels, loss_mask = tokens.clone(), torch.zeros(len(items), seq_len_tokens)
+    for i, item in enumerate(items):
+        ex = _example(item, tokenizer, i)
+        n = len(ex.ids) - 1
+        if n > seq_len_tokens:
+            raise ValueError(f"example {i} has {len(ex.ids)} tokens; seq_len_tokens={seq_len_tokens} would "
+                             f"cut its answer; use seq_len_tokens >= {n}")
+        if not any(ex.target[1:]):
+            raise ValueError(f"example {i} has no assistant tokens to train on")
+        tokens[i, :n] = torch.tensor(ex.ids[:-1])
+        labels[i, :n] = torch.tensor(ex.ids[1:])
+        loss_mask[i, :n] = torch.tensor(ex.target[1:], dtype=torch.float32)  # position j predicts ids[j+1]
     return Batch(tokens, labels, loss_mask)
 
 
-def batches(pairs: list[Pair], tokenizer, *, seq_len_tokens: int, global_batch: int,
+def batches(items: list, tokenizer, *, seq_len_tokens: int, global_batch: int,
             seed: int = 0, num_batches: int | None = None) -> Iterator[Batch]:
-    """Global batches of `global_batch` sequences, reshuffled each epoch (deterministic by seed).
+    """Global batches of `global_batch` sequences (items as `tokenize_sft` takes them), reshuffled
+    each epoch (deterministic by seed).
 
     Epochs are one stream: a batch may span the end of one shuffle and the start of the next,
     so no example is dropped. Endless unless num_batches is given."""
-    data = tokenize_sft(pairs, tokenizer, seq_len_tokens=seq_len_tokens)
+    data = tokenize_sft(items, tokenizer, seq_len_tokens=seq_len_tokens)
     order, epoch, made = torch.empty(0, dtype=torch.long), 0, 0
     while num_batches is None or made < num_batches:
         while len(order) < global_batch:
@@ -237,24 +306,22 @@ _SHAPES = ('{"prompt": str, "response": str} or '
            'ending with an assistant message')
 
 
-def render_chat(messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-    """Same text as the tiny tokenizer's chat_template (see models.tiny.CHAT_TEMPLATE)."""
-    marks = {"system": ("", "\n"), "user": (USER, ""), "assistant": (ASSISTANT, EOS)}
-    text = "".join(marks[m["role"]][0] + m["content"] + marks[m["role"]][1] for m in messages)
-    return text + (ASSISTANT if add_generation_prompt else "")
+def render_chat(messages: list[dict], tokenizer=None, *, add_generation_prompt: bool = True) -> str:
+    """`messages` as the tokenizer's chat template writes them (None: the tiny tokenizer's)."""
+    return chat.render(tokenizer or tiny_tokenizer(), messages, add_generation_prompt=add_generation_prompt)
 
 
-def _row_pair(row, where: str) -> Pair:
+def _row_messages(row, where: str) -> list[dict]:
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
-        return render_chat([{"role": "user", "content": row["prompt"]}]), row["response"] + EOS
+        return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        return _messages_pair(row["messages"], where)
+        return _checked_messages(row["messages"], where)
     have = sorted(row) if isinstance(row, dict) else type(row).__name__
     raise ValueError(f"{where}: missing 'prompt'+'response' (strings) or 'messages' (list); "
                      f"the row has {have}; accepted shapes: {_SHAPES}")
 
 
-def _messages_pair(messages: list, where: str) -> Pair:
+def _checked_messages(messages: list, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise ValueError(f"{where}: messages[{j}] needs 'role' in {ROLES} and a string 'content'; "
@@ -262,17 +329,19 @@ def _messages_pair(messages: list, where: str) -> Pair:
     if not messages or messages[-1]["role"] != "assistant":
         raise ValueError(f"{where}: the last message must be the assistant's response; "
                          f"accepted shapes: {_SHAPES}")
-    return render_chat(messages[:-1]), messages[-1]["content"] + EOS
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def load_jsonl(path) -> list[Pair]:
-    """(prompt, response) pairs from a JSONL file, rendered like `ArithmeticTask.pairs`.
+def load_jsonl(path, tokenizer) -> list[Example]:
+    """Conversations from a JSONL file, rendered by `tokenizer`'s chat template and tokenized.
 
-    Rows: {"prompt", "response"} (the prompt is wrapped as one user turn) or {"messages"}
-    (the last assistant message is the response, earlier turns render into the prompt).
-    Blank lines are skipped. Errors name the file and the 1-based line number."""
+    Rows: {"prompt", "response"} (one user turn, one assistant turn) or {"messages"} (every
+    assistant message is trained on; the last message must be the assistant's). Blank lines are
+    skipped. Errors name the file and the 1-based line number, including a row the template
+    refuses (e.g. a system message a template raises on)."""
+    chat.require_template(tokenizer)
     path = pathlib.Path(path)
-    pairs = []
+    examples = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -281,10 +350,11 @@ def load_jsonl(path) -> list[Pair]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        pairs.append(_row_pair(row, where))
-    if not pairs:
+        ids, target = chat.encode(tokenizer, _row_messages(row, where), where=where)
+        examples.append(Example(tuple(ids), tuple(target)))
+    if not examples:
         raise ValueError(f"{path} is empty: no rows; accepted shapes: {_SHAPES}")
-    return pairs
+    return examples
 
 
 # ---- synthetic tokens (parity tests, benchmarks) --------------------------------------------

@@ -130,38 +130,41 @@ def test_jsonl_prompt_response_and_messages(tmp_path, tok):
                                      {"role": "assistant", "content": "Hello."},
                                      {"role": "user", "content": "2+2="},
                                      {"role": "assistant", "content": "4"}]})]
-    pairs = load_jsonl(_write(tmp_path, rows))
-    assert pairs[0] == ("<|user|>1+1=<|assistant|>", "2</s>")
-    assert pairs[1] == ("Be brief.\n<|user|>Hi<|assistant|>Hello.</s><|user|>2+2=<|assistant|>", "4</s>")
+    examples = load_jsonl(_write(tmp_path, rows), tok)
+    assert tok.decode(examples[0].ids) == "<|user|>1+1=<|assistant|>2</s>"
+    assert tok.decode(examples[1].ids) == "Be brief.\n<|user|>Hi<|assistant|>Hello.</s><|user|>2+2=<|assistant|>4</s>"
     messages = json.loads(rows[2])["messages"]
     assert tok.apply_chat_template(messages, tokenize=False) == render_chat(messages, add_generation_prompt=False)
-    batch = tokenize_sft(pairs, tok, seq_len_tokens=64)
-    assert tok.decode(batch.labels[1][batch.loss_mask[1] == 1].tolist()) == "4</s>"
+    batch = tokenize_sft(examples, tok, seq_len_tokens=64)
+    assert tok.decode(batch.labels[0][batch.loss_mask[0] == 1].tolist()) == "2</s>"
+    assert tok.decode(batch.labels[1][batch.loss_mask[1] == 1].tolist()) == "Hello.</s>4</s>"   # every assistant turn
+    pair = tokenize_sft([("<|user|>1+1=<|assistant|>", "2</s>")], tok, seq_len_tokens=64)
+    assert torch.equal(pair.loss_mask[0], batch.loss_mask[0]) and torch.equal(pair.tokens[0], batch.tokens[0])
 
 
-def test_jsonl_malformed_row_names_line(tmp_path):
+def test_jsonl_malformed_row_names_line(tmp_path, tok):
     path = _write(tmp_path, [json.dumps({"prompt": "a", "response": "b"}), '{"prompt": "a", '])
     with pytest.raises(ValueError, match=rf"data.jsonl:2: malformed JSON"):
-        load_jsonl(path)
+        load_jsonl(path, tok)
 
 
-def test_jsonl_missing_key(tmp_path):
+def test_jsonl_missing_key(tmp_path, tok):
     path = _write(tmp_path, [json.dumps({"prompt": "a", "response": "b"}), "",
                              json.dumps({"prompt": "a", "answer": "b"})])
     with pytest.raises(ValueError, match=r"data.jsonl:3: missing 'prompt'\+'response'.*accepted shapes") as e:
-        load_jsonl(path)
+        load_jsonl(path, tok)
     assert "['answer', 'prompt']" in str(e.value)
     bad_role = _write(tmp_path, [json.dumps({"messages": [{"role": "bot", "content": "x"}]})])
     with pytest.raises(ValueError, match=r":1: messages\[0\] needs 'role'"):
-        load_jsonl(bad_role)
+        load_jsonl(bad_role, tok)
     no_answer = _write(tmp_path, [json.dumps({"messages": [{"role": "user", "content": "x"}]})])
     with pytest.raises(ValueError, match="last message must be the assistant"):
-        load_jsonl(no_answer)
+        load_jsonl(no_answer, tok)
 
 
-def test_jsonl_empty(tmp_path):
+def test_jsonl_empty(tmp_path, tok):
     for text in ("", "\n  \n"):
         path = tmp_path / "empty.jsonl"
         path.write_text(text)
         with pytest.raises(ValueError, match="empty"):
-            load_jsonl(path)
+            load_jsonl(path, tok)
