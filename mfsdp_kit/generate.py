@@ -4,7 +4,10 @@ Deliberately plain: each new token re-runs the forward over the whole sequence (
 answers here are a few tokens. With Megatron-FSDP every forward all-gathers parameters, so
 every data-parallel rank must run the same number of forwards: prompts are grouped by length
 in the same order on every rank, each group is padded to a multiple of the DP size, and each
-rank decodes its share. (Fast sampling for RL goes through the HF rollout model instead.)
+rank decodes its share. A row ends at the first of the tokenizer's stop ids (`chat.stop_ids`: eos
+and the template's end-of-turn, e.g. <|im_end|> or <|eot_id|>), and decoding ends once every row
+on every data-parallel rank has ended (one all-reduce of a flag per token). (Fast sampling for RL
+goes through the HF rollout model instead.)
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import engine, runtime
+from . import chat, engine, runtime
 
 
 @torch.no_grad()
@@ -50,13 +53,31 @@ def _my_share(items: list, *, dp_rank: int, dp_size: int) -> tuple[list, int]:
     return padded[dp_rank * per_rank:(dp_rank + 1) * per_rank], real
 
 
+def cut_at_stop(row: list[int], stop_ids) -> list[int]:
+    """`row` up to and including its first stop id (all of it if it has none)."""
+    stops = {stop_ids} if isinstance(stop_ids, int) else set(stop_ids)
+    return next((row[:j + 1] for j, t in enumerate(row) if t in stops), row)
+
+
+def _all_stopped(tokens: torch.Tensor, start: int, stops: torch.Tensor) -> bool:
+    """Has every row of every data-parallel rank produced a stop id since `start`? (All ranks agree.)"""
+    from megatron.core import parallel_state as ps
+    open_rows = (~torch.isin(tokens[:, start:], stops).any(dim=1)).sum().reshape(1).float()
+    dist.all_reduce(open_rows, group=ps.get_data_parallel_group())
+    return open_rows.item() == 0
+
+
 @torch.no_grad()
-def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int) -> dict[int, list[int]]:
-    """Greedy completions (token ids, cut after eos) for THIS rank's share: {prompt index: ids}."""
+def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: int | list[int],
+           vocab_size: int | None = None) -> dict[int, list[int]]:
+    """Greedy completions (token ids, cut after the first stop id) for THIS rank's share:
+    {prompt index: ids}. `stop_ids`: e.g. `chat.stop_ids(tokenizer)`; `vocab_size` keeps argmax
+    off megatron's padded vocabulary rows."""
     from megatron.core import parallel_state as ps
     if ps.get_pipeline_model_parallel_world_size() > 1:
         raise NotImplementedError("greedy decoding with the Megatron model needs pipeline_model_parallel_size=1")
     device = runtime.current().device
+    stops = torch.tensor([stop_ids] if isinstance(stop_ids, int) else list(stop_ids), dtype=torch.long, device=device)
     by_length = defaultdict(list)
     for i, p in enumerate(prompts):
         by_length[len(p)].append(i)
@@ -68,11 +89,13 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int
         share, real = _my_share(by_length[length], dp_rank=ps.get_data_parallel_rank(),
                                 dp_size=ps.get_data_parallel_world_size())
         tokens = torch.tensor([prompts[i] for i in share], device=device)
-        for _ in range(max_new_tokens):  # fixed count: every rank runs the same forwards
-            next_ids = logits(chunks, tokens, last_only=True)[:, -1, :].argmax(dim=-1)
+        for _ in range(max_new_tokens):  # every rank runs the same forwards: all stop together
+            next_ids = logits(chunks, tokens, last_only=True, vocab_size=vocab_size)[:, -1, :].argmax(dim=-1)
             tokens = torch.cat([tokens, next_ids.unsqueeze(1)], dim=1)
+            if _all_stopped(tokens[:real], length, stops):   # padding rows (beyond real) do not count
+                break
         for i, row in zip(share[:real], tokens[:real, length:].tolist()):
-            out[i] = row[:row.index(eos_id) + 1] if eos_id in row else row
+            out[i] = cut_at_stop(row, stop_ids)
     engine.settle_param_gathers(chunks)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
@@ -80,11 +103,13 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int
 
 
 def evaluate(chunks, tokenizer, prompts_answers: list[tuple[str, str]], *, reward_fn,
-             max_new_tokens: int = 8) -> dict:
-    """Held-out accuracy: mean `reward_fn(prompt, completion)` over all prompts (all ranks agree)."""
+             max_new_tokens: int = 8, vocab_size: int | None = None) -> dict:
+    """Held-out accuracy: mean `reward_fn(prompt, completion)` over all prompts (all ranks agree).
+    Completions stop at the tokenizer's eos or its chat template's end-of-turn token."""
     from megatron.core import parallel_state as ps
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in prompts_answers]
-    completions = greedy(chunks, ids, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id)
+    ids = [chat.encode_text(tokenizer, p) for p, _ in prompts_answers]
+    completions = greedy(chunks, ids, max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(tokenizer),
+                         vocab_size=vocab_size)
     score = torch.zeros(2, dtype=torch.float64, device=runtime.current().device)
     samples = []
     for i, row in sorted(completions.items()):
