@@ -6,7 +6,17 @@
    While `megatron.bridge` is imported, placeholder modules stand in for whichever of the two is
    not installed; they are removed from `sys.modules` right after, so nothing imported later
    sees them, and they never shadow a real install. Placeholder classes raise if instantiated.
-2. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
+2. MoE without TE. `megatron/core/transformer/moe/moe_utils.py:24-38` imports TE's MoE kernels
+   in a try block whose `except ImportError` leaves `te_general_gemm` (and the fused_* names)
+   undefined, and :1192 then tests `te_general_gemm is not None`: a NameError in every router
+   forward. The names are defined as None, which is what the code tests for. And the OLMoE
+   bridge (`models/olmoe/olmoe_bridge.py:98-147`) maps only TE's grouped experts
+   (`mlp.experts.linear_fc1.weight<i>`); the SequentialMLP names of the local spec
+   (`mlp.experts.local_experts.<i>.linear_fc1.weight`) get the mappings the Qwen3-MoE bridge has.
+   Exporting those names fails in `param_mapping.py:676` (`int(megatron_param.split(".weight")[-1])`
+   reads the grouped-GEMM suffix, '' for SequentialMLP names): at expert-parallel size 1 the
+   "gather" is the identity, so it is answered without parsing the name.
+3. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
    (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
    by 0.56 at TP=2). The splits are made contiguous first.
 """
@@ -63,7 +73,7 @@ def _triton_placeholder() -> None:
 
 
 @contextlib.contextmanager
-def _placeholders():
+def placeholders():
     """Placeholders for missing TE / triton while the block runs; removed afterwards."""
     # megatron-core probes for TE first, so its HAVE_TE flags stay False.
     import megatron.core.extensions.transformer_engine  # noqa: F401
@@ -86,7 +96,7 @@ def _placeholders():
 def import_bridge():
     """`megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
     if "megatron.bridge" not in sys.modules:
-        with _placeholders() as added:
+        with placeholders() as added:
             import megatron.bridge  # noqa: F401
             import megatron.bridge.models  # noqa: F401
         if added:
@@ -96,18 +106,114 @@ def import_bridge():
                 needed_if=placeholders_still_needed))
     _patch_tp_scatter()
     _cpu_patches()
+    _moe_without_te()
     return sys.modules["megatron.bridge"]
+
+
+MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                "fused_topk_with_score_function", "fused_unpermute", "te_general_gemm")
+"""Names moe_utils imports from TE and leaves undefined without it."""
+
+
+def _moe_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+    if not moe_utils.HAVE_TE and moe_names_still_undefined():
+        for name in MOE_TE_NAMES:
+            setattr(moe_utils, name, None)
+        registry.record(registry.Patch(
+            target="megatron.core.transformer.moe.moe_utils",
+            upstream="megatron/core/transformer/moe/moe_utils.py:24-38,1192 (te_general_gemm undefined without TE)",
+            needed_if=moe_names_still_undefined))
+    _patch_olmoe_sequential_experts()
+    _patch_ep1_export()
+
+
+def _patch_ep1_export() -> None:
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+    original = MegatronParamMapping.gather_from_ep_ranks
+    if hasattr(original, "__wrapped__"):
+        return
+
+    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+        if self.ep_size == 1 and ".local_experts." in self.megatron_param:
+            return {str(hf_param_name): megatron_weights}
+        return original(self, megatron_weights, megatron_module, hf_param_name)
+
+    gather_from_ep_ranks.__wrapped__ = original
+    MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+    registry.record(registry.Patch(
+        target="megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.gather_from_ep_ranks",
+        upstream="megatron/bridge/models/conversion/param_mapping.py:676 (expert id parsed from the "
+                 "grouped-GEMM name suffix)", package="megatron-bridge",
+        needed_if='int(self.megatron_param.split(key)[-1])'))
+
+
+def moe_names_still_undefined() -> bool:
+    """True while moe_utils' `except ImportError` branch does not define te_general_gemm."""
+    from megatron.core.transformer.moe import moe_utils
+    source = inspect.getsource(moe_utils)
+    branch = source[source.index("except ImportError"):source.index("# MOE logging")]
+    return "te_general_gemm" not in branch
+
+
+def _patch_olmoe_sequential_experts() -> None:
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
+    from megatron.bridge.models.olmoe.olmoe_bridge import OlMoEBridge
+    original = OlMoEBridge.mapping_registry
+    if hasattr(original, "__wrapped__"):
+        return
+
+    def mapping_registry(self):
+        mappings = list(original(self).mappings) + [
+            GatedMLPMapping(megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
+                            gate="model.layers.*.mlp.experts.*.gate_proj.weight",
+                            up="model.layers.*.mlp.experts.*.up_proj.weight"),
+            AutoMapping(megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
+                        hf_param="model.layers.*.mlp.experts.*.down_proj.weight")]
+        return MegatronMappingRegistry(*mappings)
+
+    mapping_registry.__wrapped__ = original
+    OlMoEBridge.mapping_registry = mapping_registry
+    registry.record(registry.Patch(
+        target="megatron.bridge.models.olmoe.olmoe_bridge:OlMoEBridge.mapping_registry",
+        upstream="megatron/bridge/models/olmoe/olmoe_bridge.py:98-147 (no SequentialMLP expert mappings)",
+        package="megatron-bridge", needed_if=olmoe_mapping_still_needed))
+
+
+def olmoe_mapping_still_needed() -> bool:
+    """True while the OLMoE bridge maps only TE's grouped expert weights."""
+    from megatron.bridge.models.olmoe.olmoe_bridge import OlMoEBridge
+    fn = OlMoEBridge.mapping_registry
+    return "local_experts" not in inspect.getsource(getattr(fn, "__wrapped__", fn))
 
 
 BRIDGE_CPU_MODULES = {
     "megatron.bridge.models.conversion.param_mapping":
         ("megatron/bridge/models/conversion/param_mapping.py:986-987 (replicated weights moved to "
          "torch.cuda.current_device() at TP > 1)", "torch.cuda.current_device()"),
+    # megatron-core's MoE layer, reached through the Qwen3-MoE and OLMoE bridges:
+    "megatron.core.transformer.moe.token_dispatcher":
+        ("megatron/core/transformer/moe/token_dispatcher.py:445 (alltoall dispatcher creates a "
+         "torch.cuda.Stream at construction)", "torch.cuda.Stream()"),
+    "megatron.core.transformer.moe.router":
+        ("megatron/core/transformer/moe/router.py:90-92,169-198 (router weight and aux-loss tensors on "
+         "torch.cuda.current_device())", "torch.cuda.current_device()"),
+    "megatron.core.transformer.moe.moe_utils":
+        ("megatron/core/transformer/moe/moe_utils.py:998 (aux-loss tracker tensors on device='cuda')",
+         'device="cuda"'),
+    "megatron.core.transformer.moe.shared_experts":
+        ("megatron/core/transformer/moe/shared_experts.py:123 (overlapped shared experts on a torch.cuda.Stream)",
+         "torch.cuda.Stream()"),
+    "megatron.core.transformer.moe.experts":
+        ("megatron/core/transformer/moe/experts.py:184-192 (expert weights on torch.cuda.current_device())",
+         "torch.cuda.current_device()"),
 }
 
 
 def _cpu_patches() -> None:
-    """On a CPU-only build, the bridge modules that assume CUDA get compat.cpu's torch proxy."""
+    """On a CPU-only build, the bridge (and MoE) modules that assume CUDA get compat.cpu's torch proxy."""
     import torch
     from . import cpu
     if torch.cuda.is_available() or any(p.target in BRIDGE_CPU_MODULES for p in cpu.PATCHES):

@@ -27,6 +27,12 @@ FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
 """Fused kernels that need Transformer Engine or Apex; off on the local spec."""
 
+MOE_TE_ONLY = dict(moe_permute_fusion=False, moe_grouped_gemm=False, moe_router_fusion=False)
+"""MoE fusions the Qwen3-MoE and OLMoE bridges switch on that exist only with Transformer Engine:
+`moe_permute_fusion` imports TE's fused_permute (megatron-core 0.16.1 transformer_config.py:1834,
+an ImportError without TE), `moe_grouped_gemm` builds TEGroupedMLP. Off, the experts run as
+megatron's SequentialMLP (one local matmul per expert) with unfused permutation: the same math."""
+
 
 @dataclass
 class HFModel:
@@ -40,6 +46,11 @@ class HFModel:
     @property
     def config(self):
         return engine.unwrap_model(self.chunks[0]).config
+
+    @property
+    def vocab_size(self) -> int:
+        """The HF vocabulary (Megatron's embedding may be padded beyond it; those ids are never real)."""
+        return self.bridge.hf_pretrained.config.vocab_size
 
 
 def supported_architectures() -> list[str]:
@@ -138,20 +149,31 @@ def check_tensors(hf_path) -> None:
                               "The folder's config.json does not describe these weights (or they were saved transposed)")
 
 
-def _layer_spec(cfg: EngineConfig):
-    """Bridge's spec function: TE's when TE is installed, else local (+ SDPA core attention if asked)."""
+def _layer_spec(cfg: EngineConfig, bridge_spec):
+    """The layer spec function: the bridge's own where TE is installed, else local (+ SDPA core
+    attention if asked) with the architecture's own attention module where its bridge has one
+    (OLMoE's QK norm over all heads: `olmoe_provider.OLMoESelfAttention`)."""
     from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
     from megatron.core.extensions.transformer_engine import HAVE_TE
     if HAVE_TE:
-        return transformer_engine_layer_spec
+        return transformer_engine_layer_spec if bridge_spec is None else bridge_spec
+    attention = _local_attention_module(bridge_spec)
 
     def spec(config):
         s = local_layer_spec(config)
+        if attention is not None:
+            s.submodules.self_attention.module = attention
         if cfg.attention_backend == "sdpa":
             from .sdpa import SDPAttention
             s.submodules.self_attention.submodules.core_attention = SDPAttention
         return s
     return spec
+
+
+def _local_attention_module(bridge_spec):
+    """The self-attention class an architecture's bridge spec puts in place of megatron's (or None)."""
+    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
+    return OLMoESelfAttention if bridge_spec is olmoe_layer_spec else None
 
 
 def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
@@ -163,7 +185,7 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     dtype = torch_dtype(cfg.dtype)
     bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=dtype, trust_remote_code=trust_remote_code)
     p = bridge.to_megatron_provider(load_weights=False)
-    p.transformer_layer_spec = _layer_spec(cfg)
+    p.transformer_layer_spec = _layer_spec(cfg, getattr(p, "transformer_layer_spec", None))
     settings = dict(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -174,6 +196,8 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     )
     if not HAVE_TE:
         settings.update(FUSIONS_OFF)
+        if getattr(p, "num_moe_experts", None):
+            settings.update(MOE_TE_ONLY)
     if cfg.recompute != "none":
         settings.update(recompute_granularity=cfg.recompute)
         if cfg.recompute == "full":

@@ -1,0 +1,54 @@
+"""Architectures written by transformers (models.archs) through the kit, on the torchrun world.
+
+`arch_roundtrip`: load -> wrap (DDP | Megatron-FSDP) -> logits vs HF (models.verify) -> export
+exact -> one training step (the loss is finite, the weights move, no padded id reaches the loss)
+-> export after the step has the HF shapes. Rank 0's dict holds every number.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import engine, runtime, sync
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.models import archs, hf as hf_models
+from mfsdp_kit.models.verify import verify
+from mfsdp_kit.train import step
+
+
+def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, vocab_size: int = 256,
+                   overrides: dict | None = None, transformer: dict | None = None, train: bool = True) -> dict:
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, dtype="fp32", seed=3,
+                       override_transformer_config=transformer or {})
+    rt = runtime.init(cfg)
+    src = f"{workdir}/{arch}_v{vocab_size}"
+    if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):
+        archs.write_tiny(arch, src, vocab_size=vocab_size, **(overrides or {}))
+    dist.barrier()
+    model = hf_models.load(src, cfg)
+    v = verify(model)
+    result = dict(wrapper=type(model.chunks[0]).__name__, verify=v.as_dict(),
+                  padded_vocab=model.config.vocab_size if hasattr(model.config, "vocab_size") else None,
+                  megatron_vocab=engine.unwrap_model(model.chunks[0]).vocab_size)
+    from safetensors.torch import load_file
+    original = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            original.update(load_file(f"{src}/{f}"))
+    exported = dict(sync.export_hf_weights(model.chunks, model.bridge))
+    result.update(export_names_match=sorted(exported) == sorted(original),
+                  export_shapes_match=all(exported[k].shape == original[k].shape for k in original if k in exported),
+                  export_maxdiff=max((exported[k].float() - original[k].float()).abs().max().item()
+                                     for k in original if k in exported and exported[k].shape == original[k].shape))
+    if train:
+        opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
+        batch = random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=vocab_size, seed=9)[0]
+        r = step(model.chunks, opt, batch, micro_batch_size=2)
+        trained = dict(sync.export_hf_weights(model.chunks, model.bridge))
+        result.update(loss=r.loss, changed_by_step=sum(not torch.equal(trained[k], original[k]) for k in original),
+                      trained_shapes_match=all(trained[k].shape == original[k].shape for k in original))
+    runtime.shutdown()
+    return result
