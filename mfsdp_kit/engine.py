@@ -77,11 +77,11 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
 def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Wrap built chunks (e.g. after loading weights into them) and attach the schedule hooks."""
     chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
-    _attach_schedule_hooks(chunks)
+    attach_schedule_hooks(chunks)
     return chunks
 
 
-def _attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
+def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
     """The hooks megatron's schedules call, as megatron's training.py sets them."""
     from megatron.core.distributed import finalize_model_grads
     config = unwrap_model(chunks[0]).config

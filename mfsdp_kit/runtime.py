@@ -99,7 +99,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         os.environ.setdefault("MASTER_PORT", "29500")
-        _sockets_on_loopback_if_master_is(os.environ["MASTER_ADDR"])
+        sockets_on_loopback_if_master_is(os.environ["MASTER_ADDR"])
         timeout = timedelta(seconds=timeout_s)
         agent = master_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's
         store = _rendezvous(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
@@ -160,20 +160,20 @@ def _new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout:
     return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 
-def _sockets_on_loopback_if_master_is(master_addr: str) -> None:
+def sockets_on_loopback_if_master_is(master_addr: str) -> None:
     """With a loopback MASTER_ADDR, make gloo (and NCCL's bootstrap) listen on loopback too.
 
     gloo does not use MASTER_ADDR for its own listening sockets: without GLOO_SOCKET_IFNAME it
     binds to the address the hostname resolves to -- on most hosts the LAN address, so a
     "local" world would accept connections from the network. A world whose rendezvous is on
     127.0.0.1 is one machine by construction, so loopback loses nothing. A value the user set wins."""
-    if not _is_loopback(master_addr) or (name := _loopback_interface()) is None:
+    if not is_loopback(master_addr) or (name := loopback_interface()) is None:
         return
     os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
-def _is_loopback(addr: str) -> bool:
+def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:   # a host name: loopback when every address it resolves to is
@@ -184,7 +184,7 @@ def _is_loopback(addr: str) -> bool:
         return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
-def _loopback_interface() -> str | None:
+def loopback_interface() -> str | None:
     """The name of the interface holding 127.0.0.1 ("lo" on Linux, "lo0" on macOS), None if none does."""
     import psutil
     for name, addrs in psutil.net_if_addrs().items():
@@ -214,6 +214,11 @@ def set_seed(seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+def is_initialized() -> bool:
+    """Has `init` run in this process (and `shutdown` not undone it)?"""
+    return _current is not None
 
 
 def current() -> Runtime:

@@ -83,8 +83,8 @@ def test_user_gloo_interface_wins(monkeypatch):
     from mfsdp_kit import runtime
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    runtime._sockets_on_loopback_if_master_is("127.0.0.1")
-    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7" and os.environ["NCCL_SOCKET_IFNAME"] == runtime._loopback_interface()
+    runtime.sockets_on_loopback_if_master_is("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7" and os.environ["NCCL_SOCKET_IFNAME"] == runtime.loopback_interface()
     monkeypatch.delenv("NCCL_SOCKET_IFNAME")
-    runtime._sockets_on_loopback_if_master_is("10.1.2.3")   # a multi-node master: the user's network choice
+    runtime.sockets_on_loopback_if_master_is("10.1.2.3")   # a multi-node master: the user's network choice
     assert "NCCL_SOCKET_IFNAME" not in os.environ

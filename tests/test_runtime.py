@@ -58,7 +58,7 @@ def test_bad_launch_arguments_are_config_errors_before_any_socket(kwargs, field)
 
 def test_loopback_interface_is_found_and_loopback_addresses_are_recognised():
     from mfsdp_kit import runtime
-    name = runtime._loopback_interface()
+    name = runtime.loopback_interface()
     assert name is not None and name in dict(socket.if_nameindex()).values()
-    assert runtime._is_loopback("127.0.0.1") and runtime._is_loopback("localhost") and runtime._is_loopback("::1")
-    assert not runtime._is_loopback("192.0.2.7")
+    assert runtime.is_loopback("127.0.0.1") and runtime.is_loopback("localhost") and runtime.is_loopback("::1")
+    assert not runtime.is_loopback("192.0.2.7")

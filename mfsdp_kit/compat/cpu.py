@@ -193,7 +193,7 @@ TORCH_PROXY = _TorchProxy()
 
 
 # ---------------------------------------------------------------- tensor-method call sites
-def _as_cuda_type(x) -> str:
+def as_cuda_type(x) -> str:
     """`x.type()` as a CUDA build would answer for the same tensor on the GPU."""
     name = x.type()
     if isinstance(x, _torch.Tensor) and x.device.type == "cpu" and name.startswith("torch.") \
@@ -207,7 +207,7 @@ def _stay_on_cpu(x, *args, **kwargs):
 
 
 class _TensorCallRewriter(ast.NodeTransformer):
-    """`x.type()` -> `_as_cuda_type(x)`, `x.cuda(...)` -> `_stay_on_cpu(x, ...)`."""
+    """`x.type()` -> `as_cuda_type(x)`, `x.cuda(...)` -> `_stay_on_cpu(x, ...)`."""
 
     def __init__(self):
         self.count = 0
@@ -218,7 +218,7 @@ class _TensorCallRewriter(ast.NodeTransformer):
         if isinstance(f, ast.Attribute) and not node.keywords and (
                 (f.attr == "type" and not node.args) or f.attr == "cuda"):
             self.count += 1
-            helper = "_as_cuda_type" if f.attr == "type" else "_stay_on_cpu"
+            helper = "as_cuda_type" if f.attr == "type" else "_stay_on_cpu"
             return ast.copy_location(ast.Call(ast.Name(helper, ast.Load()), [f.value, *node.args], []), node)
         return node
 
@@ -247,7 +247,7 @@ def _recompile(module, qualname: str) -> None:
     tree.body = [factory]
     ast.fix_missing_locations(tree)
     ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
-    module._as_cuda_type, module._stay_on_cpu = _as_cuda_type, _stay_on_cpu
+    module.as_cuda_type, module._stay_on_cpu = as_cuda_type, _stay_on_cpu
     namespace: dict = {}
     exec(compile(tree, inspect.getsourcefile(func), "exec"), module.__dict__, namespace)
     new = namespace["_factory"](owner if isinstance(owner, type) else None)

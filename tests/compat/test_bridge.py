@@ -14,7 +14,7 @@ def test_bridge_imports_and_placeholders_are_gone():
 
 
 def test_placeholders_never_shadow_a_real_install():
-    with bridge._placeholders() as added:
+    with bridge.placeholders() as added:
         for name in ("transformer_engine", "triton"):
             real = importlib.util.find_spec(name) is not None if name not in added else False
             assert (name in added) != real or name not in added

@@ -42,7 +42,7 @@ def test_proxy_routes_cuda_to_cpu(patches):
     import megatron.core.utils as mu
     assert mu.torch.cuda.current_device() == torch.device("cpu")
     assert mu.torch.empty(2, device="cuda").device.type == "cpu"
-    assert cpu._as_cuda_type(torch.zeros(1)) == "torch.cuda.FloatTensor"
+    assert cpu.as_cuda_type(torch.zeros(1)) == "torch.cuda.FloatTensor"
 
 
 def test_no_te_placeholder_still_needed():

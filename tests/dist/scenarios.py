@@ -50,7 +50,7 @@ def sync_two_chunks(*, first_only: bool = False) -> dict:
     runtime.init(cfg)
     fn = gpt_model_fn(SPEC, cfg)
     chunks = [engine.wrap_chunk(cfg, engine.build(cfg, fn, wrap=False)[0], index=i) for i in range(2)]
-    engine._attach_schedule_hooks(chunks[:1])
+    engine.attach_schedule_hooks(chunks[:1])
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
     b = random_batches(steps=1, batch=4, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
     step(chunks[:1], opt, b, micro_batch_size=2)
