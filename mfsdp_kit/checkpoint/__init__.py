@@ -1,17 +1,25 @@
-"""Checkpoints: atomic save / load of model, optimizer, scheduler, RNG and data position; `to_hf`.
+"""Checkpoints: atomic save / load of model, optimizer, scheduler, RNG, data position, yours; `to_hf`.
 
     ckpt = CheckpointManager("runs/ckpt", keep_last=3)
     ckpt.save(step, chunks, optimizer, scheduler, extra={"data_position": n})
     info = ckpt.load(chunks, optimizer, scheduler)          # -> meta dict, info["extra"] ...
     info = ckpt.load(chunks, optimizer, scheduler, fallback=True)   # skip damaged checkpoints
 
+    # the same, as torch DCP Stateful components (name -> Stateful), with one of your own:
+    parts = {"model": ModelState(chunks), "optimizer": OptimizerState(chunks, optimizer),
+             "rng": RNGState(), "scheduler": scheduler, "data": loader}  # loader: state_dict/load_state_dict
+    ckpt.save(step, parts);  ckpt.load(parts)
+
 Layout of one checkpoint, `root/step_000010/`: torch DCP files (`*.distcp`, `.metadata`)
-holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors,
-`scheduler.json`, and `meta.json` (written last, by rank 0: step, world size, tp/pp, fsdp,
-kit version, engine config, file list with a crc32 and size per file, `extra`). `root/latest`
-names the newest one.
+holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors (and
+`<name>...` of every other component that holds tensors), `scheduler.json` (`<name>.json` of every
+component without tensors), and `meta.json` (written last, by rank 0: step, world size, tp/pp,
+fsdp, components, kit version, engine config, file list with a crc32 and size per file, `extra`).
+`root/latest` names the newest one.
 
 What the naive DCP save/load gets wrong, and where the kit does it differently:
+- The parts are torch DCP `Stateful`s, but the kit, not DCP, calls their `state_dict` /
+  `load_state_dict`, to check and mark what DCP gets in between: `components`.
 - Megatron-FSDP shards are uneven and ranks hold different optimizer keys: `state`.
 - A failure on one rank leaves the others waiting in a collective until the timeout: every phase
   ends in `collective.agreed`, so every rank raises the same CheckpointError within seconds;
@@ -28,11 +36,13 @@ What the naive DCP save/load gets wrong, and where the kit does it differently:
 Everything the kit adds is pickle-free: meta.json and scheduler.json are JSON, RNG states are
 tensors in DCP.
 """
+from .components import as_components
 from .errors import CheckpointCorruptError, CheckpointError
 from .integrity import read_meta
 from .manager import CheckpointManager, step_dirname
 from .restore import load_dir, to_hf
+from .state import ModelState, OptimizerState, RNGState
 from .trust import check_trusted
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointManager", "check_trusted", "load_dir",
-           "read_meta", "step_dirname", "to_hf"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointManager", "ModelState", "OptimizerState",
+           "RNGState", "as_components", "check_trusted", "load_dir", "read_meta", "step_dirname", "to_hf"]

@@ -103,11 +103,12 @@ def verify(path, meta: dict, *, rank: int = 0, world: int = 1) -> None:
                                          f"its bytes changed since the save; checkpoint {path} is damaged")
 
 
-def check_fit(path, metadata, state: dict, *, model_prefix: str = "model.") -> None:
+def check_fit(path, metadata, state: dict, *, model_prefix: str | tuple = "model.") -> None:
     """Raise before any tensor is read when `state` and the checkpoint disagree on names or shapes.
 
     missing: asked for, not in the checkpoint. unexpected: in the checkpoint under `model_prefix`
-    (the model's own namespace), not asked for: the naive load drops them silently. mismatched:
+    (the model's own namespace; a tuple of prefixes for several), not asked for: the naive load
+    drops them silently. mismatched:
     both have it, global shapes differ (or one holds a tensor, the other a non-tensor value).
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict

@@ -4,14 +4,15 @@ A save runs in phases, each ending in `collective.agreed`: a failure on any rank
 CheckpointError on every rank at once, and rank 0 then removes `.tmp-step_X` (the probe file
 never outlives its check), so a failed save leaves nothing behind and the next one starts clean.
 
-1. every rank: `extra` must be JSON (it goes into meta.json) - checked before anything is written.
+1. every rank: `extra` must be JSON (it goes into meta.json), the components' names are allowed,
+   and every rank passes the same names - checked before anything is written.
 2. rank 0: the root is writable (a probe file), the step is new, a stale `.tmp-step_X` goes.
-3. every rank: build the state to save (`state.build_state`).
+3. every rank: each component's state dict (`components.collect`), uneven shards marked.
 4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
    end and 5 run in `wait()`); each rank then hashes the files it wrote (`integrity`).
-5. rank 0 commits: scheduler.json, checksums of the other files, meta.json (last), group/other
-   write bits dropped, fsync, rename to `step_X`, then `latest` (written aside, `os.replace`d).
-   A commit that fails before `latest` moved is rolled back.
+5. rank 0 commits: `<name>.json` of the JSON components (scheduler.json), checksums of the other
+   files, meta.json (last), group/other write bits dropped, fsync, rename to `step_X`, then
+   `latest` (written aside, `os.replace`d). A commit that fails before `latest` moved is rolled back.
 
 A load resolves the step (following `latest` only after `trust.check_path` accepted it; all ranks
 must resolve the same step), then `restore.load_dir`. With `fallback=True` a checkpoint whose
@@ -31,12 +32,12 @@ from pathlib import Path
 import torch
 
 from . import collective, integrity, restore, state, storage, trust
+from . import components as parts
 from .collective import agreed
 from .errors import CheckpointCorruptError, CheckpointError
 
 log = logging.getLogger(__name__)
 
-SCHEDULER = restore.SCHEDULER
 LATEST = "latest"
 FORMAT_VERSION = 2
 """1: no checksums. 2: meta.json's `checksums` ({file: {bytes, crc32}})."""
@@ -123,42 +124,57 @@ class CheckpointManager:
         return self.root / step_dirname(step)
 
     # ---- save
-    def save(self, step: int, chunks, optimizer=None, scheduler=None, extra: dict | None = None,
+    def save(self, step: int, components, optimizer=None, scheduler=None, extra: dict | None = None,
              *, hf_source: str | None = None) -> Path:
         """Write checkpoint `step` (collective); returns its final directory.
 
-        With `async_save=True` the tensors are written in the background and the commit
-        (meta.json, rename, `latest`) happens in `wait()`, which the next save and `load` call.
+        `components`: a dict of name -> Stateful ({"model": ModelState(chunks), "optimizer":
+        OptimizerState(chunks, opt), "rng": RNGState(), "scheduler": sched, ...yours}), or the
+        model chunks, with `optimizer` and `scheduler` (the same dict, built for you: RNG included).
+        `extra`: JSON values for meta.json (the data position, say). With `async_save=True` the
+        tensors are written in the background and the commit (meta.json, rename, `latest`)
+        happens in `wait()`, which the next save and `load` call.
         """
         self.wait()
         start = time.perf_counter()
+        components = parts.as_components(components, optimizer, scheduler)
         extra = dict(extra or {})
         tmp, final = self.root / f".tmp-{step_dirname(step)}", self.path(step)
-        with agreed("saving checkpoint", final):
+        with agreed("saving checkpoint", final) as mine:
             check_json(extra)
+            parts.check(components)
+            mine.value = list(components)
+        if any(v != mine.values[0] for v in mine.values):
+            raise CheckpointError(f"ranks passed different components to save {final}: "
+                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         with agreed("preparing checkpoint", final):
             verdict = self._prepare(tmp, final) if collective.rank() == 0 else None
             if verdict:
                 raise CheckpointError(verdict)
         try:
-            future = self._write(chunks, optimizer, tmp, start)
+            future, as_json, formats = self._write(components, tmp, start)
         except CheckpointError:
             self._discard(tmp)
             raise
-        meta = self._meta(step, chunks, extra, hf_source)
-        sched = scheduler.state_dict() if scheduler is not None else None
-        self._pending = (future, tmp, final, meta, sched, start)
+        meta = self._meta(step, components, formats, extra, hf_source)
+        self._pending = (future, tmp, final, meta, as_json, start)
         self.last_blocking_s = time.perf_counter() - start
         if future is None:
             self.wait()
         return final
 
-    def _write(self, chunks, optimizer, tmp: Path, start: float):
-        """Phases 3-4: build the state and hand it to DCP; the async future or None."""
+    def _write(self, components: dict, tmp: Path, start: float):
+        """Phases 3-4: collect the states and hand the tensors to DCP; (async future or None, the
+        JSON components' states, {name: format})."""
         phases = self.last_save_phases_s = {}
-        with agreed("building the state of checkpoint", tmp):
-            fsdp = state.is_fsdp(chunks)
-            to_save = state.build_state(chunks, optimizer, fsdp=fsdp, layout=state.layout(), is_loading=False)[0]
+        with agreed("building the state of checkpoint", tmp) as mine:
+            to_save, as_json = parts.collect(components, loading=False)
+            state.mark_uneven_shards(to_save)
+            mine.value = parts.formats(to_save, as_json)
+        formats = mine.values[0]
+        if any(v != formats for v in mine.values):  # a component with tensors on one rank only
+            raise CheckpointError(f"ranks disagree on where the components of {tmp} go (DCP or JSON): "
+                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         phases["state"] = time.perf_counter() - start
         with agreed("writing checkpoint", tmp):
             if self.async_save:
@@ -166,15 +182,19 @@ class CheckpointManager:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the host copies are complete before training goes on
                 phases["stage"] = time.perf_counter() - start - phases["state"]
-            return storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
-                                 process_group=collective.gloo_group() if self.async_save else None)
+            future = storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
+                                   process_group=collective.gloo_group() if self.async_save else None)
+        return future, as_json, formats
 
-    def _meta(self, step: int, chunks, extra: dict, hf_source) -> dict:
+    def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
+        """meta.json's fields; `fsdp` and `num_chunks` describe the model component (`components.model`)."""
         from .. import runtime
         layout = state.layout()
+        model = parts.model(components)
         cfg = runtime.current_config() if runtime._current is not None else None
         return dict(format=FORMAT_VERSION, step=step, world_size=layout["world_size"], tp=layout["tp"],
-                    pp=layout["pp"], fsdp=state.is_fsdp(chunks), num_chunks=len(chunks), kit_version=_kit_version(),
+                    pp=layout["pp"], fsdp=bool(model and model.fsdp), num_chunks=len(model.chunks) if model else 0,
+                    components=formats, kit_version=_kit_version(),
                     engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),
                     hf_source=hf_source or extra.get("hf_source") or self.hf_source, extra=extra,
                     time_to_write_s=None)
@@ -206,7 +226,7 @@ class CheckpointManager:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
         if self._pending is None:
             return None
-        future, tmp, final, meta, sched, start = self._pending
+        future, tmp, final, meta, as_json, start = self._pending
         self._pending = None
         try:
             with agreed("writing checkpoint", tmp) as mine:
@@ -220,7 +240,7 @@ class CheckpointManager:
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
             with agreed("committing checkpoint", final):
                 if collective.rank() == 0:
-                    self._commit(tmp, final, meta, sched, sums, start)
+                    self._commit(tmp, final, meta, as_json, sums, start)
         except CheckpointError:
             self._discard(tmp)
             raise
@@ -228,11 +248,11 @@ class CheckpointManager:
         self.last_save_phases_s["commit"] = self.last_save_s - (written - start)
         return final
 
-    def _commit(self, tmp: Path, final: Path, meta: dict, sched, sums: dict, start: float) -> None:
-        """Rank 0: scheduler.json, checksums, meta.json (last), rename, move `latest`, prune."""
+    def _commit(self, tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, start: float) -> None:
+        """Rank 0: `<name>.json` per JSON component, checksums, meta.json (last), rename, move `latest`, prune."""
         try:
-            if sched is not None:
-                storage.write_json(tmp / SCHEDULER, sched)
+            for name, value in as_json.items():
+                storage.write_json(tmp / f"{name}.json", value)
             names = sorted(p.name for p in tmp.iterdir())
             sums.update(integrity.checksums(tmp, [n for n in names if n not in sums]))
             meta.update(files=names, checksums={n: sums[n] for n in names},
@@ -268,15 +288,18 @@ class CheckpointManager:
                 shutil.rmtree(self.path(s), ignore_errors=True)
 
     # ---- load
-    def load(self, chunks, optimizer=None, scheduler=None, *, step: int | str = "latest",
+    def load(self, components, optimizer=None, scheduler=None, *, step: int | str = "latest",
              trust_checkpoint: bool = False, restore_rng: bool = True, fallback: bool = False) -> dict:
-        """Load checkpoint `step` ("latest" or an int) into the chunks/optimizer/scheduler; return meta.
+        """Load checkpoint `step` ("latest" or an int) into `components`; return meta.json's dict.
 
+        `components` as in `save` (a dict of name -> Stateful, or the model chunks with `optimizer`
+        and `scheduler`); each is loaded with its `load_state_dict`, in the dict's order.
         Collective. Checked before any tensor is read: trust (`trust_checkpoint=True` skips the
         ownership/mode check, never the safe unpickler), checksums, names and shapes. With
         `fallback=True` a damaged checkpoint is skipped for the next older intact one (a warning;
         meta["fallback_from"] lists what was skipped and why). The RNG states are restored when the
-        checkpoint has this job's TP/PP layout; optimizer state needs the saved wrapper and world size.
+        checkpoint has this job's TP/PP layout (meta["rng_restored"]); optimizer state needs the
+        saved wrapper and world size. meta["restored"] names the components loaded.
         """
         self.wait()
         start = time.perf_counter()
@@ -288,7 +311,7 @@ class CheckpointManager:
         skipped = []
         for s in mine.values[0]:
             try:
-                meta = restore.load_dir(self.path(s), chunks, optimizer, scheduler, trust_checkpoint=trust_checkpoint,
+                meta = restore.load_dir(self.path(s), components, optimizer, scheduler, trust_checkpoint=trust_checkpoint,
                                         restore_rng=restore_rng, root=self.root)
             except CheckpointCorruptError as e:
                 if not fallback:

@@ -1,28 +1,27 @@
 """Reading one checkpoint directory back: into a running job (`load_dir`) or into an HF folder (`to_hf`).
 
-`load_dir` runs four phases, each ending in `collective.agreed` (a failure anywhere raises the
+`load_dir` runs in phases, each ending in `collective.agreed` (a failure anywhere raises the
 same CheckpointError everywhere):
 1. checks that need no model (`checked`): meta.json, listed files, trust, checksums (each rank
-   its share), the DCP metadata through the allow-list unpickler, scheduler.json;
-2. the job's layout against the saved one (optimizer state needs the same wrapper and world size);
-3. the state to load into (`state.build_state`), then `integrity.check_fit` against the DCP
-   metadata - names and shapes - still before any tensor is read;
-4. the DCP read (`storage.read`), then the optimizer, Megatron-FSDP's compute weights, RNG, scheduler.
+   its share), the DCP metadata through the allow-list unpickler;
+2. the job's layout against the saved one, through each component's `accepts` (optimizer state
+   needs the same wrapper and world size; RNG the same TP/PP layout, else it is skipped);
+3. the state to load into (`components.collect`: each component's state dict; JSON components
+   from `<name>.json`), then `integrity.check_fit` against the DCP metadata - names and shapes -
+   still before any tensor is read;
+4. the DCP read (`storage.read`), then each component's `load_state_dict`, in the dict's order
+   (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
 """
 from __future__ import annotations
 
 import json
-import logging
-import warnings
 from pathlib import Path
 
 from . import collective, integrity, state, storage, trust
+from . import components as parts
 from .collective import agreed
 from .errors import CheckpointCorruptError, CheckpointError
 
-log = logging.getLogger(__name__)
-
-SCHEDULER = "scheduler.json"
 DCP_METADATA = ".metadata"
 
 
@@ -42,79 +41,44 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
     return meta, trust.load_metadata(path / DCP_METADATA)
 
 
-def _scheduler_state(path: Path) -> dict:
-    sched_file = path / SCHEDULER
-    if not sched_file.is_file():
-        raise CheckpointError(f"{path} has no {SCHEDULER}, but a scheduler was passed to load")
+def json_state(path: Path, name: str) -> dict:
+    """The state of a JSON component, `<name>.json` (`scheduler.json` for the scheduler)."""
+    file = path / f"{name}.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no {file.name}, but a component {name!r} was passed to load")
     try:
-        return json.loads(sched_file.read_text())
+        return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{sched_file} is corrupt ({e})") from e
+        raise CheckpointCorruptError(f"{file} is corrupt ({e})") from e
 
 
-def _model_prefix(fsdp: bool, layout: dict) -> str:
-    """The DCP key prefix of this rank's model tensors (what `check_fit` calls unexpected under)."""
-    mp = layout["tp"] * layout["pp"] > 1 and not fsdp
-    return f"model.mp_{state.rng_key(layout)}." if mp else "model."
-
-
-def _compatible(path: Path, meta: dict, optimizer, fsdp: bool, layout: dict, restore_rng: bool) -> bool:
-    """Raise when the optimizer state cannot load here; return whether the RNG states will."""
-    if optimizer is not None and (meta["fsdp"] != fsdp or meta["world_size"] != layout["world_size"]):
-        raise CheckpointError(
-            f"{path}: optimizer state was saved with fsdp={meta['fsdp']}, world_size={meta['world_size']}; this "
-            f"job has fsdp={fsdp}, world_size={layout['world_size']}. Load the model weights only (optimizer=None)")
-    same_mp = meta.get("tp") == layout["tp"] and meta.get("pp") == layout["pp"]
-    if restore_rng and not same_mp:
-        msg = (f"{path} was saved with tp={meta.get('tp')}, pp={meta.get('pp')}; this job has tp={layout['tp']}, "
-               f"pp={layout['pp']}: RNG states are NOT restored (fresh RNG streams)")
-        warnings.warn(msg)
-        log.warning(msg)
-    return restore_rng and same_mp
-
-
-def load_dir(path, chunks, optimizer=None, scheduler=None, *, trust_checkpoint: bool = False,
+def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoint: bool = False,
              restore_rng: bool = True, root=None) -> dict:
-    """Load one checkpoint directory (collective); see `CheckpointManager.load` and the module docstring."""
+    """Load one checkpoint directory into `components` (a dict of name -> Stateful, or model chunks
+    with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
+    `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
+    `rng_restored` and `restored` (the component names loaded)."""
     path = Path(path)
+    components = parts.as_components(components, optimizer, scheduler, rng=restore_rng)
     with agreed("checking checkpoint", path):
+        parts.check(components)
         meta, metadata = checked(path, trust_checkpoint, root=root, rank=collective.rank(), world=collective.world())
-        sched_state = _scheduler_state(path) if scheduler is not None else None
     with agreed("checking the layout for checkpoint", path):
-        fsdp, layout = state.is_fsdp(chunks), state.layout()
-        with_rng = _compatible(path, meta, optimizer, fsdp, layout, restore_rng)
+        active = parts.accepted(components, meta, path, restore_rng=restore_rng)
     with agreed("matching the model to checkpoint", path):
-        into, padded = state.build_state(chunks, optimizer, fsdp=fsdp, layout=layout, is_loading=True,
-                                         with_rng=with_rng)
-        integrity.check_fit(path, metadata, into, model_prefix=_model_prefix(fsdp, layout))
+        into, from_json = parts.collect(active, loading=True)
+        state.mark_uneven_shards(into)
+        from_json = {name: json_state(path, name) for name in from_json}
+        integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active))
     with agreed("loading checkpoint", path):
-        storage.read(into, path)
+        if into:
+            storage.read(into, path)
     with agreed("restoring checkpoint", path):
-        _install(into, padded, chunks, optimizer, fsdp=fsdp)
-        if with_rng:
-            state.set_rng_state(into["rng"][state.rng_key(layout)])
-        if scheduler is not None:
-            scheduler.load_state_dict(sched_state)
-    meta["rng_restored"] = with_rng
+        for name, comp in active.items():
+            comp.load_state_dict(into[name] if name in into else from_json[name])
+    meta["rng_restored"] = any(isinstance(c, state.RNGState) for c in active.values())
+    meta["restored"] = list(active)
     return meta
-
-
-def _install(loaded: dict, padded: list, chunks, optimizer, *, fsdp: bool) -> None:
-    """After the DCP read: FSDP optimizer state in, and the main weights copied to the compute weights.
-
-    DDP's optimizer tensors were loaded in place. Megatron-FSDP needs `optimizer.load_state_dict`
-    (without the padded keys) and `install_optimized_model_weights()`: without it the next
-    forward still uses the old compute weights (Megatron-Bridge #3397).
-    """
-    if optimizer is not None and fsdp:
-        for key in padded:
-            del loaded["optimizer"]["state"][key]
-        optimizer.load_state_dict(loaded["optimizer"])
-    if fsdp:
-        from ..engine import is_fsdp
-        for chunk in chunks:
-            if is_fsdp(chunk):
-                chunk.module.install_optimized_model_weights()
 
 
 # ---------------------------------------------------------------- to Hugging Face
@@ -155,7 +119,7 @@ def to_hf(checkpoint_dir, out_dir, hf_source=None, *, trust_checkpoint: bool = F
         if meta.get("num_chunks", 1) != len(chunks):
             raise CheckpointError(f"{checkpoint_dir} holds {meta.get('num_chunks')} model chunks; "
                                   f"the rebuilt model has {len(chunks)} (layout {state.layout()})")
-        into = {"model": state.model_state(chunks, fsdp=False, mp_prefix="")}
+        into = {"model": state.ModelState(chunks).state_dict()}
         integrity.check_fit(checkpoint_dir, metadata, into)
         with agreed("loading checkpoint", checkpoint_dir):  # one rank: wraps DCP's CheckpointException
             storage.read(into, checkpoint_dir)

@@ -1,41 +1,60 @@
-"""What goes into DCP: the nested dict of model, optimizer and RNG tensors, per wrapper.
+"""What goes into DCP, as torch.distributed.checkpoint `Stateful` objects: model, optimizer, RNG.
 
-`build_state` is used for both directions: a save hands DCP the live tensors to write, a load
-hands it the same dict (built from a fresh model) to write into in place. Keys, in DCP's
-flattened form: `model.<chunk>.<name>`, `optimizer.state.<param>.<name>` (Megatron-FSDP) or
-`optimizer.rank<r>.<i>.<g>.<j>.<name>` (DDP), `rng.pp<p>_tp<t>.<name>`.
+A checkpoint is a dict of name -> Stateful (`components`, as torchtitan's CheckpointManager takes
+it): `{"model": ModelState(chunks), "optimizer": OptimizerState(chunks, opt), "rng": RNGState(),
+"scheduler": scheduler}`. Each `state_dict()` is used in both directions: a save hands DCP the live
+tensors to write, a load hands it the same dict (built from a fresh model) to write into in place,
+then calls `load_state_dict`. Keys, in DCP's flattened form: `model.<chunk>.<name>`,
+`optimizer.state.<param>.<name>` (Megatron-FSDP) or `optimizer.rank<r>.<i>.<g>.<j>.<name>` (DDP),
+`rng.pp<p>_tp<t>.<name>`.
 
-What is saved, per wrapper:
+What the naive `Stateful` (a module's `state_dict()`, an optimizer's `state_dict()`) gets wrong here:
 - Megatron-FSDP: `chunk.state_dict_for_save_checkpoint()` (DTensor shards) and the optimizer's
   `sharded_state_dict(..., distrib_optim_sharding_type="fsdp_dtensor")`. The naive DCP save of
   those deadlocks or loads wrong values: shards are uneven, and ranks hold optimizer state for
   different parameters. So every rank pads the optimizer keys it lacks with empty-local DTensors
-  and sorts them (same keys, same order on every rank), and Megatron-FSDP's
-  `preprocess_state_dict_for_uneven_dtensor` records each shard's true offset. After the load the
-  padded entries go, `optimizer.load_state_dict` runs, and `install_optimized_model_weights()`
-  copies the loaded main weights into the compute weights (without it the next forward uses the
-  old weights: Megatron-Bridge #3397). Model tensors are reshardable (other DP sizes, 1 rank,
-  into plain tensors for `to_hf`); optimizer state needs the same layout.
+  and sorts them (same keys, same order on every rank), and `mark_uneven_shards` records each
+  shard's true offset. A load asks the optimizer for its state with `is_loading=True` (which
+  creates Adam state by taking a zero-gradient step: `state_dict_for_load`, never used by a save);
+  after the read the padded entries go, `optimizer.load_state_dict` runs, and
+  `install_optimized_model_weights()` copies the loaded main weights into the compute weights
+  (without it the next forward uses the old weights: Megatron-Bridge #3397). Model tensors are
+  reshardable (other DP sizes, 1 rank, into plain tensors for `to_hf`); optimizer state needs the
+  same layout (`OptimizerState.accepts` says so before anything is read).
 - DDP: not megatron's `dist_checkpointing` but plain torch DCP. Model tensors are replicated,
   keyed by their unwrapped names (DCP writes each once), so they reshard to any DP size and
   load into FSDP chunks. Optimizer state is per rank (`optimizer.rank<r>.*`: each inner torch
   optimizer's params and Adam state): exact, but only for the same world size and layout.
 - RNG (torch CPU, CUDA when present, megatron's RNG tracker) keyed by (pp_rank, tp_rank);
   data-parallel ranks of one model-parallel rank share it (the kit seeds them alike). A
-  checkpoint from another TP/PP layout skips the RNG restore and says so (a warning).
+  checkpoint from another TP/PP layout skips the RNG restore and says so (`RNGState.accepts`).
+
+Optional methods the manager uses when a component has them (a plain `Stateful` needs none):
+`state_dict_for_load()` (the dict to read into, when it differs from what a save writes),
+`accepts(meta, path) -> bool` (raise when the checkpoint cannot load into it, False to skip it),
+`strict_prefix()` (checkpoint keys under `<name>.<prefix>` must all be asked for: the naive load
+drops the ones the model lacks), and the attribute `checkpoint_format` ("dcp" or "json").
 """
 from __future__ import annotations
+
+import logging
+import warnings
 
 import torch
 import torch.distributed as dist
 
+from .. import introspect
 from . import collective
 from .errors import CheckpointError
 
+log = logging.getLogger(__name__)
+
 
 def layout() -> dict:
-    """This job's world size and model-parallel layout (megatron's parallel_state must be up)."""
+    """This job's world size and model-parallel layout (tp = pp = 1 before megatron's parallel_state is up)."""
     from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return dict(world_size=collective.world(), tp=1, pp=1, tp_rank=0, pp_rank=0)
     return dict(world_size=collective.world(), tp=ps.get_tensor_model_parallel_world_size(),
                 pp=ps.get_pipeline_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
                 pp_rank=ps.get_pipeline_model_parallel_rank())
@@ -49,11 +68,11 @@ def canonical(name: str) -> str:
 
 
 def is_fsdp(chunks) -> bool:
-    from ..engine import is_fsdp
-    return any(is_fsdp(c) for c in chunks)
+    """Does any chunk use Megatron-FSDP (then the whole checkpoint is in its layout)?"""
+    return any(introspect.is_fsdp(c) for c in chunks)
 
 
-def model_state(chunks, *, fsdp: bool, mp_prefix: str) -> dict:
+def model_state(chunks, *, mp_prefix: str = "") -> dict:
     """{chunk index: {canonical name: tensor}}: FSDP DTensor shards or DDP's full tensors.
 
     The values are the live parameter tensors (or DTensor views of them), so a DCP load
@@ -68,7 +87,7 @@ def model_state(chunks, *, fsdp: bool, mp_prefix: str) -> dict:
     return out
 
 
-def _fsdp_optimizer_state(chunks, optimizer, model: dict, *, is_loading: bool) -> tuple[dict, list]:
+def fsdp_optimizer_state(chunks, optimizer, *, is_loading: bool) -> tuple[dict, list]:
     """The fsdp_dtensor optimizer state, padded so every rank has the same keys; (state, padded keys)."""
     from torch.distributed.tensor import DTensor
     msd = {}
@@ -83,7 +102,7 @@ def _fsdp_optimizer_state(chunks, optimizer, model: dict, *, is_loading: bool) -
     for per_rank in everyone:
         for k, names in per_rank.items():
             wanted.setdefault(k, set()).update(names)
-    by_canonical = {k: v for part in model.values() for k, v in part.items()}
+    by_canonical = {k: v for part in model_state(chunks, mp_prefix="").values() for k, v in part.items()}
     padded = []
     for key, names in wanted.items():
         if key in state:
@@ -99,18 +118,14 @@ def _fsdp_optimizer_state(chunks, optimizer, model: dict, *, is_loading: bool) -
     return osd, padded
 
 
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _ddp_optimizer_state(optimizer) -> dict:
+def ddp_optimizer_state(optimizer) -> dict:
     """This rank's optimizer tensors: each inner torch optimizer's params and Adam state.
 
     Adam state is created first when absent (zeros and step 0 are what Adam would start from),
     so a fresh optimizer offers the same keys to load into.
     """
     out = {}
-    for i, opt in enumerate(_inner_optimizers(optimizer)):
+    for i, opt in enumerate(introspect.inner_optimizers(optimizer)):
         torch_opt = opt.optimizer
         for g, group in enumerate(torch_opt.param_groups):
             for j, p in enumerate(group["params"]):
@@ -148,25 +163,6 @@ def set_rng_state(states: dict) -> None:
         get_cuda_rng_tracker().set_states(tracker)
 
 
-def build_state(chunks, optimizer, *, fsdp: bool, layout: dict, is_loading: bool, with_rng: bool = True):
-    """The dict handed to DCP, and the padded optimizer keys to drop after a load."""
-    mp = layout["tp"] * layout["pp"] > 1 and not fsdp
-    mp_prefix = f"mp_{rng_key(layout)}." if mp else ""  # DDP with TP/PP: shards differ by model-parallel rank
-    model = model_state(chunks, fsdp=fsdp, mp_prefix=mp_prefix)
-    state: dict = {"model": model}
-    padded: list = []
-    if optimizer is not None:
-        if fsdp:
-            state["optimizer"], padded = _fsdp_optimizer_state(chunks, optimizer, model, is_loading=is_loading)
-        else:
-            state["optimizer"] = {f"rank{collective.rank()}": _ddp_optimizer_state(optimizer)}
-    if with_rng:
-        state["rng"] = {rng_key(layout): rng_state()}
-    if fsdp:
-        _mark_uneven_shards(state)
-    return state, padded
-
-
 def dtensors(state, prefix: str = "") -> list:
     from torch.distributed.tensor import DTensor
     if isinstance(state, dict):
@@ -174,7 +170,7 @@ def dtensors(state, prefix: str = "") -> list:
     return [(prefix[:-1], state)] if isinstance(state, DTensor) else []
 
 
-def _mark_uneven_shards(state: dict) -> None:
+def mark_uneven_shards(state: dict) -> None:
     """Record each DTensor shard's true offset for DCP (Megatron-FSDP shards are uneven).
 
     Megatron-FSDP's `preprocess_state_dict_for_uneven_dtensor` does this with one
@@ -220,3 +216,123 @@ def _attach_chunk(t, chunk) -> None:
     t._local_tensor.__create_write_items__ = write_items
 
 
+
+
+def mp_prefix(chunks) -> str:
+    """`mp_pp<p>_tp<t>.` for DDP with TP/PP > 1 (its shards differ by model-parallel rank), else ''."""
+    lay = layout()
+    return f"mp_{rng_key(lay)}." if lay["tp"] * lay["pp"] > 1 and not is_fsdp(chunks) else ""
+
+
+def install_compute_weights(chunks) -> None:
+    """Megatron-FSDP: copy the (loaded) main weights into the compute weights; a no-op for DDP."""
+    for chunk in chunks:
+        if introspect.is_fsdp(chunk):
+            chunk.module.install_optimized_model_weights()
+
+
+def copy_into(live: dict, loaded: dict) -> None:
+    """Copy `loaded` into `live` where it holds other tensors (DCP reads in place: then nothing is copied)."""
+    for k, v in loaded.items():
+        if isinstance(v, dict):
+            copy_into(live[k], v)
+        elif torch.is_tensor(v) and v is not live[k]:
+            with torch.no_grad():
+                live[k].copy_(v)
+
+
+# ---------------------------------------------------------------- the Stateful components
+class ModelState:
+    """The model chunks' tensors: Megatron-FSDP DTensor shards or DDP's full tensors, `{chunk: {name: t}}`."""
+    checkpoint_format = "dcp"
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+        self.handed: dict | None = None  # the last state_dict(): DCP reads into its tensors
+
+    @property
+    def fsdp(self) -> bool:
+        return is_fsdp(self.chunks)
+
+    def state_dict(self) -> dict:
+        """The live parameter tensors (or DTensor views of them): a DCP load writes into them."""
+        self.handed = model_state(self.chunks, mp_prefix=mp_prefix(self.chunks))
+        return self.handed
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        copy_into(self.handed or self.state_dict(), state_dict)
+        install_compute_weights(self.chunks)
+
+    def strict_prefix(self) -> str:
+        return mp_prefix(self.chunks)
+
+
+class OptimizerState:
+    """Megatron's optimizer: the fsdp_dtensor layout with padded keys, or DDP's per-rank tensors."""
+    checkpoint_format = "dcp"
+
+    def __init__(self, chunks, optimizer):
+        self.chunks, self.optimizer = list(chunks), optimizer
+        self.padded: list = []
+        """The keys the last FSDP `state_dict` padded (this rank holds no state for them)."""
+        self.handed: dict | None = None
+
+    @property
+    def fsdp(self) -> bool:
+        return is_fsdp(self.chunks)
+
+    def state_dict(self) -> dict:
+        return self._state(is_loading=False)
+
+    def state_dict_for_load(self) -> dict:
+        """Like `state_dict`, but a fresh Megatron-FSDP optimizer first creates its Adam state
+        (megatron takes a zero-gradient step), so the keys to read into exist."""
+        return self._state(is_loading=True)
+
+    def _state(self, *, is_loading: bool) -> dict:
+        if self.fsdp:
+            self.handed, self.padded = fsdp_optimizer_state(self.chunks, self.optimizer, is_loading=is_loading)
+        else:
+            self.handed = {f"rank{collective.rank()}": ddp_optimizer_state(self.optimizer)}
+        return self.handed
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """FSDP: the padded entries go, then `optimizer.load_state_dict` and the compute weights are
+        refreshed from the main weights. DDP: DCP read in place (else copied)."""
+        if not self.fsdp:
+            copy_into(self.handed or self._state(is_loading=False), state_dict)
+            return
+        state_dict = dict(state_dict, state={k: v for k, v in state_dict["state"].items() if k not in self.padded})
+        self.optimizer.load_state_dict(state_dict)
+        install_compute_weights(self.chunks)
+
+    def accepts(self, meta: dict, path) -> bool:
+        """Optimizer state loads only into the wrapper and world size it was saved with."""
+        world = collective.world()
+        if meta["fsdp"] != self.fsdp or meta["world_size"] != world:
+            raise CheckpointError(
+                f"{path}: optimizer state was saved with fsdp={meta['fsdp']}, world_size={meta['world_size']}; this "
+                f"job has fsdp={self.fsdp}, world_size={world}. Load the model weights only (optimizer=None)")
+        return True
+
+
+class RNGState:
+    """torch CPU / CUDA and megatron's RNG tracker states, keyed by this rank's (pp, tp) position."""
+    checkpoint_format = "dcp"
+
+    def state_dict(self) -> dict:
+        return {rng_key(layout()): rng_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_rng_state(state_dict[rng_key(layout())])
+
+    def accepts(self, meta: dict, path) -> bool:
+        """False (a warning: fresh RNG streams) for a checkpoint of another TP/PP layout."""
+        lay = layout()
+        if meta.get("tp") == lay["tp"] and meta.get("pp") == lay["pp"]:
+            return True
+        msg = (f"{path} was saved with tp={meta.get('tp')}, pp={meta.get('pp')}; this job has tp={lay['tp']}, "
+               f"pp={lay['pp']}: RNG states are NOT restored (fresh RNG streams)")
+        warnings.warn(msg)
+        log.warning(msg)
+        return False

@@ -57,10 +57,16 @@ def _flat(d, prefix=""):
     return out
 
 
+def _saved_state(chunks, opt) -> tuple[dict, ckpt.OptimizerState]:
+    """What a save hands DCP: each standard component's state_dict (model, optimizer, RNG)."""
+    parts = ckpt.as_components(chunks, opt)
+    return {name: part.state_dict() for name, part in parts.items()}, parts["optimizer"]
+
+
 def local_snapshot(chunks, opt, fsdp: bool) -> dict:
     """Every model, optimizer and RNG tensor this rank holds (local shards), copied."""
-    state, padded = ckpt_state.build_state(chunks, opt, fsdp=fsdp, layout=ckpt_state.layout(), is_loading=False)
-    for key in padded:
+    state, opt_state = _saved_state(chunks, opt)
+    for key in opt_state.padded:
         del state["optimizer"]["state"][key]
     return _flat(state)
 
@@ -78,7 +84,7 @@ def full_weights(chunks) -> dict:
     """Canonical name -> full tensor, assembled from each rank's (uneven) shard by offsets."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
     out = {}
-    for name, v in ckpt_state.model_state(chunks, fsdp=engine.is_fsdp(chunks[0]), mp_prefix="")["0"].items():
+    for name, v in ckpt.ModelState(chunks).state_dict()["0"].items():
         if not hasattr(v, "to_local"):
             out[name] = v.detach().clone()
             continue
@@ -94,14 +100,17 @@ def full_weights(chunks) -> dict:
 
 
 def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
-    """checkpoint.state._mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
+    """checkpoint.state.mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor)
-    ours = ckpt_state.build_state(chunks, opt, fsdp=True, layout=ckpt_state.layout(), is_loading=False)[0]
+    ours = _saved_state(chunks, opt)[0]
+    ckpt_state.mark_uneven_shards(ours)
     ours = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt_state.dtensors(ours)}
-    theirs = ckpt_state.build_state(chunks, opt, fsdp=True, layout=ckpt_state.layout(), is_loading=False)[0]
-    for _, t in ckpt_state.dtensors(theirs):
-        del t._local_tensor.__create_chunk_list__, t._local_tensor.__create_write_items__
+    theirs = _saved_state(chunks, opt)[0]
+    for _, t in ckpt_state.dtensors(theirs):  # in case the local tensors are shared with `ours`
+        for attr in ("__create_chunk_list__", "__create_write_items__"):
+            if hasattr(t._local_tensor, attr):
+                delattr(t._local_tensor, attr)
     preprocess_state_dict_for_uneven_dtensor(theirs)
     theirs = {k: t._local_tensor.__create_chunk_list__() for k, t in ckpt_state.dtensors(theirs)}
     counts = torch.tensor([sum(any(c.offsets) for v in ours.values() for c in v), int(ours != theirs)],
@@ -168,12 +177,15 @@ def _hf_checkpoint(cfg: EngineConfig, workdir: str) -> dict:
 
 
 def resume(*, fsdp: bool, root: str) -> dict:
-    """A fresh process: build with another seed, load `latest`... no: step 5, train steps 5..9."""
+    """A fresh process: build with another seed, load step 5 (saved by `save(step, chunks, opt, sched)`)
+    as a dict of Stateful components, train steps 5..9."""
     cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
     runtime.init(cfg)
     batches = _batches()
     chunks, opt, sched = _build(cfg, 1234)
-    info = ckpt.CheckpointManager(root).load(chunks, opt, sched, step=SAVE_AT)
+    parts = {"model": ckpt.ModelState(chunks), "optimizer": ckpt.OptimizerState(chunks, opt), "rng": ckpt.RNGState(),
+             "scheduler": sched}
+    info = ckpt.CheckpointManager(root).load(parts, step=SAVE_AT)
     start = info["extra"]["data_position"]
     losses = _train(chunks, opt, sched, batches, start, STEPS)
     runtime.shutdown()
@@ -262,3 +274,94 @@ def async_save(*, fsdp: bool, root: str) -> dict:
     runtime.shutdown()
     return dict(pending_after_save=pending_after_save, changed=changed, listed_after_second=listed_after_second,
                 listed=mgr.list(), latest=mgr.latest(), roundtrip=roundtrip, straight=losses[3:5], resumed=resumed)
+
+
+class Loader:
+    """A user's data loader: a shuffled order and a position, both tensors (DCP: `data.order`,
+    `data.position`). The same on every rank (it indexes global batches)."""
+
+    def __init__(self, n: int, seed: int):
+        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        self.position = torch.zeros((), dtype=torch.int64)
+
+    def next(self) -> int:
+        i = int(self.order[self.position])
+        self.position += 1
+        return i
+
+    def state_dict(self) -> dict:
+        return {"order": self.order, "position": self.position}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.order.copy_(state_dict["order"])
+        self.position.copy_(state_dict["position"])
+
+
+class Counter:
+    """A user's counter without tensors: it goes to `counter.json`."""
+
+    def __init__(self):
+        self.tokens_seen = 0
+
+    def state_dict(self) -> dict:
+        return {"tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.tokens_seen = state_dict["tokens_seen"]
+
+
+def _train_from(parts: dict, batches, n: int) -> list[float]:
+    chunks, opt = parts["model"].chunks, parts["optimizer"].optimizer
+    losses = []
+    for _ in range(n):
+        i = parts["data"].next()
+        parts["counter"].tokens_seen += GLOBAL_BATCH * SPEC.seq_len_tokens
+        losses.append(step(chunks, opt, batches[i], micro_batch_size=MICRO, scheduler=parts["scheduler"],
+                           step_index=i).loss)
+    return losses
+
+
+def _parts(cfg: EngineConfig, seed: int, loader_seed: int) -> dict:
+    chunks, opt, sched = _build(cfg, seed)
+    return {"model": ckpt.ModelState(chunks), "optimizer": ckpt.OptimizerState(chunks, opt), "rng": ckpt.RNGState(),
+            "scheduler": sched, "data": Loader(STEPS, loader_seed), "counter": Counter()}
+
+
+def custom_stateful(*, root: str) -> dict:
+    """Per wrapper: save step 3 as a dict of Stateful components with two of the user's own (a data
+    loader of tensors, a counter without), train on; a fresh build with another loader order
+    loads it and must continue with the same losses, loader position, order and counter."""
+    from mfsdp_kit.checkpoint.restore import checked
+    result = {}
+    for wrapper in ("ddp", "fsdp"):
+        cfg = EngineConfig(use_megatron_fsdp=wrapper == "fsdp", seed=7)
+        runtime.init(cfg)
+        batches = _batches()
+        parts = _parts(cfg, 7, loader_seed=3)
+        mgr = ckpt.CheckpointManager(f"{root}/{wrapper}")
+        _train_from(parts, batches, 3)
+        path = mgr.save(3, parts)
+        saved_counter = parts["counter"].tokens_seen
+        straight = _train_from(parts, batches, 3)
+        fresh = _parts(cfg, 99, loader_seed=11)
+        differs = not torch.equal(fresh["data"].order, parts["data"].order)
+        info = mgr.load(fresh)
+        loaded = dict(position=int(fresh["data"].position), counter=fresh["counter"].tokens_seen,
+                      order_equal=torch.equal(fresh["data"].order, Loader(STEPS, 3).order))
+        resumed = _train_from(fresh, batches, 3)
+        meta, metadata = checked(path, trust_checkpoint=False)
+        chunks, _, _ = _build(cfg, 5)
+        legacy = mgr.load(chunks, step=3)["restored"]  # the call form with chunks: model and RNG only
+        missing = None
+        try:
+            mgr.load({"model": ckpt.ModelState(chunks), "other": Counter()}, step=3)
+        except ckpt.CheckpointError as e:
+            missing = str(e)
+        result[wrapper] = dict(straight=straight, resumed=resumed, differs_before_load=differs, loaded=loaded,
+                               saved_counter=saved_counter,
+                               restored=info["restored"], rng_restored=info["rng_restored"],
+                               components=meta["components"], files=sorted(meta["files"]),
+                               data_keys=sorted(k for k in metadata.state_dict_metadata if k.startswith("data.")),
+                               legacy=legacy, missing=missing)
+        runtime.shutdown()
+    return result
