@@ -1,11 +1,13 @@
 """Checkpoints on 2 gloo ranks: bitwise round trip, exact resume in a fresh process, resharding
-to 1 rank and across DDP <-> FSDP, a rank killed mid-save, bad metadata, trust, to_hf."""
+to 1 rank and across DDP <-> FSDP, a rank killed mid-save, bad metadata, trust, to_hf; components
+as a dict of torch DCP Stateful objects, the user's own among them."""
 import json
 import os
 import shutil
 import stat
 
 import pytest
+import torch
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint.restore import checked
@@ -164,3 +166,75 @@ def test_async_save_writes_the_staged_step(work, wrapper):
     assert r["listed_after_second"] == [3] and r["listed"] == [3, 5] and r["latest"] == 5
     assert r["roundtrip"]["all_equal"], r["roundtrip"]
     assert r["resumed"] == r["straight"]
+
+
+# ---- components: a dict of name -> torch DCP Stateful ------------------------------------
+class _Position:
+    """A user's Stateful holding a tensor (-> DCP) and one holding none (-> <name>.json)."""
+
+    def __init__(self, value, as_tensor=True):
+        self.value = torch.tensor(value) if as_tensor else value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict):
+        if torch.is_tensor(self.value):
+            self.value.copy_(state_dict["value"])
+        else:
+            self.value = state_dict["value"]
+
+
+def test_own_stateful_components_round_trip_in_one_process(tmp_path):
+    """World size 1, no process group, no model: the user's components alone save and load."""
+    mgr = ckpt.CheckpointManager(tmp_path / "own")
+    path = mgr.save(1, {"data": _Position([3, 1, 2]), "epoch": _Position(4, as_tensor=False)})
+    meta = ckpt.read_meta(path)
+    assert meta["components"] == {"data": "dcp", "epoch": "json"} and "epoch.json" in meta["files"]
+    assert json.loads((path / "epoch.json").read_text()) == {"value": 4}
+    data, epoch = _Position([0, 0, 0]), _Position(0, as_tensor=False)
+    info = mgr.load({"data": data, "epoch": epoch})
+    assert data.value.tolist() == [3, 1, 2] and epoch.value == 4 and info["restored"] == ["data", "epoch"]
+    with pytest.raises(ckpt.CheckpointError, match=r"holds no component 'other' \(it holds data, epoch\)"):
+        mgr.load({"data": data, "other": _Position(0)})
+
+
+def test_components_are_checked_before_anything_is_written(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path / "bad")
+    with pytest.raises(ckpt.CheckpointError, match=r"component name 'my.data' is not allowed"):
+        mgr.save(1, {"my.data": _Position(1)})
+    with pytest.raises(ckpt.CheckpointError, match=r"component name 'meta' is not allowed"):
+        mgr.save(1, {"meta": _Position(1)})
+    with pytest.raises(ckpt.CheckpointError, match=r"component 'data' \(int\) is not a torch.distributed.checkpoint Stateful"):
+        mgr.save(1, {"data": 3})
+    with pytest.raises(ckpt.CheckpointError, match=r"component 'epoch' holds no tensor, so it goes to epoch.json"):
+        mgr.save(1, {"epoch": _Position(object(), as_tensor=False)})
+    with pytest.raises(TypeError, match="inside the components dict"):
+        mgr.save(1, {"data": _Position(1)}, object())
+    assert mgr.list() == [] and not [p for p in (tmp_path / "bad").iterdir() if p.name.startswith(".")]
+
+
+def test_call_form_with_chunks_is_the_standard_dict():
+    parts = ckpt.as_components([], optimizer=object(), scheduler="sched")
+    assert list(parts) == ["model", "optimizer", "rng", "scheduler"] and parts["scheduler"] == "sched"
+    assert isinstance(parts["model"], ckpt.ModelState) and isinstance(parts["optimizer"], ckpt.OptimizerState)
+    assert list(ckpt.as_components([], rng=False)) == ["model"]
+
+
+@pytest.fixture(scope="module")
+def custom(work):
+    return launch.run("scenarios_ckpt:custom_stateful", nproc=2, root=str(work / "custom"))
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_own_stateful_round_trips_with_the_model(wrapper, custom):
+    """2 ranks: a data loader (tensors) and a counter (JSON) next to model, optimizer, RNG, scheduler."""
+    r = custom[wrapper]
+    print(wrapper, "straight", r["straight"], "\nresumed ", r["resumed"])
+    assert r["differs_before_load"] and r["resumed"] == r["straight"]
+    assert r["loaded"] == dict(position=3, counter=r["saved_counter"], order_equal=True) and r["saved_counter"] > 0
+    assert r["restored"] == ["model", "optimizer", "rng", "scheduler", "data", "counter"] and r["rng_restored"]
+    assert r["components"] == dict(model="dcp", optimizer="dcp", rng="dcp", scheduler="json", data="dcp", counter="json")
+    assert r["data_keys"] == ["data.order", "data.position"] and {"counter.json", "scheduler.json"} <= set(r["files"])
+    assert r["legacy"] == ["model", "rng"]
+    assert "holds no component 'other'" in r["missing"]
