@@ -21,7 +21,7 @@ import torch
 from .. import engine
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
-from . import fusions
+from . import fusions, support
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
@@ -61,7 +61,10 @@ def supported_architectures() -> list[str]:
 
 
 def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool = False) -> dict:
-    """Validate an HF folder without reading weights; returns its config.json as a dict."""
+    """Validate an HF folder without reading weights; returns its config.json as a dict.
+
+    Refuses (ConfigError naming the architecture or field, its value and why) every architecture
+    and config field this install would not reproduce exactly: `models.support.check_config`."""
     path = Path(hf_path)
     if not path.is_dir():
         raise FileNotFoundError(f"hf_path={str(hf_path)!r}: no such directory")
@@ -74,6 +77,10 @@ def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool
     if not any(a in supported for a in archs):
         raise ConfigError(f"architectures={archs} in {config_file} is not supported by Megatron-Bridge 0.3.1; "
                          f"supported: {', '.join(supported)}")
+    try:
+        support.check_config(config, cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{config_file}: {e}") from None
     if cfg is not None:
         _check_heads(config, cfg.tensor_model_parallel_size)
     if _check_weights(path, trust_pickle=trust_pickle):

@@ -1,0 +1,204 @@
+"""Which HF architectures and config fields this install reproduces exactly - decided from config.json alone.
+
+Megatron-Bridge 0.3.1 lists 24 architectures, and for each it maps a subset of config.json onto
+megatron's TransformerConfig. A field it does not map is dropped without a word: a Llama 3 folder
+whose `rope_scaling.original_max_position_embeddings` is not 8192 loads, trains, and computes
+logits 0.27 away from HF's (scale 2.3). The naive check (is the architecture listed?) accepts that
+model, and also Gemma2 and the MoE families, which then fail deep inside megatron after the user
+waited for the load. `check_config` answers first, from config.json only, with a `ConfigError`
+naming the architecture or field, its value, and why:
+
+- REFUSED: architectures that cannot run in this install (no Transformer Engine, CPU/GPU torch only)
+  or that the kit has not verified to convert exactly; the reason says what is missing.
+- per-field rules for the architectures that work (VERIFIED): every field that changes the model
+  and that the bridge does not map exactly (rope scaling variants and their parameters, sliding
+  windows, soft-capping, MoE routing variants, biases the bridge has no mapping for).
+"""
+from __future__ import annotations
+
+from ..config import ConfigError, EngineConfig, bad_value
+
+VERIFIED = ("LlamaForCausalLM", "MistralForCausalLM", "OlmoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM")
+"""Architectures whose tiny transformers-made models match HF logits through load -> wrap -> export
+(tests/models/test_archs.py). Real checkpoints of these families also pass the field rules below."""
+
+_NO_TE = "this install has no Transformer Engine"
+_VL = ("a vision-language model: the kit builds megatron's GPTModel (text tokens in, logits out) and "
+       "its data and generation paths carry no images")
+_UNVERIFIED = ("not verified to reproduce HF logits on megatron's local (no-TE) spec; the kit refuses it rather "
+               "than risk training a silently different model")
+
+REFUSED: dict[str, str] = {
+    "GemmaForCausalLM": f"RMSNorm with zero-centered gamma (x * (1 + w), layernorm_zero_centered_gamma) is "
+                        f"implemented only by TE's norms, and {_NO_TE} (megatron's torch norm asserts)",
+    "Gemma2ForCausalLM": "zero-centered-gamma RMSNorm, attention-logit soft-capping and alternating sliding "
+                         "windows come from the bridge's Gemma2 layer spec, built on TE modules, and "
+                         f"{_NO_TE}",
+    "Gemma3ForCausalLM": "zero-centered-gamma RMSNorm, per-layer local/global RoPE and sliding windows come from "
+                         f"the bridge's Gemma3 layer spec, built on TE modules, and {_NO_TE}",
+    "NemotronForCausalLM": "LayerNorm with zero-centered gamma (layernorm1p) is implemented only by TE's norms, "
+                           f"and {_NO_TE}",
+    "NemotronHForCausalLM": "hybrid Mamba layers need the mamba_ssm and causal_conv1d kernels (and triton), "
+                            "not installed here",
+    "Qwen3NextForCausalLM": "gated DeltaNet linear attention needs the flash-linear-attention (fla) triton kernels "
+                            "and TE, not installed here",
+    "GptOssForCausalLM": "attention sinks (softmax_type='learnable') and YaRN-scaled sliding windows: megatron's "
+                         "local attention and the kit's SDPA attention implement neither exactly without TE",
+    "DeepseekV2ForCausalLM": f"multi-latent attention (MLA) with MoE: {_UNVERIFIED}",
+    "DeepseekV3ForCausalLM": f"multi-latent attention (MLA), MoE with grouped routing and MTP: {_UNVERIFIED}",
+    "Glm4MoeForCausalLM": f"MoE with shared experts, grouped routing and dense first layers: {_UNVERIFIED}",
+    "DeciLMForCausalLM": "Llama-Nemotron's heterogeneous blocks need the model's remote code "
+                         "(trust_remote_code) and a per-layer spec: " + _UNVERIFIED,
+    "Gemma3ForConditionalGeneration": _VL,
+    "Glm4vMoeForConditionalGeneration": _VL,
+    "Mistral3ForConditionalGeneration": _VL,
+    "NemotronH_Nano_VL_V2": _VL,
+    "Qwen2_5_VLForConditionalGeneration": _VL,
+    "Qwen3VLForConditionalGeneration": _VL,
+    "Qwen3VLMoeForConditionalGeneration": _VL,
+}
+"""Architecture -> why this install refuses it (what it would need)."""
+
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The llama3 rope-scaling parameters megatron applies: RotaryEmbedding passes only `factor` to
+`_apply_scaling` (megatron/core/models/common/embeddings/rotary_pos_embedding.py:83-98), whose
+other parameters keep these defaults; the Llama bridge maps only `factor`."""
+
+ACTIVATIONS = ("silu", "gelu", "relu", "relu2", "tanh", "gelu_pytorch_tanh")
+"""hidden_act values the bridge maps (model_bridge.py ACTIVATION_MAPPING); others raise inside the bridge."""
+
+
+def check_config(config: dict, cfg: EngineConfig | None = None) -> str:
+    """Raise ConfigError unless this install reproduces the config.json `config` exactly; return
+    the architecture the bridge will use."""
+    arch = next(a for a in config.get("architectures") or [] if a in VERIFIED or a in REFUSED) \
+        if any(a in VERIFIED or a in REFUSED for a in config.get("architectures") or []) else None
+    if arch is None:
+        raise bad_value("architectures", config.get("architectures"), ", ".join(VERIFIED))
+    if arch in REFUSED:
+        raise ConfigError(f"architectures=[{arch!r}] is listed by Megatron-Bridge 0.3.1 but refused here: "
+                          f"{REFUSED[arch]}. Working architectures: {', '.join(VERIFIED)}")
+    for check in (_rope, _sliding_window, _softcapping, _activation, _biases, _moe):
+        check(arch, config, cfg)
+    if cfg is not None:
+        _parallel(arch, config, cfg)
+    return arch
+
+
+def _refuse(arch: str, field: str, value, allowed: str, reason: str) -> ConfigError:
+    return ConfigError(f"{arch}: {field}={value!r} is not allowed; allowed: {allowed}. {reason}")
+
+
+def _rope(arch: str, config: dict, cfg) -> None:
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return
+    if arch == "LlamaForCausalLM" and kind == "llama3":
+        for key, megatron_value in LLAMA3_ROPE_DEFAULTS.items():
+            if key in scaling and float(scaling[key]) != float(megatron_value):
+                raise _refuse(arch, f"rope_scaling.{key}", scaling[key], repr(megatron_value),
+                              "megatron's llama3 RoPE scaling fixes it (rotary_pos_embedding.py:92-98) and the bridge "
+                              "maps only rope_scaling.factor: the frequencies, and so every logit, would differ "
+                              "from HF's")
+        return
+    allowed = "null or 'default'" + (", or 'llama3' with megatron's fixed parameters" if arch == "LlamaForCausalLM"
+                                     else "")
+    raise _refuse(arch, "rope_scaling.rope_type", kind, allowed,
+                  f"the {arch} bridge does not map {kind!r} RoPE scaling onto megatron (it is dropped or only "
+                  "partly mapped): the model would use different position frequencies than HF")
+
+
+def _window_active(config: dict) -> int | None:
+    """The sliding window HF applies to some layer, or None when attention is full everywhere."""
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if "use_sliding_window" in config and not config["use_sliding_window"]:
+        return None
+    layer_types = config.get("layer_types")
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    if window >= config.get("max_position_embeddings", float("inf")):
+        return None  # no sequence the model accepts is longer than the window
+    return window
+
+
+def _sliding_window(arch: str, config: dict, cfg) -> None:
+    window = _window_active(config)
+    if window is None:
+        return
+    if arch == "MistralForCausalLM":
+        reason = ("the Mistral bridge maps it to megatron's window_size=(sliding_window, 0), but megatron's "
+                  "local attention then differs from HF (measured: logits 0.16 of the logit scale apart at "
+                  "sliding_window=8, 16 tokens) and the kit's SDPA attention has no window mask")
+    else:
+        reason = (f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
+                  "sequence where HF attends over the last sliding_window tokens")
+    raise _refuse(arch, "sliding_window", window, "null (or >= max_position_embeddings, or use_sliding_window="
+                  "false): if your sequences never exceed the window, set sliding_window to null in config.json",
+                  reason)
+
+
+def _softcapping(arch: str, config: dict, cfg) -> None:
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(field) is not None:
+            raise _refuse(arch, field, config[field], "null",
+                          f"the {arch} bridge and megatron's GPT layers have no logit soft-capping")
+
+
+def _activation(arch: str, config: dict, cfg) -> None:
+    act = config.get("hidden_act") or config.get("hidden_activation") or "silu"
+    if act not in ACTIVATIONS:
+        raise _refuse(arch, "hidden_act", act, " | ".join(ACTIVATIONS), "the bridge maps only these activations")
+
+
+def _biases(arch: str, config: dict, cfg) -> None:
+    if config.get("mlp_bias"):
+        raise _refuse(arch, "mlp_bias", True, "false", "the bridge maps mlp_bias onto megatron's add_bias_linear, "
+                      "which also adds attention-output biases HF does not have: not an exact conversion")
+    if config.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        raise _refuse(arch, "attention_bias", True, "false",
+                      f"{arch} with attention_bias also has an o_proj bias, which the bridge does not map "
+                      "(it maps only the q/k/v biases)")
+
+
+def _moe(arch: str, config: dict, cfg) -> None:
+    if arch == "Qwen3MoeForCausalLM":
+        if config.get("mlp_only_layers"):
+            raise _refuse(arch, "mlp_only_layers", config["mlp_only_layers"], "[]",
+                          "the bridge builds an MoE block in every layer")
+        if config.get("decoder_sparse_step", 1) != 1:
+            raise _refuse(arch, "decoder_sparse_step", config["decoder_sparse_step"], "1",
+                          "the bridge builds an MoE block in every layer")
+        if config.get("norm_topk_prob") is False:
+            raise _refuse(arch, "norm_topk_prob", False, "true",
+                          "the bridge routes with softmax over the top-k logits (moe_router_pre_softmax=False), "
+                          "which renormalises the top-k probabilities")
+    if arch == "OlmoeForCausalLM":
+        if config.get("norm_topk_prob"):
+            raise _refuse(arch, "norm_topk_prob", True, "false",
+                          "the bridge routes with softmax before top-k (moe_router_pre_softmax=True), "
+                          "without renormalising")
+        if config.get("clip_qkv") is not None:
+            raise _refuse(arch, "clip_qkv", config["clip_qkv"], "null", "megatron's attention does not clip q/k/v")
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads", heads)
+        if kv != heads:
+            raise _refuse(arch, "num_key_value_heads", kv, f"{heads} (= num_attention_heads)",
+                          "the bridge's OLMoE attention normalises K over num_attention_heads heads")
+
+
+def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
+    ep = cfg.override_transformer_config.get("expert_model_parallel_size", 1)
+    if ep != 1:
+        raise bad_value("override_transformer_config['expert_model_parallel_size']", ep,
+                        "1: the kit's runtime builds no expert-parallel process groups (experts are sharded "
+                        "by Megatron-FSDP or replicated by DDP over the data-parallel ranks)")
+    if arch == "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
+        raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
+                        "1 for OlmoeForCausalLM: its QK norm spans all heads and the bridge's OLMoE attention "
+                        "normalises only the heads of its own tensor-parallel rank")

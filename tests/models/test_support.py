@@ -1,0 +1,123 @@
+"""check_folder refuses, from config.json alone, every model this install would not reproduce exactly.
+
+Configs are written by transformers' own config classes (models.archs), as a researcher's folder
+would hold them; no weights are needed because the refusal comes before any weight is read."""
+import pytest
+
+from mfsdp_kit.config import ConfigError, EngineConfig
+from mfsdp_kit.models import archs, hf as hf_models, support
+
+
+def folder(tmp_path, arch, **overrides):
+    archs.hf_config(arch, **overrides).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def accepted(path, cfg=None):
+    """Passes the config checks: the next complaint is about the (absent) weights."""
+    with pytest.raises(FileNotFoundError, match="holds no weights"):
+        hf_models.check_folder(path, cfg)
+
+
+def test_every_listed_architecture_is_verified_or_refused():
+    listed = set(hf_models.supported_architectures())
+    assert listed == set(support.VERIFIED) | set(support.REFUSED)
+    assert not set(support.VERIFIED) & set(support.REFUSED)
+
+
+@pytest.mark.parametrize("arch", support.VERIFIED)
+def test_default_tiny_configs_are_accepted(tmp_path, arch):
+    accepted(folder(tmp_path, arch), EngineConfig())
+
+
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "GemmaForCausalLM", "Gemma3ForCausalLM", "NemotronForCausalLM",
+                                  "GptOssForCausalLM", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM"])
+def test_refused_architectures_name_themselves_and_the_reason(tmp_path, arch):
+    with pytest.raises(ConfigError, match=rf"architectures=\['{arch}'\].*refused here: ") as e:
+        hf_models.check_folder(folder(tmp_path, arch))
+    assert support.REFUSED[arch] in str(e.value)
+
+
+def test_gemma2_says_what_this_install_lacks(tmp_path):
+    with pytest.raises(ConfigError, match="zero-centered-gamma RMSNorm.*no Transformer Engine"):
+        hf_models.check_folder(folder(tmp_path, "Gemma2ForCausalLM"))
+
+
+def test_llama3_rope_with_megatrons_parameters_is_accepted(tmp_path):
+    accepted(folder(tmp_path, "LlamaForCausalLM", rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)))
+
+
+@pytest.mark.parametrize("key,value", [("original_max_position_embeddings", 4096), ("low_freq_factor", 2.0),
+                                       ("high_freq_factor", 8.0)])
+def test_llama3_rope_with_other_parameters_is_refused(tmp_path, key, value):
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    scaling[key] = value
+    with pytest.raises(ConfigError, match=rf"LlamaForCausalLM: rope_scaling.{key}={value!r} is not allowed; "
+                                          rf"allowed: {support.LLAMA3_ROPE_DEFAULTS[key]!r}"):
+        hf_models.check_folder(folder(tmp_path, "LlamaForCausalLM", rope_scaling=scaling))
+
+
+@pytest.mark.parametrize("arch,scaling", [
+    ("Qwen2ForCausalLM", dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    ("LlamaForCausalLM", dict(rope_type="linear", factor=2.0)),
+    ("LlamaForCausalLM", dict(rope_type="dynamic", factor=2.0)),
+    ("Qwen3ForCausalLM", dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)),
+])
+def test_unmapped_rope_scaling_is_refused(tmp_path, arch, scaling):
+    with pytest.raises(ConfigError, match=rf"{arch}: rope_scaling.rope_type='{scaling['rope_type']}' is not allowed"):
+        hf_models.check_folder(folder(tmp_path, arch, rope_scaling=scaling))
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("MistralForCausalLM", dict(sliding_window=8)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
+])
+def test_active_sliding_window_is_refused(tmp_path, arch, fields):
+    with pytest.raises(ConfigError, match=rf"{arch}: sliding_window=8 is not allowed"):
+        hf_models.check_folder(folder(tmp_path, arch, **fields))
+
+
+def test_window_no_shorter_than_the_context_is_accepted(tmp_path):
+    accepted(folder(tmp_path, "MistralForCausalLM", sliding_window=256))  # max_position_embeddings=256
+
+
+@pytest.mark.parametrize("arch,fields,match", [
+    ("Qwen3MoeForCausalLM", dict(norm_topk_prob=False), "norm_topk_prob=False"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\]"),
+    ("Qwen3MoeForCausalLM", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("OlmoeForCausalLM", dict(norm_topk_prob=True), "norm_topk_prob=True"),
+    ("OlmoeForCausalLM", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+    ("OlmoeForCausalLM", dict(num_key_value_heads=2), "num_key_value_heads=2"),
+    ("LlamaForCausalLM", dict(attention_bias=True), "attention_bias=True"),
+    ("Qwen3ForCausalLM", dict(attention_bias=True), "attention_bias=True"),
+    ("LlamaForCausalLM", dict(mlp_bias=True), "mlp_bias=True"),
+    ("LlamaForCausalLM", dict(hidden_act="gelu_new"), "hidden_act='gelu_new'"),
+])
+def test_unreproduced_fields_are_refused(tmp_path, arch, fields, match):
+    with pytest.raises(ConfigError, match=rf"{arch}: {match} is not allowed"):
+        hf_models.check_folder(folder(tmp_path, arch, **fields))
+
+
+def test_softcapping_is_refused(tmp_path):
+    path = folder(tmp_path, "Qwen2ForCausalLM")
+    import json
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 30.0}))
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 is not allowed; allowed: null"):
+        hf_models.check_folder(path)
+
+
+def test_expert_parallel_above_one_is_refused(tmp_path):
+    cfg = EngineConfig(override_transformer_config={"expert_model_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size'\]=2 is not allowed; allowed: 1"):
+        hf_models.check_folder(folder(tmp_path, "Qwen3MoeForCausalLM"), cfg)
+
+
+def test_olmoe_refuses_tensor_parallel(tmp_path):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not allowed; allowed: 1 for OlmoeForCausalLM"):
+        hf_models.check_folder(folder(tmp_path, "OlmoeForCausalLM"), EngineConfig(tensor_model_parallel_size=2))
