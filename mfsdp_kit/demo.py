@@ -9,6 +9,11 @@ then a summary table and plots under runs/demo/.
 The same library calls as the notebooks, under torchrun instead of ipyparallel: this process
 spawns `python -m torch.distributed.run --nproc_per_node N -m mfsdp_kit.demo --worker`, and
 the workers' rank 0 writes summary.json, which this process prints and draws.
+
+$MODEL's tokenizer must carry a chat template (the arithmetic is rendered with it, so the model
+trains in its own format and learns to end with its own end-of-turn token); this process checks
+that before starting any rank. A tokenizer without a pad token (Llama 3, Qwen3) pads with eos,
+which the loss mask leaves out. Sequence length and answer length follow from the tokenizer.
 """
 from __future__ import annotations
 
@@ -28,26 +33,66 @@ GPU = dict(digits=2, steps=600, batch_per_rank=32, micro_batch_size=16, seq_len_
 Global batch = batch_per_rank x data-parallel ranks (e.g. 2 x 16 = 32 sequences per step on CPU)."""
 
 
+# ---- what the demo needs from a tokenizer ----------------------------------------------------------
+def tokenizer_for(src: str):
+    """`AutoTokenizer.from_pretrained(src)`, refused with a `ChatTemplateError` that says what the
+    demo needs when it has no chat template."""
+    from transformers import AutoTokenizer
+
+    from .chat import ChatTemplateError, require_template
+    tok = AutoTokenizer.from_pretrained(src)
+    try:
+        require_template(tok)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"MODEL={src}: the demo renders its arithmetic task with the model's chat "
+                                f"template and this tokenizer has none. Use an instruct/chat model folder, or "
+                                f"add a \"chat_template\" to {src}/tokenizer_config.json. ({e})") from None
+    return tok
+
+
+def plan(tok, recipe: dict, *, heldout: int) -> dict:
+    """The demo's data for this tokenizer: task, train pairs, held-out prompts, the sequence length
+    that keeps every pair whole (at least the recipe's) and the new tokens a full answer needs."""
+    from . import chat, data
+    task = data.ArithmeticTask(digits=recipe["digits"], tokenizer=tok)
+    pairs = task.train_pairs(recipe["train_pairs"])
+    longest_reply = len(chat.encode_text(tok, task.reply("9" * (recipe["digits"] + 1))))
+    return dict(task=task, pairs=pairs, heldout=task.rl_prompts(heldout, split="heldout"),
+                seq_len_tokens=max(recipe["seq_len_tokens"], data.seq_len_needed(pairs, tok)),
+                max_new_tokens=longest_reply + 1)
+
+
 # ---- worker: runs on every rank under torchrun ---------------------------------------------------
 def _log(*args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print("[demo]", *args, flush=True)
 
 
+def _problem(prompt: str) -> str:
+    """"3+4=" out of a rendered prompt (its last "a op b=")."""
+    import re
+    return re.findall(r"\d+[+\-*]\d+=", prompt)[-1]
+
+
 def _samples(hf_model, tok, prompts, device, *, max_new_tokens: int) -> list[tuple[str, str]]:
-    """Greedy samples from the rollout model, one prompt at a time (no padding needed)."""
+    """Greedy samples from the rollout model, one prompt at a time (no padding needed):
+    (problem, completion without special tokens)."""
+    import torch
+
+    from .chat import encode_text, pad_id, stop_ids
     out = []
     for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-        gen = hf_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        out.append((prompt, tok.decode(gen[0, ids.shape[1]:])))
+        ids = torch.tensor([encode_text(tok, prompt)], device=device)
+        gen = hf_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id(tok),
+                                eos_token_id=stop_ids(tok))
+        out.append((_problem(prompt), tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)))
     return out
 
 
 def worker(out: Path, *, steps: int | None = None) -> None:
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import data, engine, generate, runtime, sync
     from .checkpoint import CheckpointManager
@@ -67,12 +112,14 @@ def worker(out: Path, *, steps: int | None = None) -> None:
         tiny(src, size=recipe["size"], seed=0)
     dist.barrier()
     recipe["global_batch"] = recipe["batch_per_rank"] * rt.dp_size
+    tok = tokenizer_for(src)
+    plan_ = plan(tok, recipe, heldout=40 if on_gpu else 10)
+    heldout, recipe["seq_len_tokens"] = plan_["heldout"], plan_["seq_len_tokens"]
+    vocab_size = getattr(AutoConfig.from_pretrained(src), "vocab_size", None)   # greedy never picks padded rows
     _log(f"{rt.world_size} ranks ({rt.backend}, {rt.device.type}), model {src}, recipe {recipe}")
-    tok = AutoTokenizer.from_pretrained(src)
-    task = data.ArithmeticTask(digits=recipe["digits"])
-    heldout = task.rl_prompts(40 if on_gpu else 10, split="heldout")
     total, half = recipe["steps"], recipe["steps"] // 2
-    ocfg = OptimConfig(lr=3e-3, min_lr=1e-4, warmup_steps=10, decay_steps=total - 10)   # warm-up, cosine decay
+    warmup = min(10, max(1, total // 4))   # 10 of the default 300 steps; a short --steps run still decays
+    ocfg = OptimConfig(lr=3e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=max(1, total - warmup))
 
     def build():
         model = load(src, cfg)
@@ -80,7 +127,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
         return model, opt, engine.build_scheduler(opt, ocfg, total_steps=total)
 
     def stream(skip: int = 0):
-        it = data.batches(task.train_pairs(recipe["train_pairs"]), tok, seq_len_tokens=recipe["seq_len_tokens"],
+        it = data.batches(plan_["pairs"], tok, seq_len_tokens=recipe["seq_len_tokens"],
                           global_batch=recipe["global_batch"], seed=0)
         for _ in range(skip):
             next(it)
@@ -91,7 +138,8 @@ def worker(out: Path, *, steps: int | None = None) -> None:
             _log(f"step {i + 1}/{total} loss {result.loss:.4f} lr {result.lr:.2e}")
 
     def accuracy(model):
-        return generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify, max_new_tokens=recipe["digits"] + 3)
+        return generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify,
+                                 max_new_tokens=plan_["max_new_tokens"], vocab_size=vocab_size)
 
     t0 = time.perf_counter()
     model, opt, sched = build()
@@ -115,7 +163,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
 
     hf_model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(rt.device).eval()
     stats = sync.load_into(hf_model, model.chunks, model.bridge)
-    samples = _samples(hf_model, tok, [p for p, _ in heldout[:4]], rt.device, max_new_tokens=recipe["digits"] + 3)
+    samples = _samples(hf_model, tok, [p for p, _ in heldout[:4]], rt.device, max_new_tokens=plan_["max_new_tokens"])
     export = sync.save_hf(model.chunks, model.bridge, out / "hf")
     report = memory_report(model.chunks, opt)
     n, dp = report.num_params, report.dp_size
@@ -179,8 +227,7 @@ def summarize(out: Path) -> str:
         (f"held-out accuracy ({s['heldout']})", f"{s['accuracy_before']:.2f} -> {s['accuracy_after']:.2f}"),
         ("rollout sync (HF model)", f"{s['sync']['tensors']} tensors, {_mib(s['sync']['bytes'])}, "
                                     f"{s['sync']['seconds']:.3f} s"),
-        ("rollout samples", ", ".join(f"{p.split('>', 1)[1].split('<')[0]}{c.replace('</s>', '')}"
-                                      for p, c in s["samples"])),
+        ("rollout samples", ", ".join(f"{p}{c.strip()}" for p, c in s["samples"])),
         ("HF export", s["export"]),
         ("model state / rank, FSDP", f"{_mib(mem['model_state_bytes'])} (formula {_mib(formula['fsdp'])})"),
         ("model state / rank, DDP formula", _mib(formula["ddp"])),
@@ -210,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         target = out / stale
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("MODEL"):
+        tokenizer_for(os.environ["MODEL"])   # refuse a tokenizer without a chat template before any rank starts
     nproc = args.nproc or torch.cuda.device_count() or 2
     launch(out, nproc=nproc, steps=args.steps)
     print("\n" + summarize(out))
