@@ -8,15 +8,17 @@ never emits, and nothing fails. Here the template that came with the tokenizer (
 prompts. The kit's tiny model carries its format as such a template (`models.tiny.CHAT_TEMPLATE`),
 so it takes the same path as a user's Qwen or Llama.
 
-Which tokens are the assistant's? A template is free text, so the kit asks it. For the k-th
-message, an assistant turn, it renders the messages before it with the generation prompt (P_k)
-and the messages through it (F_k); the turn's tokens are F_k minus P_k, by token ids, cut after
-the end-of-turn token: ChatML renders "<|im_start|>assistant\\n" + "46<|im_end|>\\n", the model
-emits "46<|im_end|>" and the template adds the "\\n". Every P_k and F_k must be a prefix of the
-whole conversation's tokens (true of ChatML, Llama 3, the tiny format); a template that renders
-an earlier turn differently once later turns follow raises, unless it marks the assistant text
-with {% generation %} ... {% endgeneration %}, whose mask (`return_assistant_tokens_mask`) is
-then used as it is.
+Which tokens are the assistant's? A template is free text, so the kit asks it. The whole
+conversation is rendered once (the training sequence). For the k-th message, an assistant turn,
+the messages before it are rendered with the generation prompt (P_k): what the model sees when it
+answers. P_k must be a prefix of the whole text (else training would not match inference); the
+turn's tokens run from there through the first end-of-turn token (ChatML: "<|im_start|>assistant\n"
+is P_k's end, "46<|im_end|>" the reply; the "\n" after it is the template's, not the model's).
+Qwen3's template, which writes an empty <think></think> block only into the last turn, works the
+same way: the block is part of what the model emits there. A template without an end-of-turn
+special token ends the turn where the messages through it (F_k) end, F_k then also having to be
+a prefix. A template that marks the assistant text with {% generation %} ... {% endgeneration %}
+is trusted instead (`return_assistant_tokens_mask`).
 """
 from __future__ import annotations
 
@@ -126,6 +128,16 @@ def _with_tags(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
     return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
 
 
+def _prefix_tokens(tokenizer, ids: list[int], text: str, *, where: str, what: str) -> int:
+    """len(tokens of `text`), checked to be the first tokens of the whole conversation `ids`."""
+    head = encode_text(tokenizer, text)
+    if head != ids[:len(head)]:
+        raise ChatTemplateError(f"{where}: {what} does not tokenize as a prefix of the whole conversation "
+                                f"(its text does, but a token spans the boundary); a template that marks "
+                                "the assistant text with {% generation %} ... {% endgeneration %} avoids this")
+    return len(head)
+
+
 def encode(tokenizer, messages: list[dict], *, where: str = "conversation") -> tuple[list[int], list[bool]]:
     """(token ids of the whole conversation, per token: is it the assistant's?) for training.
 
@@ -136,22 +148,36 @@ def encode(tokenizer, messages: list[dict], *, where: str = "conversation") -> t
     try:
         if GENERATION_TAG.search(tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""):
             return _with_tags(tokenizer, messages)
-        ids = encode_text(tokenizer, render(tokenizer, messages))
-        target, stops = [False] * len(ids), set(stop_ids(tokenizer))
+        full = render(tokenizer, messages)
+        ids = encode_text(tokenizer, full)
+        target = [False] * len(ids)
+        eot = end_of_turn_id(tokenizer)
+        mark = None if eot is None else tokenizer.convert_ids_to_tokens(eot)
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = encode_text(tokenizer, render(tokenizer, messages[:k], add_generation_prompt=True))
-            through = encode_text(tokenizer, render(tokenizer, messages[:k + 1]))
-            if through != ids[:len(through)] or before != through[:len(before)]:
+            if k == 0:
+                raise ChatTemplateError(f"{where}: message 0 is the assistant's; a reply needs a system or "
+                                        "user message before it to be rendered as an answer")
+            prompt = render(tokenizer, messages[:k], add_generation_prompt=True)
+            if not full.startswith(prompt):
                 raise ChatTemplateError(
-                    f"{where}: the chat template renders message {k} (assistant) differently once the rest "
-                    "of the conversation follows, so its tokens cannot be found by rendering prefixes; a "
-                    "template that marks the assistant text with {% generation %} ... {% endgeneration %} "
-                    "avoids this")
-            ends = [j + 1 for j in range(len(before), len(through)) if ids[j] in stops]
-            for j in range(len(before), ends[-1] if ends else len(through)):
-                target[j] = True
+                    f"{where}: the chat template writes the conversation before message {k} (assistant) "
+                    "differently from the prompt it renders for answering it, so the reply cannot be "
+                    "located; a template that marks the assistant text with {% generation %} ... "
+                    "{% endgeneration %} avoids this")
+            stop = -1 if mark is None else full.find(mark, len(prompt))
+            if stop >= 0:
+                end = stop + len(mark)
+            else:   # no end-of-turn token: the turn ends where the messages through it end
+                through = render(tokenizer, messages[:k + 1])
+                if not full.startswith(through):
+                    raise ChatTemplateError(f"{where}: the chat template writes message {k} (assistant) "
+                                            "differently once the rest of the conversation follows")
+                end = len(through)
+            start = _prefix_tokens(tokenizer, ids, prompt, where=where, what=f"the prompt of message {k}")
+            stop_tok = _prefix_tokens(tokenizer, ids, full[:end], where=where, what=f"message {k}")
+            target[start:stop_tok] = [True] * (stop_tok - start)
         return ids, target
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"{where}: the chat template of {_name(tokenizer)!r} cannot render this "

@@ -36,6 +36,23 @@ LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's template
     "{{ content }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 
+QWEN3_TEMPLATE = (  # Qwen3's logic without tools: an empty think block only in a reply after the last question
+    "{%- set ns = namespace(last_query_index=0) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.index0 > ns.last_query_index and loop.last %}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}")
+
+PLAIN_TEMPLATE = (  # no end-of-turn token at all
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 WORDS = ("system user assistant You are a helpful Be brief Hi Hello Hey there What is How many legs does spider have "
@@ -47,8 +64,10 @@ def pieces(text: str) -> list[str]:
     return re.findall(PIECE, text)
 
 
-def build(specials: list[str], *, template: str | None, eos: str, bos: str | None = None, pad: str | None = None):
-    """A PreTrainedTokenizerFast over WORDS, digits and punctuation, with `specials` as added tokens."""
+def build(specials: list[str], *, template: str | None, eos: str, bos: str | None = None, pad: str | None = None,
+          added: tuple[str, ...] = ()):
+    """A PreTrainedTokenizerFast over WORDS, digits and punctuation, with `specials` as special added
+    tokens and `added` as ordinary added tokens (as Qwen3's <think> and </think> are)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = ["<unk>"] + specials + sorted(set(WORDS.split())) + list("0123456789 \n.,?!:=+-*'")
@@ -56,6 +75,7 @@ def build(specials: list[str], *, template: str | None, eos: str, bos: str | Non
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(specials)
+    tok.add_tokens(list(added))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=pad, unk_token="<unk>",
                                    chat_template=template, clean_up_tokenization_spaces=False)
 
@@ -63,6 +83,11 @@ def build(specials: list[str], *, template: str | None, eos: str, bos: str | Non
 def qwen(template: str | None = QWEN_TEMPLATE):
     """Qwen-style: ChatML, eos <|endoftext|> (the base model's), no pad token."""
     return build(CHATML_SPECIALS, template=template, eos="<|endoftext|>")
+
+
+def qwen3():
+    """Qwen3-style: ChatML with think blocks, eos <|im_end|> (the instruct model's), no pad token."""
+    return build(CHATML_SPECIALS, template=QWEN3_TEMPLATE, eos="<|im_end|>", added=("<think>", "</think>"))
 
 
 def llama3(template: str | None = LLAMA3_TEMPLATE):

@@ -70,6 +70,33 @@ def test_llama3_multi_turn_text_and_mask(llama3):
         + head("assistant") + ["*Four", "*.", "*<|eot_id|>"])
 
 
+def test_qwen3_think_block_only_in_the_last_reply():
+    """Qwen3 writes an empty <think></think> into the reply after the last question only: rendered
+    as if it were last, an earlier reply would differ, so the reply is located in the whole text."""
+    tok = ct.qwen3()
+    ids, target = chat.encode(tok, CONVERSATION[1:])
+    assert chat.render(tok, CONVERSATION[1:]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nFour.<|im_end|>\n")
+    assert marked(tok, ids, target) == [
+        "<|im_start|>", "user", "\n", "Hi", "<|im_end|>", "\n",
+        "<|im_start|>", "assistant", "\n", "*Hello", "*.", "*<|im_end|>", "\n",
+        "<|im_start|>", "user", "\n", "What", " ", "is", " ", "2", "+", "2", "?", "<|im_end|>", "\n",
+        "<|im_start|>", "assistant", "\n", "*<think>", "*\n", "*\n", "*</think>", "*\n", "*\n",
+        "*Four", "*.", "*<|im_end|>", "\n"]
+    assert chat.stop_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]   # eos is the end-of-turn
+    task = data.ArithmeticTask(tokenizer=tok)
+    assert task.reply("46") == "<think>\n\n</think>\n\n46<|im_end|>"
+    assert all(data.verify(p, r) == 1.0 for p, r in task.train_pairs(5))
+
+
+def test_template_without_end_of_turn_token():
+    tok = ct.qwen(ct.PLAIN_TEMPLATE)
+    ids, target = chat.encode(tok, CONVERSATION[1:])
+    assert chat.end_of_turn_id(tok) is None and chat.stop_ids(tok) == [tok.eos_token_id]
+    assert tok.decode([i for i, t in zip(ids, target) if t]) == "Hello.\nFour.\n"   # through the turn's end
+
+
 def test_generation_tags_give_the_same_mask():
     """A template with {% generation %} markers: its own mask, equal to the prefix-rendering one."""
     tagged, plain = ct.qwen(ct.CHATML_TAGGED), ct.qwen(ct.CHATML_NO_SYSTEM)
@@ -158,3 +185,22 @@ def test_tiny_template_is_the_one_path():
     assert tok.decode([i for i, t in zip(ids, target) if t]) == "Hello.</s>Four.</s>"
     batch = data.tokenize_sft([CONVERSATION], tok, seq_len_tokens=len(ids) - 1)
     assert torch.equal(batch.loss_mask[0], torch.tensor(target[1:], dtype=torch.float32))
+
+
+def test_prompt_that_the_conversation_does_not_continue_is_refused(qwen):
+    """Where the generation prompt is not how the template writes the reply, training would not
+    match inference, so no mask is guessed: for a whole template, or for one row (a template that
+    counts the questions up front writes the start of a two-question conversation differently)."""
+    odd = ct.qwen(ct.CHATML_NO_SYSTEM.replace("'<|im_start|>' + message['role']",
+                                              "'<|im_start|>' + message['role'].replace('assistant', 'bot')"))
+    with pytest.raises(chat.ChatTemplateError, match="renders a reply that does not continue its generation prompt"):
+        data.tokenize_sft([CONVERSATION[1:3]], odd, seq_len_tokens=64)
+    counting = ct.qwen("{{ 'Users: ' + (messages|selectattr('role', 'eq', 'user')|list|length|string) + '\\n' }}"
+                       + ct.CHATML_NO_SYSTEM)
+    assert chat.render(counting, CONVERSATION[1:2]).startswith("Users: 1\n<|im_start|>user")
+    data.tokenize_sft([CONVERSATION[1:3]], counting, seq_len_tokens=64)   # one question: prompt and reply agree
+    with pytest.raises(chat.ChatTemplateError, match="example 1: the chat template writes the conversation before "
+                                                     "message 1 .* differently from the prompt"):
+        data.tokenize_sft([CONVERSATION[1:3], CONVERSATION[1:]], counting, seq_len_tokens=64)   # "Users: 2" vs 1
+    with pytest.raises(chat.ChatTemplateError, match="example 0: message 0 is the assistant's"):
+        data.tokenize_sft([CONVERSATION[2:3]], qwen, seq_len_tokens=64)

@@ -63,7 +63,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 """system -> "content\\n", user -> "<|user|>content", assistant -> "<|assistant|>content</s>";
-the generation prompt is "<|assistant|>". `mfsdp_kit.data.render_chat` renders the same text."""
+the generation prompt is "<|assistant|>", the end of a turn eos. The kit renders all chat text
+through a tokenizer's template (`mfsdp_kit.chat`), this one for the tiny model, a user's own for
+theirs: one code path."""
 
 
 def vocab() -> list[str]:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mfsdp_kit.chat import end_of_turn_id, stop_ids
 from mfsdp_kit.models import SIZES, tiny
 from mfsdp_kit.models.tiny import SPECIAL_TOKENS, VOCAB_MULTIPLE, param_count
 
@@ -82,4 +83,5 @@ def test_tokenizer(xs_path):
     chat = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False,
                                    add_generation_prompt=True)
     assert chat == "<|user|>1+1=<|assistant|>"
+    assert stop_ids(tok) == [2] and end_of_turn_id(tok) == 2   # the saved template ends a turn with eos
     assert tok("é")["input_ids"] == [tok.unk_token_id]
