@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .engine import params_view, unwrap_model
 from .introspect import is_fsdp
+from .models import vocab
 
 
 def _fsdp_owner(chunks, param):
@@ -65,7 +66,9 @@ def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str
         if any(is_fsdp(c) for c in chunks):
             tasks = _tasks_with_full_params(tasks, chunks)
         live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
+        hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
         for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+            tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
             # The bridge can hand back the live parameter itself (TP=1, already on the target
             # device): copy it, or a later optimizer step would change what was exported.
             yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor

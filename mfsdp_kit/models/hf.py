@@ -21,7 +21,7 @@ import torch
 from .. import engine
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
-from . import fusions, support
+from . import fusions, support, vocab
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
@@ -42,6 +42,8 @@ class HFModel:
     bridge: object
     hf_path: Path
     cfg: EngineConfig
+    verification: object = None
+    """`models.verify.Verification` when loaded with verify=True."""
 
     @property
     def config(self):
@@ -216,17 +218,33 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
         for key, value in fusions.transformer_settings(cfg.fused_kernels, p,
                                                        overrides=cfg.override_transformer_config).items():
             setattr(p, key, value)
+    vocab.configure(p, p.vocab_size, cfg.tensor_model_parallel_size)
     p.finalize()
     return bridge, p
 
 
 def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = False,
-         trust_remote_code: bool = False) -> HFModel:
-    """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`."""
+         trust_remote_code: bool = False, verify: bool = False) -> HFModel:
+    """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`.
+
+    A vocabulary TP does not divide is padded (models.vocab: zero rows, masked logits, trimmed
+    exports). With `verify`, transformers' logits on the same folder are compared with the loaded
+    model's on a few fixed sequences (models.verify) and a mismatch raises `VerificationError`;
+    the result is `HFModel.verification`."""
     check_folder(hf_path, cfg, trust_pickle=trust_pickle)
     bridge, p = provider(hf_path, cfg, trust_remote_code=trust_remote_code)
     chunks = engine.build(cfg, p, wrap=False)
-    bridge.load_hf_weights(chunks, str(hf_path))
+    hf_vocab = bridge.hf_pretrained.config.vocab_size
+    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
+    if padded != hf_vocab:
+        vocab.load_padded(bridge, chunks, padded)
+        vocab.mask_padded_logits(chunks, hf_vocab)
+    else:
+        bridge.load_hf_weights(chunks, str(hf_path))
     if wrap:
         chunks = engine.wrap_chunks(cfg, chunks)
-    return HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)
+    model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)
+    if verify:
+        from .verify import verify as run_verify
+        model.verification = run_verify(model, strict=True)
+    return model

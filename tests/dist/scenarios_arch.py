@@ -16,7 +16,18 @@ from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models
 from mfsdp_kit.models.verify import verify
-from mfsdp_kit.train import step
+from mfsdp_kit.train import forward_backward, step
+
+
+@torch.no_grad()
+def hf_loss(src: str, batch) -> float:
+    """transformers' per-token mean cross-entropy on `batch` (over the real vocabulary only)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    logits = model(batch.tokens).logits.float()
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
+    mask = batch.loss_mask.flatten().float()
+    return ((losses * mask).sum() / mask.sum()).item()
 
 
 def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, vocab_size: int = 256,
@@ -46,9 +57,39 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
     if train:
         opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
         batch = random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=vocab_size, seed=9)[0]
+        result["hf_loss"] = hf_loss(src, batch)
+        result["megatron_loss"] = forward_backward(model.chunks, batch, micro_batch_size=2, forward_only=True)[0]
         r = step(model.chunks, opt, batch, micro_batch_size=2)
         trained = dict(sync.export_hf_weights(model.chunks, model.bridge))
         result.update(loss=r.loss, changed_by_step=sum(not torch.equal(trained[k], original[k]) for k in original),
                       trained_shapes_match=all(trained[k].shape == original[k].shape for k in original))
     runtime.shutdown()
     return result
+
+
+def verify_detects(*, workdir: str, fsdp: bool = False) -> dict:
+    """load(verify=True) passes on a faithful model; a model changed after loading is caught."""
+    from mfsdp_kit.models.verify import VerificationError
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype="fp32", seed=3)
+    rt = runtime.init(cfg)
+    src = f"{workdir}/LlamaForCausalLM_verify"
+    if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):
+        archs.write_tiny("LlamaForCausalLM", src)
+    dist.barrier()
+    import time
+    t0 = time.perf_counter()
+    model = hf_models.load(src, cfg, verify=True)
+    seconds = time.perf_counter() - t0
+    good = model.verification.as_dict()
+    with torch.no_grad():  # a silent change: the final norm scaled by 1.01 on the compute weights
+        for name, p in engine.unwrap_model(model.chunks[0]).named_parameters():
+            if name.endswith("final_layernorm.weight"):
+                p.mul_(1.01)
+    bad = verify(model)
+    try:
+        verify(model, strict=True)
+        raised = None
+    except VerificationError as e:
+        raised = str(e)
+    runtime.shutdown()
+    return dict(good=good, bad=bad.as_dict(), bad_str=str(bad), raised=raised, load_verify_s=seconds)

@@ -1,0 +1,98 @@
+"""Vocabulary padding for tensor parallelism, and keeping the padding out of everything a user sees.
+
+Megatron splits the embedding and the output layer by vocabulary rows over the TP ranks, so the
+vocabulary must divide by TP. Megatron-Bridge 0.3.1 does not pad (`should_pad_vocab` is False and
+`make_vocab_size_divisible_by` is chosen to divide the HF vocabulary), so an HF vocabulary of 1003
+at TP 2 failed inside megatron (`AssertionError: 1003 is not divisible by 2`). Here, only when TP
+does not divide it, the vocabulary is padded the way Megatron pads it: up to a multiple of
+`make_vocab_size_divisible_by` (128) * TP - 1003 at TP 2 -> 1024, 21 padded ids.
+
+The padded ids must never leak:
+- load: the HF embedding / lm_head rows are copied and the padded rows are zero (`pad_rows`);
+- loss: the output layer's logits of padded ids are set to the dtype's lowest value
+  (`mask_padded_logits`), so softmax gives them probability 0: the cross-entropy equals HF's over
+  the real vocabulary, and their rows get zero gradient (they stay zero through Adam and decay);
+- export / sync / save_hf: rows beyond the HF vocabulary are cut off (`trim`), so every tensor
+  has the HF shape;
+- generation: `generate.logits(..., vocab_size=)` cuts the logits to the real vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+
+DIVISIBLE_BY = 128
+"""Megatron's default `make_vocab_size_divisible_by`."""
+
+EMBEDDING_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""Megatron parameters whose rows are vocabulary ids."""
+
+
+def padded_size(vocab_size: int, tp: int, *, divisible_by: int = DIVISIBLE_BY) -> int:
+    """The vocabulary megatron builds: unchanged when TP divides it, else Megatron's padding."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def configure(provider, vocab_size: int, tp: int) -> None:
+    """Make the bridge's provider pad (only where TP needs it)."""
+    if vocab_size % tp:
+        provider.should_pad_vocab = True
+        provider.make_vocab_size_divisible_by = DIVISIBLE_BY
+
+
+def hf_vocab_names(model_bridge) -> set[str]:
+    """HF names of the tensors whose rows are vocabulary ids (embedding, lm_head)."""
+    names = set()
+    for mapping in model_bridge.mapping_registry().mappings:
+        if mapping.megatron_param in EMBEDDING_PARAMS and isinstance(mapping.hf_param, str):
+            names.add(mapping.hf_param)
+    return names
+
+
+def load_padded(bridge, chunks, padded_vocab: int) -> None:
+    """bridge.load_hf_weights, with the vocabulary tensors zero-padded to `padded_vocab` rows."""
+    model_bridge = bridge._model_bridge  # a fresh instance per access: keep this one
+    names = hf_vocab_names(model_bridge)
+    original = model_bridge.maybe_modify_loaded_hf_weight
+
+    def pad_rows(hf_param, hf_state_dict):
+        weights = original(hf_param, hf_state_dict)
+        if isinstance(hf_param, str) and hf_param in names and weights.shape[0] < padded_vocab:
+            pad = weights.new_zeros((padded_vocab - weights.shape[0], *weights.shape[1:]))
+            weights = torch.cat([weights, pad])
+        return weights
+
+    model_bridge.maybe_modify_loaded_hf_weight = pad_rows
+    model_bridge.load_weights_hf_to_megatron(bridge.hf_pretrained, chunks)
+
+
+def mask_padded_logits(chunks, vocab_size: int) -> list:
+    """Forward hooks on each chunk's output layer: logits of ids >= vocab_size -> the dtype's lowest.
+
+    The output layer is vocab-parallel: TP rank r holds ids [r * V/tp, (r + 1) * V/tp) of the padded
+    V, so each rank masks its own slice's padded columns. Returns the hook handles."""
+    from megatron.core import parallel_state as ps
+    handles = []
+    for chunk in chunks:
+        layer = getattr(chunk, "output_layer", None)
+        if layer is None:
+            continue
+
+        def hook(module, args, output):
+            logits, bias = output
+            local = logits.shape[-1]
+            first = ps.get_tensor_model_parallel_rank() * local
+            ids = torch.arange(first, first + local, device=logits.device)
+            return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min), bias
+
+        handles.append(layer.register_forward_hook(hook))
+    return handles
+
+
+def trim(name: str, tensor: torch.Tensor, vocab_size: int, names: set[str]) -> torch.Tensor:
+    """The HF-shaped tensor: vocabulary rows beyond `vocab_size` cut off."""
+    if name in names and tensor.shape[0] > vocab_size:
+        return tensor[:vocab_size]
+    return tensor
