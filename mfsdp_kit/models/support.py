@@ -198,6 +198,11 @@ def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
         raise bad_value("override_transformer_config['expert_model_parallel_size']", ep,
                         "1: the kit's runtime builds no expert-parallel process groups (experts are sharded "
                         "by Megatron-FSDP or replicated by DDP over the data-parallel ranks)")
+    moe = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    if moe and arch != "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
+        raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
+                        f"1 for {arch} (MoE): megatron-core 0.16.1 requires sequence parallelism with MoE and "
+                        "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable")
     if arch == "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
         raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
                         "1 for OlmoeForCausalLM: its QK norm spans all heads and the bridge's OLMoE attention "

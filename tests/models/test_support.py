@@ -121,3 +121,9 @@ def test_expert_parallel_above_one_is_refused(tmp_path):
 def test_olmoe_refuses_tensor_parallel(tmp_path):
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not allowed; allowed: 1 for OlmoeForCausalLM"):
         hf_models.check_folder(folder(tmp_path, "OlmoeForCausalLM"), EngineConfig(tensor_model_parallel_size=2))
+
+
+def test_moe_refuses_tensor_parallel_without_sequence_parallel(tmp_path):
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not allowed; allowed: 1 for "
+                                          "Qwen3MoeForCausalLM.*sequence parallelism"):
+        hf_models.check_folder(folder(tmp_path, "Qwen3MoeForCausalLM"), EngineConfig(tensor_model_parallel_size=2))
