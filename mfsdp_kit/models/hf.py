@@ -219,6 +219,7 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
                                                        overrides=cfg.override_transformer_config).items():
             setattr(p, key, value)
     vocab.configure(p, p.vocab_size, cfg.tensor_model_parallel_size)
+    p.window_size = support.megatron_window(bridge.hf_pretrained.config.to_dict(), getattr(p, "window_size", None))
     p.finalize()
     return bridge, p
 

@@ -131,16 +131,31 @@ def _sliding_window(arch: str, config: dict, cfg) -> None:
     window = _window_active(config)
     if window is None:
         return
-    if arch == "MistralForCausalLM":
-        reason = ("the Mistral bridge maps it to megatron's window_size=(sliding_window, 0), but megatron's "
-                  "local attention then differs from HF (measured: logits 0.16 of the logit scale apart at "
-                  "sliding_window=8, 16 tokens) and the kit's SDPA attention has no window mask")
-    else:
-        reason = (f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
-                  "sequence where HF attends over the last sliding_window tokens")
-    raise _refuse(arch, "sliding_window", window, "null (or >= max_position_embeddings, or use_sliding_window="
-                  "false): if your sequences never exceed the window, set sliding_window to null in config.json",
-                  reason)
+    if arch != "MistralForCausalLM":
+        raise _refuse(arch, "sliding_window", window, "null (or >= max_position_embeddings, or use_sliding_window="
+                      "false): if your sequences never exceed the window, set sliding_window to null in config.json",
+                      f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
+                      "sequence where HF attends over the last sliding_window tokens")
+    if cfg is not None and cfg.attention_backend == "sdpa":
+        raise _refuse(arch, "sliding_window", window, "null with attention_backend='sdpa' (the window works with "
+                      "attention_backend='local')", "the kit's SDPA attention has no sliding-window mask")
+
+
+def megatron_window(config: dict, bridge_window):
+    """The megatron `window_size` that reproduces HF's sliding window exactly (None: full attention).
+
+    HF lets query q see keys q - sliding_window < k <= q (masking_utils.sliding_window_overlay):
+    sliding_window keys. megatron's window (w, 0) lets it see q - w <= k <= q
+    (transformer/utils.py:38-45 get_sliding_window_causal_mask): w + 1 keys. The Mistral bridge maps
+    window_size = (sliding_window, 0) (mistral_bridge.py:54-56), one key too many (logits were 0.16
+    of the logit scale off at sliding_window=8 over 16 tokens); (sliding_window - 1, 0) is exact.
+    A window no shorter than the context is full attention: None (SDPA has no window mask)."""
+    if bridge_window is None:
+        return None
+    window = _window_active(config)
+    if window is None:
+        return None
+    return (window - 1, 0)
 
 
 def _softcapping(arch: str, config: dict, cfg) -> None:

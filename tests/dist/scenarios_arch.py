@@ -15,7 +15,8 @@ from mfsdp_kit import engine, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models
-from mfsdp_kit.models.verify import verify
+from mfsdp_kit.generate import logits
+from mfsdp_kit.models.verify import fixed_tokens, hf_logits, verify
 from mfsdp_kit.train import forward_backward, step
 
 
@@ -63,6 +64,13 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
         trained = dict(sync.export_hf_weights(model.chunks, model.bridge))
         result.update(loss=r.loss, changed_by_step=sum(not torch.equal(trained[k], original[k]) for k in original),
                       trained_shapes_match=all(trained[k].shape == original[k].shape for k in original))
+        out = f"{workdir}/saved_{arch}_v{vocab_size}_tp{tp}_{'fsdp' if fsdp else 'ddp'}"
+        sync.save_hf(model.chunks, model.bridge, out)
+        tokens = fixed_tokens(vocab_size)
+        live = logits(model.chunks, tokens, vocab_size=vocab_size)
+        if rt.rank == 0:  # transformers reloads the trained folder: its logits are Megatron's
+            diff = (hf_logits(out, tokens) - live).abs().max().item()
+            result.update(reload_vs_megatron_maxdiff=diff, reload_relative=diff / live.abs().max().item())
     runtime.shutdown()
     return result
 

@@ -70,7 +70,7 @@ def _cell(r: dict) -> str:
         return "refused: " + r["refused"].split(": ", 1)[-1]
     v = r["verify"]
     return (f"logits {v['relative']:.1e} of scale, export {'exact' if r['export_maxdiff'] == 0 else r['export_maxdiff']}"
-            f", step loss {r['loss']:.4f} (HF {r['hf_loss']:.4f})")
+            f", loss {r['megatron_loss']:.6f} (HF {r['hf_loss']:.6f}), save_hf reload {r['reload_relative']:.1e}")
 
 
 def render(rows: list[dict]) -> str:
@@ -81,7 +81,8 @@ def render(rows: list[dict]) -> str:
              "itself (`models.archs.write_tiny`, random weights, no download). \"Works\" means: load -> "
              "Megatron-FSDP wrap -> logits vs transformers (`models.verify`, relative to the largest |logit|) "
              "-> export equal to the HF tensors -> one training step whose loss equals transformers' "
-             "cross-entropy on the same batch -> export after the step keeps every HF name and shape. "
+             "cross-entropy on the same batch -> export after the step keeps every HF name and shape -> `save_hf`, reloaded by transformers, gives "
+             "Megatron's logits (relative difference shown). "
              "\"Refused\" means `models.hf.check_folder` raises ConfigError before any weight is read.", "",
              "| architecture | outcome | TP 1 | TP 2 / reason |", "|---|---|---|---|"]
     for row in rows:

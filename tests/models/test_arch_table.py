@@ -27,6 +27,7 @@ def test_every_listed_architecture_has_an_outcome(rows):
                 assert r["verify"]["relative"] < 1e-5, (arch, tp, r["verify"])
                 assert r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0
                 assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5 and r["trained_shapes_match"]
+                assert r["reload_relative"] < 1e-5
         else:
             assert row["outcome"] == "not tested" and row["reason"]
 

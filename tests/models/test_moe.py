@@ -22,6 +22,7 @@ def test_moe_matches_hf_and_exports_exactly(runs, case):
     assert r["verify"]["ok"] and r["verify"]["relative"] < 1e-5
     assert r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0
     assert r["changed_by_step"] > 0 and r["trained_shapes_match"]
+    assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5 and r["reload_relative"] < 1e-5
 
 
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "OlmoeForCausalLM"])

@@ -72,8 +72,21 @@ def test_unmapped_rope_scaling_is_refused(tmp_path, arch, scaling):
         hf_models.check_folder(folder(tmp_path, arch, rope_scaling=scaling))
 
 
+def test_mistral_window_is_refused_only_with_sdpa(tmp_path):
+    path = folder(tmp_path, "MistralForCausalLM", sliding_window=8)
+    accepted(path, EngineConfig(attention_backend="local"))
+    with pytest.raises(ConfigError, match="MistralForCausalLM: sliding_window=8 is not allowed.*no sliding-window mask"):
+        hf_models.check_folder(path, EngineConfig(attention_backend="sdpa"))
+
+
+def test_megatron_window_is_hfs_minus_one():
+    config = dict(sliding_window=8, max_position_embeddings=256)
+    assert support.megatron_window(config, [8, 0]) == (7, 0)
+    assert support.megatron_window(dict(config, sliding_window=256), [256, 0]) is None
+    assert support.megatron_window(config, None) is None
+
+
 @pytest.mark.parametrize("arch,fields", [
-    ("MistralForCausalLM", dict(sliding_window=8)),
     ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
     ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
 ])

@@ -30,6 +30,7 @@ def test_odd_vocabulary_at_tp2(runs, fsdp):
     assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5  # the 21 padded ids take no probability
     assert r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0
     assert r["changed_by_step"] > 0 and r["trained_shapes_match"]
+    assert r["reload_relative"] < 1e-5  # save_hf wrote HF shapes; transformers reloads it
 
 
 def test_fsdp_and_ddp_agree(runs):
