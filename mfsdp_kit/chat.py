@@ -47,10 +47,18 @@ def require_template(tokenizer) -> None:
             "(mfsdp_kit.models.tiny.CHAT_TEMPLATE shows the shape: user, assistant and end-of-turn text)")
 
 
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-    """The conversation as text, exactly as the tokenizer's template writes it."""
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool = False, where: str | None = None) -> str:
+    """The conversation as text, exactly as the tokenizer's template writes it. With `where`
+    (e.g. "data.jsonl:7"), a template's refusal is a `ChatTemplateError` starting with it."""
+    import jinja2
     require_template(tokenizer)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as e:
+        if where is None:
+            raise
+        raise ChatTemplateError(f"{where}: the chat template of {_name(tokenizer)!r} cannot render this "
+                                f"conversation: {e}") from None
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

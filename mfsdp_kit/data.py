@@ -234,10 +234,6 @@ REWARDS = {"exact": verify, "digits": digit_match}
 
 
 # ---- SFT tokenization ----------------------------------------------------------------------
-def _encode(tokenizer, text: str) -> list[int]:
-    return chat.encode_text(tokenizer, text)
-
-
 def _example(item, tokenizer, i: int) -> Example:
     """A Pair (prompt and response encoded separately, so the boundary is exact for any
     tokenizer), a list of messages (rendered by the chat template) or an Example as it is."""
@@ -247,7 +243,7 @@ def _example(item, tokenizer, i: int) -> Example:
         ids, target = chat.encode(tokenizer, item, where=f"example {i}")
         return Example(tuple(ids), tuple(target))
     prompt, response = item
-    p, r = _encode(tokenizer, prompt), _encode(tokenizer, response)
+    p, r = chat.encode_text(tokenizer, prompt), chat.encode_text(tokenizer, response)
     if not p or not r:
         raise ValueError(f"pair {i} has an empty prompt or response: {(prompt, response)!r}")
     return Example(tuple(p + r), (False,) * len(p) + (True,) * len(r))
@@ -332,6 +328,19 @@ def _checked_messages(messages: list, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def _rows(path) -> Iterator[tuple[str, object]]:
+    """("file:line", parsed row) for each non-blank line of a JSONL file (lines count from 1)."""
+    path = pathlib.Path(path)
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+        yield f"{path}:{lineno}", row
+
+
 def load_jsonl(path, tokenizer) -> list[Example]:
     """Conversations from a JSONL file, rendered by `tokenizer`'s chat template and tokenized.
 
@@ -340,21 +349,33 @@ def load_jsonl(path, tokenizer) -> list[Example]:
     skipped. Errors name the file and the 1-based line number, including a row the template
     refuses (e.g. a system message a template raises on)."""
     chat.require_template(tokenizer)
-    path = pathlib.Path(path)
-    examples = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-        ids, target = chat.encode(tokenizer, _row_messages(row, where), where=where)
-        examples.append(Example(tuple(ids), tuple(target)))
+    examples = [Example(*map(tuple, chat.encode(tokenizer, _row_messages(row, where), where=where)))
+                for where, row in _rows(path)]
     if not examples:
         raise ValueError(f"{path} is empty: no rows; accepted shapes: {_SHAPES}")
     return examples
+
+
+def load_prompts_jsonl(path, tokenizer) -> list[tuple[str, str]]:
+    """(prompt rendered up to the generation prompt, answer) pairs for RL (`rl.grpo.fit`'s
+    prompt_pool) and evaluation: rows {"prompt": str, "answer": str} or {"messages": [...ending
+    with a user message], "answer": str}. The reward function gets the rendered prompt and the
+    completion. Errors name the file and line."""
+    chat.require_template(tokenizer)
+    out = []
+    for where, row in _rows(path):
+        shape = ('{"prompt": str, "answer": str} or {"messages": [{"role": ..., "content": str}, ...] ending with '
+                 'a user message, "answer": str}')
+        row = row if isinstance(row, dict) else {}
+        messages = [{"role": "user", "content": row["prompt"]}] if isinstance(row.get("prompt"), str) else row.get("messages")
+        if not (isinstance(row.get("answer"), str) and isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                        for m in messages) and messages[-1]["role"] == "user"):
+            raise ValueError(f"{where}: a prompt row is {shape}")
+        out.append((chat.render(tokenizer, messages, add_generation_prompt=True, where=where), row["answer"]))
+    if not out:
+        raise ValueError(f"{path} is empty: no rows")
+    return out
 
 
 # ---- synthetic tokens (parity tests, benchmarks) --------------------------------------------

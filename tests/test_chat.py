@@ -204,3 +204,19 @@ def test_prompt_that_the_conversation_does_not_continue_is_refused(qwen):
         data.tokenize_sft([CONVERSATION[1:3], CONVERSATION[1:]], counting, seq_len_tokens=64)   # "Users: 2" vs 1
     with pytest.raises(chat.ChatTemplateError, match="example 0: message 0 is the assistant's"):
         data.tokenize_sft([CONVERSATION[2:3]], qwen, seq_len_tokens=64)
+
+
+def test_rl_prompts_from_jsonl(tmp_path, llama3):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n\n"
+                    + json.dumps({"messages": CONVERSATION[:2], "answer": "Hello"}) + "\n")
+    prompts = data.load_prompts_jsonl(path, llama3)
+    assert prompts == [("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n2+2=<|eot_id|>"
+                        "<|start_header_id|>assistant<|end_header_id|>\n\n", "4"),
+                       (chat.render(llama3, CONVERSATION[:2], add_generation_prompt=True), "Hello")]
+    assert data.verify(prompts[0][0], "4<|eot_id|>") == 1.0
+    with pytest.raises(chat.ChatTemplateError, match=r"prompts.jsonl:3: the chat template .* System role"):
+        data.load_prompts_jsonl(path, ct.qwen(ct.CHATML_NO_SYSTEM))
+    path.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl:1: a prompt row is .*\"answer\": str"):
+        data.load_prompts_jsonl(path, llama3)
