@@ -1,14 +1,20 @@
 """Hugging Face folders <-> Megatron chunks through Megatron-Bridge (`AutoBridge`).
 
 `load(hf_path, cfg)` checks the folder before any weight is read (config present, architecture
-supported, TP divides the heads, safetensors rather than pickle, every tensor the architecture
-needs present with its shape: `check_tensors`), builds the model from the HF
+supported, every config field reproduced exactly by this install - `models.support`, which refuses
+with the field, value and reason -, TP divides the heads, safetensors rather than pickle, every
+tensor the architecture needs present with its shape: `check_tensors`), builds the model from the HF
 config with the local layer spec (Transformer Engine's where TE is installed), loads the HF
 weights into the plain chunks, then wraps them (DDP or Megatron-FSDP). Loading before the
 wrap means Megatron-FSDP copies the loaded values into both its compute and its fp32 main
 weight shards, so the first forward already uses them (the Megatron-Bridge #3397 symptom -
 a loaded checkpoint without effect until the first step - cannot happen). The cost: each rank
 holds one full unsharded copy of its TP slice while loading.
+
+Without Transformer Engine, what the bridge's providers switch on but only TE has is switched off
+(FUSIONS_OFF, MOE_TE_ONLY), architecture-specific attention modules are kept on the local spec
+(OLMoE), a vocabulary TP does not divide is padded (`models.vocab`), and `load(..., verify=True)`
+compares the result with transformers' logits (`models.verify`).
 """
 from __future__ import annotations
 
