@@ -93,3 +93,17 @@ def qwen3():
 def llama3(template: str | None = LLAMA3_TEMPLATE):
     """Llama-3-style: header tokens, bos <|begin_of_text|>, eos <|end_of_text|>, no pad token."""
     return build(LLAMA3_SPECIALS, template=template, eos="<|end_of_text|>", bos="<|begin_of_text|>")
+
+
+def byte_bpe(specials: list[str], *, template: str, eos: str, corpus: list[str], bos: str | None = None):
+    """A byte-level BPE (Qwen's and Llama 3's kind: merges can join a newline and a word) trained on
+    `corpus` in milliseconds, with `specials` as added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, chat_template=template,
+                                   clean_up_tokenization_spaces=False)

@@ -220,3 +220,22 @@ def test_rl_prompts_from_jsonl(tmp_path, llama3):
     path.write_text(json.dumps({"prompt": "Hi"}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl:1: a prompt row is .*\"answer\": str"):
         data.load_prompts_jsonl(path, llama3)
+
+
+@pytest.mark.parametrize("specials, template, eos, bos, eot", [
+    (ct.CHATML_SPECIALS, ct.QWEN_TEMPLATE, "<|endoftext|>", None, "<|im_end|>"),
+    (ct.LLAMA3_SPECIALS, ct.LLAMA3_TEMPLATE, "<|end_of_text|>", "<|begin_of_text|>", "<|eot_id|>"),
+])
+def test_byte_level_bpe(specials, template, eos, bos, eot):
+    """With merges learned from the conversations themselves, the reply tokens decode to exactly the
+    replies and their end-of-turn tokens, and everything else to the rest of the text."""
+    conversations = [CONVERSATION, CONVERSATION[1:3], [{"role": "user", "content": "How many legs does a spider have?"},
+                                                       {"role": "assistant", "content": "Eight legs.\n\nOne two three."}]]
+    words = ct.build(specials, template=template, eos=eos, bos=bos)   # renders the training corpus
+    tok = ct.byte_bpe(specials, template=template, eos=eos, bos=bos,
+                      corpus=[chat.render(words, c) for c in conversations])
+    for messages, replies in zip(conversations, (["Hello.", "Four."], ["Hello."], ["Eight legs.\n\nOne two three."])):
+        ids, target = chat.encode(tok, messages)
+        assert tok.decode(ids) == chat.render(tok, messages)
+        assert tok.decode([i for i, t in zip(ids, target) if t]) == "".join(r + eot for r in replies)
+        assert len(ids) < len(chat.render(tok, messages)) / 1.5   # merges happened: fewer tokens than characters
