@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import offload, runtime
+from ..config import bad_value
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
 from .rollout import RolloutBackend
 
@@ -139,7 +140,7 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
         stats.update(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     if len(prompts) % dp:
-        raise ValueError(f"prompts_per_iteration={len(prompts)} must be a multiple of the data-parallel size {dp}")
+        raise bad_value("prompts_per_iteration", len(prompts), f"a multiple of the data-parallel size {dp}")
     share = prompts[dp_rank * len(prompts) // dp:(dp_rank + 1) * len(prompts) // dp]
     t0 = time.perf_counter()
     with offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
@@ -250,7 +251,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) 
         return (per_token * mask).sum(), mask.sum()
     if level == "sequence":
         return ((per_token * mask).sum(dim=1) / lengths.clamp(min=1)).sum(), (lengths > 0).float().sum()
-    raise ValueError(f"level={level!r}: allowed 'token' | 'sequence'")
+    raise bad_value("level", level, "'token' | 'sequence'")
 
 
 def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,

@@ -30,7 +30,8 @@ import torch
 from . import core, grpo
 from .core import RolloutBatch
 from .rollout import RolloutBackend
-from ..train import Batch
+from ..config import bad_value
+from ..data import Batch
 
 
 @dataclass(kw_only=True)
@@ -89,7 +90,7 @@ def dynamic_sample(*, sample_round: Callable[[int, int], RolloutBatch], wanted_g
     kept or `max_rounds` ran. Returns (kept groups, at most `wanted_groups`; everything sampled;
     rounds run)."""
     if max_rounds < 1:
-        raise ValueError(f"max_sampling_rounds={max_rounds} must be >= 1 (1 = filter only, never refill)")
+        raise bad_value("max_sampling_rounds", max_rounds, "an integer >= 1 (1 = filter only, never refill)")
     kept: list[RolloutBatch] = []
     sampled: list[RolloutBatch] = []
     for r in range(max_rounds):
