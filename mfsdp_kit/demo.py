@@ -50,6 +50,20 @@ def tokenizer_for(src: str):
     return tok
 
 
+def stops(tok, src: str) -> list[int]:
+    """The tokenizer's stop ids (eos, end-of-turn) and any more eos ids the model folder's
+    generation_config.json lists (Llama 3.1 also ends on <|eom_id|>)."""
+    from transformers import GenerationConfig
+
+    from .chat import stop_ids
+    ids = stop_ids(tok)
+    try:
+        extra = GenerationConfig.from_pretrained(src).eos_token_id
+    except OSError:   # no generation_config.json
+        extra = None
+    return ids + [i for i in ([extra] if isinstance(extra, int) else extra or []) if i not in ids]
+
+
 def plan(tok, recipe: dict, *, heldout: int) -> dict:
     """The demo's data for this tokenizer: task, train pairs, held-out prompts, the sequence length
     that keeps every pair whole (at least the recipe's) and the new tokens a full answer needs."""
@@ -74,17 +88,17 @@ def _problem(prompt: str) -> str:
     return re.findall(r"\d+[+\-*]\d+=", prompt)[-1]
 
 
-def _samples(hf_model, tok, prompts, device, *, max_new_tokens: int) -> list[tuple[str, str]]:
+def _samples(hf_model, tok, prompts, device, *, max_new_tokens: int, stop_ids: list[int]) -> list[tuple[str, str]]:
     """Greedy samples from the rollout model, one prompt at a time (no padding needed):
     (problem, completion without special tokens)."""
     import torch
 
-    from .chat import encode_text, pad_id, stop_ids
+    from .chat import encode_text, pad_id
     out = []
     for prompt in prompts:
         ids = torch.tensor([encode_text(tok, prompt)], device=device)
         gen = hf_model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id(tok),
-                                eos_token_id=stop_ids(tok))
+                                eos_token_id=stop_ids)
         out.append((_problem(prompt), tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)))
     return out
 
@@ -116,6 +130,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     plan_ = plan(tok, recipe, heldout=40 if on_gpu else 10)
     heldout, recipe["seq_len_tokens"] = plan_["heldout"], plan_["seq_len_tokens"]
     vocab_size = getattr(AutoConfig.from_pretrained(src), "vocab_size", None)   # greedy never picks padded rows
+    stop_ids = stops(tok, src)
     _log(f"{rt.world_size} ranks ({rt.backend}, {rt.device.type}), model {src}, recipe {recipe}")
     total, half = recipe["steps"], recipe["steps"] // 2
     warmup = min(10, max(1, total // 4))   # 10 of the default 300 steps; a short --steps run still decays
@@ -139,7 +154,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
 
     def accuracy(model):
         return generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify,
-                                 max_new_tokens=plan_["max_new_tokens"], vocab_size=vocab_size)
+                                 max_new_tokens=plan_["max_new_tokens"], vocab_size=vocab_size, stop_ids=stop_ids)
 
     t0 = time.perf_counter()
     model, opt, sched = build()
@@ -163,7 +178,8 @@ def worker(out: Path, *, steps: int | None = None) -> None:
 
     hf_model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(rt.device).eval()
     stats = sync.load_into(hf_model, model.chunks, model.bridge)
-    samples = _samples(hf_model, tok, [p for p, _ in heldout[:4]], rt.device, max_new_tokens=plan_["max_new_tokens"])
+    samples = _samples(hf_model, tok, [p for p, _ in heldout[:4]], rt.device, max_new_tokens=plan_["max_new_tokens"],
+                       stop_ids=stop_ids)
     export = sync.save_hf(model.chunks, model.bridge, out / "hf")
     report = memory_report(model.chunks, opt)
     n, dp = report.num_params, report.dp_size

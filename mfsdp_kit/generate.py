@@ -103,13 +103,14 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: i
 
 
 def evaluate(chunks, tokenizer, prompts_answers: list[tuple[str, str]], *, reward_fn,
-             max_new_tokens: int = 8, vocab_size: int | None = None) -> dict:
+             max_new_tokens: int = 8, vocab_size: int | None = None, stop_ids: list[int] | None = None) -> dict:
     """Held-out accuracy: mean `reward_fn(prompt, completion)` over all prompts (all ranks agree).
-    Completions stop at the tokenizer's eos or its chat template's end-of-turn token."""
+    Completions stop at `stop_ids`, by default the tokenizer's eos and its chat template's
+    end-of-turn token (`chat.stop_ids`; a model's generation_config may list more)."""
     from megatron.core import parallel_state as ps
     ids = [chat.encode_text(tokenizer, p) for p, _ in prompts_answers]
-    completions = greedy(chunks, ids, max_new_tokens=max_new_tokens, stop_ids=chat.stop_ids(tokenizer),
-                         vocab_size=vocab_size)
+    completions = greedy(chunks, ids, max_new_tokens=max_new_tokens, vocab_size=vocab_size,
+                         stop_ids=chat.stop_ids(tokenizer) if stop_ids is None else stop_ids)
     score = torch.zeros(2, dtype=torch.float64, device=runtime.current().device)
     samples = []
     for i, row in sorted(completions.items()):

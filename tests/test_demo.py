@@ -63,3 +63,12 @@ def test_demo_runs_on_a_qwen3_folder_without_pad_token(tmp_path):
     assert summary["model"] == str(folder) and len(summary["loss"]) == 4 and summary["recipe"]["seq_len_tokens"] > 16
     assert [p for p, _ in summary["samples"]] and all(p.endswith("=") for p, _ in summary["samples"])
     assert "rollout samples" in proc.stdout
+
+
+def test_stops_add_the_generation_config_eos_ids(tmp_path):
+    from transformers import GenerationConfig
+    tok = ct.qwen()
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert demo.stops(tok, str(tmp_path)) == [tok.eos_token_id, im_end]   # no generation_config.json
+    GenerationConfig(eos_token_id=[im_end, 7]).save_pretrained(tmp_path)   # as Llama 3.1 lists <|eom_id|>
+    assert demo.stops(tok, str(tmp_path)) == [tok.eos_token_id, im_end, 7]
