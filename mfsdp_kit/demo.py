@@ -1,7 +1,8 @@
 """`python -m mfsdp_kit.demo` (what `make demo` runs): the default end-to-end job.
 
 Megatron-FSDP on every rank (one per GPU, else 2 CPU ranks): load the tiny HF model (or
-$MODEL), held-out accuracy, SFT on arithmetic (1-digit on CPU, 2-digit on GPU) with a
+$MODEL) and check its logits against transformers' on the same folder (`models.verify`; a
+mismatch stops the demo), held-out accuracy, SFT on arithmetic (1-digit on CPU, 2-digit on GPU) with a
 checkpoint halfway and a resume from it into a freshly built model, accuracy again, weight
 sync into a `transformers` rollout model and samples from it, an HF export (`sync.save_hf`),
 then a summary table and plots under runs/demo/.
@@ -136,8 +137,8 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     warmup = min(10, max(1, total // 4))   # 10 of the default 300 steps; a short --steps run still decays
     ocfg = OptimConfig(lr=3e-3, min_lr=1e-4, warmup_steps=warmup, decay_steps=max(1, total - warmup))
 
-    def build():
-        model = load(src, cfg)
+    def build(verify: bool = False):
+        model = load(src, cfg, verify=verify)   # verify: HF's logits on the same folder, a mismatch raises
         opt = engine.build_optimizer(model.chunks, ocfg, cfg)
         return model, opt, engine.build_scheduler(opt, ocfg, total_steps=total)
 
@@ -157,7 +158,9 @@ def worker(out: Path, *, steps: int | None = None) -> None:
                                  max_new_tokens=plan_["max_new_tokens"], vocab_size=vocab_size, stop_ids=stop_ids)
 
     t0 = time.perf_counter()
-    model, opt, sched = build()
+    model, opt, sched = build(verify=True)
+    verification = model.verification.as_dict()
+    _log(str(model.verification))
     before = accuracy(model)
     _log(f"held-out accuracy before: {before['accuracy']:.2f}")
     fit_kw = dict(micro_batch_size=recipe["micro_batch_size"], scheduler=sched, progress=False, on_step=progress)
@@ -187,7 +190,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
         summary = dict(
             world_size=rt.world_size, device=rt.device.type, model=src, recipe=recipe, train_s=train_s,
             loss=first.loss + second.loss, tokens_per_s=first.tokens_per_s + second.tokens_per_s,
-            resumed_at=meta["step"], checkpoint=str(saved), accuracy_before=before["accuracy"],
+            resumed_at=meta["step"], checkpoint=str(saved), verification=verification, accuracy_before=before["accuracy"],
             accuracy_after=after["accuracy"], heldout=len(heldout), samples=samples, export=str(export),
             sync=stats, memory=report.as_dict(),
             formula=dict(ddp=zero_formula_bytes(num_params=n, dp_size=dp, fsdp=False, dtype=cfg.dtype),
@@ -219,6 +222,13 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+def _verification(v: dict | None) -> str:
+    if not v:
+        return "not run"
+    return (f"max diff {v['max_abs_diff']:.2g} = {v['relative']:.2g} of the logit scale "
+            f"(tolerance {v['tolerance']:g}): {'ok' if v['ok'] else 'MISMATCH'}")
+
+
 def summarize(out: Path) -> str:
     """The summary table; also writes runs/demo/loss.png and memory.png."""
     from . import plots
@@ -236,6 +246,7 @@ def summarize(out: Path) -> str:
     rows = [
         ("ranks / device", f"{s['world_size']} x {s['device']}"),
         ("model", f"{s['model']} ({n:,} params)"),
+        ("logits vs transformers", _verification(s.get("verification"))),
         ("task", f"{s['recipe']['digits']}-digit addition, {len(s['loss'])} steps x {s['recipe']['global_batch']} seq"),
         ("loss first -> last", f"{s['loss'][0]:.4f} -> {s['loss'][-1]:.4f}"),
         ("train time / median tokens/s", f"{s['train_s']:.1f} s / {tps:.0f}"),

@@ -62,7 +62,8 @@ def test_demo_runs_on_a_qwen3_folder_without_pad_token(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == str(folder) and len(summary["loss"]) == 4 and summary["recipe"]["seq_len_tokens"] > 16
     assert [p for p, _ in summary["samples"]] and all(p.endswith("=") for p, _ in summary["samples"])
-    assert "rollout samples" in proc.stdout
+    assert "rollout samples" in proc.stdout and summary["verification"]["ok"] is True
+    assert summary["verification"]["relative"] < 1e-5 and "logits vs transformers" in proc.stdout
 
 
 def test_stops_add_the_generation_config_eos_ids(tmp_path):
