@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from .. import chat
 from . import core, grpo
 from .core import RolloutBatch
 from .rollout import RolloutBackend
@@ -35,27 +36,16 @@ from ..data import Batch
 
 
 @dataclass(kw_only=True)
-class DAPOConfig:
-    """Knobs of one DAPO run (those shared with `grpo.GRPOConfig` mean the same)."""
+class DAPOConfig(core.RolloutConfig):
+    """Knobs of one DAPO run: the shared ones (`core.RolloutConfig`; `prompts_per_iteration` is the
+    number of groups wanted in each update, and the first round's prompts) and DAPO's own."""
 
-    prompts_per_iteration: int = 8
-    """Groups wanted in each update (a multiple of the data-parallel size); also the first round's prompts."""
-    samples_per_prompt: int = 4
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    top_p: float = 1.0
     eps_low: float = 0.2
     """Ratio clip below: the loss stops pushing a token down once ratio < 1 - eps_low."""
     eps_high: float = 0.28
     """Ratio clip above (the paper's 0.28): the loss stops pushing a token up once ratio > 1 + eps_high."""
-    kl_coef: float = 0.0
-    ppo_epochs: int = 1
-    num_minibatches: int = 1
-    micro_batch_size: int = 8
-    seed: int = 0
     max_sampling_rounds: int = 4
     """Sampling rounds per iteration at most (1 = filter only, never refill)."""
-    offload_during_rollout: bool = False
 
 
 def dapo_loss(mb: Batch, token_losses: torch.Tensor, *, eps_low: float, eps_high: float, kl_coef: float = 0.0):
@@ -141,7 +131,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
     kept = kept.select_groups(list(range(n_use)))
     batch = core.training_batch(kept, core.group_advantages(kept.rewards, group_size=dcfg.samples_per_prompt),
                                 chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                pad_id=rollout.tokenizer.pad_token_id, micro_batch_size=dcfg.micro_batch_size)
+                                pad_id=chat.pad_id(rollout.tokenizer), micro_batch_size=dcfg.micro_batch_size)
     results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=dcfg.ppo_epochs,
                           num_minibatches=dcfg.num_minibatches, micro_batch_size=dcfg.micro_batch_size,
                           scheduler=scheduler, loss_fn=partial(dapo_loss, eps_low=dcfg.eps_low,

@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 
+from .. import chat
 from . import core
 from .core import ADV_EPS, Reward, group_advantages, rollout_batch, token_logprobs  # noqa: F401 (public names)
 from .rollout import HFRollout, RolloutBackend
@@ -37,33 +38,14 @@ Rollout = HFRollout
 
 
 @dataclass(kw_only=True)
-class GRPOConfig:
-    """Knobs of one GRPO run."""
+class GRPOConfig(core.RolloutConfig):
+    """Knobs of one GRPO run: the shared ones (`core.RolloutConfig`) and the clipped loss's."""
 
-    prompts_per_iteration: int = 8
-    """Distinct prompts per iteration (a multiple of the data-parallel size)."""
-    samples_per_prompt: int = 4
-    """Completions per prompt: the group whose rewards are normalised together."""
-    max_new_tokens: int = 6
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts. Below 1 keeps the samples near the mode: where accuracy
-    is scored on the greedy answer, T 0.5 raised it +11.5 points in 180 iterations on GPU, where T 1
-    raised only the samples' own accuracy (docs/benchmarks.md, GRPO)."""
-    top_p: float = 1.0
     clip_eps: float = 0.2
     """Ratio clip: the loss stops pushing once ratio leaves [1 - clip_eps, 1 + clip_eps]."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference model (0 = no reference forward)."""
-    ppo_epochs: int = 1
-    num_minibatches: int = 1
-    micro_batch_size: int = 8
-    seed: int = 0
     min_advantage: float | None = None
     """Advantages below this are raised to it (None = plain GRPO). 0.0 keeps only the better-than-
     group-mean samples: they are pushed up, the worse ones are left alone instead of pushed down."""
-    offload_during_rollout: bool = False
-    """Move the training state (weights, grads, Adam) to host memory while the rollout model
-    samples, and back before the update (`offload.offload` / `offload.reload`)."""
     loss_level: core.LossLevel = "token"
     """"token": mean over all completion tokens of a minibatch; "sequence": mean of per-sequence
     means (the GRPO paper). See `rl.core.aggregate`."""
@@ -131,7 +113,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: li
         adv = adv.clamp(min=gcfg.min_advantage)
     t0 = time.perf_counter()
     batch = core.training_batch(rollouts, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                pad_id=rollout.tokenizer.pad_token_id, micro_batch_size=gcfg.micro_batch_size)
+                                pad_id=chat.pad_id(rollout.tokenizer), micro_batch_size=gcfg.micro_batch_size)
     results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=gcfg.ppo_epochs,
                           num_minibatches=gcfg.num_minibatches, micro_batch_size=gcfg.micro_batch_size,
                           scheduler=scheduler, loss_fn=partial(grpo_loss, clip_eps=gcfg.clip_eps,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import engine, sync
+from ... import chat, engine, sync
+from ...generate import cut_at_stop
 
 
 class HFRollout:
@@ -33,7 +34,8 @@ class HFRollout:
     @torch.no_grad()
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                seed: int) -> list[list[int]]:
-        """n completions (token ids, cut after eos) per prompt, in prompt-major order.
+        """n completions (token ids, cut after the first stop id: eos or the template's end-of-turn) per
+        prompt, in prompt-major order. A tokenizer without a pad token pads with eos (`chat.pad_id`).
 
         `top_k=0` turns off transformers' default top-k of 50, so top_p alone truncates."""
         if not prompts:
@@ -41,9 +43,8 @@ class HFRollout:
         enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: enc[k].to(self.model.device) for k in ("input_ids", "attention_mask")}
         torch.manual_seed(seed)  # TP ranks of one replica draw the same samples
-        eos = self.tokenizer.eos_token_id
+        stops = chat.stop_ids(self.tokenizer)
         out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                   max_new_tokens=max_new_tokens, num_return_sequences=n,
-                                  eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
-        rows = out[:, enc["input_ids"].shape[1]:].tolist()
-        return [row[:row.index(eos) + 1] if eos in row else row for row in rows]
+                                  eos_token_id=stops, pad_token_id=chat.pad_id(self.tokenizer))
+        return [cut_at_stop(row, stops) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
