@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo test lab clean
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -17,6 +17,15 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps megatron-bridge==0.3.1
 	touch $(STAMP)
 
+# JupyterLab (the `lab` extra) on notebooks/, 127.0.0.1 + token; prints the URL and the SSH tunnel line.
+LAB_STAMP := $(VENV)/.lab-installed
+$(LAB_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[test,lab]"
+	touch $(LAB_STAMP)
+
+lab: $(LAB_STAMP)
+	$(BIN)/python -m mfsdp_kit.lab
+
 demo: install
 	$(BIN)/python -m mfsdp_kit.demo
 
@@ -24,7 +33,7 @@ demo: install
 # portable ATen kernels: a comparison that only holds for this CPU's SIMD kernels fails here, not on
 # a user's machine. Inductor's C++ cache is per capability (a cache built natively breaks the build).
 PORTABLE := ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(VENV)/inductor-default
-test: install
+test: install $(LAB_STAMP)
 	$(BIN)/python -m pytest -q tests $(if $(wildcard notebooks/*.ipynb),&& $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
 	$(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
 	$(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb

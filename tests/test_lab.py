@@ -1,0 +1,42 @@
+"""`make lab`'s server: loopback only, token required, stopped without leftovers."""
+import shutil
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mfsdp_kit import lab
+
+needs_lab = pytest.mark.skipif(shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None,
+                               reason="jupyterlab not installed (make test and make lab install the `lab` extra)")
+
+
+def test_tunnel_command_names_port_and_host():
+    assert lab.tunnel_command(8890, user="ada", host="gpu7") == "ssh -N -L 8890:127.0.0.1:8890 ada@gpu7"
+
+
+def test_missing_root_is_a_config_error(tmp_path):
+    with pytest.raises(ValueError, match="root="):
+        lab.start(root=tmp_path / "nope")
+
+
+@needs_lab
+def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
+    server = lab.start()
+    pid = server.process.pid
+    try:
+        assert server.api(token=server.token) == 200
+        assert server.api() == 403                        # no token: refused
+        assert server.api(token="not-the-token") == 403
+        assert server.api("/api/contents", token=server.token) == 200  # the notebooks folder
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        listening = {c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        print("listening on", listening, "url", server.url.split("?")[0])
+        assert listening == {"127.0.0.1"}
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+    assert not [p for p in psutil.process_iter(["pid"]) if p.info["pid"] == pid and p.status() != psutil.STATUS_ZOMBIE]
+    with pytest.raises(OSError):
+        server.api(token=server.token, timeout_s=2)
