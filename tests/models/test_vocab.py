@@ -35,3 +35,15 @@ def test_odd_vocabulary_at_tp2(runs, fsdp):
 
 def test_fsdp_and_ddp_agree(runs):
     assert abs(runs[True]["loss"] - runs[False]["loss"]) < 1e-6
+
+
+def test_tied_embeddings_with_an_odd_vocabulary(tmp_path):
+    """Qwen2.5-0.5B / Llama-3.2-1B style: one matrix is the embedding and the output layer; padded
+    rows are zero for both uses, padded logits masked, export has the HF shape (no lm_head.weight)."""
+    r = launch.run("scenarios_arch:arch_roundtrip", arch="Qwen2ForCausalLM", tp=2, fsdp=True, vocab_size=1003,
+                   workdir=str(tmp_path), overrides=dict(tie_word_embeddings=True))
+    print(r["verify"], "loss", r["megatron_loss"], "HF", r["hf_loss"], "reload", r["reload_relative"])
+    assert r["megatron_vocab"] == 1024 and r["verify"]["relative"] < 1e-5
+    assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5
+    assert r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0
+    assert r["trained_shapes_match"] and r["reload_relative"] < 1e-5
