@@ -6,8 +6,8 @@ several nodes), gives each a rank that does not depend on ipyparallel's engine i
 rendezvous port and calls `mfsdp_kit.runtime.init` on every engine. The naive version -- rank :=
 engine id -- breaks on the first restart, because ipyparallel numbers new engines 2, 3, ...
 
-A dead engine is the usual way a notebook world breaks; `ClusterHandle.wait` names the rank that
-died and `restart()` rebuilds the world with the same ranks. `report(step=, total=, **metrics)`
+A dead engine or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank that died,
+watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with the same ranks. `report(step=, total=, **metrics)`
 on engines plus `run_with_progress` on the client give per-rank progress bars.
 
 Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 
+from . import watchdog
 from .config import ConfigError, EngineConfig, bad_value
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
@@ -72,7 +73,7 @@ def _engine_free_port(addr: str) -> int:
 
 
 def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
-                 master_addr: str, master_port: int) -> tuple[str, str]:
+                 master_addr: str, master_port: int, abort_key: str = "") -> tuple[str, str]:
     """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`; (device, backend)."""
     import torch
     from mfsdp_kit import runtime
@@ -82,6 +83,8 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
                       master_addr=master_addr, master_port=master_port)
+    if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
+        watchdog.arm(master_addr, master_port, abort_key)
     return f"{rt.device}", rt.backend
 
 
@@ -127,6 +130,8 @@ class ClusterHandle:
     """What the engines use ("nccl" | "gloo"), resolved from the `backend="auto"` asked for."""
     master_port: int | None = None
     view: Any = None
+    world_key: str = ""
+    abort_reason: str | None = None   # why the client aborted the world (watchdog.py); reinit() clears it
 
     @property
     def ranks(self) -> list[int]:
@@ -168,7 +173,9 @@ class ClusterHandle:
         try:
             return result.get()
         except ipp.error.CompositeError as err:
-            raise (self._died(self.dead_ranks()) if self.dead_ranks() else err) from err
+            if self.dead_ranks():
+                raise self._died(self.dead_ranks()) from err
+            raise (ClusterError(watchdog.describe(self, err)) if self.abort_reason else err) from err
 
     def run(self, code: str, *, timeout_s: float | None = None) -> None:
         """Execute `code` on every rank (like a %%px cell), raising `ClusterError` if an engine dies."""
@@ -179,11 +186,16 @@ class ClusterHandle:
         return self.wait(self.view.apply_async(fn, *args, **kwargs), timeout_s=timeout_s)
 
     def _died(self, dead: list[int]) -> ClusterError:
-        which = ", ".join(f"rank {r} (engine {self.engine_of[r]})" for r in dead)
-        return ClusterError(f"{which} died mid-cell; the process group is broken for every rank. "
-                            "Call handle.restart() to rebuild the world with the same ranks.")
+        return ClusterError(", ".join(f"rank {r} (engine {self.engine_of[r]})" for r in dead) + " died mid-cell; the "
+                            "process group is broken for every rank. Call handle.restart() to rebuild the world.")
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    def reinit(self) -> "ClusterHandle":
+        """A new world on the same engines (after a failure aborted the process groups); variables stay."""
+        self.view.apply_sync(_engine_shutdown)
+        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get))
+        return self
+
     def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
         """Stop every engine, start n new ones and rebuild the world with the same ranks."""
         timeout_s = timeout_s or self.init_kwargs["timeout_s"]
@@ -245,15 +257,17 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
     handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
     order = sorted(engine_ids, key=handle.rank_of.get)
     handle.master_port = client[order[0]].apply_sync(_engine_free_port, kw["master_addr"])
+    handle.world_key, handle.abort_reason = watchdog.new_key(), None
     for e in order:   # the names %%px cells use
         client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
                        block=True)
     pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
                                      world_size=len(order), local_rank=handle.local_rank_of[e],
-                                     master_addr=kw["master_addr"], master_port=handle.master_port)
-               for e in order]
+                                     master_addr=kw["master_addr"], master_port=handle.master_port,
+                                     abort_key=handle.world_key) for e in order]
     handle.view = client[order]
     handle.view.block = True
+    watchdog.guard_view(handle)
     handle.devices, backends = zip(*[_get(handle, ar, kw["timeout_s"]) for ar in pending])
     handle.devices, handle.backend = list(handle.devices), backends[0]
     _secure_connection_files(handle)
@@ -287,8 +301,8 @@ def _activate(handle: ClusterHandle) -> None:
 
     def explain(shell, etype, value, tb, tb_offset=None):
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
-        if dead := handle.dead_ranks():
-            print(f"ClusterError: {handle._died(dead)}")
+        if line := watchdog.footer(handle, value):
+            print(f"ClusterError: {line}")
 
     shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), explain)
 
@@ -305,8 +319,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
     master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
-    timeout_s: engines must register, and the process group form, within this many seconds
-        (collectives keep runtime.init's own timeout).
+    timeout_s: engines must register, and the process group form, within this many seconds (not collectives).
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, ...).
     """
