@@ -18,6 +18,7 @@ world on the same engines. A cell that fails on every rank (a typo) aborts nothi
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -134,7 +135,7 @@ def describe(handle: Any, err: Exception) -> str:
         rank = handle.rank_of.get((info or {}).get("engine_id"), "?")
         lines.append(f"--- rank {rank}: {ename}: {evalue}")
         if tb and f"rank {rank} raised" in (handle.abort_reason or f"rank {rank} raised"):
-            lines.append(tb if isinstance(tb, str) else "\n".join(tb))
+            lines.append(re.sub(r"\x1b\[[0-9;]*m", "", tb if isinstance(tb, str) else "\n".join(tb)))
     if handle.abort_reason:
         lines.append("The process groups are aborted on every rank (the engines and their variables live on): "
                      "run handle.reinit() to build a new world, then rebuild models and optimizers.")
