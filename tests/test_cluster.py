@@ -25,13 +25,6 @@ def _engine_processes():
     return procs
 
 
-@pytest.fixture(scope="module")
-def handle():
-    h = cluster.start(2)
-    yield h
-    h.stop()
-
-
 def test_all_reduce_of_rank_plus_one(handle):
     handle.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
     assert [float(x) for x in handle.view["x"]] == [3.0, 3.0]

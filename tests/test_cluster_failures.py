@@ -15,13 +15,6 @@ FAIL_ON_RANK_1 = ("import torch, torch.distributed as dist\nif rank == 1:\n    r
 ALL_REDUCE = "import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)"
 
 
-@pytest.fixture(scope="module")
-def handle():
-    h = cluster.start(2)
-    yield h
-    h.stop()
-
-
 def _all_reduce_works(h):
     h.run(ALL_REDUCE, timeout_s=BOUND_S)
     assert [float(x) for x in h.view["x"]] == [3.0, 3.0]
