@@ -82,8 +82,6 @@ def stage(state, pinned: dict, prefix: str = ""):
     return out
 
 
-_GLOO_GROUPS: dict = {}
-
 def harden(path: Path) -> None:
     """Drop group/other write bits (so `check_trusted` accepts what we wrote). No fsync here: DCP's
     FileSystemWriter fsyncs each file it writes (sync_files=True) and `write_json` its own."""
