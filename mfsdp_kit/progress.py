@@ -14,9 +14,11 @@ def _engine_shell():
     """The engine's shell when running inside an ipyparallel engine, else None."""
     if "ipyparallel" not in sys.modules:  # an engine has imported it; nothing else needs to
         return None
-    from ipykernel.zmqshell import ZMQInteractiveShell
+    from IPython.core.interactiveshell import InteractiveShell
     from ipyparallel.engine.kernel import IPythonParallelKernel
-    shell = ZMQInteractiveShell.instance() if ZMQInteractiveShell.initialized() else None
+    # Ask the base class: a plain InteractiveShell (IPython in a terminal or a test) is a sibling
+    # singleton that ZMQInteractiveShell.instance() would refuse with MultipleInstanceError.
+    shell = InteractiveShell.instance() if InteractiveShell.initialized() else None
     return shell if isinstance(getattr(shell, "kernel", None), IPythonParallelKernel) else None
 
 

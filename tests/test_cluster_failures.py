@@ -65,6 +65,7 @@ def test_px_magic_returns_quickly_and_tags_rank(handle, capsys):
     assert took < 10 and handle.abort_reason and "rank 1 raised ValueError" in text, text[-3000:]
     handle.reinit()
     _all_reduce_works(handle)
+    InteractiveShell.clear_instance()   # the shell is this test's; later tests run without one
 
 
 def test_killed_engine_mid_cell_returns_quickly_then_restart(handle):
