@@ -1,0 +1,181 @@
+"""Which model the notebooks train: one knob, read here and nowhere else.
+
+    MFSDP_MODEL=<choice>   (environment variable; a notebook's first cell may set MODEL = <choice> instead)
+        unset | "auto"     "xs" on CPU (the tiny model, fp32); "m" (180.7 M params, bf16) when CUDA is visible
+        "xs" | "s" | "m" | "l"   that size of `models.tiny` (~0.1 M, ~3 M, 180.7 M, 1.70 B; written locally
+                           from a seed, no download), fp32 on CPU and bf16 on GPUs
+        a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
+    MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
+
+Why "m" on GPUs: it fills an H200 with a 64 x 256-token micro-batch at a useful MFU while every
+notebook still runs in about a minute; "l" (1.70 B) takes ~30 s per notebook to write its folder and is
+one `MFSDP_MODEL=l` away. The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
+them down for larger models (m trains stably at 3e-4: bench/sft_grpo.py).
+
+`prepare()` is what a notebook's first cell calls; `throughput()` is the GPU report (tokens/s per GPU,
+MFU, peak memory and model state against the ZeRO formula) that 06_memory prints.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import DTYPES, EngineConfig, bad_value
+
+ENV_MODEL, ENV_DTYPE = "MFSDP_MODEL", "MFSDP_DTYPE"
+TINY_SIZES = ("xs", "s", "m", "l")
+DEFAULT_SIZE = {False: "xs", True: "m"}
+"""by `on_gpu`"""
+LR_SCALE = {"xs": 1.0, "s": 0.3, "m": 0.1, "l": 0.03}
+"""Factor on the notebooks' xs learning rates; a user's folder gets USER_LR_SCALE."""
+USER_LR_SCALE = 0.01
+BENCH_SEQ_LEN = 256
+"""The tiny models' max_position_embeddings: the longest sequence their RoPE covers."""
+
+
+@dataclass(kw_only=True)
+class NotebookModel:
+    """The model a notebook trains and how: where its HF folder is, in which dtype, on what."""
+
+    choice: str
+    """What was asked: a tiny size or the user's folder."""
+    path: str
+    """The HF folder the notebook loads (`models.hf.load(path, cfg)`)."""
+    dtype: str
+    on_gpu: bool
+    workdir: str
+    """A fresh directory for what the notebook writes (exports, checkpoints): never beside a user's folder."""
+    lr_scale: float = 1.0
+
+    @property
+    def size(self) -> str | None:
+        return self.choice if self.choice in TINY_SIZES else None
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        """EngineConfig in this model's dtype; `overrides` win (a parity check passes dtype="fp32")."""
+        return EngineConfig(**{"dtype": self.dtype, **overrides})
+
+    def lr(self, xs_lr: float) -> float:
+        """A learning rate tuned on the tiny xs model, scaled for this one."""
+        return xs_lr * self.lr_scale
+
+    def out(self, name: str) -> str:
+        """A path under `workdir` for an output named `name`."""
+        return str(Path(self.workdir) / name)
+
+    def __str__(self) -> str:
+        where = "GPU" if self.on_gpu else "CPU"
+        return f"{self.choice} ({self.path}), {self.dtype} on {where}, lr x {self.lr_scale:g}"
+
+
+def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) -> tuple[str, str]:
+    """(choice, dtype) from the argument, else MFSDP_MODEL / MFSDP_DTYPE, else the defaults.
+
+    A choice is a tiny size or an existing directory; anything else raises ConfigError naming the knob."""
+    env = os.environ if env is None else env
+    choice = model if model not in (None, "") else env.get(ENV_MODEL, "") or "auto"
+    if choice == "auto":
+        choice = DEFAULT_SIZE[on_gpu]
+    if choice not in TINY_SIZES and not Path(choice).expanduser().is_dir():
+        raise bad_value(ENV_MODEL, choice, "auto | " + " | ".join(TINY_SIZES) + " | an existing HF folder")
+    dtype = env.get(ENV_DTYPE, "") or ("bf16" if on_gpu else "fp32")
+    if dtype not in DTYPES:
+        raise bad_value(ENV_DTYPE, dtype, " | ".join(DTYPES))
+    if choice not in TINY_SIZES:
+        choice = str(Path(choice).expanduser().resolve())
+    return choice, dtype
+
+
+def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: str | None = None,
+            seed: int = 0) -> NotebookModel:
+    """Resolve the knob and make the model's folder: a tiny size is written (seeded) under `workdir`."""
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    choice, dtype = resolve(model, on_gpu=on_gpu)
+    workdir = workdir or tempfile.mkdtemp(prefix="mfsdp_nb_")
+    if choice in TINY_SIZES:
+        from .models.tiny import tiny
+        path = str(tiny(Path(workdir) / f"tiny_{choice}", size=choice, seed=seed))
+        scale = LR_SCALE[choice]
+    else:
+        path, scale = choice, USER_LR_SCALE
+    return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu, workdir=workdir, lr_scale=scale)
+
+
+def gpt_spec(hf_path, *, seq_len_tokens: int):
+    """The `models.gpt.GPTSpec` of an HF folder's config.json: what `perf.flops` counts FLOPs on."""
+    from .models.gpt import GPTSpec
+    c = json.loads((Path(hf_path) / "config.json").read_text())
+    c = c.get("text_config", c)
+    return GPTSpec(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
+                   num_attention_heads=c["num_attention_heads"],
+                   num_query_groups=c.get("num_key_value_heads"), ffn_hidden_size=c["intermediate_size"],
+                   vocab_size=c["vocab_size"], seq_len_tokens=seq_len_tokens)
+
+
+def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = None, warmup: int = 1,
+               micro_batch_size: int | None = None, seq_len_tokens: int = BENCH_SEQ_LEN, seed: int = 0) -> dict:
+    """Train `steps` timed steps (after `warmup`) on random tokens, one micro-batch per rank per step.
+
+    Returns this rank's tokens/s (every position, not only loss tokens), MFU (bf16/fp16 on GPU only:
+    `perf.flops`' peak is dense bf16), step time, peak memory and model state next to the ZeRO formula.
+    Defaults: on GPU micro-batch 64 (8 for a user's folder) and 5 steps, on CPU 4 and 2."""
+    from megatron.core import parallel_state as ps
+
+    from . import data, runtime, train
+    from .memory import memory_report, zero_formula_bytes
+    from .perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params
+    gpu = torch.cuda.is_available()
+    steps = steps or (5 if gpu else 2)
+    mbs = micro_batch_size or ((64 if nbm.size else 8) if gpu else 4)
+    spec = gpt_spec(nbm.path, seq_len_tokens=seq_len_tokens)
+    dp = ps.get_data_parallel_world_size()
+    batches = data.random_token_batches(steps=steps + warmup, global_batch=mbs * dp, seq_len_tokens=seq_len_tokens,
+                                        vocab_size=spec.vocab_size, seed=seed)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i, batch in enumerate(batches):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        train.step(chunks, optimizer, batch, micro_batch_size=mbs, step_index=i)
+        if gpu:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    step_s = sorted(times)[len(times) // 2]
+    tokens_per_s = mbs * seq_len_tokens / step_s   # per rank = per GPU (one GPU per rank)
+    low_precision = gpu and nbm.dtype in ("bf16", "fp16")
+    report = memory_report(chunks, optimizer)
+    fsdp = runtime.current_config().use_megatron_fsdp
+    return dict(
+        model=nbm.choice, dtype=nbm.dtype, fsdp=fsdp, dp_size=dp, micro_batch_size=mbs,
+        seq_len_tokens=seq_len_tokens, steps=steps, step_s=step_s, tokens_per_s_per_gpu=tokens_per_s,
+        flops_per_token=flops_per_token(spec), matmul_params=matmul_params(spec),
+        mfu=tokens_per_s * flops_per_token(spec) / PEAK_FLOPS_PER_GPU if low_precision else None,
+        peak_bytes=torch.cuda.max_memory_allocated() if gpu else 0,
+        model_state_bytes=report.model_state_bytes,
+        formula_bytes=zero_formula_bytes(num_params=report.num_params, dp_size=dp, fsdp=fsdp, dtype=nbm.dtype),
+        num_params=report.num_params)
+
+
+def format_throughput(results: dict[str, dict]) -> str:
+    """A text table, one column per run (as `throughput` returned it)."""
+    gib = 2**30
+    rows = [("tokens/s per GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"),
+            ("MFU", lambda r: "-" if r["mfu"] is None else f"{r['mfu']:.1%}"),
+            ("step s (median)", lambda r: f"{r['step_s']:.3f}"),
+            ("micro-batch x seq", lambda r: f"{r['micro_batch_size']} x {r['seq_len_tokens']}"),
+            ("peak GiB per rank", lambda r: f"{r['peak_bytes'] / gib:.2f}"),
+            ("model state GiB", lambda r: f"{r['model_state_bytes'] / gib:.3f}"),
+            ("ZeRO formula GiB", lambda r: f"{r['formula_bytes'] / gib:.3f}")]
+    names = list(results)
+    lines = [f"{'':<20}" + "".join(f"{n:>18}" for n in names)]
+    lines += [f"{label:<20}" + "".join(f"{fmt(results[n]):>18}" for n in names) for label, fmt in rows]
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""notebook_model: the one knob (MFSDP_MODEL / MFSDP_DTYPE or a first-cell argument) that picks the
+notebooks' model. throughput() itself runs in notebooks/06_memory (nbval)."""
+import pytest
+
+from mfsdp_kit import notebook_model as nm
+from mfsdp_kit.config import ConfigError
+from mfsdp_kit.models.tiny import SIZES, param_count, tiny
+
+
+def test_defaults_follow_the_hardware():
+    assert nm.resolve(on_gpu=False, env={}) == ("xs", "fp32")
+    assert nm.resolve(on_gpu=True, env={}) == ("m", "bf16")
+    assert nm.resolve("auto", on_gpu=True, env={}) == ("m", "bf16")
+
+
+def test_environment_then_argument(tmp_path):
+    env = {nm.ENV_MODEL: "l", nm.ENV_DTYPE: "fp32"}
+    assert nm.resolve(on_gpu=True, env=env) == ("l", "fp32")
+    assert nm.resolve("s", on_gpu=True, env=env) == ("s", "fp32")          # the first cell's MODEL wins
+    assert nm.resolve(str(tmp_path), on_gpu=False, env={}) == (str(tmp_path.resolve()), "fp32")
+    assert nm.resolve(on_gpu=True, env={nm.ENV_MODEL: ""}) == ("m", "bf16")  # empty = unset
+
+
+@pytest.mark.parametrize("env, field", [({nm.ENV_MODEL: "xxl"}, nm.ENV_MODEL),
+                                        ({nm.ENV_MODEL: "/no/such/folder"}, nm.ENV_MODEL),
+                                        ({nm.ENV_DTYPE: "fp8"}, nm.ENV_DTYPE)])
+def test_bad_values_name_the_knob(env, field):
+    with pytest.raises(ConfigError, match=field):
+        nm.resolve(on_gpu=False, env=env)
+
+
+def test_prepare_writes_the_tiny_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv(nm.ENV_MODEL, raising=False)
+    monkeypatch.delenv(nm.ENV_DTYPE, raising=False)
+    m = nm.prepare(on_gpu=False, workdir=str(tmp_path))
+    assert (m.choice, m.dtype, m.size, m.lr_scale) == ("xs", "fp32", "xs", 1.0)
+    assert m.path == str(tmp_path / "tiny_xs") and (tmp_path / "tiny_xs" / "model.safetensors").is_file()
+    assert m.lr(3e-3) == 3e-3 and m.out("sft") == str(tmp_path / "sft")
+    cfg = m.engine_config(use_megatron_fsdp=True)
+    assert cfg.dtype == "fp32" and cfg.use_megatron_fsdp
+    assert m.engine_config(dtype="bf16").dtype == "bf16"                   # an override wins
+
+
+def test_a_user_folder_is_used_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv(nm.ENV_MODEL, str(tmp_path))
+    m = nm.prepare(on_gpu=True, workdir=str(tmp_path / "work"))
+    assert m.path == str(tmp_path.resolve()) and m.size is None and m.dtype == "bf16"
+    assert m.lr_scale == nm.USER_LR_SCALE and not list(tmp_path.glob("tiny_*"))
+
+
+def test_gpt_spec_counts_the_folders_parameters(tmp_path):
+    path = tiny(tmp_path / "xs", size="xs")
+    spec = nm.gpt_spec(path, seq_len_tokens=256)
+    s = SIZES["xs"]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    qkv_biases = s["num_hidden_layers"] * (s["hidden_size"] + 2 * s["num_key_value_heads"] * head_dim)
+    assert spec.param_count() + qkv_biases == param_count("xs")   # GPTSpec has no biases; Qwen2 has q/k/v ones
+    assert spec.seq_len_tokens == 256 and spec.vocab_size == 128
+
+
+def test_format_throughput_table():
+    r = dict(tokens_per_s_per_gpu=12345.6, mfu=None, step_s=0.25, micro_batch_size=4, seq_len_tokens=256,
+             peak_bytes=0, model_state_bytes=2**30, formula_bytes=2**29)
+    table = nm.format_throughput({"FSDP N=2": r, "DDP N=2": {**r, "mfu": 0.4123}})
+    assert "12,346" in table and "41.2%" in table and "1.000" in table and "0.500" in table
