@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh                 # all sections
 #   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
 #   SECTIONS="throughput max_model" bash scripts/gpu_check.sh   # max_model runs only when listed
+#   SECTIONS="notebooks load_7b" bash scripts/gpu_check.sh      # not in the default SECTIONS either
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -32,6 +33,33 @@ section() {  # section NAME command...: run, keep the log, remember failures
   [ "$rc" = 0 ] || { echo "SECTION $name FAILED rc=$rc"; status=1; }
 }
 trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
+# nbval over each notebook (NOTEBOOKS: a subset; the knob MFSDP_MODEL picks the model, default tiny m in
+# bf16 on GPUs), one pytest per notebook so each gets its wall time (engine start, model write and load,
+# every cell); prints a table, writes $RESULTS/notebooks.json, fails if any notebook failed.
+run_notebooks() {
+  NOTEBOOKS="${NOTEBOOKS:-$(ls notebooks/*.ipynb)}" python3 - "$RESULTS/notebooks.json" <<'PY'
+import json, os, subprocess, sys, time
+import torch
+rows, failed = [], 0
+for nb in os.environ["NOTEBOOKS"].split():
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider",
+                        "--nbval-cell-timeout=400", nb], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    last = (p.stdout.strip().splitlines() or [""])[-1]
+    rows.append(dict(notebook=os.path.basename(nb), ok=p.returncode == 0, wall_s=round(wall, 1), pytest=last))
+    print(f"{rows[-1]['notebook']:<22} {'ok' if p.returncode == 0 else 'FAILED':>6} {wall:8.1f} s   {last}", flush=True)
+    if p.returncode:
+        failed += 1
+        print(p.stdout[-6000:], p.stderr[-3000:])
+res = dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
+           gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           total_s=round(sum(r["wall_s"] for r in rows), 1), notebooks=rows)
+print(f"{'total':<22} {len(rows) - failed}/{len(rows)} {res['total_s']:8.1f} s")
+json.dump(res, open(sys.argv[1], "w"), indent=1)
+sys.exit(1 if failed else 0)
+PY
+}
 
 for s in $SECTIONS; do
   case $s in
@@ -103,6 +131,12 @@ for s in $SECTIONS; do
                   --steps 6 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
     # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
     max_model)  section max_model  trun bench/max_model.py --spec 7b --max-trials 8 --out "$RESULTS/max_model.json" ;;
+    # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
+    notebooks)  section notebooks run_notebooks ;;
+    # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then
+    # models.hf.load's phases into Megatron-FSDP on every GPU: time, host RSS and GPU memory per rank
+    load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
+                  --train-steps 1 --out "$RESULTS/load_7b.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done

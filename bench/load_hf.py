@@ -1,0 +1,250 @@
+"""A real-size HF load: a ~7-8 B folder written on this node, loaded into Megatron-FSDP by `models.hf.load`'s
+phases on every rank, with time, host RSS and GPU memory per phase and rank.
+
+    torchrun --nproc_per_node 2 bench/load_hf.py --shape qwen2.5-7b --root /dev/shm --out runs/bench/load_7b.json
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/load_hf.py --shape small     # CPU smoke run, gloo
+
+Rank 0 writes the folder: the shape's config.json (Qwen2.5-7B or Llama-3-8B, as transformers writes it),
+random bf16 weights in safetensors shards of --shard-gb with a model.safetensors.index.json (values
+tiled from one seeded normal(0, 0.02) pool: writing runs at memory speed, not at the RNG's), and no
+tokenizer (loading needs none). Then every rank runs what `models.hf.load(path, cfg)` runs, one timed
+phase each, in its order (mfsdp_kit/models/hf.py `load`; this script must follow it if it changes):
+
+    check     check_folder: config support, heads, safetensors headers against the architecture
+    provider  the Megatron-Bridge provider from config.json (no weights read)
+    build     engine.build(wrap=False): the full, unsharded model on this rank's device
+    weights   bridge.load_hf_weights: every tensor read from the shards, converted, copied in
+    wrap      engine.wrap_chunks: Megatron-FSDP shards (optim_grads_params) copied out of the full model
+    settle    gc + empty_cache: what is left once the unsharded model is dropped
+    train     (--train-steps) the distributed optimizer and steps on random tokens: the load is usable
+
+Per phase and rank: seconds, host RSS at the end and the process's peak RSS so far (ru_maxrss, which
+counts the mmapped shard pages a rank touched), peak and end GPU memory allocated.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import data, engine, runtime, train
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models import hf as hf_models
+from mfsdp_kit.models import vocab
+
+SHAPES = {
+    # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
+    # meta-llama/Meta-Llama-3-8B's config.json: 8.03 B params
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)),
+    # the CPU smoke shape (tests, gloo)
+    "small": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=1e6,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+}
+POOL_ELEMENTS = 1 << 26
+"""64 M bf16 values (128 MiB) drawn once; every weight is a tiling of it from a per-tensor offset."""
+
+
+def hf_config(shape: str):
+    from transformers import LlamaConfig, Qwen2Config
+    arch, fields = SHAPES[shape]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = cls(**fields, torch_dtype="bfloat16")
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    return config
+
+
+def _weight(name: str, shape: torch.Size, pool: torch.Tensor, *, offset: int) -> torch.Tensor:
+    """Norm weights 1; every other tensor the pool tiled from `offset` (bf16)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    flat, pos, start = t.view(-1), 0, offset % pool.numel()
+    while pos < flat.numel():
+        n = min(flat.numel() - pos, pool.numel() - start)
+        flat[pos:pos + n] = pool[start:start + n]
+        pos, start = pos + n, 0
+    return t
+
+
+def write_folder(path: Path, shape: str, *, shard_gb: float, seed: int = 0) -> dict:
+    """config.json + bf16 safetensors shards + index; returns what was written and how long it took."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    t0 = time.perf_counter()
+    config = hf_config(shape)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    pool = torch.empty(POOL_ELEMENTS).normal_(0, 0.02, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    plan, size, limit = [[]], 0, int(shard_gb * 2**30)   # names per shard, by bytes, in the model's order
+    for name, shape_ in shapes.items():
+        nbytes = 2 * shape_.numel()
+        if plan[-1] and size + nbytes > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for k, names in enumerate(plan):   # one shard in memory at a time
+        shard = {name: _weight(name, shapes[name], pool, offset=zlib.crc32(name.encode())) for name in names}
+        file = f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in shard})
+        total += sum(t.nbytes for t in shard.values())
+        del shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return dict(seconds=time.perf_counter() - t0, bytes=total, shards=len(plan),
+                params=sum(s.numel() for s in shapes.values()))
+
+
+class Phases:
+    """Times phases on this rank, with host and GPU memory at each end (synchronized first)."""
+
+    def __init__(self):
+        import psutil
+        self.proc, self.rows, self.gpu = psutil.Process(), [], torch.cuda.is_available()
+
+    def run(self, name: str, fn, *args, **kwargs):
+        if self.gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if self.gpu:
+            torch.cuda.synchronize()
+        self.rows.append(dict(
+            phase=name, seconds=time.perf_counter() - t0, rss_bytes=self.proc.memory_info().rss,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            gpu_peak_bytes=torch.cuda.max_memory_allocated() if self.gpu else 0,
+            gpu_end_bytes=torch.cuda.memory_allocated() if self.gpu else 0))
+        return out
+
+
+def load_weights(bridge, chunks, path: Path, cfg: EngineConfig):
+    """`models.hf.load`'s weight step: padded-vocabulary path or the bridge's own load."""
+    hf_vocab = bridge.hf_pretrained.config.vocab_size
+    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
+    if padded != hf_vocab:
+        vocab.load_padded(bridge, chunks, padded)
+        vocab.mask_padded_logits(chunks, hf_vocab)
+    else:
+        bridge.load_hf_weights(chunks, str(path))
+
+
+def settle():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def train_steps(chunks, cfg: EngineConfig, *, steps: int, seq_len: int, vocab_size: int) -> list[float]:
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)
+    batches = data.random_token_batches(steps=steps, global_batch=dist.get_world_size(), seq_len_tokens=seq_len,
+                                        vocab_size=vocab_size)
+    return [train.step(chunks, opt, b, micro_batch_size=1, step_index=i).loss for i, b in enumerate(batches)]
+
+
+def pick_root(root: str, need_bytes: int) -> Path:
+    """`root` if it has room for the folder (+10 %), else the first of /tmp, runs/ that does."""
+    for candidate in (root, "/tmp", "runs"):
+        Path(candidate).mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(candidate).free > 1.1 * need_bytes:
+            return Path(candidate)
+    raise RuntimeError(f"no room for {need_bytes / 2**30:.1f} GiB under {root}, /tmp or runs/")
+
+
+def table(rows_by_rank: list[list[dict]]) -> str:
+    gib = 2**30
+    lines = [f"{'phase':<9}{'rank':>5}{'seconds':>9}{'RSS GiB':>9}{'peak RSS':>10}{'GPU peak':>10}{'GPU end':>9}"]
+    for i in range(len(rows_by_rank[0])):
+        for rank, rows in enumerate(rows_by_rank):
+            r = rows[i]
+            lines.append(f"{r['phase']:<9}{rank:>5}{r['seconds']:>9.2f}{r['rss_bytes'] / gib:>9.2f}"
+                         f"{r['peak_rss_bytes'] / gib:>10.2f}{r['gpu_peak_bytes'] / gib:>10.2f}{r['gpu_end_bytes'] / gib:>9.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    on_gpu = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-7b" if on_gpu else "small")
+    ap.add_argument("--root", default="/dev/shm", help="where the folder is written (falls back to /tmp, runs/)")
+    ap.add_argument("--shard-gb", type=float, default=4.0)
+    ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
+    ap.add_argument("--train-steps", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--keep", action="store_true", help="keep the folder (default: removed at the end)")
+    ap.add_argument("--out", default="runs/bench/load_hf.json")
+    args = ap.parse_args()
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype=args.dtype)
+    runtime.init(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = hf_config(args.shape)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    box = [None]
+    if rank == 0:
+        root = pick_root(args.root, 2 * params)
+        path = root / f"mfsdp_load_{args.shape}"
+        shutil.rmtree(path, ignore_errors=True)
+        box = [dict(path=str(path), write=write_folder(path, args.shape, shard_gb=args.shard_gb))]
+        print(f"wrote {path}: {box[0]['write']['params'] / 1e9:.3f} B params, {box[0]['write']['bytes'] / 2**30:.2f} "
+              f"GiB in {box[0]['write']['shards']} shards, {box[0]['write']['seconds']:.1f} s", flush=True)
+    dist.broadcast_object_list(box, src=0)
+    path, write = Path(box[0]["path"]), box[0]["write"]
+    settle()
+    phases = Phases()
+    phases.run("check", hf_models.check_folder, path, cfg)
+    bridge, provider = phases.run("provider", hf_models.provider, path, cfg)
+    chunks = phases.run("build", engine.build, cfg, provider, wrap=False)
+    phases.run("weights", load_weights, bridge, chunks, path, cfg)
+    chunks = phases.run("wrap", engine.wrap_chunks, cfg, chunks)
+    phases.run("settle", settle)
+    losses = []
+    if args.train_steps:
+        losses = phases.run("train", train_steps, chunks, cfg, steps=args.train_steps, vocab_size=config.vocab_size,
+                            seq_len=min(args.seq_len, config.max_position_embeddings))
+    load_s = sum(r["seconds"] for r in phases.rows if r["phase"] not in ("train",))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, dict(rank=rank, phases=phases.rows, load_s=load_s, losses=losses))
+    if rank == 0:
+        gib = 2**30
+        print(f"\n{args.shape}: {params / 1e9:.3f} B params, {write['bytes'] / gib:.2f} GiB bf16 in {path.parent}, "
+              f"{world} ranks, Megatron-FSDP ({args.dtype}); load (check..settle) "
+              f"{max(g['load_s'] for g in gathered):.1f} s; losses {losses}")
+        print(table([g["phases"] for g in gathered]))
+        res = dict(args=vars(args), world=world, device=torch.cuda.get_device_name(0) if on_gpu else "cpu",
+                   params=params, folder=str(path), write=write, ranks=gathered,
+                   peak_rss_bytes=max(r["peak_rss_bytes"] for g in gathered for r in g["phases"]),
+                   gpu_peak_bytes=max(r["gpu_peak_bytes"] for g in gathered for r in g["phases"]))
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print("wrote", args.out)
+        if not args.keep:
+            shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    runtime.shutdown(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main()
