@@ -10,7 +10,8 @@
 Why "m" on GPUs: it fills an H200 with a 64 x 256-token micro-batch at a useful MFU while every
 notebook still runs in about a minute; "l" (1.70 B) takes ~30 s per notebook to write its folder and is
 one `MFSDP_MODEL=l` away. The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
-them down for larger models (m trains stably at 3e-4: bench/sft_grpo.py).
+them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4 on l; bench/sft_grpo.py
+trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
 
 `prepare()` is what a notebook's first cell calls; `throughput()` is the GPU report (tokens/s per GPU,
 MFU, peak memory and model state against the ZeRO formula) that 06_memory prints.
@@ -32,7 +33,7 @@ ENV_MODEL, ENV_DTYPE = "MFSDP_MODEL", "MFSDP_DTYPE"
 TINY_SIZES = ("xs", "s", "m", "l")
 DEFAULT_SIZE = {False: "xs", True: "m"}
 """by `on_gpu`"""
-LR_SCALE = {"xs": 1.0, "s": 0.3, "m": 0.1, "l": 0.03}
+LR_SCALE = {"xs": 1.0, "s": 0.5, "m": 0.3, "l": 0.1}
 """Factor on the notebooks' xs learning rates; a user's folder gets USER_LR_SCALE."""
 USER_LR_SCALE = 0.01
 BENCH_SEQ_LEN = 256

@@ -41,6 +41,11 @@ run_notebooks() {
 import json, os, subprocess, sys, time
 import torch
 rows, failed = [], 0
+def result():
+    return dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
+                gpus=torch.cuda.device_count(),
+                device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                total_s=round(sum(r["wall_s"] for r in rows), 1), notebooks=rows)
 for nb in os.environ["NOTEBOOKS"].split():
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider",
@@ -52,11 +57,8 @@ for nb in os.environ["NOTEBOOKS"].split():
     if p.returncode:
         failed += 1
         print(p.stdout[-6000:], p.stderr[-3000:])
-res = dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
-           gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           total_s=round(sum(r["wall_s"] for r in rows), 1), notebooks=rows)
-print(f"{'total':<22} {len(rows) - failed}/{len(rows)} {res['total_s']:8.1f} s")
-json.dump(res, open(sys.argv[1], "w"), indent=1)
+    json.dump(result(), open(sys.argv[1], "w"), indent=1)   # after each notebook: a cut-off run keeps its rows
+print(f"{'total':<22} {len(rows) - failed}/{len(rows)} ok {result()['total_s']:8.1f} s")
 sys.exit(1 if failed else 0)
 PY
 }
