@@ -93,8 +93,10 @@ def command(*, port: int, token: str, root: Path) -> list[str]:
             f"--ServerApp.root_dir={root}", "--ServerApp.allow_remote_access=False", *as_root]
 
 
-def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float = 60.0, quiet: bool = True) -> LabServer:
-    """Start JupyterLab in its own process group and wait until its API answers; returns the server."""
+def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float = 60.0, quiet: bool = True,
+          env: dict[str, str] | None = None) -> LabServer:
+    """Start JupyterLab in its own process group and wait until its API answers; returns the server.
+    `env`: variables added to this process's environment for the server (e.g. JUPYTERLAB_SETTINGS_DIR)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise bad_value("root", str(root), "an existing directory (the notebooks folder by default)")
@@ -102,7 +104,7 @@ def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float 
     token = secrets.token_hex(24)
     log = tempfile.TemporaryFile() if quiet else None  # the server's own log, for the error below
     proc = subprocess.Popen(command(port=port, token=token, root=root), stdout=log, stderr=log,
-                            start_new_session=True, cwd=root)
+                            start_new_session=True, cwd=root, env={**os.environ, **(env or {})})
     server = LabServer(process=proc, port=port, token=token, root=root)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,0 +1,39 @@
+"""The notebooks' widgets, live in a real browser: scripts/ui_check.py opens 00_cluster and 02_sft in
+headless Chromium against a JupyterLab started by mfsdp_kit.lab, runs them with Run > Run All Cells,
+and checks the page's DOM while `fit` runs (its docstring lists the checks). Skips without chromium,
+playwright (the `ui` extra) or jupyterlab (the `lab` extra)."""
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian: apt-get install -y chromium)"),
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                       reason="no playwright (pip install -e '.[ui]'; it drives the system chromium)"),
+    pytest.mark.skipif(shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None,
+                       reason="jupyterlab not installed (the `lab` extra)"),
+]
+
+
+def test_notebooks_run_in_jupyterlab_and_the_training_panel_updates_live(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts/ui_check.py"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "report.json").read_text())
+    assert result["failed"] == []
+    by_name = {r["notebook"]: r for r in result["reports"]}
+    sft = by_name["02_sft"]
+    assert [p["title"] for p in sft["panels"]] == ["DDP", "Megatron-FSDP"]
+    for title, steps in sft["live_steps"].items():   # reads taken while the cell was [*]
+        assert len(steps) >= 2 and max(map(min, steps)) > min(map(min, steps)), (title, steps)
+    assert (tmp_path / "02_sft_live.png").stat().st_size > 20_000
+    assert len(by_name["00_cluster"]["bars"]) >= 2
