@@ -1,9 +1,14 @@
-"""Start-to-ready time of `cluster.start` (engines up, ranks assigned, process group formed).
+"""Where `cluster.start` spends its time, phase by phase, and what stop and restart cost.
 
-    python bench/cluster_start.py [--n 2] [--repeats 5] [--out runs/bench/cluster_start.json]
+    python bench/cluster_start.py [--n 2] [--repeats 3] [--out runs/bench/cluster_start.json] [--engines mpi]
 
 "Ready" means `start()` returned: every engine registered, ran `runtime.init`, and %%px would work.
-Stop time is measured too, since a notebook pays it on every restart.
+Phases (`handle.startup_s`): controller -> engines_spawn -> client_connect -> register (engine processes
+boot, import ipyparallel and register) -> identify (ranks, free port) -> world_init (every engine:
+engine.import_torch, engine.import_megatron, engine.runtime_init = process group + megatron state;
+the slowest rank's). The import floor -- one interpreter importing each module cold, alone -- is measured
+too, so a reader can tell the kit's overhead from the libraries' import time. Runs on CPU (gloo, 2
+engines) and on GPUs (nccl, one engine per GPU) alike.
 """
 from __future__ import annotations
 
@@ -12,40 +17,85 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
+IMPORTS = {"python": "pass", "ipyparallel engine": "import ipyparallel.engine.app",
+           "torch": "import torch, torch.distributed", "megatron.core": "import megatron.core.parallel_state"}
+ALL_REDUCE = ("import torch, torch.distributed as dist\nfrom mfsdp_kit import runtime\n"
+              "x = torch.ones(1, device=runtime.current().device)\ndist.all_reduce(x)")
 
-def measure_once(*, n_engines: int) -> dict:
+
+def import_floor() -> dict:
+    """Seconds for a fresh interpreter to import each module stack alone (what each engine pays)."""
+    out = {}
+    for name, code in IMPORTS.items():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True)
+        out[name] = time.perf_counter() - t0
+    return out
+
+
+def measure_once(*, n_engines: int, launcher: dict) -> dict:
     from mfsdp_kit import cluster
     t0 = time.perf_counter()
-    handle = cluster.start(n_engines)
-    ready_s = time.perf_counter() - t0
-    handle.run("import torch, torch.distributed as dist\nx = torch.ones(1)\ndist.all_reduce(x)")
-    first_collective_s = time.perf_counter() - t0 - ready_s
-    t1 = time.perf_counter()
-    handle.stop()
-    return dict(ready_s=ready_s, first_all_reduce_s=first_collective_s, stop_s=time.perf_counter() - t1,
-                backend=handle.backend)
+    handle = cluster.start(n_engines, **launcher)
+    out = dict(ready_s=time.perf_counter() - t0, backend=handle.backend, devices=handle.devices)
+    out.update({f"start.{k}": v for k, v in handle.startup_s.items()})
+    try:
+        t1 = time.perf_counter()
+        handle.run(ALL_REDUCE)
+        out["first_all_reduce_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        handle.restart()
+        out["restart_s"] = time.perf_counter() - t1
+        out.update({f"restart.{k}": v for k, v in handle.startup_s.items()})
+    finally:
+        t1 = time.perf_counter()
+        handle.stop()
+        out["stop_s"] = time.perf_counter() - t1
+    return out
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def summarize(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if isinstance(runs[0][k], float)]
+    return {k: dict(median=statistics.median(r[k] for r in runs), min=min(r[k] for r in runs),
+                    max=max(r[k] for r in runs)) for k in keys}
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'phase (seconds)':<34}{'median':>9}{'min':>9}{'max':>9}")
+    for k, v in summary.items():
+        indent = "    " if "." in k else ""
+        print(f"{indent + k:<34}{v['median']:>9.2f}{v['min']:>9.2f}{v['max']:>9.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2, help="engines per start")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default=None, help="ipyparallel launcher, e.g. mpi (default: local)")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()
-    runs = [measure_once(n_engines=args.n) for _ in range(args.repeats)]
-    keys = ("ready_s", "first_all_reduce_s", "stop_s")
-    summary = {k: dict(median=statistics.median(r[k] for r in runs), min=min(r[k] for r in runs),
-                       max=max(r[k] for r in runs)) for k in keys}
-    print(f"cluster.start({args.n}) x {args.repeats}, backend {runs[0]['backend']}, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'metric':<20}{'median':>10}{'min':>10}{'max':>10}")
-    for k in keys:
-        print(f"{k:<20}{summary[k]['median']:>10.2f}{summary[k]['min']:>10.2f}{summary[k]['max']:>10.2f}")
+    launcher = {"engines": args.engines} if args.engines else {}
+    load_before, floor = load(), import_floor()
+    runs = [measure_once(n_engines=args.n, launcher=launcher) for _ in range(args.repeats)]
+    summary = summarize(runs)
+    print(f"cluster.start({args.n}{', engines=' + repr(args.engines) if args.engines else ''}) x {args.repeats}, "
+          f"backend {runs[0]['backend']}, devices {runs[0]['devices']}, {os.cpu_count()} CPUs, "
+          f"load average {load_before} before, {load()} after")
+    print("import floor (one fresh interpreter, alone): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in floor.items()))
+    print_table(summary)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(n_engines=args.n, repeats=args.repeats, cpus=os.cpu_count(), host=platform.node(),
+        json.dump(dict(n_engines=args.n, repeats=args.repeats, engines=args.engines or "local", cpus=os.cpu_count(),
+                       host=platform.node(), load_before=load_before, load_after=load(), import_floor_s=floor,
                        summary=summary, runs=runs), f, indent=2)
     print(f"wrote {args.out}")
 

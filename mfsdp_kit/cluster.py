@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import glob
 import os
-import signal
 import socket
 import stat
 import time
@@ -26,8 +25,9 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from . import watchdog
-from .config import ConfigError, EngineConfig, bad_value
+from . import launch, watchdog
+from .config import EngineConfig, bad_value
+from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
 LOCALHOST = "127.0.0.1"
@@ -35,16 +35,6 @@ RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
 LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 """Where they put its rank within the node."""
-LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
-
-
-class ClusterError(RuntimeError):
-    """The engine world cannot be (or is no longer) used; the message says which rank and what to do."""
-
-
-class ClusterConfigError(ClusterError, ConfigError):
-    """A `start` argument is not allowed; raised before anything starts. Both a `ClusterError` (what
-    `start` raises) and a `ConfigError` / `ValueError` (what a bad value is everywhere else in the kit)."""
 
 
 def _bad_start(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
@@ -73,19 +63,27 @@ def _engine_free_port(addr: str) -> int:
 
 
 def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
-                 master_addr: str, master_port: int, abort_key: str = "") -> tuple[str, str]:
-    """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`; (device, backend)."""
+                 master_addr: str, master_port: int, abort_key: str = "") -> dict:
+    """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`.
+
+    Returns device, backend and seconds per phase (the imports are timed apart: they dominate on CPU).
+    """
+    watch = Stopwatch()
     import torch
+    watch.lap("import_torch")
+    import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)
     from mfsdp_kit import runtime
+    watch.lap("import_megatron")
     if torch.cuda.is_available():   # local_rank >= GPUs on this node fails here, not silently shared
         torch.cuda.set_device(local_rank)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
                       master_addr=master_addr, master_port=master_port)
+    watch.lap("runtime_init")
     if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
         watchdog.arm(master_addr, master_port, abort_key)
-    return f"{rt.device}", rt.backend
+    return dict(device=f"{rt.device}", backend=rt.backend, phases=watch.phases)
 
 
 def _engine_shutdown() -> None:
@@ -132,6 +130,9 @@ class ClusterHandle:
     view: Any = None
     world_key: str = ""
     abort_reason: str | None = None   # why the client aborted the world (watchdog.py); reinit() clears it
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the last start / restart (bench/cluster_start.py prints them); the engine-side
+    phases (`engine.import_torch`, ...) are the slowest rank's."""
 
     @property
     def ranks(self) -> list[int]:
@@ -193,18 +194,21 @@ class ClusterHandle:
     def reinit(self) -> "ClusterHandle":
         """A new world on the same engines (after a failure aborted the process groups); variables stay."""
         self.view.apply_sync(_engine_shutdown)
-        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get))
+        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
         return self
 
     def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
         """Stop every engine, start n new ones and rebuild the world with the same ranks."""
         timeout_s = timeout_s or self.init_kwargs["timeout_s"]
-        old_ranks, old_ids = self.ranks, set(self.client.ids)
-        _kill_engines(self.cluster)   # survivors may sit in a collective until its timeout
+        old_ranks, old_ids, watch = self.ranks, set(self.client.ids), Stopwatch()
+        launch.kill_engines(self.cluster, self.client)   # survivors may sit in a collective until its timeout
         self.cluster.stop_engines_sync()
+        watch.lap("stop_engines")
         self.cluster.start_engines_sync(self.n)
-        new_ids = _wait_for_new_engines(self.client, old_ids, self.n, timeout_s)
-        _setup_world(self, new_ids)
+        watch.lap("engines_spawn")
+        new_ids = launch.wait_for_new_engines(self.cluster, self.client, old_ids, self.n, timeout_s)
+        watch.lap("register")
+        _setup_world(self, new_ids, watch)
         if self.ranks != old_ranks:
             raise ClusterError(f"the launcher gave ranks {self.ranks} after restart, {old_ranks} before")
         return self
@@ -218,37 +222,11 @@ class ClusterHandle:
                 self.view.apply_async(_engine_shutdown).get(timeout=10)
         except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
             pass
-        _stop(self.cluster, self.client)
+        launch.stop(self.cluster, self.client)
         self.view = None
 
 
-def _stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
-    if client is not None:
-        client.close()
-    cluster.stop_cluster_sync()
-
-
-def _kill_engines(cluster: ipp.Cluster) -> None:
-    """SIGKILL every engine still running, through its launcher (local, MPI, SSH alike)."""
-    for engine_set in cluster.engines.values():
-        for launcher in getattr(engine_set, "launchers", {}).values() or [engine_set]:
-            try:
-                launcher.signal(signal.SIGKILL)
-            except Exception:  # noqa: BLE001 -- the engine that died is already gone
-                pass
-
-
-def _wait_for_new_engines(client: ipp.Client, old_ids: set, n: int, timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while len(new := sorted(set(client.ids) - old_ids)) < n:
-        if time.monotonic() > deadline:
-            raise ClusterError(f"only {len(new)} of {n} engines registered within timeout_s={timeout_s}; "
-                               "engine logs are in the profile's log/ folder (`ipython locate profile`)")
-        time.sleep(0.1)
-    return new[:n]
-
-
-def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
+def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch) -> None:
     """Ask engines who they are, assign ranks, rendezvous on rank 0's free port, init every engine."""
     client, kw = handle.client, handle.init_kwargs
     idents = dict(zip(engine_ids, client[engine_ids].apply_sync(_engine_identity)))
@@ -258,9 +236,8 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
     order = sorted(engine_ids, key=handle.rank_of.get)
     handle.master_port = client[order[0]].apply_sync(_engine_free_port, kw["master_addr"])
     handle.world_key, handle.abort_reason = watchdog.new_key(), None
-    for e in order:   # the names %%px cells use
-        client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
-                       block=True)
+    pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
+                             block=False) for e in order]   # the names %%px cells use
     pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
                                      world_size=len(order), local_rank=handle.local_rank_of[e],
                                      master_addr=kw["master_addr"], master_port=handle.master_port,
@@ -268,10 +245,15 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int]) -> None:
     handle.view = client[order]
     handle.view.block = True
     watchdog.guard_view(handle)
-    handle.devices, backends = zip(*[_get(handle, ar, kw["timeout_s"]) for ar in pending])
-    handle.devices, handle.backend = list(handle.devices), backends[0]
+    watch.lap("identify")
+    inits = [_get(handle, ar, kw["timeout_s"]) for ar in pushed + pending][len(pushed):]
+    watch.lap("world_init")
+    handle.devices, handle.backend = [i["device"] for i in inits], inits[0]["backend"]
     _secure_connection_files(handle)
     _activate(handle)
+    handle.startup_s = dict(watch.phases, total=watch.total())
+    for phase in inits[0]["phases"]:   # the slowest rank's engine-side phases
+        handle.startup_s[f"engine.{phase}"] = max(i["phases"][phase] for i in inits)
 
 
 def _get(handle: ClusterHandle, ar: Any, timeout_s: float) -> Any:
@@ -336,27 +318,26 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     n = n if n is not None else (device_count or 2)
     if cfg is not None:   # a bad cfg fails here, not on every engine after launch (engines check CUDA rules)
         cfg.validate(world_size=n, on_gpu=False)
-    local = str(launcher.get("engines", "")).lower() in LOCAL_LAUNCHERS
+    local = launch.kind(launcher) == "local"
     if local and device_count and n > device_count:
         raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
                                  f"engine); allowed: n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
-    launcher.setdefault("log_level", 40)
-    launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
-    cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
+    watch = Stopwatch()
+    cluster = launch.make_cluster(n=n, ip=ip, timeout_s=timeout_s, launcher=launcher)
     init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
     client = None
     try:
-        cluster.start_cluster_sync()
-        client = cluster.connect_client_sync()
-        engine_ids = _wait_for_new_engines(client, set(), n, timeout_s)
+        client = launch.start_processes(cluster, n, watch)
+        engine_ids = launch.wait_for_new_engines(cluster, client, set(), n, timeout_s)
+        watch.lap("register")
         handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
         if not local and master_addr is None:
             host = client[engine_ids].apply_sync(_engine_identity)
             init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
-        _setup_world(handle, engine_ids)
+        _setup_world(handle, engine_ids, watch)
         return handle
     except BaseException:
-        _stop(cluster, client)
+        launch.stop(cluster, client)
         raise
 
 
