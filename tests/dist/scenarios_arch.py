@@ -18,6 +18,10 @@ from mfsdp_kit.models import archs, hf as hf_models
 from mfsdp_kit.generate import logits
 from mfsdp_kit.models.verify import fixed_tokens, hf_logits, verify
 from mfsdp_kit.train import forward_backward, step
+from scenarios_chat import hf_greedy
+
+GREEDY_TOKENS = 32
+TIE = 1e-4   # a top-2 logit gap below this fraction of the logit scale is a tie: roundoff may pick either
 
 
 @torch.no_grad()
@@ -31,6 +35,28 @@ def hf_loss(src: str, batch) -> float:
     return ((losses * mask).sum() / mask.sum()).item()
 
 
+def greedy_vs_hf(model, src: str, *, vocab_size: int) -> dict:
+    """32 greedy tokens from the Megatron model vs transformers' `generate` (no stop id) on two
+    prompts. Equal, or equal up to the first position where HF's top-2 logits tie within TIE of
+    the logit scale (there fp32 roundoff of either side may pick either token)."""
+    from mfsdp_kit import generate
+    prompts = fixed_tokens(vocab_size, sequences=2, seq_len_tokens=8, seed=11).tolist()
+    mine = generate.greedy(model.chunks, prompts, max_new_tokens=GREEDY_TOKENS, stop_ids=[10**6], vocab_size=vocab_size)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    megatron = [{int(i): row for part in parts for i, row in part.items()}[i] for i in range(len(prompts))]
+    hf = hf_greedy(src, prompts, max_new_tokens=GREEDY_TOKENS, stop_ids=[10**6])
+    out = dict(tokens=GREEDY_TOKENS, equal=megatron == hf, first_diff=None, tie_gap=None)
+    for p, a, b in zip(prompts, megatron, hf):
+        diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if diff is not None and out["first_diff"] is None:
+            ref = hf_logits(src, torch.tensor([p + b[:diff]]))[0, -1]
+            top2 = ref.topk(2).values
+            out.update(first_diff=diff, tie_gap=((top2[0] - top2[1]) / ref.abs().max()).item())
+    out["ok"] = out["equal"] or (out["tie_gap"] is not None and out["tie_gap"] < TIE)
+    return out
+
+
 def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, vocab_size: int = 256,
                    overrides: dict | None = None, transformer: dict | None = None, train: bool = True) -> dict:
     cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, dtype="fp32", seed=3,
@@ -42,7 +68,8 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
     dist.barrier()
     model = hf_models.load(src, cfg)
     v = verify(model)
-    result = dict(wrapper=type(model.chunks[0]).__name__, verify=v.as_dict(),
+    greedy = greedy_vs_hf(model, src, vocab_size=vocab_size)
+    result = dict(greedy=greedy, wrapper=type(model.chunks[0]).__name__, verify=v.as_dict(),
                   padded_vocab=model.config.vocab_size if hasattr(model.config, "vocab_size") else None,
                   megatron_vocab=engine.unwrap_model(model.chunks[0]).vocab_size)
     from safetensors.torch import load_file

@@ -10,7 +10,7 @@ from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 
 
-def _hf_greedy(src: str, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int] | None) -> list[list[int]]:
+def hf_greedy(src: str, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int] | None) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
     out = []
@@ -32,9 +32,9 @@ def greedy_stops(*, workdir: str, max_new_tokens: int = 12) -> dict:
         tiny(src, size="xs", seed=0)
     dist.barrier()
     prompts = [[4, 7, 16, 7, 19, 5], [4, 8, 16, 9, 19, 5], [4, 9, 9, 16, 7, 19, 5], [4, 12, 19, 5], [4, 10, 16, 11, 19, 5]]
-    free = _hf_greedy(src, prompts, max_new_tokens=max_new_tokens, stop_ids=[10**6])   # an id never sampled
+    free = hf_greedy(src, prompts, max_new_tokens=max_new_tokens, stop_ids=[10**6])   # an id never sampled
     stop_ids = sorted({free[0][2], free[3][1]})
-    hf = _hf_greedy(src, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    hf = hf_greedy(src, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     model = load(src, cfg)
     calls = []
     forward = generate.logits

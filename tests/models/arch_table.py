@@ -76,7 +76,9 @@ def _cell(r: dict) -> str:
     if "refused" in r:
         return "refused: " + r["refused"].split(": ", 1)[-1]
     v = r["verify"]
-    return (f"logits {v['relative']:.1e} of scale, export {'exact' if r['export_maxdiff'] == 0 else r['export_maxdiff']}"
+    g = r["greedy"]
+    greedy = "greedy 32 = HF" if g["equal"] else f"greedy = HF up to a tie at token {g['first_diff']} (gap {g['tie_gap']:.0e})"
+    return (f"logits {v['relative']:.1e} of scale, {greedy}, export {'exact' if r['export_maxdiff'] == 0 else r['export_maxdiff']}"
             f", loss {r['megatron_loss']:.6f} (HF {r['hf_loss']:.6f}), save_hf reload {r['reload_relative']:.1e}")
 
 
@@ -87,7 +89,7 @@ def render(rows: list[dict]) -> str:
              "Megatron-FSDP, fp32. Each model is tiny (2 layers, hidden 64) and written by transformers "
              "itself (`models.archs.write_tiny`, random weights, no download). \"Works\" means: load -> "
              "Megatron-FSDP wrap -> logits vs transformers (`models.verify`, relative to the largest |logit|) "
-             "-> export equal to the HF tensors -> one training step whose loss equals transformers' "
+             "-> 32 greedy tokens from two prompts equal transformers' `generate` -> export equal to the HF tensors -> one training step whose loss equals transformers' "
              "cross-entropy on the same batch -> export after the step keeps every HF name and shape -> `save_hf`, reloaded by transformers, gives "
              "Megatron's logits (relative difference shown). "
              "\"Refused\" means `models.hf.check_folder` raises ConfigError before any weight is read.", "",

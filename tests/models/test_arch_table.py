@@ -28,6 +28,7 @@ def test_every_listed_architecture_has_an_outcome(rows):
                 assert r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0
                 assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5 and r["trained_shapes_match"]
                 assert r["reload_relative"] < 1e-5
+                assert r["greedy"]["ok"], (arch, tp, r["greedy"])   # 32 greedy tokens == transformers'
         else:
             assert row["outcome"] == "not tested" and row["reason"]
 
