@@ -1,7 +1,7 @@
 """The notebooks seen live in a real browser: headless Chromium runs them through JupyterLab's UI.
 
-    python scripts/ui_check.py                    # 00_cluster and 02_sft; screenshots + report in runs/ui_check/
-    python scripts/ui_check.py --docs             # also refresh docs/img/widgets.png and docs/img/cluster_progress.png
+    python scripts/ui_check.py                    # 00_cluster, 02_sft, widgets_demo; screenshots + report in runs/ui_check/
+    python scripts/ui_check.py --docs             # also refresh the README's docs/img/ screenshots (DOCS_IMAGES)
     python scripts/ui_check.py --notebooks 00_cluster --out /tmp/ui
 
 An exported HTML page only shows widget state someone saved; it cannot tell whether the widgets
@@ -17,6 +17,8 @@ work against a kernel. This drives the path a user takes instead:
      - every code cell ran ([n], none left at [*] or [ ]), and no output shows a traceback,
        "Error displaying widget" or a widget's text repr (what the page shows without widget JS);
      - 00_cluster: one progress bar per rank, each at "step 10/10";
+     - widgets_demo (no engines): the config form's fields are text/dropdown/checkbox widget views
+       with the ConfigError for tensor_model_parallel_size=0 under them; the simulated panel drew;
      - 02_sft: each TrainingPanel (DDP, Megatron-FSDP) is an ipywidget view with one row per rank;
        its loss curve (an SVG polyline) changed between two reads while its cell was still
        running [*], i.e. the kernel updated it live from the engines; at the end every rank is at
@@ -53,7 +55,8 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},   # every cell in the DOM
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
-DOCS_IMAGES = {("02_sft", "live"): "widgets.png", ("00_cluster", "done"): "cluster_progress.png"}
+DOCS_IMAGES = {("02_sft", "live"): "widgets.png", ("00_cluster", "done"): "cluster_progress.png",
+               ("widgets_demo", "done_0"): "config_form.png"}
 """Which screenshot becomes which docs/img file with --docs."""
 
 # One read of the notebook's DOM: per code cell its prompt, widget views, panels, bars and problems.
@@ -75,9 +78,13 @@ READ_CELLS = r"""() => {
       label: (b.querySelector('label') || {textContent: ''}).textContent,
       width: (b.querySelector('.progress-bar') || {style: {}}).style.width || '',
       text: b.nextElementSibling ? b.nextElementSibling.textContent : ''}));
+    const count = cls => cell.querySelectorAll('.jupyter-widgets.' + cls).length;
+    const controls = {text: count('widget-text'), dropdown: count('widget-dropdown'), checkbox: count('widget-checkbox')};
+    const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content')]
+      .map(h => h.textContent).filter(t => t.startsWith('ConfigError'));
     return {index: i, prompt: (cell.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.trim(),
             widget_views: cell.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length,
-            panels, bars, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))]};
+            panels, bars, controls, config_errors: configErrors, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))]};
   });
 }"""
 
@@ -158,6 +165,8 @@ def run_notebook(page, server: lab.LabServer, name: str, out: Path, *, timeout_s
     report["prompts"] = [c["prompt"] for c in cells]
     report["problems"] = [f"cell {c['index']}: {p}" for c in cells for p in c["problems"]]
     report["bars"] = [b for c in cells for b in c["bars"]]
+    report["controls"] = {k: sum(c["controls"][k] for c in cells) for k in ("text", "dropdown", "checkbox")}
+    report["config_errors"] = [e for c in cells for e in c["config_errors"]]
     report["panels"] = [{"title": p["title"], "rows": p["rows"], "points": len(p["points"].split())}
                         for c in cells for p in c["panels"]]
     # Screenshots of the finished widgets: each widget cell in view, then the painted curves.
@@ -207,6 +216,14 @@ def check(report: dict) -> list[str]:
         bars = [b for b in report["bars"] if b["label"].startswith("rank ")]   # not ipyparallel's own tqdm bars
         if len(bars) < 2 or any(b["text"].split()[:2] != ["step", "10/10"] or b["width"] != "100%" for b in bars):
             failed.append(f"{name}: expected a full progress bar per rank at step 10/10, got {bars}")
+    if name == "widgets_demo":
+        n = report["controls"]
+        if n["text"] < 7 or n["dropdown"] < 3 or n["checkbox"] < 2:
+            failed.append(f"{name}: the config form's fields are not ipywidgets views: {n}")
+        if not any("tensor_model_parallel_size=0" in e for e in report["config_errors"]):
+            failed.append(f"{name}: no ConfigError under the form: {report['config_errors']}")
+        if [(p["title"], [r[1] for r in p["rows"]]) for p in report["panels"]] != [("SFT (simulated)", ["120/150"] * 2)]:
+            failed.append(f"{name}: expected the simulated panel at step 120/150 per rank, got {report['panels']}")
     if name == "02_sft":
         panels = report["panels"]
         if len(panels) != 2:
@@ -229,7 +246,7 @@ def check(report: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--notebooks", nargs="+", default=["00_cluster", "02_sft"])
+    parser.add_argument("--notebooks", nargs="+", default=["00_cluster", "02_sft", "widgets_demo"])
     parser.add_argument("--out", type=Path, default=ROOT / "runs/ui_check", help="screenshots and report.json")
     parser.add_argument("--docs", action="store_true", help="copy the screenshots README shows into docs/img/")
     parser.add_argument("--timeout-s", type=float, default=1800, help="per notebook")
@@ -258,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in args.notebooks:
                 report = run_notebook(page, server, name, args.out, timeout_s=args.timeout_s, poll_s=args.poll_s)
                 reports.append(report)
-                failed += check(report)
+                report["failed"] = check(report)
+                failed += report["failed"]
                 print(f"{name}: {report['seconds']} s, prompts {report['prompts']}, live updates "
                       f"{report['live_updates']}, problems {report['problems'] or 'none'}", flush=True)
             browser.close()
@@ -266,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         stop(server)
         shutil.rmtree(work, ignore_errors=True)
     (args.out / "report.json").write_text(json.dumps({"reports": reports, "failed": failed}, indent=1))
-    if args.docs and not failed:
+    if args.docs:   # only what a notebook that passed showed
         for report in reports:
             for (name, moment), target in DOCS_IMAGES.items():
-                if report["notebook"] == name and moment in report["screenshots"]:
+                if report["notebook"] == name and not report["failed"] and moment in report["screenshots"]:
                     shutil.copy(report["screenshots"][moment], ROOT / "docs/img" / target)
                     print("wrote", f"docs/img/{target}")
     print("FAILED:\n  " + "\n  ".join(failed) if failed else f"ui check passed; screenshots in {args.out}")
