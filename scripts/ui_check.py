@@ -18,7 +18,7 @@ work against a kernel. This drives the path a user takes instead:
        "Error displaying widget" or a widget's text repr (what the page shows without widget JS);
      - 00_cluster: one progress bar per rank, each at "step 10/10";
      - widgets_demo (no engines): the config form's fields are text/dropdown/checkbox widget views
-       with the ConfigError for tensor_model_parallel_size=0 under them; the simulated panel drew;
+       with the red ConfigError for tensor_model_parallel_size=0 under them; the simulated panel drew;
      - 02_sft: each TrainingPanel (DDP, Megatron-FSDP) is an ipywidget view with one row per rank;
        its loss curve (an SVG polyline) changed between two reads while its cell was still
        running [*], i.e. the kernel updated it live from the engines; at the end every rank is at
@@ -80,8 +80,9 @@ READ_CELLS = r"""() => {
       text: b.nextElementSibling ? b.nextElementSibling.textContent : ''}));
     const count = cls => cell.querySelectorAll('.jupyter-widgets.' + cls).length;
     const controls = {text: count('widget-text'), dropdown: count('widget-dropdown'), checkbox: count('widget-checkbox')};
-    const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content')]
-      .map(h => h.textContent).filter(t => t.startsWith('ConfigError'));
+    const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content span')]
+      .filter(e => e.textContent.startsWith('ConfigError'))
+      .map(e => ({text: e.textContent, color: getComputedStyle(e).color}));
     return {index: i, prompt: (cell.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.trim(),
             widget_views: cell.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length,
             panels, bars, controls, config_errors: configErrors, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))]};
@@ -220,8 +221,9 @@ def check(report: dict) -> list[str]:
         n = report["controls"]
         if n["text"] < 7 or n["dropdown"] < 3 or n["checkbox"] < 2:
             failed.append(f"{name}: the config form's fields are not ipywidgets views: {n}")
-        if not any("tensor_model_parallel_size=0" in e for e in report["config_errors"]):
-            failed.append(f"{name}: no ConfigError under the form: {report['config_errors']}")
+        if not any("tensor_model_parallel_size=0" in e["text"] and e["color"] == "rgb(198, 40, 40)"   # #c62828
+                   for e in report["config_errors"]):
+            failed.append(f"{name}: no red ConfigError under the form: {report['config_errors']}")
         if [(p["title"], [r[1] for r in p["rows"]]) for p in report["panels"]] != [("SFT (simulated)", ["120/150"] * 2)]:
             failed.append(f"{name}: expected the simulated panel at step 120/150 per rank, got {report['panels']}")
     if name == "02_sft":
