@@ -203,10 +203,11 @@ class ClusterHandle:
         old_ranks, old_ids, watch = self.ranks, set(self.client.ids), Stopwatch()
         launch.kill_engines(self.cluster, self.client)   # survivors may sit in a collective until its timeout
         self.cluster.stop_engines_sync()
+        launch.wait_until_unregistered(self.client, old_ids, timeout_s)
         watch.lap("stop_engines")
         self.cluster.start_engines_sync(self.n)
         watch.lap("engines_spawn")
-        new_ids = launch.wait_for_new_engines(self.cluster, self.client, old_ids, self.n, timeout_s)
+        new_ids = launch.wait_for_new_engines(self.cluster, self.client, set(), self.n, timeout_s)
         watch.lap("register")
         _setup_world(self, new_ids, watch)
         if self.ranks != old_ranks:

@@ -102,6 +102,16 @@ def wait_for_new_engines(cluster: ipp.Cluster, client: ipp.Client, old_ids: set,
     return new[:n]
 
 
+def wait_until_unregistered(client: ipp.Client, old_ids: set, timeout_s: float) -> None:
+    """Return once the controller has dropped every engine in `old_ids`. MPI engines ask for their MPI rank
+    as engine id, so a restart's engines reuse the old ids: they must be free before the new ones register."""
+    deadline = time.monotonic() + timeout_s
+    while left := old_ids & set(client.ids):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"engines {sorted(left)} still registered {timeout_s} s after they were killed")
+        time.sleep(0.05)
+
+
 def _exited_launchers(cluster: ipp.Cluster) -> str:
     """'<command> exited with <code>: <output tail>' for each engine launcher that stopped, else ''."""
     out = []
