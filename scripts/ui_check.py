@@ -107,6 +107,12 @@ def panel_steps(panel: dict) -> list[int]:
     return [int(row[1].split("/")[0]) if row[1].split("/")[0].isdigit() else -1 for row in panel["rows"]]
 
 
+def panel_total(panel: dict) -> int:
+    """The steps `fit` will run (the "/150" of rank 0's row); 0 before it reported."""
+    total = panel["rows"][0][1].split("/")[-1] if panel["rows"] else ""
+    return int(total) if total.isdigit() else 0
+
+
 def click_menu(page, menu: str, command: str) -> None:
     """Open a menu of the menu bar and click the item bound to `command`, as a user would."""
     page.click(f".lm-MenuBar-item:has-text('{menu}')")
@@ -153,11 +159,12 @@ def run_notebook(page, server: lab.LabServer, name: str, out: Path, *, timeout_s
                 steps = panel_steps(panel)
                 if not history or history[-1][0] != panel["points"]:
                     history.append((panel["points"], steps))
-                total = int(panel["rows"][0][1].split("/")[1]) if panel["rows"] and panel["rows"][0][1].split("/")[1].isdigit() else 0
+                total = panel_total(panel)
                 if "live" not in report["screenshots"] and total and min(steps) >= total // 3:
                     center(page.locator(".jp-CodeCell").nth(cell["index"]))
                     report["screenshots"]["live"] = shot(page, out / f"{name}_live.png")
-        if any(c["problems"] for c in cells) or (cells and all(c["prompt"] not in ("[*]:", "[ ]:", "") for c in cells)):
+        finished = cells and all(c["prompt"] not in ("[*]:", "[ ]:", "") for c in cells)
+        if finished or any(c["problems"] for c in cells):   # Run All stops at an error anyway
             break
         page.wait_for_timeout(poll_s * 1000)
     report["seconds"] = round(time.monotonic() - start, 1)
