@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh                 # all sections
 #   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
 #   SECTIONS="throughput max_model" bash scripts/gpu_check.sh   # max_model runs only when listed
-#   SECTIONS="notebooks load_7b" bash scripts/gpu_check.sh      # not in the default SECTIONS either
+#   SECTIONS="notebooks nb_throughput load_7b" bash scripts/gpu_check.sh   # not in the default SECTIONS either
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -135,6 +135,8 @@ for s in $SECTIONS; do
     max_model)  section max_model  trun bench/max_model.py --spec 7b --max-trials 8 --out "$RESULTS/max_model.json" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     notebooks)  section notebooks run_notebooks ;;
+    # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
+    nb_throughput) section nb_throughput trun bench/notebook_throughput.py --out "$RESULTS/notebook_throughput.json" ;;
     # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then
     # models.hf.load's phases into Megatron-FSDP on every GPU: time, host RSS and GPU memory per rank
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
