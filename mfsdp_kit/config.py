@@ -54,6 +54,11 @@ class EngineConfig:
     """Model chunks per pipeline rank (interleaved schedule); None = one chunk."""
     context_parallel_size: int = 1
     """Ranks that split the sequence (megatron CP)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split an MoE layer's experts (megatron EP): each holds num_experts / EP of them and
+    tokens travel to their experts by all-to-all. EP groups are carved out of the data-parallel
+    ranks, so it must divide tensor*context*data-parallel ranks; expert weights are then sharded
+    (FSDP) or all-reduced (DDP) over the remaining expert-data-parallel ranks only."""
     use_megatron_fsdp: bool = False
     """Wrap with Megatron-FSDP (ZeRO-3: params, grads and optimizer state sharded) instead of DDP."""
     use_distributed_optimizer: bool = True
@@ -92,7 +97,8 @@ class EngineConfig:
     def validate(self, world_size: int | None = None, on_gpu: bool | None = None) -> "EngineConfig":
         """Raise `ConfigError` naming the bad field; return self so calls chain."""
         check_field_types(self)   # a bool is not a size, "no" is not False, "abc" is not a seed
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             value = getattr(self, name)
             if value < 1:
                 raise bad_value(name, value, "a positive integer")
@@ -121,6 +127,7 @@ class EngineConfig:
         _validate_overrides("override_ddp_config", self.override_ddp_config, _ddp_types(), DDP_RANGES)
         _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_types(),
                             TRANSFORMER_RANGES)
+        _validate_expert_overrides(self)
         strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
             raise bad_value("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))
@@ -128,6 +135,8 @@ class EngineConfig:
             raise bad_value("world_size", world_size,
                        f"a multiple of tensor*pipeline*context parallel sizes = {self.tensor_model_parallel_size}"
                        f"*{self.pipeline_model_parallel_size}*{self.context_parallel_size} = {self.model_parallel_size}")
+        if world_size is not None:
+            _validate_expert_world(self, world_size)
         on_gpu = _cuda_available() if on_gpu is None else on_gpu
         if self.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
@@ -222,6 +231,36 @@ def ddp_config(cfg: EngineConfig):
 
 
 # ---- helpers -------------------------------------------------------------------------------
+EXPERT_LAYOUT_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
+"""TransformerConfig fields that must agree with the process groups `runtime.init` builds: a model
+built with EP 2 over groups of EP 1 routes tokens to experts no rank holds."""
+
+
+def _validate_expert_overrides(cfg: EngineConfig) -> None:
+    """One path to expert parallelism: the EngineConfig field, never the transformer override."""
+    for key in EXPERT_LAYOUT_KEYS:
+        if key in cfg.override_transformer_config:
+            allowed = ("absent: set EngineConfig.expert_model_parallel_size instead (runtime.init builds the "
+                       "expert-parallel groups from it and the model config follows)" if key.startswith("expert_model")
+                       else "absent: the expert tensor-parallel size is tensor_model_parallel_size (the kit's "
+                            "runtime builds expert groups with megatron's default)")
+            raise bad_value(f"override_transformer_config.{key}", cfg.override_transformer_config[key], allowed)
+
+
+def _validate_expert_world(cfg: EngineConfig, world_size: int) -> None:
+    """megatron carves EP groups out of the tp*cp*dp ranks of a pipeline stage
+    (parallel_state.initialize_model_parallel: world % (etp*ep*pp), here etp = tp)."""
+    ep = cfg.expert_model_parallel_size
+    if ep == 1 or world_size % cfg.model_parallel_size:
+        return
+    per_stage = cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.data_parallel_size(world_size)
+    if per_stage % (cfg.tensor_model_parallel_size * ep):
+        raise bad_value("expert_model_parallel_size", ep,
+                        f"a size with tensor_model_parallel_size * expert_model_parallel_size dividing the "
+                        f"{per_stage} tensor*context*data-parallel ranks of a pipeline stage (world_size="
+                        f"{world_size})")
+
+
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()

@@ -80,8 +80,9 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     _check_world(backend=backend, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s)
     on_gpu = torch.cuda.is_available()
     cfg.validate(world_size=world_size, on_gpu=on_gpu)
-    from .compat import no_te
+    from .compat import fsdp_grads, no_te
     no_te.enable()
+    fsdp_grads.enable()   # one-rank FSDP groups (expert-data-parallel size 1) would get 2x gradients
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -206,6 +207,7 @@ def _init_megatron(cfg: EngineConfig) -> None:
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
     )
 
 

@@ -11,7 +11,7 @@ def raises(match, **kwargs):
 
 
 @pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                   "context_parallel_size"])
+                                   "context_parallel_size", "expert_model_parallel_size"])
 @pytest.mark.parametrize("value", [0, -2])
 def test_non_positive_sizes(field, value):
     msg = raises(field, **{field: value})
@@ -38,6 +38,20 @@ def test_world_size_not_divisible():
     with pytest.raises(ConfigError, match="world_size") as e:
         EngineConfig(tensor_model_parallel_size=2, context_parallel_size=2).validate(world_size=6, on_gpu=False)
     assert "6" in str(e.value) and "2*1*2 = 4" in str(e.value)
+
+
+def test_expert_parallel_must_divide_the_data_parallel_ranks():
+    with pytest.raises(ConfigError, match="expert_model_parallel_size=4 is not allowed") as e:
+        EngineConfig(expert_model_parallel_size=4, tensor_model_parallel_size=2).validate(world_size=4, on_gpu=False)
+    assert "world_size=4" in str(e.value)
+    EngineConfig(expert_model_parallel_size=2, tensor_model_parallel_size=2).validate(world_size=4, on_gpu=False)
+    EngineConfig(expert_model_parallel_size=2, context_parallel_size=2).validate(world_size=2, on_gpu=False)
+
+
+@pytest.mark.parametrize("key", ["expert_model_parallel_size", "expert_tensor_parallel_size"])
+def test_expert_layout_overrides_are_refused(key):
+    msg = raises(f"override_transformer_config.{key}", override_transformer_config={key: 2})
+    assert "absent" in msg and ("EngineConfig.expert_model_parallel_size" in msg or "tensor_model_parallel_size" in msg)
 
 
 def test_fsdp_requires_distributed_optimizer():

@@ -103,12 +103,20 @@ def verify(path, meta: dict, *, rank: int = 0, world: int = 1) -> None:
                                          f"its bytes changed since the save; checkpoint {path} is damaged")
 
 
-def check_fit(path, metadata, state: dict, *, model_prefix: str | tuple = "model.") -> None:
+def flat_keys(state: dict) -> list[str]:
+    """DCP's flattened keys of `state` (what a load asks the checkpoint for)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    return sorted(flatten_state_dict(state)[0])
+
+
+def check_fit(path, metadata, state: dict, *, model_prefix: str | tuple = "model.",
+              asked_anywhere: set | None = None) -> None:
     """Raise before any tensor is read when `state` and the checkpoint disagree on names or shapes.
 
     missing: asked for, not in the checkpoint. unexpected: in the checkpoint under `model_prefix`
-    (the model's own namespace; a tuple of prefixes for several), not asked for: the naive load
-    drops them silently. mismatched:
+    (the model's own namespace; a tuple of prefixes for several), not asked for (by any rank, when
+    `asked_anywhere` holds every rank's keys: expert-parallel ranks hold different experts): the
+    naive load drops them silently. mismatched:
     both have it, global shapes differ (or one holds a tensor, the other a non-tensor value).
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -116,7 +124,8 @@ def check_fit(path, metadata, state: dict, *, model_prefix: str | tuple = "model
     flat, _ = flatten_state_dict(state)
     saved = metadata.state_dict_metadata
     missing = [k for k in flat if k not in saved]
-    unexpected = [k for k in saved if k.startswith(model_prefix) and k not in flat]
+    asked = set(flat) | (asked_anywhere or set())
+    unexpected = [k for k in saved if k.startswith(model_prefix) and k not in asked]
     mismatched = []
     for k, v in flat.items():
         entry = saved.get(k)

@@ -69,7 +69,10 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
         into, from_json = parts.collect(active, loading=True)
         state.mark_uneven_shards(into)
         from_json = {name: json_state(path, name) for name in from_json}
-        integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active))
+    # Expert-parallel ranks each ask for their own experts: a key is unexpected when no rank asks for it.
+    asked = set().union(*collective.all_gather(integrity.flat_keys(into)))
+    with agreed("matching the model to checkpoint", path):
+        integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
     with agreed("loading checkpoint", path):
         if into:
             storage.read(into, path)

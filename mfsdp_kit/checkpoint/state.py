@@ -6,7 +6,9 @@ it): `{"model": ModelState(chunks), "optimizer": OptimizerState(chunks, opt), "r
 tensors to write, a load hands it the same dict (built from a fresh model) to write into in place,
 then calls `load_state_dict`. Keys, in DCP's flattened form: `model.<chunk>.<name>`,
 `optimizer.state.<param>.<name>` (Megatron-FSDP) or `optimizer.rank<r>.<i>.<g>.<j>.<name>` (DDP),
-`rng.pp<p>_tp<t>.<name>`.
+`rng.pp<p>_tp<t>[_ep<e>].<name>`. At expert-parallel size > 1 an expert is named by its global
+number (`local_experts.<global>`, `checkpoint_name`): each EP rank's `local_experts.0` is another
+expert, and DCP would keep only one of the same-named tensors.
 
 What the naive `Stateful` (a module's `state_dict()`, an optimizer's `state_dict()`) gets wrong here:
 - Megatron-FSDP: `chunk.state_dict_for_save_checkpoint()` (DTensor shards) and the optimizer's
@@ -25,7 +27,7 @@ What the naive `Stateful` (a module's `state_dict()`, an optimizer's `state_dict
   keyed by their unwrapped names (DCP writes each once), so they reshard to any DP size and
   load into FSDP chunks. Optimizer state is per rank (`optimizer.rank<r>.*`: each inner torch
   optimizer's params and Adam state): exact, but only for the same world size and layout.
-- RNG (torch CPU, CUDA when present, megatron's RNG tracker) keyed by (pp_rank, tp_rank);
+- RNG (torch CPU, CUDA when present, megatron's RNG tracker) keyed by (pp_rank, tp_rank, ep_rank);
   data-parallel ranks of one model-parallel rank share it (the kit seeds them alike). A
   checkpoint from another TP/PP layout skips the RNG restore and says so (`RNGState.accepts`).
 
@@ -54,10 +56,11 @@ def layout() -> dict:
     """This job's world size and model-parallel layout (tp = pp = 1 before megatron's parallel_state is up)."""
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized():
-        return dict(world_size=collective.world(), tp=1, pp=1, tp_rank=0, pp_rank=0)
+        return dict(world_size=collective.world(), tp=1, pp=1, ep=1, tp_rank=0, pp_rank=0, ep_rank=0)
     return dict(world_size=collective.world(), tp=ps.get_tensor_model_parallel_world_size(),
-                pp=ps.get_pipeline_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                pp_rank=ps.get_pipeline_model_parallel_rank())
+                pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+                tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                ep_rank=ps.get_expert_model_parallel_rank())
 
 
 def canonical(name: str) -> str:
@@ -65,6 +68,12 @@ def canonical(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module."):]
     return name
+
+
+def checkpoint_name(name: str, chunk) -> str:
+    """`name` with its expert numbered globally (`local_experts.<i>` of this EP rank); others unchanged."""
+    from ..compat.experts import global_expert_name
+    return global_expert_name(name, getattr(getattr(chunk, "config", None), "num_moe_experts", None))
 
 
 def is_fsdp(chunks) -> bool:
@@ -82,13 +91,14 @@ def model_state(chunks, *, mp_prefix: str = "") -> dict:
     for i, chunk in enumerate(chunks):
         sd = chunk.state_dict_for_save_checkpoint() if hasattr(chunk, "state_dict_for_save_checkpoint") \
             else chunk.state_dict(keep_vars=True)
-        out[f"{mp_prefix}{i}"] = {canonical(k): v for k, v in sorted(sd.items())
+        out[f"{mp_prefix}{i}"] = {checkpoint_name(canonical(k), chunk): v for k, v in sorted(sd.items())
                                   if torch.is_tensor(v) and not k.endswith("_extra_state")}
     return out
 
 
 def fsdp_optimizer_state(chunks, optimizer, *, is_loading: bool) -> tuple[dict, list]:
-    """The fsdp_dtensor optimizer state, padded so every rank has the same keys; (state, padded keys)."""
+    """The fsdp_dtensor optimizer state, padded so every rank has the same keys; (state, padded keys).
+    (megatron names its experts globally already: distrib_optimizer.py:1168 handle_experts_in_state_dict)"""
     from torch.distributed.tensor import DTensor
     msd = {}
     for chunk in chunks:
@@ -108,6 +118,8 @@ def fsdp_optimizer_state(chunks, optimizer, *, is_loading: bool) -> tuple[dict, 
         if key in state:
             continue
         ref = by_canonical.get(canonical(key))
+        if ref is None and layout()["ep"] > 1 and ".mlp.experts." in key:
+            continue   # another expert-parallel rank's expert: its mesh does not include this rank
         if ref is None:
             raise CheckpointError(f"optimizer key {key!r} has no model parameter {canonical(key)!r}")
         state[key] = {n: DTensor.from_local(torch.empty(0, dtype=torch.float32, device=ref.to_local().device),
@@ -141,7 +153,9 @@ def ddp_optimizer_state(optimizer) -> dict:
 
 
 def rng_key(layout: dict) -> str:
-    return f"pp{layout['pp_rank']}_tp{layout['tp_rank']}"
+    """Ranks with this key hold the same RNG streams; EP ranks differ in megatron's expert-parallel-rng."""
+    ep = f"_ep{layout['ep_rank']}" if layout.get("ep", 1) > 1 else ""
+    return f"pp{layout['pp_rank']}_tp{layout['tp_rank']}{ep}"
 
 
 def rng_state() -> dict:
@@ -329,10 +343,10 @@ class RNGState:
     def accepts(self, meta: dict, path) -> bool:
         """False (a warning: fresh RNG streams) for a checkpoint of another TP/PP layout."""
         lay = layout()
-        if meta.get("tp") == lay["tp"] and meta.get("pp") == lay["pp"]:
+        if meta.get("tp") == lay["tp"] and meta.get("pp") == lay["pp"] and meta.get("ep", 1) == lay["ep"]:
             return True
-        msg = (f"{path} was saved with tp={meta.get('tp')}, pp={meta.get('pp')}; this job has tp={lay['tp']}, "
-               f"pp={lay['pp']}: RNG states are NOT restored (fresh RNG streams)")
+        msg = (f"{path} was saved with tp={meta.get('tp')}, pp={meta.get('pp')}, ep={meta.get('ep', 1)}; this job "
+               f"has tp={lay['tp']}, pp={lay['pp']}, ep={lay['ep']}: RNG states are NOT restored (fresh RNG streams)")
         warnings.warn(msg)
         log.warning(msg)
         return False

@@ -13,9 +13,7 @@
    bridge (`models/olmoe/olmoe_bridge.py:98-147`) maps only TE's grouped experts
    (`mlp.experts.linear_fc1.weight<i>`); the SequentialMLP names of the local spec
    (`mlp.experts.local_experts.<i>.linear_fc1.weight`) get the mappings the Qwen3-MoE bridge has.
-   Exporting those names fails in `param_mapping.py:676` (`int(megatron_param.split(".weight")[-1])`
-   reads the grouped-GEMM suffix, '' for SequentialMLP names): at expert-parallel size 1 the
-   "gather" is the identity, so it is answered without parsing the name.
+   Their expert numbering under expert parallelism is `compat.experts`.
 3. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
    (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
    by 0.56 at TP=2). The splits are made contiguous first.
@@ -117,6 +115,15 @@ MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "f
 
 
 def _moe_without_te() -> None:
+    define_moe_te_names()
+    _patch_olmoe_sequential_experts()
+    from . import experts   # SequentialMLP expert names at any expert-parallel size
+    experts.enable()
+
+
+def define_moe_te_names() -> None:
+    """TE's MoE kernel names in moe_utils defined as None (what its code tests for); megatron-core only,
+    so a MoE model built from sizes (models.gpt) needs no megatron.bridge import for it."""
     from megatron.core.transformer.moe import moe_utils
     if not moe_utils.HAVE_TE and moe_names_still_undefined():
         for name in MOE_TE_NAMES:
@@ -125,28 +132,6 @@ def _moe_without_te() -> None:
             target="megatron.core.transformer.moe.moe_utils",
             upstream="megatron/core/transformer/moe/moe_utils.py:24-38,1192 (te_general_gemm undefined without TE)",
             needed_if=moe_names_still_undefined))
-    _patch_olmoe_sequential_experts()
-    _patch_ep1_export()
-
-
-def _patch_ep1_export() -> None:
-    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
-    original = MegatronParamMapping.gather_from_ep_ranks
-    if hasattr(original, "__wrapped__"):
-        return
-
-    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
-        if self.ep_size == 1 and ".local_experts." in self.megatron_param:
-            return {str(hf_param_name): megatron_weights}
-        return original(self, megatron_weights, megatron_module, hf_param_name)
-
-    gather_from_ep_ranks.__wrapped__ = original
-    MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
-    registry.record(registry.Patch(
-        target="megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.gather_from_ep_ranks",
-        upstream="megatron/bridge/models/conversion/param_mapping.py:676 (expert id parsed from the "
-                 "grouped-GEMM name suffix)", package="megatron-bridge",
-        needed_if='int(self.megatron_param.split(key)[-1])'))
 
 
 def moe_names_still_undefined() -> bool:
@@ -193,22 +178,6 @@ BRIDGE_CPU_MODULES = {
     "megatron.bridge.models.conversion.param_mapping":
         ("megatron/bridge/models/conversion/param_mapping.py:986-987 (replicated weights moved to "
          "torch.cuda.current_device() at TP > 1)", "torch.cuda.current_device()"),
-    # megatron-core's MoE layer, reached through the Qwen3-MoE and OLMoE bridges:
-    "megatron.core.transformer.moe.token_dispatcher":
-        ("megatron/core/transformer/moe/token_dispatcher.py:445 (alltoall dispatcher creates a "
-         "torch.cuda.Stream at construction)", "torch.cuda.Stream()"),
-    "megatron.core.transformer.moe.router":
-        ("megatron/core/transformer/moe/router.py:90-92,169-198 (router weight and aux-loss tensors on "
-         "torch.cuda.current_device())", "torch.cuda.current_device()"),
-    "megatron.core.transformer.moe.moe_utils":
-        ("megatron/core/transformer/moe/moe_utils.py:998 (aux-loss tracker tensors on device='cuda')",
-         'device="cuda"'),
-    "megatron.core.transformer.moe.shared_experts":
-        ("megatron/core/transformer/moe/shared_experts.py:123 (overlapped shared experts on a torch.cuda.Stream)",
-         "torch.cuda.Stream()"),
-    "megatron.core.transformer.moe.experts":
-        ("megatron/core/transformer/moe/experts.py:184-192 (expert weights on torch.cuda.current_device())",
-         "torch.cuda.current_device()"),
 }
 
 

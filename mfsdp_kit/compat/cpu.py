@@ -69,6 +69,22 @@ PROXY_MODULES = {
         ("pipeline_parallel/schedules.py:596,983,2138 (token counters on cuda)", 'device="cuda"'),
     "megatron.core.models.common.embeddings.rotary_pos_embedding":
         ("models/common/embeddings/rotary_pos_embedding.py:162", "torch.cuda.current_device()"),
+    # megatron-core's MoE layer (HF MoE families and models.gpt MoE specs):
+    "megatron.core.transformer.moe.token_dispatcher":
+        ("transformer/moe/token_dispatcher.py:445 (alltoall dispatcher creates a "
+         "torch.cuda.Stream at construction)", "torch.cuda.Stream()"),
+    "megatron.core.transformer.moe.router":
+        ("transformer/moe/router.py:90-92,169-198 (router weight and aux-loss tensors on "
+         "torch.cuda.current_device())", "torch.cuda.current_device()"),
+    "megatron.core.transformer.moe.moe_utils":
+        ("transformer/moe/moe_utils.py:998 (aux-loss tracker tensors on device='cuda')",
+         'device="cuda"'),
+    "megatron.core.transformer.moe.shared_experts":
+        ("transformer/moe/shared_experts.py:123 (overlapped shared experts on a torch.cuda.Stream)",
+         "torch.cuda.Stream()"),
+    "megatron.core.transformer.moe.experts":
+        ("transformer/moe/experts.py:184-192 (expert weights on torch.cuda.current_device())",
+         "torch.cuda.current_device()"),
 }
 
 REWRITES = {
@@ -304,8 +320,29 @@ def enable() -> bool:
     for (name, qualname), (upstream, snippet) in REWRITES.items():
         _recompile(importlib.import_module(name), qualname)
         _record(f"{name}:{qualname}", upstream, snippet)
+    _moe_splits_as_numpy()
     _enabled = True
     return True
+
+
+def _moe_splits_as_numpy() -> None:
+    """Expert parallelism's all-to-all split sizes reach `all_to_all_single` as lists of ints on CPU too.
+
+    The alltoall token dispatcher hands its split sizes (tensors) through `maybe_move_tensor_to_cpu(...,
+    as_numpy=True)`, which converts only CUDA tensors (moe_utils.py:1093-1096); a CPU tensor stays
+    a tensor, and torch's all_to_all_single binding refuses it (TypeError at EP > 1)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and _torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    maybe_move_tensor_to_cpu.__wrapped__ = original
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _record("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+            "transformer/moe/moe_utils.py:1093-1096, transformer/moe/token_dispatcher.py:879-887,667",
+            "if torch.is_tensor(tensor) and tensor.is_cuda:")
 
 
 @contextlib.contextmanager

@@ -205,7 +205,8 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size, sequence_parallel=False,
+        context_parallel_size=cfg.context_parallel_size, expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=False,
         bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16", params_dtype=dtype, pipeline_dtype=dtype,
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not torch.cuda.is_available(),
     )

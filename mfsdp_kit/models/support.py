@@ -208,13 +208,15 @@ def _moe(arch: str, config: dict, cfg) -> None:
 
 
 def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
-    ep = cfg.override_transformer_config.get("expert_model_parallel_size", 1)
-    if ep != 1:
-        raise bad_value("override_transformer_config['expert_model_parallel_size']", ep,
-                        "1: the kit's runtime builds no expert-parallel process groups (experts are sharded "
-                        "by Megatron-FSDP or replicated by DDP over the data-parallel ranks)")
-    moe = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    if moe and arch != "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
+    ep = cfg.expert_model_parallel_size
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    if ep != 1 and not experts:
+        raise bad_value("expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose experts "
+                        "expert parallelism could split")
+    if ep != 1 and experts % ep:
+        raise bad_value("expert_model_parallel_size", ep, f"a divisor of the model's num_experts={experts} "
+                        "(each expert-parallel rank holds num_experts / expert_model_parallel_size experts)")
+    if experts and arch != "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
         raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
                         f"1 for {arch} (MoE): megatron-core 0.16.1 requires sequence parallelism with MoE and "
                         "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable")

@@ -1,4 +1,4 @@
-"""Canaries for the MoE patches in compat.bridge: each is registered and still needed; when upstream
+"""Canaries for the MoE patches in compat.bridge, compat.experts and compat.fsdp_grads: each is registered and still needed; when upstream
 fixes one, its test fails and the patch can be deleted."""
 from mfsdp_kit.compat import bridge, registry
 
@@ -18,3 +18,16 @@ def test_moe_utils_names_defined_without_te():
     if not moe_utils.HAVE_TE:
         assert bridge.moe_names_still_undefined()  # upstream's except-branch still leaves them undefined
         assert all(getattr(moe_utils, n) is None for n in bridge.MOE_TE_NAMES)
+
+
+def test_expert_parallel_patches_are_registered_and_still_needed():
+    """SequentialMLP expert numbering (compat.experts) and one-rank FSDP groups' gradients (compat.fsdp_grads)."""
+    from mfsdp_kit.compat import experts, fsdp_grads
+    bridge.import_bridge()
+    fsdp_grads.enable()
+    targets = {p.target: p for p in registry.ACTIVE}
+    for target in ("megatron.bridge.models.conversion.model_bridge:_megatron_local_name_to_global",
+                   fsdp_grads.TARGET):
+        assert targets[target].still_needed(), target
+    assert experts.global_names_still_needed() and fsdp_grads.still_needed()
+

@@ -125,10 +125,18 @@ def test_softcapping_is_refused(tmp_path):
         hf_models.check_folder(path)
 
 
-def test_expert_parallel_above_one_is_refused(tmp_path):
-    cfg = EngineConfig(override_transformer_config={"expert_model_parallel_size": 2})
-    with pytest.raises(ConfigError, match=r"expert_model_parallel_size'\]=2 is not allowed; allowed: 1"):
-        hf_models.check_folder(folder(tmp_path, "Qwen3MoeForCausalLM"), cfg)
+@pytest.mark.parametrize("arch, ep, match", [
+    ("Qwen2ForCausalLM", 2, "expert_model_parallel_size=2 is not allowed; allowed: 1 for Qwen2ForCausalLM: it has no MoE"),
+    ("Qwen3MoeForCausalLM", 3, "expert_model_parallel_size=3 is not allowed; allowed: a divisor of the model's "
+                               "num_experts=4"),
+])
+def test_expert_parallel_needs_experts_it_divides(tmp_path, arch, ep, match):
+    with pytest.raises(ConfigError, match=match):
+        hf_models.check_folder(folder(tmp_path, arch), EngineConfig(expert_model_parallel_size=ep))
+
+
+def test_expert_parallel_two_is_accepted(tmp_path):
+    accepted(folder(tmp_path, "OlmoeForCausalLM"), EngineConfig(expert_model_parallel_size=2))
 
 
 def test_olmoe_refuses_tensor_parallel(tmp_path):
