@@ -1,5 +1,5 @@
-"""Canaries for the MoE patches in compat.bridge, compat.experts and compat.fsdp_grads: each is registered and still needed; when upstream
-fixes one, its test fails and the patch can be deleted."""
+"""Canaries for the MoE patches in compat.bridge, compat.experts and compat.fsdp_grads: each is
+registered and still needed; when upstream fixes one, its test fails and the patch can be deleted."""
 from mfsdp_kit.compat import bridge, registry
 
 
