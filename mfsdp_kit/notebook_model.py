@@ -7,9 +7,10 @@
         a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
     MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
 
-Why "m" on GPUs: it fills an H200 with a 64 x 256-token micro-batch at a useful MFU while every
-notebook still runs in about a minute; "l" (1.70 B) takes ~30 s per notebook to write its folder and is
-one `MFSDP_MODEL=l` away. The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
+Why "m" on GPUs: every notebook passes with it and runs in about a minute on 2 H200 (all 8: 528 s,
+docs/benchmarks.md), with real bf16 numbers in 06_memory (139k / 89k tokens/s per GPU for DDP / FSDP,
+10-16 % MFU, 15 of 140 GiB); `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s per notebook to
+write its folder. The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
 them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4 on l; bench/sft_grpo.py
 trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
 
