@@ -25,13 +25,31 @@ class GPTSpec:
     vocab_size: int = 128
     seq_len_tokens: int = 32
     """Longest sequence the position embedding covers."""
+    num_experts: int | None = None
+    """MoE: routed experts per layer (every layer's MLP becomes a megatron MoE layer, experts split
+    over `EngineConfig.expert_model_parallel_size` ranks); None = a dense MLP."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of one expert's SwiGLU MLP; None = ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
 
     def param_count(self) -> int:
-        """Parameters of the model (embeddings and output layer included)."""
-        h, f = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
+        """Parameters of the model (embeddings and output layer included; MoE: every expert and the router)."""
+        h = self.hidden_size
         kv = (self.num_query_groups or self.num_attention_heads) * (h // self.num_attention_heads)
-        per_layer = h * (h + 2 * kv) + h * h + 2 * h * f + f * h + 2 * h
+        per_layer = h * (h + 2 * kv) + h * h + self._mlp_params(active=False) + 2 * h
         return self.num_layers * per_layer + 2 * self.vocab_size * h + h
+
+    def active_param_count(self) -> int:
+        """Parameters one token passes through: MoE counts topk experts (what 6 * N FLOPs/token uses)."""
+        return self.param_count() - self.num_layers * (self._mlp_params(active=False) - self._mlp_params(active=True))
+
+    def _mlp_params(self, *, active: bool) -> int:
+        h, f = self.hidden_size, self.ffn_hidden_size or 4 * self.hidden_size
+        if not self.num_experts:
+            return 3 * h * f   # SwiGLU: gate, up (h -> f) and down (f -> h)
+        experts = self.moe_router_topk if active else self.num_experts
+        return experts * 3 * h * (self.moe_ffn_hidden_size or f) + h * self.num_experts   # + the router
 
 
 SPECS = {
@@ -47,6 +65,14 @@ SPECS = {
     # Llama-2-7B shape: 32 * (4 * 4096^2 + 3 * 4096 * 11008) = 6.48 B + 0.27 B embeddings
     "7b": GPTSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                   vocab_size=32768, seq_len_tokens=2048),
+    # MoE smoke size: 4 experts of width 32, top-2 (2 gloo ranks split them at EP 2)
+    "moe-tiny": GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                        vocab_size=128, seq_len_tokens=32, num_experts=4, moe_ffn_hidden_size=32),
+    # Qwen3-MoE-shaped: 16 * (1024 * (1024 + 2 * 256) + 1024^2 + 32 * 3 * 1024 * 768 + 32 * 1024) = 1.25 B
+    # in layers + 2 * 32768 * 1024 = 0.07 B embeddings = 1.32 B; top-4 of 32 experts: 0.26 B active per token
+    "moe-1.3b": GPTSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
+                        ffn_hidden_size=3072, vocab_size=32768, seq_len_tokens=2048, num_experts=32,
+                        moe_ffn_hidden_size=768, moe_router_topk=4),
 }
 """Named model sizes of the benchmarks (bench/throughput.py --spec, bench/max_model.py --spec)."""
 
@@ -65,23 +91,35 @@ def transformer_config(spec: GPTSpec, cfg: EngineConfig):
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
+        context_parallel_size=cfg.context_parallel_size, expert_model_parallel_size=cfg.expert_model_parallel_size,
         sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
         use_cpu_initialization=True, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False,
-        **recompute[cfg.recompute],
+        **recompute[cfg.recompute], **_moe_settings(spec),
     )
     kwargs.update(cfg.override_transformer_config)
     kwargs.update(fusions.transformer_settings(cfg.fused_kernels, kwargs, overrides=cfg.override_transformer_config))
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(cfg: EngineConfig):
-    """Local (no Transformer Engine) layer spec; core attention per `cfg.attention_backend`."""
+def _moe_settings(spec: GPTSpec) -> dict:
+    """TransformerConfig fields of an MoE spec: megatron's SequentialMLP experts (no TE grouped GEMM),
+    all-to-all token dispatch (what expert parallelism needs), no auxiliary loss (the loss stays the
+    language-model loss, comparable across layouts)."""
+    if not spec.num_experts:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
+                moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_permute_fusion=False)
+
+
+def layer_spec(cfg: EngineConfig, num_experts: int | None = None):
+    """Local (no Transformer Engine) layer spec; core attention per `cfg.attention_backend`; a MoE MLP
+    of megatron's SequentialMLP experts when `num_experts`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=num_experts, moe_grouped_gemm=False)
     if cfg.attention_backend == "sdpa":
         from .sdpa import SDPAttention
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
@@ -92,9 +130,13 @@ def gpt_model_fn(spec: GPTSpec, cfg: EngineConfig):
     """A `model_fn(pre_process=, post_process=, vp_stage=)` for `engine.build`."""
     from megatron.core.models.gpt import GPTModel
     config = transformer_config(spec, cfg)
+    if spec.num_experts:
+        from ..compat.bridge import define_moe_te_names   # megatron-core only; the bridge is not imported
+        define_moe_te_names()
 
     def model_fn(*, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
-        return GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=spec.vocab_size,
+        return GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, spec.num_experts),
+                        vocab_size=spec.vocab_size,
                         max_sequence_length=spec.seq_len_tokens, pre_process=pre_process,
                         post_process=post_process, position_embedding_type="rope",
                         share_embeddings_and_output_weights=False, vp_stage=vp_stage)
