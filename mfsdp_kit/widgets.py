@@ -23,9 +23,11 @@ from typing import Any
 
 from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
 
-INT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "seed")
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool))
 """Every on/off switch of EngineConfig, found from its defaults (so a new switch gets a checkbox)."""
+INT_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                   if isinstance(f.default, int) and f.name not in BOOL_FIELDS)
+"""Every integer field (parallel sizes, seed), found the same way: a new size is never a text box."""
 CHOICE_FIELDS = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "recompute": RECOMPUTE}
 DICT_FIELDS = ("override_ddp_config", "override_transformer_config")
 """Edited as JSON text, e.g. {"data_parallel_sharding_strategy": "optim_grads"}."""
