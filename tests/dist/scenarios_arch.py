@@ -102,6 +102,11 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
     return result
 
 
+def arch_roundtrips(*, archs: list[str], **kwargs) -> dict:
+    """arch_roundtrip for each architecture in turn, in this one world: {arch: result}."""
+    return {arch: arch_roundtrip(arch=arch, **kwargs) for arch in archs}
+
+
 def verify_detects(*, workdir: str, fsdp: bool = False) -> dict:
     """load(verify=True) passes on a faithful model; a model changed after loading is caught."""
     from mfsdp_kit.models.verify import VerificationError

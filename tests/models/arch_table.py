@@ -43,24 +43,29 @@ def refusal(arch: str, workdir: Path, tp: int = 1) -> str | None:
 
 
 def collect(workdir, *, archs_to_run=None) -> list[dict]:
-    """One row per listed architecture: {arch, outcome: works | refused | not tested, tp: {..}, reason}."""
+    """One row per listed architecture: {arch, outcome: works | refused | not tested, tp: {..}, reason}.
+
+    The architectures that run go through one 2-rank job per TP (scenarios_arch.arch_roundtrips),
+    one after another in the same world as a notebook loads several models: not a job each."""
     from tests.dist import launch
     workdir = Path(workdir)
-    rows = []
+    rows, runnable = [], []
     for arch in archs_to_run or hf_models.supported_architectures():
         first = refusal(arch, workdir)
         if first is not None:
             rows.append(dict(arch=arch, outcome="refused", reason=first, config_only=arch not in archs.ARCH_CONFIGS))
-            continue
-        if arch not in archs.ARCH_CONFIGS:
+        elif arch not in archs.ARCH_CONFIGS:
             rows.append(dict(arch=arch, outcome="not tested", reason=_untested_reason(arch)))
-            continue
-        per_tp = {}
-        for tp in TPS:
-            why = refusal(arch, workdir, tp)
-            per_tp[tp] = dict(refused=why) if why else launch.run(
-                "scenarios_arch:arch_roundtrip", arch=arch, tp=tp, fsdp=True, workdir=str(workdir))
-        rows.append(dict(arch=arch, outcome="works", tp=per_tp))
+        else:
+            rows.append(dict(arch=arch, outcome="works", tp={}))
+            runnable.append(rows[-1])
+    for tp in TPS:
+        refused = {r["arch"]: refusal(r["arch"], workdir, tp) for r in runnable}
+        to_run = [a for a, why in refused.items() if why is None]
+        results = launch.run("scenarios_arch:arch_roundtrips", archs=to_run, tp=tp, fsdp=True,
+                             workdir=str(workdir), timeout_s=300 * max(len(to_run), 1)) if to_run else {}
+        for r in runnable:
+            r["tp"][tp] = results[r["arch"]] if refused[r["arch"]] is None else dict(refused=refused[r["arch"]])
     return rows
 
 
