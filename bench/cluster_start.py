@@ -1,6 +1,7 @@
 """Where `cluster.start` spends its time, phase by phase, and what stop and restart cost.
 
     python bench/cluster_start.py [--n 2] [--repeats 3] [--out runs/bench/cluster_start.json] [--engines mpi]
+                                  [--variants default,preload]
 
 "Ready" means `start()` returned: every engine registered, ran `runtime.init`, and %%px would work.
 Phases (`handle.startup_s`): controller -> engines_spawn -> client_connect -> register (engine processes
@@ -35,6 +36,18 @@ def import_floor() -> dict:
         subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True)
         out[name] = time.perf_counter() - t0
     return out
+
+
+def variant_kwargs(variant: str, engines: str | None) -> dict:
+    """`start` keywords: `preload` runs engines as `python -m mfsdp_kit.ipengine` (imports begun at boot)."""
+    from traitlets.config import Config
+
+    from mfsdp_kit import launch
+    kwargs = {"engines": engines} if engines else {}
+    if variant == "preload":
+        section = "MPIEngineSetLauncher" if engines == "mpi" else "LocalEngineSetLauncher"
+        kwargs["config"] = Config({section: {"engine_cmd": launch.PRELOAD_ENGINE_CMD}})
+    return kwargs
 
 
 def measure_once(*, n_engines: int, launcher: dict) -> dict:
@@ -80,23 +93,32 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2, help="engines per start")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default=None, help="ipyparallel launcher, e.g. mpi (default: local)")
+    parser.add_argument("--variants", default="default,preload",
+                        help="comma-separated: default, preload (engines import torch/megatron at boot); "
+                             "run alternately, so both see the same load")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()
-    launcher = {"engines": args.engines} if args.engines else {}
+    variants = args.variants.split(",")
     load_before, floor = load(), import_floor()
-    runs = [measure_once(n_engines=args.n, launcher=launcher) for _ in range(args.repeats)]
-    summary = summarize(runs)
+    runs = {v: [] for v in variants}
+    for _ in range(args.repeats):
+        for v in variants:
+            runs[v].append(measure_once(n_engines=args.n, launcher=variant_kwargs(v, args.engines)))
+    first = runs[variants[0]][0]
     print(f"cluster.start({args.n}{', engines=' + repr(args.engines) if args.engines else ''}) x {args.repeats}, "
-          f"backend {runs[0]['backend']}, devices {runs[0]['devices']}, {os.cpu_count()} CPUs, "
+          f"backend {first['backend']}, devices {first['devices']}, {os.cpu_count()} CPUs, "
           f"load average {load_before} before, {load()} after")
-    print("import floor (one fresh interpreter, alone): "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in floor.items()))
-    print_table(summary)
+    print("import floor (one fresh interpreter, alone): " + ", ".join(f"{k} {v:.2f} s" for k, v in floor.items()))
+    results = {}
+    for v in variants:
+        results[v] = dict(summary=summarize(runs[v]), runs=runs[v])
+        print(f"\n[{v}]")
+        print_table(results[v]["summary"])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(n_engines=args.n, repeats=args.repeats, engines=args.engines or "local", cpus=os.cpu_count(),
                        host=platform.node(), load_before=load_before, load_after=load(), import_floor_s=floor,
-                       summary=summary, runs=runs), f, indent=2)
+                       variants=results), f, indent=2)
     print(f"wrote {args.out}")
 
 

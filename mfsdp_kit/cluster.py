@@ -10,6 +10,7 @@ A dead engine or one failing rank must not hang a cell: `ClusterHandle.wait` nam
 watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with the same ranks. `report(step=, total=, **metrics)`
 on engines plus `run_with_progress` on the client give per-rank progress bars.
 
+Processes (launchers, killing, waiting for registration, start-time phases) live in launch.py.
 Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
 points GLOO_SOCKET_IFNAME at the loopback interface): see docs/cluster.md for what a multi-node launcher opens.
 """
@@ -69,6 +70,9 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
     Returns device, backend and seconds per phase (the imports are timed apart: they dominate on CPU).
     """
     watch = Stopwatch()
+    from mfsdp_kit import ipengine
+    ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.ipengine)
+    watch.lap("preload_wait")
     import torch
     watch.lap("import_torch")
     import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)
@@ -223,6 +227,9 @@ class ClusterHandle:
                 self.view.apply_async(_engine_shutdown).get(timeout=10)
         except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
             pass
+        # Nothing is left to save once the world is left; an engine with torch loaded takes 4-5 s to finish
+        # after SIGTERM (ipyparallel then SIGKILLs it anyway), so SIGKILL now.
+        launch.kill_engines(self.cluster, self.client)
         launch.stop(self.cluster, self.client)
         self.view = None
 
@@ -304,7 +311,9 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
     timeout_s: engines must register, and the process group form, within this many seconds (not collectives).
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
-    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, ...).
+    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...).
+      engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
+      running as root (launch.openmpi_env; docs/cluster.md says how to override).
     """
     from .runtime import BACKENDS
     if backend not in BACKENDS:   # fail here, not after engines have started

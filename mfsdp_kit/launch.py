@@ -8,8 +8,10 @@ and bench/cluster_start.py.
 """
 from __future__ import annotations
 
+import copy
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -19,6 +21,11 @@ from .config import ConfigError
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
+PRELOAD_ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
+"""Opt-in `engine_cmd` for local / MPI engines: ipyparallel's engine behind a thread importing torch and megatron
+at boot (ipengine.py). Not the default: on 2 busy CPU cores it measured no gain (bench/cluster_start.py measures
+both on every run)."""
+CONTROLLER_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
 OPENMPI_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 """OpenMPI refuses more ranks than cores; an engine mostly waits (one per GPU), so the kit allows it."""
 OPENMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -67,6 +74,12 @@ def openmpi_env() -> dict[str, str]:
 
 def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cluster:
     """ipyparallel's `Cluster` with the kit's defaults; anything in `launcher` wins over them."""
+    if "config" in launcher:   # the kit adds to it below; the caller's object stays as it was
+        launcher["config"] = copy.deepcopy(launcher["config"])
+    # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
+    # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.5 s, with as many seconds of
+    # silence tolerated as before (60 x 0.5 s); a dead engine is still noticed at once, through its nanny.
+    launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
