@@ -1,4 +1,4 @@
-"""MoE with expert parallelism: one tiny transformers-made MoE model through four layouts in the same
+"""MoE with expert parallelism: tiny transformers-made MoE models, each through four layouts in the same
 ranks (EP 1 | 2 x DDP | Megatron-FSDP; `runtime.shutdown` keeps the world, `init` builds the next).
 
 Per layout: load -> logits vs HF (models.verify) -> export exact vs the HF source (experts gathered
@@ -109,12 +109,16 @@ def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: s
     return out
 
 
-def moe_layouts(*, arch: str, workdir: str, layouts: list[str] | None = None) -> dict:
-    """Every layout of LAYOUTS (or the named ones) on the same source model, one after another."""
+def moe_layouts(*, archs: list[str], workdir: str, layouts: list[str] | None = None) -> dict:
+    """{arch: {"hf_loss": .., layout: ..}}: every layout of LAYOUTS (or the named ones) of each
+    architecture's tiny model, one after another in these processes (one job: one startup)."""
     runtime.init(EngineConfig())
-    src, original = _source(arch, workdir)
-    result = {"hf_loss": hf_loss(src, _batches()[0])}
-    for name in layouts or list(LAYOUTS):
-        ep, fsdp = LAYOUTS[name]
-        result[name] = _layout(arch, src, original, ep=ep, fsdp=fsdp, root=f"{workdir}/ckpt_{arch}_{name}")
+    result = {}
+    for arch in archs:
+        src, original = _source(arch, workdir)
+        result[arch] = {"hf_loss": hf_loss(src, _batches()[0])}
+        for name in layouts or list(LAYOUTS):
+            ep, fsdp = LAYOUTS[name]
+            result[arch][name] = _layout(arch, src, original, ep=ep, fsdp=fsdp, root=f"{workdir}/ckpt_{arch}_{name}")
+        runtime.init(EngineConfig())   # the next architecture's source is written under a plain layout
     return result

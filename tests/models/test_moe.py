@@ -1,5 +1,5 @@
 """Qwen3-MoE and OLMoE (tiny, written by transformers) on 2 gloo ranks at expert-parallel size 1 and 2,
-DDP and Megatron-FSDP, all four layouts in one torchrun job per architecture (tests/dist/scenarios_moe.py):
+DDP and Megatron-FSDP, all four layouts of both in one torchrun job (tests/dist/scenarios_moe.py):
 logits vs HF, export exact (EP 2: the experts gathered from both ranks under their HF names), the
 loss vs transformers', FSDP == DDP and EP 2 == EP 1 training, save_hf at EP 2 reloads to the same
 logits, and a checkpoint round trip that is bitwise."""
@@ -15,8 +15,7 @@ CASES = [(a, layout) for a in ARCHS for layout in LAYOUTS]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("moe")
-    return {arch: launch.run("scenarios_moe:moe_layouts", arch=arch, workdir=str(work / arch)) for arch in ARCHS}
+    return launch.run("scenarios_moe:moe_layouts", archs=ARCHS, workdir=str(tmp_path_factory.mktemp("moe")))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
