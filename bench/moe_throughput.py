@@ -4,7 +4,7 @@
         --global-batch 16 --steps 8 --warmup 2 --out runs/bench/moe_throughput.json
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/moe_throughput.py --spec moe-tiny --steps 2   # CPU
 
-Every run trains the SAME megatron MoE GPT (models.gpt SPECS, SequentialMLP experts, all-to-all
+Every run trains the SAME megatron MoE GPT (models.gpt MOE_SPECS, SequentialMLP experts, all-to-all
 token dispatch, no auxiliary loss; same seed and batches) in the same processes, one after another:
 - ddp  x EP e: megatron DDP + distributed optimizer; dense grads all-reduced over all ranks, expert
                grads over the expert-data-parallel ranks (world / e);
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.models.gpt import SPECS, GPTSpec, gpt_model_fn
+from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU
 from mfsdp_kit.perf.peaks import PhasePeaks, free_memory, record_step_phases
 from mfsdp_kit.perf.trainers import batches
@@ -147,9 +147,8 @@ def _int_list(text: str) -> list[int]:
 
 def main() -> None:
     on_gpu = torch.cuda.is_available()
-    moe_specs = [k for k, s in SPECS.items() if s.num_experts]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", default="moe-1.3b" if on_gpu else "moe-tiny", choices=moe_specs)
+    ap.add_argument("--spec", default="moe-1.3b" if on_gpu else "moe-tiny", choices=list(MOE_SPECS))
     add_engine_args(ap)
     ap.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 2)
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: mbs * world)")
@@ -159,7 +158,7 @@ def main() -> None:
     ap.add_argument("--ep", default="1,2", help="comma-separated expert-parallel sizes")
     ap.add_argument("--out", default="runs/bench/moe_throughput.json")
     args = ap.parse_args()
-    spec, world = SPECS[args.spec], int(os.environ.get("WORLD_SIZE", "1"))
+    spec, world = MOE_SPECS[args.spec], int(os.environ.get("WORLD_SIZE", "1"))
     modes, eps = [m for m in args.modes.split(",") if m], _int_list(args.ep)
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes {args.modes!r}: allowed: a comma-separated list of {', '.join(MODES)}")

@@ -65,6 +65,10 @@ SPECS = {
     # Llama-2-7B shape: 32 * (4 * 4096^2 + 3 * 4096 * 11008) = 6.48 B + 0.27 B embeddings
     "7b": GPTSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
                   vocab_size=32768, seq_len_tokens=2048),
+}
+"""Named model sizes of the benchmarks (bench/throughput.py --spec, bench/max_model.py --spec)."""
+
+MOE_SPECS = {
     # MoE smoke size: 4 experts of width 32, top-2 (2 gloo ranks split them at EP 2)
     "moe-tiny": GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
                         vocab_size=128, seq_len_tokens=32, num_experts=4, moe_ffn_hidden_size=32),
@@ -74,7 +78,8 @@ SPECS = {
                         ffn_hidden_size=3072, vocab_size=32768, seq_len_tokens=2048, num_experts=32,
                         moe_ffn_hidden_size=768, moe_router_topk=4),
 }
-"""Named model sizes of the benchmarks (bench/throughput.py --spec, bench/max_model.py --spec)."""
+"""Named MoE sizes (bench/moe_throughput.py --spec). Apart from SPECS: the dense benchmarks' FLOPs
+(perf.flops) count every parameter, an MoE token passes through topk experts only."""
 
 
 def transformer_config(spec: GPTSpec, cfg: EngineConfig):

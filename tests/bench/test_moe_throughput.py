@@ -2,7 +2,7 @@
 expert-parallel size 2 train the same MoE GPT on the same batches (the script's default also runs EP 1)."""
 import pytest
 
-from mfsdp_kit.models.gpt import SPECS
+from mfsdp_kit.models.gpt import MOE_SPECS
 from tests.bench.cli import run
 
 
@@ -14,7 +14,7 @@ def test_moe_throughput_bench(tmp_path):
     results = res["results"]
     assert list(results) == ["ddp-ep2", "fsdp-ep2"]
     assert not [k for k, r in results.items() if "error" in r], results
-    spec = SPECS["moe-tiny"]
+    spec = MOE_SPECS["moe-tiny"]
     assert res["world"] == 2 and res["params"] == spec.param_count() > res["active_params"]
     for ep in (2,):  # one EP size: same init, same batches, the wrappers differ only by rounding
         ddp, fsdp = results[f"ddp-ep{ep}"], results[f"fsdp-ep{ep}"]
