@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh                 # all sections
 #   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
 #   SECTIONS="throughput max_model" bash scripts/gpu_check.sh   # max_model runs only when listed
-#   SECTIONS="notebooks nb_throughput load_7b" bash scripts/gpu_check.sh   # not in the default SECTIONS either
+#   SECTIONS="notebooks nb_throughput load_7b moe cluster_start" bash scripts/gpu_check.sh   # not in the default SECTIONS either
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -139,6 +139,12 @@ for s in $SECTIONS; do
     nb_throughput) section nb_throughput trun bench/notebook_throughput.py --out "$RESULTS/notebook_throughput.json" ;;
     # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then
     # models.hf.load's phases into Megatron-FSDP on every GPU: time, host RSS and GPU memory per rank
+    # MoE (Qwen3-MoE-shaped moe-1.3b, 0.26 B active): DDP vs Megatron-FSDP at expert-parallel size 1 vs 2
+    moe)        section moe trun bench/moe_throughput.py --spec moe-1.3b --micro-batch-size 4 --steps 8 --warmup 2 \
+                  --out "$RESULTS/moe_throughput.json" ;;
+    # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
+    cluster_start) section cluster_start python3 bench/cluster_start.py --n "$NGPU" --repeats 3 \
+                  --out "$RESULTS/cluster_start.json" ;;
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
                   --train-steps 1 --out "$RESULTS/load_7b.json" ;;
     *) echo "unknown section $s"; status=1 ;;
