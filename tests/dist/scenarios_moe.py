@@ -122,3 +122,17 @@ def moe_layouts(*, archs: list[str], workdir: str, layouts: list[str] | None = N
             result[arch][name] = _layout(arch, src, original, ep=ep, fsdp=fsdp, root=f"{workdir}/ckpt_{arch}_{name}")
         runtime.init(EngineConfig())   # the next architecture's source is written under a plain layout
     return result
+
+
+def to_hf_equals_save_hf(*, archs: list[str], workdir: str, layout: str = "ep2-fsdp") -> dict:
+    """One process: `checkpoint.to_hf` of each arch's `layout` checkpoint (rebuilt at world 1, EP 1) vs the
+    folder `save_hf` wrote from the live EP 2 model at the same step: the largest |difference| per arch."""
+    from safetensors.torch import load_file
+    out = {}
+    for arch in archs:
+        root = f"{workdir}/ckpt_{arch}_{layout}"
+        path = ckpt.to_hf(f"{root}/step_{STEPS:06d}", f"{root}_to_hf", hf_source=f"{workdir}/{arch}_moe")
+        a, b = load_file(f"{path}/model.safetensors"), load_file(f"{root}_hf/model.safetensors")
+        out[arch] = dict(names_match=sorted(a) == sorted(b),
+                         maxdiff=max((a[k] - b[k]).abs().max().item() for k in a if k in b))
+    return out

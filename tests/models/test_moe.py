@@ -14,8 +14,13 @@ CASES = [(a, layout) for a in ARCHS for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch.run("scenarios_moe:moe_layouts", archs=ARCHS, workdir=str(tmp_path_factory.mktemp("moe")))
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("moe")
+
+
+@pytest.fixture(scope="module")
+def runs(work):
+    return launch.run("scenarios_moe:moe_layouts", archs=ARCHS, workdir=str(work))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -54,3 +59,11 @@ def test_moe_layouts_train_the_same(runs, arch, reference, candidate):
     a, b = runs[arch][reference], runs[arch][candidate]
     print(arch, reference, a["losses"], a["grad_norms"], "\n", candidate, b["losses"], b["grad_norms"])
     same_training(a, b)
+
+
+def test_ep2_checkpoint_converts_to_the_same_hf_weights(runs, work):
+    """checkpoint.to_hf rebuilds the model in one process (EP 1) and reads the EP 2 Megatron-FSDP checkpoint,
+    whose experts are saved under their global numbers: the folder equals save_hf's from the live model."""
+    r = launch.run("scenarios_moe:to_hf_equals_save_hf", nproc=1, archs=ARCHS, workdir=str(work))
+    print(r)
+    assert all(v["names_match"] and v["maxdiff"] == 0.0 for v in r.values()), r
