@@ -315,7 +315,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
       running as root (launch.openmpi_env; docs/cluster.md says how to override).
     """
-    from .runtime import BACKENDS
+    watch = Stopwatch()
+    from .runtime import BACKENDS   # imports torch in the notebook: the first start pays it ("checks" phase)
     if backend not in BACKENDS:   # fail here, not after engines have started
         raise _bad_start("backend", backend, " | ".join(BACKENDS))
     if device_count is not None and (not _is_int(device_count) or device_count < 0):
@@ -332,7 +333,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     if local and device_count and n > device_count:
         raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
                                  f"engine); allowed: n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
-    watch = Stopwatch()
+    watch.lap("checks")
     cluster = launch.make_cluster(n=n, ip=ip, timeout_s=timeout_s, launcher=launcher)
     init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
     client = None

@@ -150,18 +150,6 @@ def kill_engines(cluster: ipp.Cluster, client: ipp.Client) -> None:
             _quietly(lambda: client.send_signal(signal.SIGKILL, targets=client.ids, block=True))
 
 
-def wait_until_gone(pids: list[int], timeout_s: float = 10.0) -> None:
-    """Return once none of `pids` (engines on this host) runs any more, or after timeout_s."""
-    import psutil
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=timeout_s)
-
-
 def stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
     if client is not None:
         client.close()
