@@ -219,7 +219,10 @@ def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
     if experts and arch != "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
         raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
                         f"1 for {arch} (MoE): megatron-core 0.16.1 requires sequence parallelism with MoE and "
-                        "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable")
+                        "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable: "
+                        "it splits every forward's sequence over the TP ranks (tensor_parallel/mappings.py:70 needs "
+                        "a length divisible by TP), which greedy decoding (one token longer per step) and the data "
+                        "path do not guarantee. Use expert_model_parallel_size to split the experts instead")
     if arch == "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
         raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
                         "1 for OlmoeForCausalLM: its QK norm spans all heads and the bridge's OLMoE attention "
