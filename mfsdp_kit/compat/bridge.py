@@ -76,6 +76,11 @@ def placeholders():
     # megatron-core probes for TE first, so its HAVE_TE flags stay False.
     import megatron.core.extensions.transformer_engine  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    # transformers (imported by the bridge) imports torch's compiler (flex_attention's
+    # torch.compiler.disable), which probes for triton: it must see the real absence, not the
+    # placeholder (compat.lazy_compile leaves the compiler unimported until here).
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
     added = []
     if importlib.util.find_spec("transformer_engine") is None:
         _module("transformer_engine").pytorch = _module("transformer_engine.pytorch")

@@ -1,0 +1,46 @@
+"""compat.lazy_compile: importing megatron through the kit does not import torch's compiler, and a
+fused function compiles (once) at its first call, giving what the function computes."""
+import subprocess
+import sys
+
+import torch
+
+from mfsdp_kit.compat import lazy_compile
+
+PROBE = """
+import sys, torch
+import mfsdp_kit, megatron.core, mfsdp_kit.engine, mfsdp_kit.models.hf
+import megatron.core.jit as jit
+from mfsdp_kit.compat import lazy_compile, registry
+print(int("torch._dynamo" in sys.modules), int(jit.jit_fuser is torch.compile),
+      int(lazy_compile.PATCH in registry.ACTIVE), int(lazy_compile.PATCH.still_needed()))
+"""
+
+
+def test_importing_megatron_through_the_kit_leaves_the_compiler_unimported():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
+    dynamo, eager_fuser, recorded, needed = map(int, out[-4:])
+    assert not dynamo and not eager_fuser and recorded
+    assert needed, "megatron.core.jit no longer sets jit_fuser = torch.compile: delete compat/lazy_compile.py"
+
+
+def test_lazy_compiles_once_at_the_first_call_with_the_options():
+    calls = []
+
+    def compile_fn(fn, **options):   # stands in for torch.compile: records, returns the function
+        calls.append(options)
+        return fn
+
+    @lazy_compile.lazy(compile_fn)
+    def plain(x):
+        return x * 2
+
+    @lazy_compile.lazy(compile_fn)(dynamic=False)
+    def with_options(x):
+        return x + 1
+
+    assert calls == [] and plain.__name__ == "plain"
+    x = torch.arange(3.0)
+    assert torch.equal(plain(x), x * 2) and torch.equal(plain(x), x * 2)
+    assert torch.equal(with_options(x), x + 1)
+    assert calls == [{}, {"dynamic": False}]
