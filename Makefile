@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lab clean
+.PHONY: install demo test lab clean mpi
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -33,7 +33,12 @@ demo: install
 # portable ATen kernels: a comparison that only holds for this CPU's SIMD kernels fails here, not on
 # a user's machine. Inductor's C++ cache is per capability (a cache built natively breaks the build).
 PORTABLE := ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(VENV)/inductor-default
-test: install $(LAB_STAMP)
+# With an MPI on PATH (CI installs Debian's OpenMPI), mpi4py too, so tests/test_cluster_mpi.py runs, not skips.
+mpi: install
+	@if command -v mpiexec >/dev/null && ! $(BIN)/python -c "import mpi4py" 2>/dev/null; then \
+	  $(BIN)/python -m pip install -q -e ".[mpi]"; fi
+
+test: install $(LAB_STAMP) mpi
 	$(BIN)/python -m pytest -q tests $(if $(wildcard notebooks/*.ipynb),&& $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
 	$(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
 	$(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
