@@ -71,8 +71,10 @@ def memory_report(chunks, optimizer) -> MemoryReport:
         grads = _nbytes(fsdp_buffers(chunks, "main_grad_buffer"))
         main = _nbytes(fsdp_buffers(chunks, "main_weight_buffer"))
     else:
-        params = _nbytes(b.param_data for c in chunks for b in c.buffers)
-        grads = _nbytes(b.grad_data for c in chunks for b in c.buffers)
+        # DDP keeps MoE experts' params and grads in separate expert-parallel buffers
+        buffers = [b for c in chunks for b in (*c.buffers, *getattr(c, "expert_parallel_buffers", ()))]
+        params = _nbytes(b.param_data for b in buffers)
+        grads = _nbytes(b.grad_data for b in buffers)
         main = _nbytes(main_params(optimizer))
     states = _nbytes(_optimizer_state_tensors(optimizer))
     num_params = sum(p.numel() for c in unwrap_model(chunks) for p in c.parameters())

@@ -92,6 +92,10 @@ def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: s
     results = [step(model.chunks, opt, b, micro_batch_size=MICRO, scheduler=sched, step_index=i)
                for i, b in enumerate(batches)]
     out.update(losses=[r.loss for r in results], grad_norms=[r.grad_norm for r in results])
+    from mfsdp_kit.memory import memory_report   # counts DDP's expert-parallel buffers too
+    out["memory_params_bytes"] = memory_report(model.chunks, opt).params_bytes
+    out["local_params_bytes"] = sum(p.numel() * p.element_size() for c in engine.unwrap_model(model.chunks)
+                                    for p in c.parameters())
     out["trained_export"] = _export_vs(model, original)
     if ep > 1:
         out.update(_saved_folder_logits(model, f"{root}_hf"))

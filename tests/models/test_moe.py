@@ -41,6 +41,8 @@ def test_moe_matches_hf_exports_exactly_and_checkpoints_bitwise(runs, case):
         print("save_hf reload relative", r["reload_relative"])
         assert r["reload_relative"] < 1e-5
     assert r["checkpoint"]["all_equal"], r["checkpoint"]["per_rank"]
+    if layout.endswith("ddp"):   # memory_report sees every parameter DDP holds, experts included
+        assert r["memory_params_bytes"] == r["local_params_bytes"]
 
 
 def same_training(a: dict, b: dict):
