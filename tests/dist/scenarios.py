@@ -66,6 +66,17 @@ def sync_two_chunks(*, first_only: bool = False) -> dict:
                 raw_after_restore=raw_after_restore)
 
 
+def sequence(*, calls: list) -> list:
+    """Several scenarios one after another in this one world, as a notebook runs several cells:
+    `calls` = [[scenario, kwargs], ...] -> [result, ...]. One job instead of a job per case."""
+    import importlib
+    results = []
+    for name, kwargs in calls:
+        module, _, function = name.rpartition(":")
+        results.append(getattr(importlib.import_module(module or "scenarios"), function)(**kwargs))
+    return results
+
+
 def hf_roundtrip(*, arch: str, tp: int, fsdp: bool, workdir: str) -> dict:
     """HF -> Megatron (wrapped) -> logits parity, exact export, one step, export, save_hf, reload."""
     from mfsdp_kit.perf.roundtrip import roundtrip

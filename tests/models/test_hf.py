@@ -16,7 +16,8 @@ CASES = [("qwen2", 1, True), ("qwen2", 1, False), ("llama", 2, True), ("llama", 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("hf")
-    return {c: launch.run("hf_roundtrip", nproc=2, arch=c[0], tp=c[1], fsdp=c[2], workdir=str(work)) for c in CASES}
+    calls = [["hf_roundtrip", dict(arch=c[0], tp=c[1], fsdp=c[2], workdir=str(work))] for c in CASES]
+    return dict(zip(CASES, launch.run("sequence", nproc=2, calls=calls, timeout_s=1200)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{'fsdp' if c[2] else 'ddp'}")

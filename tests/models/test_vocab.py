@@ -17,8 +17,9 @@ def test_padded_size_is_megatrons_rule():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("vocab")
-    return {fsdp: launch.run("scenarios_arch:arch_roundtrip", arch="Qwen2ForCausalLM", tp=2, fsdp=fsdp,
-                             vocab_size=1003, workdir=str(work)) for fsdp in (True, False)}
+    calls = [["scenarios_arch:arch_roundtrip", dict(arch="Qwen2ForCausalLM", tp=2, fsdp=fsdp, vocab_size=1003,
+                                                     workdir=str(work))] for fsdp in (True, False)]
+    return dict(zip((True, False), launch.run("sequence", calls=calls)))
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp"])
