@@ -39,7 +39,6 @@ import torch.distributed as dist
 from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.models import vocab
 
 SHAPES = {
     # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
@@ -139,17 +138,6 @@ class Phases:
         return out
 
 
-def load_weights(bridge, chunks, path: Path, cfg: EngineConfig):
-    """`models.hf.load`'s weight step: padded-vocabulary path or the bridge's own load."""
-    hf_vocab = bridge.hf_pretrained.config.vocab_size
-    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
-    if padded != hf_vocab:
-        vocab.load_padded(bridge, chunks, padded)
-        vocab.mask_padded_logits(chunks, hf_vocab)
-    else:
-        bridge.load_hf_weights(chunks, str(path))
-
-
 def settle():
     gc.collect()
     if torch.cuda.is_available():
@@ -217,7 +205,7 @@ def main() -> None:
     phases.run("check", hf_models.check_folder, path, cfg)
     bridge, provider = phases.run("provider", hf_models.provider, path, cfg)
     chunks = phases.run("build", engine.build, cfg, provider, wrap=False)
-    phases.run("weights", load_weights, bridge, chunks, path, cfg)
+    phases.run("weights", hf_models.load_weights, bridge, chunks, path, cfg)
     chunks = phases.run("wrap", engine.wrap_chunks, cfg, chunks)
     phases.run("settle", settle)
     losses = []

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -34,9 +33,9 @@ from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU
-from mfsdp_kit.perf.peaks import PhasePeaks, free_memory, record_step_phases
+from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches
-from mfsdp_kit.perf.variants import add_engine_args, engine_config_from_args
+from mfsdp_kit.perf.variants import add_engine_args, add_step_args, engine_config_from_args
 from mfsdp_kit.train import step
 
 MODES = ("ddp", "fsdp")
@@ -73,20 +72,9 @@ def _train(cfg, spec: GPTSpec, data, args, peaks: PhasePeaks) -> dict:
 
 def run(mode: str, ep: int, spec: GPTSpec, data, args) -> dict:
     cfg = dataclasses.replace(engine_config_from_args(args, mode, spec), expert_model_parallel_size=ep)
-    rt = runtime.init(cfg, timeout_s=args.timeout_s)
-    free_memory()
-    result, error, peaks = None, None, PhasePeaks()
-    try:
-        result = _train(cfg, spec, data, args, peaks)
-    except torch.OutOfMemoryError as e:
-        error = f"OOM: {str(e).splitlines()[0]}"
-    except Exception as e:  # noqa: BLE001 - a failing run must not hide the others
-        error = f"{type(e).__name__}: {str(e)[:500]}"
-        if rt.rank == 0:
-            traceback.print_exc()
+    result, error, peaks, rt = guarded_run(cfg, lambda peaks: _train(cfg, spec, data, args, peaks),
+                                           timeout_s=args.timeout_s)
     peak = peaks.overall()
-    runtime.shutdown()
-    free_memory()
     base = dict(mode=mode, ep=ep, peak_bytes=peak, phase_peak_bytes=dict(peaks.peaks), config=cfg.to_dict())
     if error is not None:
         return dict(base, error=error)
@@ -150,10 +138,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="moe-1.3b" if on_gpu else "moe-tiny", choices=list(MOE_SPECS))
     add_engine_args(ap)
-    ap.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 2)
-    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: mbs * world)")
-    ap.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=2)
+    add_step_args(ap)
     ap.add_argument("--modes", default="ddp,fsdp", help="comma-separated, of: ddp, fsdp")
     ap.add_argument("--ep", default="1,2", help="comma-separated expert-parallel sizes")
     ap.add_argument("--out", default="runs/bench/moe_throughput.json")

@@ -36,7 +36,6 @@ import json
 import os
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -47,11 +46,11 @@ from mfsdp_kit.data import Batch
 from mfsdp_kit.memory import zero_formula_bytes
 from mfsdp_kit.models.gpt import SPECS, GPTSpec
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params, mfu
-from mfsdp_kit.perf.peaks import PhasePeaks, free_memory
+from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run
 from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
 from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer
-from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, engine_config_from_args, parse_modes,
-                                     trainer_of, variant_overrides)
+from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
+                                     parse_modes, trainer_of, variant_overrides)
 
 PROFILE_STEPS = 2
 
@@ -117,20 +116,9 @@ def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args,
 
 def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
     cfg = engine_config_from_args(args, mode, spec)
-    rt = runtime.init(cfg, timeout_s=args.timeout_s)
-    free_memory()
-    result, error, peaks = None, None, PhasePeaks()
-    try:
-        result = _train(mode, cfg, spec, data, args, peaks)
-    except torch.OutOfMemoryError as e:
-        error = f"OOM: {str(e).splitlines()[0]}"
-    except Exception as e:  # noqa: BLE001 - a failing mode must not hide the others
-        error = f"{type(e).__name__}: {str(e)[:500]}"
-        if rt.rank == 0:
-            traceback.print_exc()
+    result, error, peaks, rt = guarded_run(cfg, lambda peaks: _train(mode, cfg, spec, data, args, peaks),
+                                           timeout_s=args.timeout_s)
     peak = peaks.overall()
-    runtime.shutdown()
-    free_memory()
     kind = trainer_of(mode)
     variant = dict(trainer=kind, overrides=variant_overrides(mode, spec), config=cfg.to_dict())
     if error is not None:
@@ -258,10 +246,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="1.7b" if on_gpu else "tiny", choices=list(SPECS))
     add_engine_args(ap)
-    ap.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 2)
-    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: mbs * world)")
-    ap.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=2)
+    add_step_args(ap)
     ap.add_argument("--modes", default="ddp,fsdp,fsdp2", help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--profile", action="store_true",
                     help=f"profile {PROFILE_STEPS} extra steps of the --profile-modes; traces next to --out")

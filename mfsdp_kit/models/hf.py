@@ -231,6 +231,18 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     return bridge, p
 
 
+def load_weights(bridge, chunks, hf_path, cfg: EngineConfig) -> None:
+    """The HF folder's weights into the unwrapped `chunks`: the bridge's own load, or, where TP
+    needs a padded vocabulary, the padded load with the padded logits masked."""
+    hf_vocab = bridge.hf_pretrained.config.vocab_size
+    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
+    if padded != hf_vocab:
+        vocab.load_padded(bridge, chunks, padded)
+        vocab.mask_padded_logits(chunks, hf_vocab)
+    else:
+        bridge.load_hf_weights(chunks, str(hf_path))
+
+
 def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = False,
          trust_remote_code: bool = False, verify: bool = False) -> HFModel:
     """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`.
@@ -242,13 +254,7 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     check_folder(hf_path, cfg, trust_pickle=trust_pickle)
     bridge, p = provider(hf_path, cfg, trust_remote_code=trust_remote_code)
     chunks = engine.build(cfg, p, wrap=False)
-    hf_vocab = bridge.hf_pretrained.config.vocab_size
-    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
-    if padded != hf_vocab:
-        vocab.load_padded(bridge, chunks, padded)
-        vocab.mask_padded_logits(chunks, hf_vocab)
-    else:
-        bridge.load_hf_weights(chunks, str(hf_path))
+    load_weights(bridge, chunks, hf_path, cfg)
     if wrap:
         chunks = engine.wrap_chunks(cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)

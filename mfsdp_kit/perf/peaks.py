@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import gc
 import sys
+import traceback
+from typing import Callable
 
 import torch
 
-from .. import engine
+from .. import engine, runtime
+from ..config import EngineConfig
 
 
 class PhasePeaks:
@@ -80,3 +83,24 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def guarded_run(cfg: EngineConfig, train: Callable[[PhasePeaks], dict], *, timeout_s: float):
+    """`train(peaks)` on a fresh `runtime.init(cfg)`, with a clean slate before and after.
+
+    An OOM or any other error comes back as text instead of propagating: in a benchmark, one
+    failing variant must not hide the others. Returns (result or None, error or None, peaks, runtime)."""
+    rt = runtime.init(cfg, timeout_s=timeout_s)
+    free_memory()
+    result, error, peaks = None, None, PhasePeaks()
+    try:
+        result = train(peaks)
+    except torch.OutOfMemoryError as e:
+        error = f"OOM: {str(e).splitlines()[0]}"
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {str(e)[:500]}"
+        if rt.rank == 0:
+            traceback.print_exc()
+    runtime.shutdown()
+    free_memory()
+    return result, error, peaks, rt

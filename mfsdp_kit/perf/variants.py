@@ -105,6 +105,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0)
 
 
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """Batch and step options of the throughput benches (sequences per rank / per step, steps)."""
+    on_gpu = torch.cuda.is_available()
+    ap.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 2)
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: mbs * world)")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+
+
 def engine_config_from_args(args: argparse.Namespace, mode: str, spec: GPTSpec) -> EngineConfig:
     """`engine_config` with the settings of `add_engine_args`' options."""
     return engine_config(mode, spec, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
