@@ -113,8 +113,10 @@ def render(rows: list[dict]) -> str:
               "Llama's layer), so their numbers coincide; Mistral with an active window is tested separately "
               "(tests/models/test_window.py: 3.5e-7 at window 8 over 16 tokens, TP 2).",
               "", "Field-level refusals for the architectures that work (rope scaling variants, sliding windows, "
-              "soft-capping, MoE routing variants, unmapped biases, expert parallelism > 1) are listed in "
-              "`mfsdp_kit/models/support.py` and tested in tests/models/test_support.py.", ""]
+              "soft-capping, MoE routing variants, unmapped biases, expert parallelism on a dense model or not dividing "
+              "the experts) are listed in `mfsdp_kit/models/support.py` and tested in tests/models/test_support.py. "
+              "Qwen3-MoE and OLMoE at expert-parallel size 1 and 2, under Megatron-FSDP and DDP (logits, export, "
+              "training parity, checkpoint round trip), are tested in tests/models/test_moe.py.", ""]
     return "\n".join(lines)
 
 
