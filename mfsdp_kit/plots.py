@@ -100,3 +100,43 @@ def reward_curve(values: Sequence[float], path=None, *, title: str = "mean rewar
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+TIMELINE_COLORS = dict(compute="tab:green", all_gather="tab:blue", reduce_scatter="tab:orange",
+                       all_reduce="tab:purple", other_comm="tab:gray", wait="tab:brown")
+
+
+def step_timeline(events_by_rank: Mapping[str, Sequence], path=None, *, title: str = "one step per rank") -> Figure:
+    """One axis per rank (label -> that rank's `perf.profile.Event`s of ONE step), time in ms.
+
+    A row per kind present: compute, then each collective. A collective's transfer (gloo's worker
+    thread, or an NCCL kernel's stream) fills the row; the training thread's call to it is the
+    thin dark bar under it. The top row and the red shading are the exposed communication
+    (`perf.profile.exposed_intervals`): communication while no compute runs."""
+    from .perf.profile import KINDS, exposed_intervals
+    from .perf.timeline import union
+    kinds = [k for k in KINDS if any(e.kind == k for evs in events_by_rank.values() for e in evs)]
+    rows = kinds + ["exposed"]
+    fig = Figure(figsize=(11, 0.45 * len(rows) * len(events_by_rank) + 1.2))
+    axes = fig.subplots(len(events_by_rank), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (label, events) in zip(axes, events_by_rank.items()):
+        exposed = exposed_intervals(events)
+        for y, kind in enumerate(rows):
+            if kind == "exposed":
+                spans, color = exposed, "red"
+            else:
+                spans, color = union((e.start_s, e.end_s) for e in events if e.kind == kind and e.lane != "main"
+                                     or e.kind == kind == "compute"), TIMELINE_COLORS[kind]
+                calls = union((e.start_s, e.end_s) for e in events if e.kind == kind != "compute" and e.lane == "main")
+                ax.broken_barh([(s * 1e3, max((e - s) * 1e3, 0.02)) for s, e in calls], (y - 0.4, 0.2), color="black")
+            ax.broken_barh([(s * 1e3, max((e - s) * 1e3, 0.02)) for s, e in spans], (y - 0.15, 0.55), color=color)
+        for s, e in exposed:
+            ax.axvspan(s * 1e3, e * 1e3, color="red", alpha=0.12, linewidth=0)
+        ax.set_yticks(range(len(rows)), [r.replace("_", "-") for r in rows], fontsize=8)
+        ax.set_ylim(-0.6, len(rows) - 0.4)
+        ax.invert_yaxis()
+        ax.set_ylabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("ms from the step's start")
+    return _save(fig, path)
