@@ -1,4 +1,4 @@
-"""Write the course notebooks (01_wrap .. 06_memory, widgets_demo) without outputs.
+"""Write the course notebooks (01_wrap .. 07_profile, widgets_demo) without outputs.
 
 The notebooks are generated so their source stays reviewable as plain Python: edit this file,
 run `python notebooks/make_notebooks.py`, commit both. Every notebook follows 00_cluster: a
@@ -651,8 +651,100 @@ assert all(d <= 1e-4 * s for d, s in zip(diffs, scales)), (diffs, scales)
     *STOP,
 ]
 
+# -------------------------------------------------------------------------------------------------
+PROFILE = [
+    md("""
+# 07 · See the overlap, not only its total
+
+06_memory timed whole steps. Here torch.profiler records a few steps of **DDP**, **Megatron-FSDP**
+and **FSDP2** (torch `fully_shard`) on every rank, and `perf.profile` turns each rank's trace into
+intervals of one step: compute, every all-gather, reduce-scatter and all-reduce, and the
+**exposed** communication, the part nothing hides, drawn by `plots.step_timeline`:
+
+* one panel per rank; a row per kind. A collective's transfer fills its row; the thin black bar
+  under it is the training thread's call that started it. The red row and red shading are exposed time.
+* **overlap** is a communication bar with compute running above it: hidden, not red.
+  **Megatron-FSDP's per-layer prefetch** shows as all-gathers that start before the layer that needs
+  them (the call, black, comes early; the transfer runs while the previous layer computes); without
+  prefetch each all-gather would sit in a red gap right before its layer's compute.
+* ZeRO-3 (Megatron-FSDP, FSDP2) all-gathers weights in forward and backward and reduce-scatters
+  gradients; megatron DDP with the distributed optimizer (ZeRO-1) reduce-scatters gradients and
+  all-gathers the updated weights once per step; the small all-reduces are the loss and grad norm.
+
+**What "exposed" means.** On GPUs the timeline is the device's kernels; exposed = time an NCCL kernel
+runs while no compute kernel does (as `perf.timeline`). On CPU (gloo) a collective is a call on the
+training thread plus a transfer on a gloo worker thread, and compute is the training thread's leaf
+ops (aten ops). Exposed = time the **training thread is blocked waiting on communication**:
+communication in flight (a transfer, a collective call, a wait) while the training thread runs no
+compute op. `work.wait()` leaves no profiler record for gloo, so a wait shows as a gap; Python between
+ops during a transfer is counted as waiting too (a slight over-count). On 2 CPU cores with the tiny
+model, compute is a few ms of each step and nearly all communication is exposed: the CPU run shows
+that the machinery works; the picture means something on GPUs, at the knob's size.
+"""),
+    code(START),
+    md("""
+Profile each system on every rank: 1 warm-up step, then 2 profiled steps (`perf.profile.profile_mode`
+builds the same megatron GPT as the benchmarks, `perf.trainers.build_trainer`, at the model's shape).
+"""),
+    code("""
+%%px
+from mfsdp_kit import notebook_model
+from mfsdp_kit.perf.profile import profile_mode
+
+spec = notebook_model.gpt_spec(src, seq_len_tokens=64 if not nbm.on_gpu else notebook_model.BENCH_SEQ_LEN)
+mbs = 2 if not nbm.on_gpu else 8
+profiles = {name: profile_mode(mode, spec, dtype=nbm.dtype, micro_batch_size=mbs, steps=2)
+            for name, mode in (("DDP", "ddp"), ("Megatron-FSDP", "fsdp"), ("FSDP2", "fsdp2"))}
+"""),
+    md("Gather every rank's events to this notebook and draw the second profiled step of each system:"),
+    code("""
+from mfsdp_kit import plots
+from mfsdp_kit.perf.profile import format_breakdown, step_breakdown
+
+per_rank = handle.view["profiles"]   # one dict per rank: name -> (events, step spans)
+systems = list(per_rank[0])
+one_step = {name: {f"rank {r}": [e for e in p[name][0] if e.step == 1] for r, p in enumerate(per_rank)}
+            for name in systems}
+plots.step_timeline(one_step["Megatron-FSDP"], nbm.out("timeline_fsdp.png"), title="Megatron-FSDP, one step")
+"""),
+    code("""
+plots.step_timeline(one_step["DDP"], nbm.out("timeline_ddp.png"), title="DDP, one step")
+"""),
+    code("""
+plots.step_timeline(one_step["FSDP2"], nbm.out("timeline_fsdp2.png"), title="FSDP2, one step")
+"""),
+    md("""
+Per step (mean of the 2 profiled steps), per rank: compute, communication (the union of every
+collective's time), its exposed part, and idle time (neither: Python, the dispatcher, launches):
+"""),
+    code("""
+breakdown = {f"{name} r{r}": step_breakdown(*p[name]) for name in systems for r, p in enumerate(per_rank)}
+print(format_breakdown(breakdown))
+"""),
+    md("""
+The check: every rank of every system has a non-empty timeline with compute; the ZeRO-3 systems
+all-gather and reduce-scatter every step; exposed communication is never more than communication.
+"""),
+    code("""
+for name in systems:
+    for r, p in enumerate(per_rank):
+        events, spans = p[name]
+        assert len(spans) == 2 and one_step[name][f"rank {r}"], (name, r)
+        assert any(e.kind == "compute" for e in events), (name, r)
+for key, b in breakdown.items():
+    assert 0 <= b["exposed_comm_s"] <= b["comm_s"] + 1e-12 and b["compute_s"] > 0, (key, b)
+    if not key.startswith("DDP"):
+        assert b["all_gather_calls"] >= 1 and b["reduce_scatter_calls"] >= 1, (key, b)
+    else:
+        assert b["reduce_scatter_calls"] >= 1 and b["all_reduce_calls"] >= 1, (key, b)
+print("ok:", ", ".join(f"{k} exposed {b['exposed_comm_s'] * 1e3:.1f} of {b['comm_s'] * 1e3:.1f} ms" for k, b in breakdown.items()))
+"""),
+    *STOP,
+]
+
 NOTEBOOKS = {"01_wrap": WRAP, "02_sft": SFT, "03_sync": SYNC, "04_checkpoint": CKPT, "05_grpo": GRPO,
-             "06_memory": MEMORY, "widgets_demo": WIDGETS}
+             "06_memory": MEMORY, "07_profile": PROFILE,
+             "widgets_demo": WIDGETS}
 
 
 def build(name: str) -> nbformat.NotebookNode:

@@ -113,3 +113,12 @@ def test_step_reporter_is_a_noop_off_engines():
     reporter = widgets.StepReporter(total=2)
     reporter(0, StepResult(loss=1.0, grad_norm=1.0, tokens=1, lr=1e-3, step_time_s=0.1))
     assert reporter.losses == [1.0]
+
+
+def test_step_timeline_one_axis_per_rank(tmp_path):
+    from mfsdp_kit.perf.profile import Event
+    step = [Event("aten::mm", "compute", 0.0, 0.004, "main", 0), Event("c10d::allgather_", "all_gather", 0.001, 0.0012, "main", 0),
+            Event("gloo:all_gather", "all_gather", 0.0012, 0.006, "gloo", 0)]
+    fig = plots.step_timeline({"rank 0": step, "rank 1": step[:1]}, tmp_path / "timeline.png")
+    assert len(fig.axes) == 2 and (tmp_path / "timeline.png").read_bytes().startswith(PNG_MAGIC)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["compute", "all-gather", "exposed"]
