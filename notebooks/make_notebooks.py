@@ -698,6 +698,7 @@ profiles = {name: profile_mode(mode, spec, dtype=nbm.dtype, micro_batch_size=mbs
 """),
     md("Gather every rank's events to this notebook and draw the second profiled step of each system:"),
     code("""
+from IPython.display import Image
 from mfsdp_kit import plots
 from mfsdp_kit.perf.profile import format_breakdown, step_breakdown
 
@@ -705,13 +706,19 @@ per_rank = handle.view["profiles"]   # one dict per rank: name -> (events, step 
 systems = list(per_rank[0])
 one_step = {name: {f"rank {r}": [e for e in p[name][0] if e.step == 1] for r, p in enumerate(per_rank)}
             for name in systems}
-plots.step_timeline(one_step["Megatron-FSDP"], nbm.out("timeline_fsdp.png"), title="Megatron-FSDP, one step")
+
+def show(name):   # draw one step of `name`, save the PNG, show it as an image (renders in any frontend)
+    path = nbm.out(f"timeline_{name}.png")
+    plots.step_timeline(one_step[name], path, title=f"{name}, one step")
+    return Image(filename=path)
+
+show("Megatron-FSDP")
 """),
     code("""
-plots.step_timeline(one_step["DDP"], nbm.out("timeline_ddp.png"), title="DDP, one step")
+show("DDP")
 """),
     code("""
-plots.step_timeline(one_step["FSDP2"], nbm.out("timeline_fsdp2.png"), title="FSDP2, one step")
+show("FSDP2")
 """),
     md("""
 Per step (mean of the 2 profiled steps), per rank: compute, communication (the union of every
