@@ -25,7 +25,7 @@ PRELOAD_ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
 """Opt-in `engine_cmd` for local / MPI engines: ipyparallel's engine behind a thread importing torch and megatron
 at boot (ipengine.py). Not the default: on 2 busy CPU cores it measured no gain (bench/cluster_start.py measures
 both on every run)."""
-CONTROLLER_ARGS = ["--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
+CONTROLLER_ARGS = ["--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=120"]
 OPENMPI_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 """OpenMPI refuses more ranks than cores; an engine mostly waits (one per GPU), so the kit allows it."""
 OPENMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -77,8 +77,8 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     if "config" in launcher:   # the kit adds to it below; the caller's object stays as it was
         launcher["config"] = copy.deepcopy(launcher["config"])
     # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
-    # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.5 s, with as many seconds of
-    # silence tolerated as before (60 x 0.5 s); a dead engine is still noticed at once, through its nanny.
+    # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.25 s, with as many seconds of
+    # silence tolerated as before (120 x 0.25 s; 0.5 s measured register 1.36 s, 0.25 s 0.90 s); a dead engine is still noticed at once, through its nanny.
     launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
