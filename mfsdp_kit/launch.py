@@ -77,8 +77,9 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     if "config" in launcher:   # the kit adds to it below; the caller's object stays as it was
         launcher["config"] = copy.deepcopy(launcher["config"])
     # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
-    # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.25 s, with as many seconds of
-    # silence tolerated as before (120 x 0.25 s; 0.5 s measured register 1.36 s, 0.25 s 0.90 s); a dead engine is still noticed at once, through its nanny.
+    # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.25 s (register 0.90 s idle; 0.5 s:
+    # 1.36 s), with as many seconds of silence tolerated as before (120 x 0.25 s); a dead engine is still noticed
+    # at once, through its nanny.
     launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
