@@ -28,7 +28,7 @@ from collections import namedtuple
 
 import torch
 
-from .timeline import covered, intersection, read_trace, union
+from .timeline import covered, difference, read_trace
 
 Event = namedtuple("Event", "name kind start_s end_s lane step")
 """One op, transfer or kernel of a profiled step; start_s/end_s in seconds from the start of
@@ -140,19 +140,6 @@ def profile_steps(trainer, batches, *, steps: int, first_step: int = 0) -> tuple
         return trace_events(read_trace(path), on_gpu=on_gpu)
     finally:
         os.remove(path)
-
-
-def difference(a, b) -> list[tuple[float, float]]:
-    """Time covered by `a` and not by `b`, as disjoint intervals."""
-    out = []
-    for start, end in union(a):
-        for lo, hi in intersection([(start, end)], b):
-            if lo > start:
-                out.append((start, lo))
-            start = hi
-        if start < end:
-            out.append((start, end))
-    return out
 
 
 def _spans(events, kinds, lane=None):

@@ -49,6 +49,19 @@ def intersection(a, b) -> list[tuple[float, float]]:
     return out
 
 
+def difference(a, b) -> list[tuple[float, float]]:
+    """Time covered by `a` and not by `b`, as disjoint intervals."""
+    out = []
+    for start, end in union(a):
+        for lo, hi in intersection([(start, end)], b):
+            if lo > start:
+                out.append((start, lo))
+            start = hi
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def exposed(comm, compute) -> float:
     """Time some communication runs while no compute does: |U(comm)| - |U(comm) n U(compute)|."""
     return covered(comm) - covered(intersection(comm, compute))

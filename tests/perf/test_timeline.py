@@ -4,11 +4,15 @@ import json
 
 import pytest
 
-from mfsdp_kit.perf.timeline import (GpuActivity, covered, exposed, gpu_activities, intersection, read_trace,
-                                     timeline_summary, union)
+from mfsdp_kit.perf.timeline import (GpuActivity, covered, difference, exposed, gpu_activities, intersection,
+                                     read_trace, timeline_summary, union)
 
 
 # ---- intervals ---------------------------------------------------------------------------------
+def test_difference_keeps_what_the_second_set_does_not_cover():
+    assert difference([(0, 10)], [(2, 3), (5, 6), (9, 12)]) == [(0, 2), (3, 5), (6, 9)]
+
+
 def test_union_sorts_merges_overlapping_and_touching_and_drops_empty():
     assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9), (8, 6)]) == [(0, 4), (5, 7)]
     assert union([]) == []
