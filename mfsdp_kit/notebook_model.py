@@ -131,7 +131,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
 
     from . import data, runtime, train
     from .memory import memory_report, zero_formula_bytes
-    from .perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params
+    from .perf.flops import flops_per_token, matmul_params, mfu
     gpu = torch.cuda.is_available()
     steps = steps or (5 if gpu else 2)
     mbs = micro_batch_size or ((64 if nbm.size else 8) if gpu else 4)
@@ -160,7 +160,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
         model=nbm.choice, dtype=nbm.dtype, fsdp=fsdp, dp_size=dp, micro_batch_size=mbs,
         seq_len_tokens=seq_len_tokens, steps=steps, step_s=step_s, tokens_per_s_per_gpu=tokens_per_s,
         flops_per_token=flops_per_token(spec), matmul_params=matmul_params(spec),
-        mfu=tokens_per_s * flops_per_token(spec) / PEAK_FLOPS_PER_GPU if low_precision else None,
+        mfu=mfu(tokens_per_s, spec) if low_precision else None,
         peak_bytes=torch.cuda.max_memory_allocated() if gpu else 0,
         model_state_bytes=report.model_state_bytes,
         formula_bytes=zero_formula_bytes(num_params=report.num_params, dp_size=dp, fsdp=fsdp, dtype=nbm.dtype),
