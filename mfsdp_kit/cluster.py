@@ -254,7 +254,9 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.view.block = True
     watchdog.guard_view(handle)
     watch.lap("identify")
-    inits = [_get(handle, ar, kw["timeout_s"]) for ar in pushed + pending][len(pushed):]
+    for ar in pushed:   # a push to a dead engine fails here, with its rank named
+        _get(handle, ar, kw["timeout_s"])
+    inits = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
     watch.lap("world_init")
     handle.devices, handle.backend = [i["device"] for i in inits], inits[0]["backend"]
     _secure_connection_files(handle)
