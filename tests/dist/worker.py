@@ -15,3 +15,8 @@ if __name__ == "__main__":
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    # End as a user's job should: leave megatron's groups and the world before the interpreter
+    # exits. Left to exit-time destruction, gloo's threads raced torch.profiler's state and
+    # aborted a rank ("terminate called without an active exception") after a profiled scenario.
+    from mfsdp_kit import runtime
+    runtime.shutdown(destroy_process_group=True)
