@@ -15,7 +15,11 @@ Named variants change one knob of `fsdp` (mfsdp_kit.perf.variants.VARIANTS), so 
 measured in the same run as its baseline: fsdp-no-overlap, fsdp-unit2x, fsdp-unit-min, fsdp-recompute, fsdp-optoffload,
 fsdp-unfused (with --fused-kernels: the same model without them).
 Each mode runs in turn in the same processes; memory is freed between modes and an OOM (or
-any error) is recorded for that mode and the next one runs.
+any error) is recorded for that mode and the next one runs. --repeats R runs the whole list of
+modes R times, interleaved (ddp, fsdp, fsdp2, ddp, fsdp, ...), so slow drift of the node (clocks,
+temperature) spreads over every mode; a mode's step time and tokens/s are then the median over
+its runs (each run's own median step), `runs` keeps every run's numbers. The JSON is rewritten
+after every run, so a run cut off by a time limit keeps what it measured.
 
 FLOPs per token (MFU, not HFU: recompute is not counted), PaLM's accounting (mfsdp_kit.perf.flops):
     6 * N  +  12 * L * H * S,  N = every parameter but the input embedding table;
@@ -94,7 +98,8 @@ def trace_path(out: str, mode: str) -> str:
 
 
 # ---- one mode, guarded ----------------------------------------------------------------------
-def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args, peaks: PhasePeaks) -> dict:
+def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args, peaks: PhasePeaks,
+           profile: bool) -> dict:
     """Build, time every step of `data`, report memory, optionally profile. The model lives in
     this frame only, so it is freed when this returns or its exception is handled."""
     trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size, peaks=peaks)
@@ -108,15 +113,21 @@ def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args,
     memory = trainer.memory()  # its activation peak: whole run, not since the last phase reset
     memory["activations_peak_bytes"] = max(peaks.overall() - memory["model_state_bytes"], 0)
     out = dict(times=times, losses=losses, memory=memory, phase_peaks=dict(peaks.peaks))
-    if args.profile and mode in args.profile_modes:
+    if profile:
         out["profile"] = profile_steps(trainer, data, trace_path(args.out, mode))
     trainer.settle()
     return out
 
 
-def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
+def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args, *, profile: bool) -> dict:
+    start = time.perf_counter()
+    out = _run_mode(mode, spec, data, args, profile=profile)
+    return dict(out, wall_s=time.perf_counter() - start)
+
+
+def _run_mode(mode: str, spec: GPTSpec, data: list[Batch], args, *, profile: bool) -> dict:
     cfg = engine_config_from_args(args, mode, spec)
-    result, error, peaks, rt = guarded_run(cfg, lambda peaks: _train(mode, cfg, spec, data, args, peaks),
+    result, error, peaks, rt = guarded_run(cfg, lambda peaks: _train(mode, cfg, spec, data, args, peaks, profile),
                                            timeout_s=args.timeout_s)
     peak = peaks.overall()
     kind = trainer_of(mode)
@@ -135,6 +146,19 @@ def run_mode(mode: str, spec: GPTSpec, data: list[Batch], args) -> dict:
                 peak_bytes=peak, phase_peak_bytes=result["phase_peaks"], memory=mem, zero_formula_bytes=formula,
                 model_state_vs_16_bytes_per_param=mem["model_state_bytes"] / (16 * spec.param_count() / rt.dp_size),
                 **({"profile": result["profile"]} if "profile" in result else {}))
+
+
+def combine_runs(runs: list[dict], spec: GPTSpec) -> dict:
+    """One mode's repeats as one result: the first good run's fields with step_s, tokens/s and MFU
+    the median over the good runs and peak_bytes their max; `runs` lists each run's numbers."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    tokens = statistics.median(r["tokens_per_s_per_gpu"] for r in good)
+    keep = ("step_s", "tokens_per_s_per_gpu", "peak_bytes", "wall_s")
+    return dict(good[0], step_s=statistics.median(r["step_s"] for r in good), tokens_per_s_per_gpu=tokens,
+                mfu=mfu(tokens, spec), peak_bytes=max(r["peak_bytes"] for r in good),
+                runs=[{k: r.get(k) for k in keep + ("error",) if k in r} for r in runs])
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -168,6 +192,9 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
     print(f"{'':<30}" + "".join(f"{m:>16}" for m in results))
     print(_row("step s (median)", results, lambda r: f"{r['step_s']:.4f}"))
     print(_row("tokens/s/GPU", results, lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"))
+    if any(len(r.get("runs", ())) > 1 for r in results.values()):
+        print(_row("  each run, k tokens/s", results,
+                   lambda r: "/".join(f"{x['tokens_per_s_per_gpu'] / 1e3:.1f}" for x in r["runs"] if "error" not in x)))
     print(_row("MFU %", results, lambda r: f"{100 * r['mfu']:.1f}"))
     print(_row(f"peak {unit}/GPU", results, lambda r: f"{r['peak_bytes'] / gib:.2f}"))
     for phase in ("forward_backward", "optimizer_step"):
@@ -241,6 +268,15 @@ def targets(results: dict) -> list[str]:
     return lines
 
 
+def write_json(results: dict, spec: GPTSpec, args, world: int) -> None:
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
+                       matmul_params=matmul_params(spec), flops_per_token=flops_per_token(spec),
+                       peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results,
+                       targets=targets(results)), f, indent=1)
+
+
 def main() -> None:
     on_gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,6 +287,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help=f"profile {PROFILE_STEPS} extra steps of the --profile-modes; traces next to --out")
     ap.add_argument("--profile-modes", default="ddp,fsdp,fsdp2", help="modes --profile covers ('all': every mode)")
+    ap.add_argument("--repeats", type=int, default=1, help="run every mode this many times, interleaved")
     ap.add_argument("--out", default="runs/bench/throughput.json")
     args = ap.parse_args()
     modes = parse_modes(ap, args.modes)
@@ -262,16 +299,16 @@ def main() -> None:
         ap.error(f"--global-batch {args.global_batch} must be a multiple of micro-batch * world = "
                  f"{args.micro_batch_size * world}")
     data = batches(spec, n=args.warmup + args.steps, global_batch=args.global_batch)
-    results = {m: run_mode(m, spec, data, args) for m in modes}
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    rank = int(os.environ.get("RANK", "0"))   # the world is joined inside each run
+    for i in range(args.repeats):
+        for m in modes:   # the first round alone is profiled
+            runs[m].append(run_mode(m, spec, data, args, profile=args.profile and i == 0 and m in args.profile_modes))
+            results = {m: combine_runs(r, spec) for m, r in runs.items() if r}
+            if rank == 0:
+                write_json(results, spec, args, world)
     if rank == 0:
         print_report(results, spec, args, world)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
-                           matmul_params=matmul_params(spec), flops_per_token=flops_per_token(spec),
-                           peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results,
-                           targets=targets(results)), f, indent=1)
         print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 

@@ -22,6 +22,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("local", "sdpa")
 RECOMPUTE = ("none", "selective", "full")
+ADAM_IMPLEMENTATIONS = ("auto", "foreach", "fused")
+GPU_ONLY_DDP_KEYS = ("fsdp_double_buffer", "nccl_ub")
 
 # What verl's Megatron-FSDP mode sets before the user's overrides (verl PR #5423).
 FSDP_DDP_DEFAULTS = dict(
@@ -142,6 +144,11 @@ class EngineConfig:
             raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
                        "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
                        "with compute on several CUDA streams)")
+        for key in GPU_ONLY_DDP_KEYS:
+            if self.override_ddp_config.get(key) and not on_gpu:
+                raise bad_value(f"override_ddp_config.{key}", True,
+                                "False without a GPU: Megatron-FSDP's double buffer and NCCL user buffers are "
+                                "CUDA memory pools (megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------
@@ -190,6 +197,11 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     """Max global grad norm (0 = no clipping)."""
+    adam_implementation: str = "auto"
+    """Which kernels torch's Adam(W) steps with. megatron-core 0.16.1 uses torch's Adam(W) when neither
+    TE nor apex is installed and passes no `fused=`. "auto": torch's own choice (multi-tensor
+    "foreach" ops on GPUs, a per-tensor loop on CPU); "foreach"; "fused" (`torch._fused_adamw_`, one
+    pass over each group's tensors, as FSDP2/torchtitan use on GPUs). The same update up to rounding."""
 
     def validate(self) -> "OptimConfig":
         """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.
@@ -206,7 +218,9 @@ class OptimConfig:
                 ("adam_beta1", 0 <= self.adam_beta1 < 1, "a number in [0, 1)"),
                 ("adam_beta2", 0 <= self.adam_beta2 < 1, "a number in [0, 1)"),
                 ("adam_eps", _finite(self.adam_eps) and self.adam_eps > 0, "a finite number > 0"),
-                ("clip_grad", _finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)")):
+                ("clip_grad", _finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)"),
+                ("adam_implementation", self.adam_implementation in ADAM_IMPLEMENTATIONS,
+                 " | ".join(ADAM_IMPLEMENTATIONS))):
             if not ok:
                 raise bad_value(name, getattr(self, name), allowed)
         return self

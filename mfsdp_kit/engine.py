@@ -17,7 +17,7 @@ import torch
 
 from . import runtime
 from .config import EngineConfig, OptimConfig, ddp_config
-from .introspect import is_fsdp, local, param_view, set_param_view, torch_dtype
+from .introspect import inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
 
 class ModelProvider(Protocol):
@@ -228,8 +228,30 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
         params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+    set_adam_implementation(optimizer, ocfg.adam_implementation)
     from .offload import apply_config  # optimizer_offload: states + main weights live on the host
     return apply_config(cfg, chunks, optimizer)
+
+
+def set_adam_implementation(optimizer, implementation: str) -> None:
+    """Switch the torch Adam(W) inside megatron's optimizer to "fused" or "foreach" kernels
+    ("auto" leaves torch's choice).
+
+    get_megatron_optimizer passes no `fused=`; Adam reads `fused`/`foreach` from each param group
+    at every step and creates its state lazily at the first one, so setting them before that step
+    is what constructing it with `fused=True` would have done."""
+    if implementation == "auto":
+        return
+    for opt in inner_optimizers(optimizer):
+        torch_opt = getattr(opt, "optimizer", None)
+        if torch_opt is None:   # a chain member without params on this rank
+            continue
+        if not isinstance(torch_opt, torch.optim.Adam):   # AdamW is an Adam
+            raise TypeError(f"adam_implementation needs torch's Adam(W) inside megatron's optimizer, got "
+                            f"{type(torch_opt).__name__} (TE or apex installed?)")
+        fused = implementation == "fused"   # torch checks each param's device and dtype at the first step
+        for group in [torch_opt.defaults, *torch_opt.param_groups]:
+            group["fused"], group["foreach"] = fused, not fused
 
 
 def build_scheduler(optimizer, ocfg: OptimConfig, *, total_steps: int | None = None):

@@ -127,6 +127,12 @@ for s in $SECTIONS; do
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
                   --out "$RESULTS/throughput_knobs.json" ;;
+    # issue 22's levers, each one knob from fsdp (or ddp), all in one run, 3 interleaved repeats (medians);
+    # fsdp and fsdp2 profiled in the first round (their NCCL kernel names say which algorithm/protocol ran)
+    levers)     section levers trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \
+                  --modes ddp,fsdp,fsdp2,fsdp-fused-adam,ddp-fused-adam,fsdp-unit-min,fsdp-grad-fp32,fsdp-no-fp32-weights,fsdp-double-buffer,fsdp-nccl-ub \
+                  --out "$RESULTS/levers.json" ;;
     # the 1-GPU column of the same comparison
     throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
                   bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \

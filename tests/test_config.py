@@ -131,12 +131,15 @@ ENGINE_CASES = [
     (dict(override_transformer_config={"hidden_dropout": 1.5}), "override_transformer_config.hidden_dropout"),
     (dict(virtual_pipeline_model_parallel_size="2"), "virtual_pipeline_model_parallel_size"),
     (dict(fused_kernels=1), "fused_kernels"),
+    (dict(override_ddp_config={"fsdp_double_buffer": True}), "override_ddp_config.fsdp_double_buffer"),   # CPU
+    (dict(override_ddp_config={"nccl_ub": True}), "override_ddp_config.nccl_ub"),
 ]
 OPTIM_CASES = [
     (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
     (dict(adam_beta2=-0.1), "adam_beta2"), (dict(weight_decay=-0.1), "weight_decay"), (dict(adam_eps=-1e-8), "adam_eps"),
     (dict(lr=1e-3, min_lr=1e-2), "min_lr"), (dict(clip_grad=float("nan")), "clip_grad"), (dict(decay_steps=-5), "decay_steps"),
     (dict(lr=float("nan")), "lr"), (dict(warmup_steps=1.5), "warmup_steps"), (dict(decay_steps=0), "decay_steps"),
+    (dict(adam_implementation="apex"), "adam_implementation"),
 ]
 
 
@@ -174,6 +177,11 @@ def test_good_values_pass(kwargs):
 
 def test_good_optim_values_pass():
     OptimConfig(lr=1, min_lr=1, clip_grad=0, adam_beta1=0, decay_steps=None, weight_decay=0).validate()
+    OptimConfig(adam_implementation="fused").validate()
+
+
+def test_gpu_only_buffers_pass_on_gpu():
+    EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}).validate(on_gpu=True)
 
 
 def test_config_error_is_a_value_error():

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .. import engine, runtime
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 
 
 class PhasePeaks:
@@ -89,8 +89,13 @@ def guarded_run(cfg: EngineConfig, train: Callable[[PhasePeaks], dict], *, timeo
     """`train(peaks)` on a fresh `runtime.init(cfg)`, with a clean slate before and after.
 
     An OOM or any other error comes back as text instead of propagating: in a benchmark, one
-    failing variant must not hide the others. Returns (result or None, error or None, peaks, runtime)."""
-    rt = runtime.init(cfg, timeout_s=timeout_s)
+    failing variant must not hide the others. Returns (result or None, error or None, peaks, runtime);
+    a config the runtime refuses (the same on every rank, before any collective) comes back as
+    (None, its ConfigError, peaks, None)."""
+    try:
+        rt = runtime.init(cfg, timeout_s=timeout_s)
+    except ConfigError as e:
+        return None, f"ConfigError: {e}", PhasePeaks(), None
     free_memory()
     result, error, peaks = None, None, PhasePeaks()
     try:

@@ -21,7 +21,7 @@ from ..memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
 from ..train import Batch, step
 from .peaks import PhasePeaks, record_step_phases
-from .variants import trainer_of
+from .variants import optim_overrides, trainer_of
 
 Trainer = namedtuple("Trainer", "step memory settle")
 """step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
@@ -35,10 +35,12 @@ def batches(spec: GPTSpec, *, n: int, global_batch: int, seed: int = 0) -> list[
                                 vocab_size=spec.vocab_size, seed=seed)
 
 
-def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks) -> Trainer:
-    """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam."""
+def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks,
+                   optim: dict | None = None) -> Trainer:
+    """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam; `optim`:
+    OptimConfig fields over lr 1e-4, clip 1.0."""
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
-    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4, clip_grad=1.0), cfg)
+    opt = engine.build_optimizer(chunks, OptimConfig(**{"lr": 1e-4, "clip_grad": 1.0, **(optim or {})}), cfg)
     record_step_phases(opt, peaks)
 
     def train_step(batch: Batch, i: int) -> float:
@@ -82,8 +84,10 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
 def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int,
                   peaks: PhasePeaks | None = None) -> Trainer:
     """The Trainer of variant `mode`: megatron's (ddp, fsdp and its variants) or torch FSDP2's."""
-    build = build_fsdp2 if trainer_of(mode) == "fsdp2" else build_megatron
-    return build(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks or PhasePeaks(record=False))
+    peaks = peaks or PhasePeaks(record=False)
+    if trainer_of(mode) == "fsdp2":
+        return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks)
+    return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec))
 
 
 def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> float:

@@ -5,7 +5,8 @@ Three trainers train the SAME megatron GPT (local spec, same attention backend, 
 - fsdp:  Megatron-FSDP, optim_grads_params (ZeRO-3);
 - fsdp2: torch `fully_shard` per TransformerLayer then the root (perf.trainers.build_fsdp2).
 A variant is (trainer, EngineConfig overrides): fsdp-recompute is fsdp with recompute="full", so
-each knob is measured in the same run as the mode it changes.
+each knob is measured in the same run as the mode it changes. An "optim" entry of the overrides
+holds OptimConfig fields instead (fsdp-fused-adam).
 """
 from __future__ import annotations
 
@@ -59,6 +60,20 @@ VARIANTS = {
     "fsdp-optoffload": ("fsdp", dict(optimizer_offload=True)),
     # the effect of fused kernels in the same run (megatron's unfused RoPE and SwiGLU)
     "fsdp-unfused": ("fsdp", dict(fused_kernels=False)),
+    # ---- the levers of issue 22, each one knob away from fsdp (or ddp) ----
+    # torch's fused AdamW kernel instead of the foreach ops megatron leaves torch to pick
+    "fsdp-fused-adam": ("fsdp", dict(optim=dict(adam_implementation="fused"))),
+    "ddp-fused-adam": ("ddp", dict(optim=dict(adam_implementation="fused"))),
+    # two fixed, persistent all-gather / reduce-scatter buffers reused unit after unit
+    # (FixedPoolAllocator) instead of resizing per-unit storage on every gather
+    "fsdp-double-buffer": ("fsdp", dict(override_ddp_config=dict(fsdp_double_buffer=True))),
+    # NCCL user-buffer registration of those buffers (implies the double buffer; needs
+    # megatron.core.nccl_allocator, i.e. NCCL's ncclMemAlloc / window registration)
+    "fsdp-nccl-ub": ("fsdp", dict(override_ddp_config=dict(nccl_ub=True))),
+    # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
+    "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
+    # no fp32 main-weight shard: Adam steps the bf16 weights (-4 B/param / N, bf16 update rounding)
+    "fsdp-no-fp32-weights": ("fsdp", dict(override_ddp_config=dict(preserve_fp32_weights=False))),
 }
 
 
@@ -68,9 +83,14 @@ def trainer_of(mode: str) -> str:
 
 
 def variant_overrides(mode: str, spec: GPTSpec) -> dict:
-    """The EngineConfig fields variant `mode` sets at `spec` (a fresh dict)."""
+    """What variant `mode` sets at `spec` (a fresh dict): EngineConfig fields, plus "optim"."""
     overrides = VARIANTS[mode][1]
     return dict(overrides(spec) if callable(overrides) else overrides)
+
+
+def optim_overrides(mode: str, spec: GPTSpec) -> dict:
+    """The OptimConfig fields variant `mode` sets (empty for most)."""
+    return dict(variant_overrides(mode, spec).get("optim", {}))
 
 
 def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recompute: str = "none",
@@ -80,6 +100,7 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
     `fsdp_overrides` / `ddp_overrides` are the override_ddp_config of the fsdp / ddp trainers."""
     trainer = trainer_of(mode)
     overrides = variant_overrides(mode, spec)
+    overrides.pop("optim", None)
     ddp_config = dict((fsdp_overrides if trainer == "fsdp" else ddp_overrides) or {})
     ddp_config.update(overrides.pop("override_ddp_config", {}))
     fields = dict(
