@@ -12,7 +12,7 @@ All modes train the SAME megatron GPT (local spec, same attention backend, seed,
 - fsdp2: torch `fully_shard` per TransformerLayer then the root, MixedPrecisionPolicy(bf16
          params, fp32 reduce), torch AdamW (fused on GPU) on the fp32 sharded params.
 Named variants change one knob of `fsdp` (mfsdp_kit.perf.variants.VARIANTS), so each knob is
-measured in the same run as its baseline: fsdp-no-overlap, fsdp-unit2x, fsdp-unit-min, fsdp-recompute, fsdp-optoffload,
+measured in the same run as its baseline: fsdp-no-overlap, fsdp-unit2x, fsdp-unit-1e9, fsdp-recompute, fsdp-optoffload, the levers of issue 22,
 fsdp-unfused (with --fused-kernels: the same model without them).
 Each mode runs in turn in the same processes; memory is freed between modes and an OOM (or
 any error) is recorded for that mode and the next one runs. --repeats R runs the whole list of

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from . import runtime
+from .compat import fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
@@ -95,6 +96,9 @@ def wrap_chunk(cfg: EngineConfig, module: torch.nn.Module, *, index: int = 0) ->
     config = unwrap_model(module).config
     dcfg = ddp_config(cfg)
     if cfg.use_megatron_fsdp:
+        if dcfg.suggested_communication_unit_size is None:   # megatron's own default is 1e9 (compat.fsdp_unit)
+            dcfg.suggested_communication_unit_size = fsdp_unit.unit_elements(
+                module, sharding_strategy=dcfg.data_parallel_sharding_strategy)
         return FullyShardedDataParallel(config=config, ddp_config=dcfg, module=module,
                                         device=runtime.current().device)
     # As megatron's get_model: only the first chunk buckets (later chunks overlap differently).
@@ -235,13 +239,11 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
 
 def set_adam_implementation(optimizer, implementation: str) -> None:
     """Switch the torch Adam(W) inside megatron's optimizer to "fused" or "foreach" kernels
-    ("auto" leaves torch's choice).
+    ("auto": fused where every param is on a GPU, else torch's own choice).
 
     get_megatron_optimizer passes no `fused=`; Adam reads `fused`/`foreach` from each param group
     at every step and creates its state lazily at the first one, so setting them before that step
     is what constructing it with `fused=True` would have done."""
-    if implementation == "auto":
-        return
     for opt in inner_optimizers(optimizer):
         torch_opt = getattr(opt, "optimizer", None)
         if torch_opt is None:   # a chain member without params on this rank
@@ -249,6 +251,10 @@ def set_adam_implementation(optimizer, implementation: str) -> None:
         if not isinstance(torch_opt, torch.optim.Adam):   # AdamW is an Adam
             raise TypeError(f"adam_implementation needs torch's Adam(W) inside megatron's optimizer, got "
                             f"{type(torch_opt).__name__} (TE or apex installed?)")
+        if implementation == "auto":
+            if not all(p.is_cuda for g in torch_opt.param_groups for p in g["params"]):
+                continue
+            implementation = "fused"
         fused = implementation == "fused"   # torch checks each param's device and dtype at the first step
         for group in [torch_opt.defaults, *torch_opt.param_groups]:
             group["fused"], group["foreach"] = fused, not fused

@@ -111,10 +111,10 @@ for s in $SECTIONS; do
     # FSDP's prefetch budget (suggested_communication_unit_size) against its peak memory, at mb 16
     throughput_unit) section throughput_unit trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
-                  --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit.json" ;;
+                  --modes fsdp,fsdp-unit-1e9,fsdp2 --out "$RESULTS/throughput_unit.json" ;;
     throughput_unit8) section throughput_unit8 trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
-                  --modes fsdp,fsdp-unit-min,fsdp2 --out "$RESULTS/throughput_unit8.json" ;;
+                  --modes fsdp,fsdp-unit-1e9,fsdp2 --out "$RESULTS/throughput_unit8.json" ;;
     # the large end (the largest size where all three modes fit): 7b spec, mb 2, where all three modes fit
     throughput_7b) section throughput_7b trun bench/throughput.py --spec 7b --attention sdpa \
                   --micro-batch-size 2 --global-batch 8 --steps 4 --warmup 2 --fused-kernels \
@@ -127,12 +127,26 @@ for s in $SECTIONS; do
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \
                   --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,fsdp-optoffload \
                   --out "$RESULTS/throughput_knobs.json" ;;
-    # issue 22's levers, each one knob from fsdp (or ddp), all in one run, 3 interleaved repeats (medians);
-    # fsdp and fsdp2 profiled in the first round (their NCCL kernel names say which algorithm/protocol ran)
+    # issue 22's levers, each one knob from the kit's defaults (fused Adam and the 2-layer FSDP unit since
+    # 2026-11-30), all in one run, 3 interleaved repeats (medians); fsdp and fsdp2 profiled in the first round
     levers)     section levers trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \
-                  --modes ddp,fsdp,fsdp2,fsdp-fused-adam,ddp-fused-adam,fsdp-unit-min,fsdp-grad-fp32,fsdp-no-fp32-weights,fsdp-double-buffer,fsdp-nccl-ub \
+                  --modes ddp,fsdp,fsdp2,fsdp-foreach-adam,ddp-foreach-adam,fsdp-unit-1e9,fsdp-grad-fp32,fsdp-double-buffer,fsdp-nccl-ub \
                   --out "$RESULTS/levers.json" ;;
+    # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for
+    headline)   section headline trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \
+                  --modes ddp,fsdp,fsdp2 --out "$RESULTS/headline.json" ;;
+    # tokens/s under a memory cap: each system at micro-batch 4 and 16 without recompute and 8 with full
+    # recompute (mb 8 without: the headline section); bench/memory_cap.py picks the best under 40 and 80 GiB
+    memcap)     for mb in 4 16; do section "memcap_mb$mb" trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size $mb --global-batch 32 --steps 4 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 \
+                  --out "$RESULTS/memcap_mb$mb.json"; done
+                section memcap_mb8_recompute trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 4 --warmup 2 --fused-kernels --modes ddp-recompute,fsdp-recompute,fsdp2-recompute \
+                  --out "$RESULTS/memcap_mb8_recompute.json"
+                section memory_cap python3 bench/memory_cap.py --caps 40 80 --out "$RESULTS/memory_cap.json" \
+                  "$RESULTS"/headline.json "$RESULTS"/memcap_mb*.json ;;
     # the 1-GPU column of the same comparison
     throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
                   bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 --global-batch 16 \

@@ -1,8 +1,9 @@
-"""engine helpers on one gloo rank: unwrap, device, counting."""
+"""engine helpers on one gloo rank: unwrap, device, counting, the FSDP communication unit, Adam's kernels."""
 import pytest
 
 from mfsdp_kit import engine, runtime
-from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.introspect import is_fsdp
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 
 
@@ -35,3 +36,27 @@ def test_runtime_current_before_init_is_clear():
     runtime.shutdown()
     with pytest.raises(RuntimeError, match="cluster.start"):
         runtime.current()
+
+
+def test_fsdp_communication_unit_is_twice_the_mean_layer(chunks):
+    """compat.fsdp_unit: megatron's own default would be 1e9 elements (a floor, not a cap)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from mfsdp_kit.compat import fsdp_unit, registry
+    if not is_fsdp(chunks[0]):
+        return
+    inner = chunks[0].module
+    layers = [m for m in inner.modules() if isinstance(m, TransformerLayer)]
+    mean = sum(p.numel() for m in layers for p in m.parameters()) // len(layers)
+    assert inner.suggested_AG_prefetch_size == 2 * mean // 2 and inner.suggested_RS_queue_capacity == 2 * mean
+    assert fsdp_unit.PATCH in registry.ACTIVE and fsdp_unit.PATCH.still_needed()
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach", "fused"])
+def test_adam_implementation(chunks, implementation):
+    """The flags torch's Adam reads at each step; "auto" keeps torch's choice off GPUs. One fused step runs."""
+    from mfsdp_kit.introspect import inner_optimizers
+    opt = engine.build_optimizer(chunks, OptimConfig(adam_implementation=implementation), EngineConfig(
+        use_megatron_fsdp=is_fsdp(chunks[0])))
+    groups = [g for o in inner_optimizers(opt) for g in o.optimizer.param_groups]
+    want = {"auto": (None, None), "foreach": (False, True), "fused": (True, False)}[implementation]
+    assert {(g.get("fused"), g.get("foreach")) for g in groups} == {want}

@@ -6,7 +6,7 @@ Three trainers train the SAME megatron GPT (local spec, same attention backend, 
 - fsdp2: torch `fully_shard` per TransformerLayer then the root (perf.trainers.build_fsdp2).
 A variant is (trainer, EngineConfig overrides): fsdp-recompute is fsdp with recompute="full", so
 each knob is measured in the same run as the mode it changes. An "optim" entry of the overrides
-holds OptimConfig fields instead (fsdp-fused-adam).
+holds OptimConfig fields instead (fsdp-foreach-adam).
 """
 from __future__ import annotations
 
@@ -49,21 +49,24 @@ VARIANTS = {
     # twice the prefetch depth and reduce-scatter queue: more memory, fewer waits?
     "fsdp-unit2x": ("fsdp", lambda spec: dict(override_ddp_config=dict(
         suggested_communication_unit_size=2 * megatron_default_unit_elements(spec)))),
-    # what the fixed `min` would pick: 2 x the mean layer, i.e. prefetch about one layer ahead
-    "fsdp-unit-min": ("fsdp", lambda spec: dict(override_ddp_config=dict(
-        suggested_communication_unit_size=min(1_000_000_000, 2 * layer_params(spec))))),
+    # megatron's own unit (1e9 elements here): the kit's default is 2 x the mean layer, i.e.
+    # prefetch about one layer ahead (compat.fsdp_unit)
+    "fsdp-unit-1e9": ("fsdp", lambda spec: dict(override_ddp_config=dict(
+        suggested_communication_unit_size=megatron_default_unit_elements(spec)))),
     # "full", not "selective": selective recomputes core attention only, and SDPA already keeps
     # no S x S scores, so it would cost time and save nothing. Full recomputes each layer's
     # forward in backward (+1 forward, ~+33 % FLOPs) and keeps only layer inputs.
     "fsdp-recompute": ("fsdp", dict(recompute="full")),
+    "ddp-recompute": ("ddp", dict(recompute="full")),
+    "fsdp2-recompute": ("fsdp2", dict(recompute="full")),
     # Adam moments + fp32 main weights (12 B/param / N) on the host between steps (mfsdp_kit.offload)
     "fsdp-optoffload": ("fsdp", dict(optimizer_offload=True)),
     # the effect of fused kernels in the same run (megatron's unfused RoPE and SwiGLU)
     "fsdp-unfused": ("fsdp", dict(fused_kernels=False)),
     # ---- the levers of issue 22, each one knob away from fsdp (or ddp) ----
-    # torch's fused AdamW kernel instead of the foreach ops megatron leaves torch to pick
-    "fsdp-fused-adam": ("fsdp", dict(optim=dict(adam_implementation="fused"))),
-    "ddp-fused-adam": ("ddp", dict(optim=dict(adam_implementation="fused"))),
+    # torch's foreach Adam ops (what megatron leaves torch to pick) instead of the kit's fused default
+    "fsdp-foreach-adam": ("fsdp", dict(optim=dict(adam_implementation="foreach"))),
+    "ddp-foreach-adam": ("ddp", dict(optim=dict(adam_implementation="foreach"))),
     # two fixed, persistent all-gather / reduce-scatter buffers reused unit after unit
     # (FixedPoolAllocator) instead of resizing per-unit storage on every gather
     "fsdp-double-buffer": ("fsdp", dict(override_ddp_config=dict(fsdp_double_buffer=True))),

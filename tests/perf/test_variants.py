@@ -9,7 +9,7 @@ import pytest
 from mfsdp_kit.models.gpt import SPECS
 from mfsdp_kit.perf.flops import flops_per_token, layer_params, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, record_step_phases
-from mfsdp_kit.perf.variants import (VARIANTS, add_engine_args, engine_config, engine_config_from_args,
+from mfsdp_kit.perf.variants import (VARIANTS, add_engine_args, engine_config, engine_config_from_args, optim_overrides,
                                      megatron_default_unit_elements, parse_modes)
 
 
@@ -43,7 +43,9 @@ def test_variant_configs():
                                                           "suggested_communication_unit_size": 1}
     assert cfg["fsdp-unit2x"].override_ddp_config == {"overlap_param_gather": True,
                                                       "suggested_communication_unit_size": 2_000_000_000}
-    assert cfg["fsdp-unit-min"].override_ddp_config["suggested_communication_unit_size"] == 2 * layer_params(spec)
+    assert cfg["fsdp-unit-1e9"].override_ddp_config["suggested_communication_unit_size"] == 1_000_000_000
+    assert cfg["ddp-recompute"].recompute == cfg["fsdp2-recompute"].recompute == "full"
+    assert optim_overrides("fsdp-foreach-adam", spec) == {"adam_implementation": "foreach"} and not optim_overrides("fsdp", spec)
     assert cfg["fsdp-recompute"].recompute == "full" and cfg["fsdp"].recompute == "none"
     assert cfg["fsdp-optoffload"].optimizer_offload and not cfg["fsdp"].optimizer_offload
     for m, c in cfg.items():  # each variant changes only what it names
