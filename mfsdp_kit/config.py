@@ -144,6 +144,11 @@ class EngineConfig:
             raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
                        "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
                        "with compute on several CUDA streams)")
+        if self.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
+            raise bad_value("override_ddp_config.preserve_fp32_weights", False,
+                            f"True with dtype={self.dtype!r}: without fp32 main weights the grads stay "
+                            f"{self.dtype}, and megatron-core 0.16.1's optimizer clips fp32 grads only "
+                            "(optimizer/clip_grads.py:167 asserts; seen on 2 H200)")
         for key in GPU_ONLY_DDP_KEYS:
             if self.override_ddp_config.get(key) and not on_gpu:
                 raise bad_value(f"override_ddp_config.{key}", True,

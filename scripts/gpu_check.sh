@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # NVLink multicast stays off (shared hosts; see the device notes).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
-RESULTS=${RESULTS:-${OUT:-runs/gpu}}
+RESULTS=${RESULTS:-runs/gpu}
 SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -170,5 +170,7 @@ for s in $SECTIONS; do
     *) echo "unknown section $s"; status=1 ;;
   esac
 done
+# On the device machine only a few files come back from $OUT: one archive of everything written.
+[ -n "${OUT:-}" ] && tar czf "$OUT/gpu_check_results.tgz" -C "$RESULTS" . && echo "archived $RESULTS -> $OUT/gpu_check_results.tgz"
 echo; echo "gpu_check: $([ $status = 0 ] && echo ALL SECTIONS PASSED || echo SOME SECTIONS FAILED)"
 exit $status

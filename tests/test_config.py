@@ -180,6 +180,12 @@ def test_good_optim_values_pass():
     OptimConfig(adam_implementation="fused").validate()
 
 
+def test_no_fp32_weights_only_in_fp32():
+    msg = raises("preserve_fp32_weights", dtype="bf16", override_ddp_config={"preserve_fp32_weights": False})
+    assert "False" in msg and "clip_grads.py:167" in msg
+    EngineConfig(dtype="fp32", override_ddp_config={"preserve_fp32_weights": False}).validate(on_gpu=False)
+
+
 def test_gpu_only_buffers_pass_on_gpu():
     EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}).validate(on_gpu=True)
 

@@ -75,8 +75,6 @@ VARIANTS = {
     "fsdp-nccl-ub": ("fsdp", dict(override_ddp_config=dict(nccl_ub=True))),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
-    # no fp32 main-weight shard: Adam steps the bf16 weights (-4 B/param / N, bf16 update rounding)
-    "fsdp-no-fp32-weights": ("fsdp", dict(override_ddp_config=dict(preserve_fp32_weights=False))),
 }
 
 
