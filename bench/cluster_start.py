@@ -1,7 +1,7 @@
 """Where `cluster.start` spends its time, phase by phase, and what stop and restart cost.
 
     python bench/cluster_start.py [--n 2] [--repeats 3] [--out runs/bench/cluster_start.json] [--engines mpi]
-                                  [--variants default,preload]
+                                  [--variants plain,preload]
 
 "Ready" means `start()` returned: every engine registered, ran `runtime.init`, and %%px would work.
 Phases (`handle.startup_s`): controller -> engines_spawn -> client_connect -> register (engine processes
@@ -39,14 +39,17 @@ def import_floor() -> dict:
 
 
 def variant_kwargs(variant: str, engines: str | None) -> dict:
-    """`start` keywords: `preload` runs engines as `python -m mfsdp_kit.ipengine` (imports begun at boot)."""
+    """`start` keywords: `preload` runs engines as `python -m mfsdp_kit.ipengine` (imports begun at boot), `plain`
+    as ipyparallel's own engine; `default` leaves the choice to the kit (launch.preload_by_default)."""
     from traitlets.config import Config
 
     from mfsdp_kit import launch
     kwargs = {"engines": engines} if engines else {}
-    if variant == "preload":
+    if variant in ("preload", "plain"):
+        from ipyparallel.cluster.launcher import ipengine_cmd_argv
         section = "MPIEngineSetLauncher" if engines == "mpi" else "LocalEngineSetLauncher"
-        kwargs["config"] = Config({section: {"engine_cmd": launch.PRELOAD_ENGINE_CMD}})
+        cmd = launch.PRELOAD_ENGINE_CMD if variant == "preload" else ipengine_cmd_argv
+        kwargs["config"] = Config({section: {"engine_cmd": cmd}})
     return kwargs
 
 
@@ -93,8 +96,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2, help="engines per start")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default=None, help="ipyparallel launcher, e.g. mpi (default: local)")
-    parser.add_argument("--variants", default="default,preload",
-                        help="comma-separated: default, preload (engines import torch/megatron at boot); "
+    parser.add_argument("--variants", default="plain,preload",
+                        help="comma-separated: plain (ipyparallel's engine), preload (engines import torch/megatron at boot), default (the kit picks); "
                              "run alternately, so both see the same load")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()

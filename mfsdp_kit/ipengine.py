@@ -7,8 +7,9 @@ and the slowest peer. Here a background thread imports them from the engine's fi
 engine itself is unchanged (`ipyparallel.engine.app.main`, same arguments), and `cluster._engine_init`
 calls `wait()` before it imports anything, so no module is imported by two threads at once.
 
-Opt-in (`launch.PRELOAD_ENGINE_CMD` as the launcher's `engine_cmd`): the thread shares the engine's GIL with its
-boot, so it only pays where cores are free; bench/cluster_start.py measures it next to the default.
+The default engine command where the machine has 4+ cores per engine (`launch.preload_by_default`): the
+thread shares the engine's GIL with its boot, so it only pays where cores are free; bench/cluster_start.py
+measures it next to ipyparallel's plain engine.
 """
 from __future__ import annotations
 

@@ -22,9 +22,12 @@ from .config import ConfigError
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
 PRELOAD_ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
-"""Opt-in `engine_cmd` for local / MPI engines: ipyparallel's engine behind a thread importing torch and megatron
-at boot (ipengine.py). Not the default: on 2 busy CPU cores it measured no gain (bench/cluster_start.py measures
-both on every run)."""
+"""`engine_cmd` for local / MPI engines: ipyparallel's engine behind a thread importing torch and megatron at boot
+(ipengine.py). The default where this machine has PRELOAD_MIN_CORES_PER_ENGINE cores per engine or more."""
+PRELOAD_MIN_CORES_PER_ENGINE = 4
+"""bench/cluster_start.py, start() to ready on 2 engines: a 32-core GPU node 12.3 -> 10.8 s and, on a slower
+one, 17.3 -> 14.7 s with the preloading engine; 2 busy CPU cores were slower with it (the import thread and
+the registration share the engine's GIL and the cores)."""
 CONTROLLER_ARGS = ["--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=120"]
 OPENMPI_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 """OpenMPI refuses more ranks than cores; an engine mostly waits (one per GPU), so the kit allows it."""
@@ -83,11 +86,29 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
+    if preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0))):
+        _set_default_engine_cmd(launcher)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
         mpi = cluster.config.MPIEngineSetLauncher
         mpi.environment = {**openmpi_env(), **mpi.get("environment", {})}
     return cluster
+
+
+def preload_by_default(*, n_engines: int, cores: int) -> bool:
+    """Whether engines preload torch/megatron at boot (PRELOAD_ENGINE_CMD) unless the caller chose an engine_cmd."""
+    return cores >= PRELOAD_MIN_CORES_PER_ENGINE * max(n_engines, 1)
+
+
+def _set_default_engine_cmd(launcher: dict) -> None:
+    """PRELOAD_ENGINE_CMD as the local / MPI engine command, unless the caller's config names one."""
+    from traitlets.config import Config
+    section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))
+    if section is None:   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
+        return
+    config = launcher.setdefault("config", Config())
+    if "engine_cmd" not in config[section]:
+        config[section].engine_cmd = PRELOAD_ENGINE_CMD
 
 
 def start_processes(cluster: ipp.Cluster, n: int, watch: Stopwatch) -> ipp.Client:

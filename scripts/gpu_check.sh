@@ -165,6 +165,11 @@ for s in $SECTIONS; do
     # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
     cluster_start) section cluster_start python3 bench/cluster_start.py --n "$NGPU" --repeats 3 \
                   --out "$RESULTS/cluster_start.json" ;;
+    # where an engine's imports go (issue 21: engines up fast): -X importtime of the kit + megatron, twice
+    # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries
+    imports)    section imports bash -c 'for i in 1 2; do /usr/bin/time -f "run $i: %e s" python3 -X importtime \
+                  -c "import mfsdp_kit, megatron.core" 2> "$0/importtime$i.txt"; tail -1 "$0/importtime$i.txt"; done
+                  sort -t"|" -k2 -n -r "$0/importtime2.txt" | head -30' "$RESULTS" ;;
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
                   --train-steps 1 --out "$RESULTS/load_7b.json" ;;
     *) echo "unknown section $s"; status=1 ;;

@@ -121,3 +121,21 @@ def test_bad_start_arguments_are_config_errors_before_anything_starts(kwargs, fi
         cluster.start(**kwargs)
     assert isinstance(e.value, ValueError) and "allowed" in str(e.value)
     assert {p.pid for p in _engine_processes()} == before
+
+
+def test_engines_preload_where_there_are_cores_for_it():
+    """launch.preload_by_default: 4 cores per engine or more; a caller's engine_cmd always wins."""
+    from traitlets.config import Config
+
+    from mfsdp_kit import launch
+    assert launch.preload_by_default(n_engines=2, cores=32) and launch.preload_by_default(n_engines=8, cores=32)
+    assert not launch.preload_by_default(n_engines=2, cores=2) and not launch.preload_by_default(n_engines=9, cores=32)
+    launcher = {}
+    launch._set_default_engine_cmd(launcher)
+    assert launcher["config"].LocalEngineSetLauncher.engine_cmd == launch.PRELOAD_ENGINE_CMD
+    mine = {"engines": "mpi", "config": Config({"MPIEngineSetLauncher": {"engine_cmd": ["my-engine"]}})}
+    launch._set_default_engine_cmd(mine)
+    assert mine["config"].MPIEngineSetLauncher.engine_cmd == ["my-engine"]
+    slurm = {"engines": "slurm"}
+    launch._set_default_engine_cmd(slurm)
+    assert "config" not in slurm
