@@ -1,15 +1,23 @@
 """Weight sync into a rollout model: seconds and GB/s to copy every weight from the training
-chunks (Megatron-FSDP shards, or DDP for comparison) into a Hugging Face model on the device.
+chunks (Megatron-FSDP shards, or DDP for comparison) into a Hugging Face model on the device,
+by the planned path (`sync_plan`: views of the gathered buckets) and by the bridge path (today's
+per-tensor conversion), next to the hardware's ceiling measured in the same run on the same ranks.
 
-    torchrun --nproc_per_node 2 bench/sync.py --size m --out runs/bench/sync.json            # GPU, bf16
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sync.py --size xs                   # CPU, fp32
+    torchrun --nproc_per_node 2 bench/sync.py --size l --out runs/bench/sync_l.json             # GPU, bf16, 1.7 B
+    torchrun --nproc_per_node 2 bench/sync.py --shape qwen2.5-7b --out runs/bench/sync_7b.json  # GPU, 7.6 B
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/sync.py --size xs                      # CPU, fp32
 
-Per mode: a tiny HF folder (`models.tiny`) is loaded into megatron chunks (`models.hf.load`),
-each rank holds its own rollout model (`AutoModelForCausalLM.from_pretrained` on its device,
-as a colocated RL worker does), and `sync.load_into` streams the weights into it: for FSDP
-each unit is all-gathered, converted to HF names and copied, then released. The rollout model
-is zeroed before the first sync and checked against the folder's weights after it.
+Per mode: an HF folder (`models.tiny` --size, or bench/load_hf.py's real-size --shape: random bf16
+shards) is loaded into megatron chunks (`models.hf.load`), each rank holds its own rollout model
+(`AutoModelForCausalLM.from_pretrained` on its device, as a colocated RL worker does), and
+`sync.load_into(planned=...)` writes the weights into it. The rollout model is zeroed before each
+path's first sync (which also builds the plan: the warm-up) and checked against the folder after it.
 GB/s = bytes written into the rollout model (its dtype) / seconds; median of --repeats.
+
+Ceiling (what a sync cannot beat): the all-gather of one rank's shard of the model
+(`all_gather_into_tensor`, shard = model bytes / world; GB/s counts the gathered output) and an
+on-device `copy_` of the model's bytes. A sync does both: with the next unit's gather overlapping
+this unit's copies its floor is about max(gather, copy), without overlap their sum.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.sync import load_into
+from load_hf import SHAPES, write_folder  # the sibling script (torchrun puts bench/ on sys.path)
 
 
 def _sync() -> None:
@@ -37,40 +46,105 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(mode: str, path: Path, args) -> dict:
+def _folder_weights(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    return {k: v for f in files for k, v in load_file(str(path / f)).items()}
+
+
+def _max_diff(rollout, path: Path, dtype: torch.dtype) -> float:
+    named, worst = dict(rollout.named_parameters()), 0.0
+    for k, v in _folder_weights(path).items():
+        if k in named:
+            worst = max(worst, (named[k].float().cpu() - v.to(dtype).float()).abs().max().item())
+    return worst
+
+
+def _timed(fn, repeats: int) -> tuple[list[float], object]:
+    """(seconds of each call, barrier-aligned and device-synchronized; the last result)."""
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        _sync()
+        t0 = time.perf_counter()
+        out = fn()
+        _sync()
+        seconds.append(time.perf_counter() - t0)
+    return seconds, out
+
+
+def run_mode(mode: str, path: Path, args) -> list[dict]:
     from transformers import AutoModelForCausalLM
     cfg = EngineConfig(use_megatron_fsdp=mode == "fsdp", dtype=args.dtype)
     rt = runtime.init(cfg)
     model = hf_models.load(path, cfg)
     dtype = torch_dtype(args.dtype)
     rollout = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(rt.device).eval()
-    with torch.no_grad():
-        for p in rollout.parameters():
-            p.zero_()
-    seconds, info = [], {}
-    for _ in range(args.warmup + args.repeats):
-        dist.barrier()
-        _sync()
-        t0 = time.perf_counter()
-        info = load_into(rollout, model.chunks, model.bridge)
-        _sync()
-        seconds.append(time.perf_counter() - t0)
-    expected = load_file(str(path / "model.safetensors"))
-    named = dict(rollout.named_parameters())
-    max_diff = max((named[k].float().cpu() - v.to(dtype).float()).abs().max().item()
-                   for k, v in expected.items() if k in named)
-    measured = seconds[args.warmup:]
-    median_s = statistics.median(measured)
-    result = dict(mode=mode, wrapper=type(model.chunks[0]).__name__, seconds=seconds, median_s=median_s,
-                  bytes=info["bytes"], tensors=info["tensors"], gb_per_s=info["bytes"] / median_s / 1e9,
-                  max_abs_diff_vs_folder=max_diff)
+    results = []
+    for sync_path in [p.strip() for p in args.paths.split(",") if p.strip()]:
+        with torch.no_grad():
+            for p in rollout.parameters():
+                p.zero_()
+        planned = sync_path == "planned"
+        seconds, info = _timed(lambda: load_into(rollout, model.chunks, model.bridge, planned=planned),
+                               args.warmup + args.repeats)
+        measured = seconds[args.warmup:]
+        median_s = statistics.median(measured)
+        results.append(dict(mode=mode, path=sync_path, wrapper=type(model.chunks[0]).__name__, seconds=seconds,
+                            median_s=median_s, bytes=info["bytes"], tensors=info["tensors"],
+                            planned_tensors=info["planned"], bridge_tensors=info["bridge"],
+                            first_s=seconds[0], gb_per_s=info["bytes"] / median_s / 1e9,
+                            max_abs_diff_vs_folder=_max_diff(rollout, path, dtype)))
     del model, rollout
     runtime.shutdown()
+    _free()
+    return results
+
+
+def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
+
+
+def ceiling(nbytes: int, args) -> dict:
+    """All-gather of one rank's shard (nbytes / world) and a copy_ of nbytes, on this world's device."""
+    runtime.init(EngineConfig())
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype, world = torch_dtype(args.dtype), dist.get_world_size()
+    shard = torch.randn(nbytes // dtype.itemsize // world, device=device).to(dtype)
+    gathered = torch.empty(shard.numel() * world, dtype=dtype, device=device)
+    gather_s, _ = _timed(lambda: dist.all_gather_into_tensor(gathered, shard), args.warmup + args.repeats)
+    del shard
+    src = gathered  # nbytes (rounded down to whole shards)
+    dst = torch.empty_like(src)
+    copy_s, _ = _timed(lambda: dst.copy_(src), args.warmup + args.repeats)
+    out_bytes = gathered.numel() * gathered.element_size()
+    del src, dst, gathered
+    _free()
+    g, c = statistics.median(gather_s[args.warmup:]), statistics.median(copy_s[args.warmup:])
+    return dict(bytes=out_bytes, shard_bytes=out_bytes // world, all_gather_s=g, all_gather_gb_per_s=out_bytes / g / 1e9,
+                copy_s=c, copy_gb_per_s=out_bytes / c / 1e9, floor_overlapped_s=max(g, c), floor_serial_s=g + c,
+                backend=dist.get_backend())
+
+
+def _floor(result: dict, ceil: dict) -> float:
+    """FSDP must gather and copy (overlapped); DDP holds full weights and only copies."""
+    return ceil["floor_overlapped_s"] if result["mode"] == "fsdp" else ceil["copy_s"]
+
+
+def table(results: list[dict], ceil: dict, title: str) -> str:
+    lines = [title, f"{'mode':<6}{'path':<9}{'wrapper':>26}{'tensors':>9}{'planned':>9}{'MB':>10}{'first s':>9}"
+                    f"{'median s':>10}{'GB/s':>8}{'x floor':>8}{'max|diff|':>11}"]
+    for r in results:
+        lines.append(f"{r['mode']:<6}{r['path']:<9}{r['wrapper']:>26}{r['tensors']:>9}{r['planned_tensors']:>9}"
+                     f"{r['bytes'] / 1e6:>10.1f}{r['first_s']:>9.3f}{r['median_s']:>10.4f}{r['gb_per_s']:>8.2f}"
+                     f"{r['median_s'] / _floor(r, ceil):>8.1f}{r['max_abs_diff_vs_folder']:>11.2e}")
+    lines.append(f"ceiling ({ceil['backend']}): all-gather of a {ceil['shard_bytes'] / 1e6:.1f} MB shard per rank "
+                 f"{ceil['all_gather_s']:.4f} s ({ceil['all_gather_gb_per_s']:.1f} GB/s out), copy_ of "
+                 f"{ceil['bytes'] / 1e6:.1f} MB {ceil['copy_s']:.4f} s ({ceil['copy_gb_per_s']:.1f} GB/s); floor "
+                 f"{ceil['floor_overlapped_s']:.4f} s overlapped, {ceil['floor_serial_s']:.4f} s serial")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -78,29 +152,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="m" if on_gpu else "xs", help="models.tiny size: xs | s | m | l (1.7 B)")
     ap.add_argument("--arch", default="qwen2", help="models.tiny arch: qwen2 | llama")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="instead of --size/--arch: bench/load_hf.py's real-size folder (qwen2.5-7b: 7.6 B)")
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--modes", default="fsdp,ddp")
+    ap.add_argument("--paths", default="planned,bridge", help="planned (sync_plan) and/or bridge (per tensor)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--workdir", default="runs/bench/sync_models")
     ap.add_argument("--out", default="runs/bench/sync.json")
     args = ap.parse_args()
     runtime.init(EngineConfig())  # the world, so rank 0 can write the folder before the others read it
-    path = Path(args.workdir) / f"{args.arch}-{args.size}"
+    name = args.shape or f"{args.arch}-{args.size}"
+    path = Path(args.workdir) / name
     if dist.get_rank() == 0:
-        tiny(path, arch=args.arch, size=args.size)
+        if args.shape is None:
+            tiny(path, arch=args.arch, size=args.size)
+        elif not (path / "model.safetensors.index.json").exists():  # 15 GB for 7 B: written once, kept
+            print("wrote", path, write_folder(path, args.shape, shard_gb=4.0), flush=True)
     dist.barrier()
-    results = [run_mode(m.strip(), path, args) for m in args.modes.split(",") if m.strip()]
+    results = [r for m in args.modes.split(",") if m.strip() for r in run_mode(m.strip(), path, args)]
+    ceil = ceiling(max(r["bytes"] for r in results), args)
     if dist.get_rank() == 0:
-        print(f"\nweight sync into a rollout {args.arch}-{args.size} model ({args.dtype}), world "
-              f"{dist.get_world_size()}, median of {args.repeats} (+{args.warmup} warm-up)")
-        print(f"{'mode':<6}{'wrapper':>26}{'tensors':>9}{'MB':>10}{'median s':>10}{'GB/s':>8}{'max|diff|':>11}")
-        for r in results:
-            print(f"{r['mode']:<6}{r['wrapper']:>26}{r['tensors']:>9}{r['bytes'] / 1e6:>10.1f}{r['median_s']:>10.4f}"
-                  f"{r['gb_per_s']:>8.3f}{r['max_abs_diff_vs_folder']:>11.2e}")
+        print("\n" + table(results, ceil, f"weight sync into a rollout {name} model ({args.dtype}), world "
+                                          f"{dist.get_world_size()}, median of {args.repeats} (+{args.warmup} warm-up: "
+                                          f"'first s', which builds the plan)"))
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), world=dist.get_world_size(), results=results), f, indent=1)
+            json.dump(dict(args=vars(args), world=dist.get_world_size(), results=results, ceiling=ceil), f, indent=1)
         print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 

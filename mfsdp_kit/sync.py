@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from . import sync_plan
 from .engine import params_view, unwrap_model
 from .introspect import is_fsdp
 from .models import vocab
-
-
-def _fsdp_owner(chunks, param):
-    """The MegatronFSDP whose buffers hold `param` (None for DDP / plain chunks)."""
-    for chunk in chunks:
-        if is_fsdp(chunk) and param in chunk.module.param_and_grad_buffer.param_to_param_group:
-            return chunk.module
-    return None
+from .sync_plan import fsdp_owner
 
 
 def _tasks_with_full_params(tasks, chunks) -> Iterator:
@@ -42,7 +37,7 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
         for task in tasks:
             if task is None:
                 continue
-            fsdp = _fsdp_owner(chunks, task.param_weight)
+            fsdp = fsdp_owner(chunks, task.param_weight)
             if fsdp is None:
                 yield task
                 continue
@@ -60,38 +55,57 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
 
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every HF weight, from DDP or Megatron-FSDP chunks, any TP."""
-    inner = unwrap_model(list(chunks))
     with params_view(chunks, "compute"):  # name lookup and bucket lookup both use the compute params
-        tasks = bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, inner)
-        if any(is_fsdp(c) for c in chunks):
-            tasks = _tasks_with_full_params(tasks, chunks)
-        live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
-        hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
-        for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
-            tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
-            # The bridge can hand back the live parameter itself (TP=1, already on the target
-            # device): copy it, or a later optimizer step would change what was exported.
-            yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+        yield from _export(chunks, bridge, sync_plan.conversion_tasks(chunks, bridge), cpu=cpu)
+
+
+def _export(chunks, bridge, tasks, *, cpu: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The bridge's conversion of `tasks` (call in the compute view), FSDP units gathered one at a time."""
+    inner = unwrap_model(list(chunks))
+    if any(is_fsdp(c) for c in chunks):
+        tasks = _tasks_with_full_params(tasks, chunks)
+    live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
+    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
+    for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+        tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
+        # The bridge can hand back the live parameter itself (TP=1, already on the target
+        # device): copy it, or a later optimizer step would change what was exported.
+        yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
 
 
 @torch.no_grad()
-def load_into(hf_model: torch.nn.Module, chunks, bridge) -> dict:
-    """Copy the chunks' weights into `hf_model` in place (the rollout path); returns timing/bytes."""
-    import time
-    params = dict(hf_model.named_parameters())
-    params.update(dict(hf_model.named_buffers()))
-    start, nbytes, seen = time.perf_counter(), 0, set()
-    for name, tensor in export_hf_weights(chunks, bridge, cpu=False):
-        if name not in params:
-            raise KeyError(f"exported weight {name!r} has no counterpart in {type(hf_model).__name__}")
-        target = params[name]
-        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        nbytes += target.numel() * target.element_size()
-        seen.add(name)
+def load_into(hf_model: torch.nn.Module, chunks, bridge, *, planned: bool = True) -> dict:
+    """Copy the chunks' weights into `hf_model` in place (the rollout path). Collective under FSDP.
+
+    planned=True (default): the tensors `sync_plan` knows are copied by its cached plan (views of
+    the gathered buckets, next unit prefetched), the rest through the bridge as before;
+    planned=False: every tensor through the bridge (`export_hf_weights`).
+    Returns seconds, bytes, tensors, and per path: planned / bridge tensor counts, plan_built
+    (this call built the plan) and plan_s (its build time, inside seconds).
+    """
+    start = time.perf_counter()
+    plan, built, nbytes, seen = None, False, 0, []
+    if planned:
+        plan, built = sync_plan.cached(hf_model, chunks, bridge)
+        nbytes, seen = sync_plan.replay(plan)
+    if plan is None or plan.fallback:
+        targets = {**dict(hf_model.named_parameters()), **dict(hf_model.named_buffers())}
+        with params_view(chunks, "compute"):
+            tasks = plan.fallback if plan else sync_plan.conversion_tasks(chunks, bridge)
+            for name, tensor in _export(chunks, bridge, tasks, cpu=False):
+                if name not in targets:
+                    raise KeyError(f"exported weight {name!r} has no counterpart in {type(hf_model).__name__}")
+                target = targets[name]
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                nbytes += target.numel() * target.element_size()
+                seen.append(name)
+    seen = set(seen)
     missing = [n for n, _ in hf_model.named_parameters() if n not in seen]
     if missing:
         raise KeyError(f"{len(missing)} weights of {type(hf_model).__name__} were not exported, e.g. {missing[:3]}")
-    return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=len(seen))
+    n_planned = plan.planned if plan else 0
+    return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=len(seen), planned=n_planned,
+                bridge=len(seen) - n_planned, plan_built=built, plan_s=plan.build_s if built else 0.0)
 
 
 def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30) -> Path:
