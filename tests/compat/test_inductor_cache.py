@@ -1,0 +1,43 @@
+"""compat.inductor_cache: a graph compiled at the native CPU capability is not reused under
+ATEN_CPU_CAPABILITY=default (torch's cache key misses it; the reuse failed to compile in `make test`)."""
+import os
+import subprocess
+import sys
+
+from mfsdp_kit.compat import inductor_cache
+
+ROW_MAX = """
+import os, sys, torch
+import mfsdp_kit
+f = torch.compile(lambda x: x.amax(-1))
+x = torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
+assert torch.equal(f(x), x[:, -1]), "wrong row max"
+print(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+"""
+
+
+def test_native_then_default_capability_share_no_compiled_graph(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ATEN_CPU_CAPABILITY")}
+    env["TMPDIR"] = str(tmp_path)   # inductor's default cache folder lives under it: a fresh one
+    native = subprocess.run([sys.executable, "-c", ROW_MAX], env=env, capture_output=True, text=True)
+    default = subprocess.run([sys.executable, "-c", ROW_MAX], env={**env, "ATEN_CPU_CAPABILITY": "default"},
+                             capture_output=True, text=True)
+    assert native.returncode == 0, native.stderr[-3000:]
+    assert default.returncode == 0, default.stderr[-3000:]
+    assert default.stdout.split()[-1] == str(tmp_path / f"{os.path.basename(inductor_cache.cache_dir('x'))[:-2]}_default")
+
+
+def test_install_keeps_a_cache_dir_the_user_chose(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
+    assert inductor_cache.install() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert inductor_cache.install().endswith("_avx2")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert inductor_cache.install() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_still_needed():
+    assert inductor_cache.still_needed(), "torch's inductor cache mentions ATEN_CPU_CAPABILITY now: check " \
+        "whether it keys on it, and delete compat/inductor_cache.py if so"
