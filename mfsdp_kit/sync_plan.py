@@ -224,7 +224,24 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
         unit.entries.extend(Entry(n, task.param_weight, dsts[n], v) for n, v in views.items())
         planned += len(views)
     ordered = [units[k] for k in sorted(units, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+    _same_on_every_rank(ordered)
     return Plan(_key(hf_model, chunks, bridge), ordered, fallback, planned, time.perf_counter() - start)
+
+
+def _same_on_every_rank(units: list[Unit]) -> None:
+    """Replay all-gathers unit by unit: ranks whose plans differ would pair different collectives
+    (a hang, or a gather into the wrong bucket). Built the same way from the same model they
+    cannot differ; this one collective per build makes sure. Only with FSDP units (then the sync
+    is collective anyway; a DDP sync may run on one rank alone)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or not any(u.fsdp is not None for u in units):
+        return
+    mine = [(u.bucket, [e.name for e in u.entries]) for u in units]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(other != mine for other in every):
+        raise RuntimeError(f"sync plans differ across ranks (rank {dist.get_rank()}: {len(mine)} units); "
+                           "use load_into(..., planned=False)")
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
