@@ -142,7 +142,8 @@ def fsdp_owner(chunks, param):
 
 
 def _key(hf_model, chunks, bridge) -> tuple:
-    """Changes when the rollout model's tensors, the chunks or their parameters change."""
+    """Changes when the rollout model's tensors, the chunks or their parameters change. Ids are safe:
+    the plan holds every megatron parameter it names, so none of those ids can be reused meanwhile."""
     megatron = []
     for chunk in chunks:
         params = (chunk.module.param_and_grad_buffer.param_to_param_group if is_fsdp(chunk)
@@ -256,7 +257,7 @@ def conversion_tasks(chunks, bridge) -> list:
 
 def cached(hf_model, chunks, bridge) -> tuple[Plan, bool]:
     """The plan for this (hf_model, chunks, bridge), built when its key changed (every rank builds
-    its own; no collective); returns (plan, built_now)."""
+    its own; one collective at the end when it has FSDP units); returns (plan, built_now)."""
     from .engine import params_view
     key = _key(hf_model, chunks, bridge)
     plan = _PLANS.get(hf_model)
