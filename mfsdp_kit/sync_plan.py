@@ -94,6 +94,8 @@ _RECOGNISED: dict[type, Callable] = {}
 def recognised() -> dict[type, Callable]:
     """Mapping class (exactly: a subclass may change values) -> (mapping, module) -> {hf_name: View}."""
     if not _RECOGNISED:
+        from .compat.bridge import import_bridge
+        import_bridge()
         from megatron.bridge.models.conversion import param_mapping as pm
         _RECOGNISED.update({pm.AutoMapping: _direct_views, pm.DirectMapping: _direct_views,
                             pm.ReplicatedMapping: _direct_views, pm.ColumnParallelMapping: _direct_views,

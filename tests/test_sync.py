@@ -40,6 +40,13 @@ def test_plan_reused_after_a_step_is_exact(results, case):
     assert r["trained_planned_vs_bridge"] == 0.0 and r["trained_planned_vs_export"] == 0.0
 
 
+@pytest.mark.parametrize("case", IDS)
+def test_plan_rebuilt_when_a_rollout_parameter_is_replaced(results, case):
+    r = results[case]
+    assert r["replaced"]["plan_built"] and r["replaced"]["planned"] == r["hf_tensors"]
+    assert r["replaced_vs_bridge"] == 0.0
+
+
 @pytest.mark.parametrize("case", [i for i, c in zip(IDS, CASES) if c[2]])
 def test_misled_or_unknown_mappings_fall_back(results, case):
     r = results[case]

@@ -1,10 +1,11 @@
 """Rollout weight sync on the torchrun world: the planned path (`sync_plan`) against the bridge path.
 
 `sync_paths`: load an HF folder into DDP or Megatron-FSDP chunks, sync into two rollout models (one
-by the plan, one by the bridge), train a step, sync again (the plan is reused), then sync a third
-rollout model with the plan's recognisers sabotaged (wrong views that keep the shapes, QKV unknown):
-those tensors must fall back to the bridge and everything must still be exact. Rank 0's dict holds
-max|diff| numbers (0.0 = bitwise equal) and the paths' tensor counts.
+by the plan, one by the bridge), train a step, sync again (the plan is reused), replace one rollout
+parameter (the plan is rebuilt), then sync a third rollout model with the plan's recognisers
+sabotaged (wrong views that keep the shapes, QKV unknown): those tensors must fall back to the
+bridge and everything must still be exact. Rank 0's dict holds max|diff| numbers (0.0 = bitwise
+equal) and the paths' tensor counts.
 """
 from __future__ import annotations
 
@@ -97,6 +98,11 @@ def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, ov
     out.update(second=second, trained_planned_vs_bridge=_max_diff(named, _weights(bridged)),
                trained_planned_vs_export=_max_diff(named, {k: v for k, v in exported.items() if k in named}),
                changed_by_step=sum(not torch.equal(named[k], folder[k]) for k in named if k in folder))
+    # a rollout tensor replaced (same name, new Parameter): the plan is rebuilt and writes the new one
+    norm = planned.get_submodule("model.norm")
+    norm.weight = torch.nn.Parameter(torch.zeros_like(norm.weight))
+    out["replaced"] = sync.load_into(planned, model.chunks, model.bridge)
+    out["replaced_vs_bridge"] = _max_diff(_weights(planned), _weights(bridged))
     if sabotage:  # a misunderstood mapping and an unknown one: both fall back, still exact
         table = sync_plan.recognised()
         saved = _sabotaged()
