@@ -46,17 +46,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _folder_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    return {k: v for f in files for k, v in load_file(str(path / f)).items()}
-
-
 def _max_diff(rollout, path: Path, dtype: torch.dtype) -> float:
+    """max|rollout - folder| over the folder's tensors (read one at a time onto the rollout's device)."""
+    from safetensors import safe_open
     named, worst = dict(rollout.named_parameters()), 0.0
-    for k, v in _folder_weights(path).items():
-        if k in named:
-            worst = max(worst, (named[k].float().cpu() - v.to(dtype).float()).abs().max().item())
+    device = next(rollout.parameters()).device
+    for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        with safe_open(str(path / file), framework="pt", device=str(device)) as f:
+            for k in f.keys():
+                if k in named:
+                    want = f.get_tensor(k).to(dtype)
+                    worst = max(worst, (named[k].float() - want.float()).abs().max().item())
     return worst
 
 
@@ -112,7 +112,7 @@ def ceiling(nbytes: int, args) -> dict:
     runtime.init(EngineConfig())
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype, world = torch_dtype(args.dtype), dist.get_world_size()
-    shard = torch.randn(nbytes // dtype.itemsize // world, device=device).to(dtype)
+    shard = torch.ones(nbytes // dtype.itemsize // world, dtype=dtype, device=device)
     gathered = torch.empty(shard.numel() * world, dtype=dtype, device=device)
     gather_s, _ = _timed(lambda: dist.all_gather_into_tensor(gathered, shard), args.warmup + args.repeats)
     del shard
