@@ -6,6 +6,11 @@ the wrapper and would meet sharded storage). Here the bridge converts the inner 
 for FSDP each parameter's bucket (one FSDP unit) is all-gathered by Megatron-FSDP itself just
 before its conversion task runs, copied out, and released: extra memory is one unit plus one
 tensor, never the whole model. Every rank must iterate the stream (the gathers are collective).
+
+`load_into` (the rollout path, run every RL iteration) does not convert tensor by tensor: it
+replays a `sync_plan` built once per rollout model (views of the gathered buckets, copied in
+place, the next unit's gather in flight meanwhile) and leaves to the bridge only what the plan
+does not know.
 """
 from __future__ import annotations
 
