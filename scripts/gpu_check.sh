@@ -87,7 +87,11 @@ for s in $SECTIONS; do
                   --grpo-temperature 0.5 --grpo-lr "$GRPO_LR" --grpo-warmup 10 --grpo-iterations "$GRPO_ITERS" \
                   --grpo-eval-every 30 --grpo-micro-batch-size 256 ${GRPO_ARGS:-} \
                   --out "$RESULTS/grpo_$GRPO_TAG.json" ;;
-    sync)       section sync       trun bench/sync.py --size l --repeats 3 --out "$RESULTS/sync_l.json" ;;
+    # the planned sync (sync_plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
+    sync)       section sync       trun bench/sync.py --size l --repeats 5 --out "$RESULTS/sync_l.json" ;;
+    # a 7.6 B (Qwen2.5-7B-shaped) folder written once under runs/, Megatron-FSDP only, planned path only (~3 min)
+    sync_7b)    section sync_7b    trun bench/sync.py --shape qwen2.5-7b --modes fsdp --paths planned --repeats 5 \
+                  --out "$RESULTS/sync_7b.json" ;;
     offload)    section offload    trun bench/offload.py --size l --repeats 3 --out "$RESULTS/offload_l.json" ;;
     checkpoint) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
                 section checkpoint_fsdp trun bench/checkpoint.py --fsdp $CK --out "$RESULTS/checkpoint_fsdp.json"
