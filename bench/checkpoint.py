@@ -4,7 +4,9 @@
 
 Builds the model, takes one optimizer step (so Adam state exists), then saves and loads
 `--repeats` times into `--root` (a fresh step each time) and reports the median seconds and
-GB/s (checkpoint bytes / seconds; 1 GB = 1e9 bytes). Rank 0 prints a table and writes JSON.
+GB/s (checkpoint bytes / seconds; 1 GB = 1e9 bytes), and the median of each phase of rank 0's
+saves and loads (CheckpointManager.last_save_phases_s / last_load_phases_s: what each is). Rank 0
+prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
     ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
+    ap.add_argument("--read-threads", type=int, default=4, help="file-reading threads per rank")
+    ap.add_argument("--host-staging", choices=("auto", "on", "off"), default="auto",
+                    help="CheckpointManager host_staging (auto: on with a GPU or async)")
     ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -74,30 +79,41 @@ def main() -> None:
          micro_batch_size=2)
     root = args.root or (tempfile.mkdtemp(prefix="mfsdp_ckpt_bench_") if rt.rank == 0 else None)
     root = Path(collective.broadcast(root))
-    mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads)
-    save_s, load_s, blocking_s, phases, nbytes = [], [], [], [], 0
+    mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads,
+                                 read_threads=args.read_threads,
+                                 host_staging={"auto": None, "on": True, "off": False}[args.host_staging])
+    save_s, load_s, blocking_s, phases, load_phases, nbytes = [], [], [], [], [], 0
+    save_cpu_s, load_cpu_s = [], []  # this process's CPU seconds, all its threads: the work, whatever the wall
     for i in range(args.repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         mgr.save(i + 1, chunks, opt)
         mgr.wait()
         dist.barrier()
         save_s.append(time.perf_counter() - t0)
+        save_cpu_s.append(time.process_time() - c0)
         blocking_s.append(mgr.last_blocking_s)
         phases.append(dict(mgr.last_save_phases_s))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         meta = mgr.load(chunks, opt)
         dist.barrier()
         load_s.append(time.perf_counter() - t0)
+        load_cpu_s.append(time.process_time() - c0)
+        load_phases.append(dict(mgr.last_load_phases_s))
         nbytes = meta["bytes"]
     disk = disk_write_gb_per_s(root, args.probe_mb * 2**20) if args.probe_mb else None
     save, load = statistics.median(save_s), statistics.median(load_s)
     phase = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+    load_phase = {k: statistics.median(p[k] for p in load_phases) for k in load_phases[0]}
     result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
+                  host_staging=args.host_staging,
                   save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=args.threads,
+                  load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=args.read_threads,
+                  load_phases_s=load_phase,
                   blocking_s=statistics.median(blocking_s), disk_write_gb_per_s=disk, save_phases_s=phase,
+                  save_cpu_s=statistics.median(save_cpu_s), load_cpu_s=statistics.median(load_cpu_s),
                   save_s_all=save_s, load_s_all=load_s, device=str(rt.device))
     if rt.rank == 0:
         rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
@@ -105,8 +121,12 @@ def main() -> None:
                 ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s  "
                          f"({result['save_gb_per_s_per_gpu']:.3f} GB/s per rank; target >= 2 per GPU)"),
                 ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in phase.items())),
+                ("  cpu", f"{result['save_cpu_s']:.3f} s of rank 0's CPU time (all threads)"),
                 ("  blocked", f"{result['blocking_s']:.3f} s (async: the time training waits)"),
-                ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s (page cache warm)"),
+                ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s  ({result['load_gb_per_s_per_gpu']:.3f} "
+                         "GB/s per rank; page cache warm)"),
+                ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in load_phase.items())),
+                ("  cpu", f"{result['load_cpu_s']:.3f} s of rank 0's CPU time (all threads)"),
                 ("disk", "-" if disk is None else f"{disk:.3f} GB/s raw write + fsync, all ranks at once")]
         print("\n".join(f"{k:<11} {v}" for k, v in rows))
         if args.out:

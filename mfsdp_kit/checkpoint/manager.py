@@ -9,7 +9,8 @@ never outlives its check), so a failed save leaves nothing behind and the next o
 2. rank 0: the root is writable (a probe file), the step is new, a stale `.tmp-step_X` goes.
 3. every rank: each component's state dict (`components.collect`), uneven shards marked.
 4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
-   end and 5 run in `wait()`); each rank then hashes the files it wrote (`integrity`).
+   end and 5 run in `wait()`); its writer threads crc32 each file's bytes as they write them
+   (`storage.HashingFileSystem`), so no file is read back.
 5. rank 0 commits: `<name>.json` of the JSON components (scheduler.json), checksums of the other
    files, meta.json (last), group/other write bits dropped, fsync, rename to `step_X`, then
    `latest` (written aside, `os.replace`d). A commit that fails before `latest` moved is rolled back.
@@ -72,17 +73,27 @@ class CheckpointManager:
     """
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
-                 hf_source: str | None = None, write_threads: int = 4):
-        """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count)."""
+                 hf_source: str | None = None, write_threads: int = 4, read_threads: int = 4,
+                 host_staging: bool | None = None):
+        """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count), each
+        writing its own file; `read_threads`: threads per rank reading those files at load.
+        `host_staging`: copy the state into host buffers kept for the next save (pinned on CUDA: one
+        DMA per tensor) before DCP writes it. Async saves always do (training must not change what
+        is written). For a synchronous save the default (None) stages when the state is on a GPU:
+        DCP's writer threads would otherwise each `.cpu()` their tensors into fresh pageable memory
+        (a slower copy, plus a page fault per 4 KiB); on CPU it would add a copy DCP does not make."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
-        if write_threads < 1:
-            raise ValueError(f"write_threads={write_threads!r} is not allowed; allowed: an integer >= 1")
+        for name, value in (("write_threads", write_threads), ("read_threads", read_threads)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= 1")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
+        self.host_staging = host_staging
         self.write_threads = write_threads
-        self._pinned: dict = {}  # host staging buffers of async saves, reused
+        self.read_threads = read_threads
+        self._pinned: dict = {}  # host staging buffers, reused
         self.hf_source = None if hf_source is None else str(hf_source)
         self.loaded_step: int | None = None
         """The step last loaded through this manager: `keep_last` never deletes it."""
@@ -93,8 +104,16 @@ class CheckpointManager:
         """Seconds `save` blocked the caller (async: state + host copy; sync: everything)."""
         self.last_save_phases_s: dict = {}
         """Seconds per phase of the last save: state (build + shard metadata), stage (async host
-        copy), checksum (this rank's files), commit (meta.json, fsync, rename, `latest`)."""
+        copy), write (DCP: planning, then the writer threads; async: until its future is done),
+        commit (meta.json, fsync, rename, `latest`). Within write, an average writer thread's
+        seconds: serialise (torch.save, device->host copies), checksum (crc32 of its bytes),
+        file_write (copies into the page cache), fsync."""
         self.last_load_s: float | None = None
+        self.last_load_phases_s: dict = {}
+        """Seconds per phase of the last load: check (trust, sizes, crc32 of this rank's share of
+        the files, DCP metadata), match (layout, state to load into, names and shapes), read (DCP:
+        file reads, torch.load, copies into the state; `read_threads` files at a time), restore
+        (the components' load_state_dict)."""
 
     # ---- listing
     def list(self) -> list[int]:
@@ -151,19 +170,20 @@ class CheckpointManager:
             verdict = self._prepare(tmp, final) if collective.rank() == 0 else None
             if verdict:
                 raise CheckpointError(verdict)
+        fs = storage.HashingFileSystem()
         try:
-            future, as_json, formats = self._write(components, tmp, start)
+            future, as_json, formats = self._write(components, tmp, start, fs)
         except CheckpointError:
             self._discard(tmp)
             raise
         meta = self._meta(step, components, formats, extra, hf_source)
-        self._pending = (future, tmp, final, meta, as_json, start)
-        self.last_blocking_s = time.perf_counter() - start
+        self._pending = (future, fs, tmp, final, meta, as_json, start)
         if future is None:
             self.wait()
+        self.last_blocking_s = time.perf_counter() - start
         return final
 
-    def _write(self, components: dict, tmp: Path, start: float):
+    def _write(self, components: dict, tmp: Path, start: float, fs: storage.HashingFileSystem):
         """Phases 3-4: collect the states and hand the tensors to DCP; (async future or None, the
         JSON components' states, {name: format})."""
         phases = self.last_save_phases_s = {}
@@ -177,13 +197,15 @@ class CheckpointManager:
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         phases["state"] = time.perf_counter() - start
         with agreed("writing checkpoint", tmp):
-            if self.async_save:
+            staging = self.host_staging if self.host_staging is not None else torch.cuda.is_available()
+            if self.async_save or staging:
                 to_save = storage.stage(to_save, self._pinned)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the host copies are complete before training goes on
                 phases["stage"] = time.perf_counter() - start - phases["state"]
+            self._write_start = time.perf_counter()
             future = storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
-                                   process_group=collective.gloo_group() if self.async_save else None)
+                                   process_group=collective.gloo_group() if self.async_save else None, fs=fs)
         return future, as_json, formats
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
@@ -226,17 +248,17 @@ class CheckpointManager:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
         if self._pending is None:
             return None
-        future, tmp, final, meta, as_json, start = self._pending
+        future, fs, tmp, final, meta, as_json, start = self._pending
         self._pending = None
+        phases = self.last_save_phases_s
         try:
             with agreed("writing checkpoint", tmp) as mine:
                 if future is not None:
                     future.result()
-                hashing = time.perf_counter()
-                mine.value = integrity.checksums(tmp, integrity.rank_files(tmp, collective.rank()),
-                                                 threads=self.write_threads)
-            written = time.perf_counter()
-            self.last_save_phases_s["checksum"] = written - hashing
+                written = time.perf_counter()
+                mine.value = written_sums(tmp, fs)
+            phases["write"] = written - self._write_start
+            phases.update({k: v / max(1, len(fs.sums)) for k, v in fs.thread_s.items()})
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
             with agreed("committing checkpoint", final):
                 if collective.rank() == 0:
@@ -245,7 +267,7 @@ class CheckpointManager:
             self._discard(tmp)
             raise
         self.last_save_s = time.perf_counter() - start
-        self.last_save_phases_s["commit"] = self.last_save_s - (written - start)
+        phases["commit"] = self.last_save_s - (written - start)
         return final
 
     def _commit(self, tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, start: float) -> None:
@@ -257,6 +279,7 @@ class CheckpointManager:
             sums.update(integrity.checksums(tmp, [n for n in names if n not in sums]))
             meta.update(files=names, checksums={n: sums[n] for n in names},
                         bytes=sum(sums[n]["bytes"] for n in names), time_to_write_s=time.perf_counter() - start)
+            storage.fsync_file(tmp / restore.DCP_METADATA)  # DCP's finish() skips it: sync_files=False
             storage.write_json(tmp / integrity.META, meta)
             storage.harden(tmp)
             storage.fsync_dir(tmp)
@@ -311,8 +334,10 @@ class CheckpointManager:
         skipped = []
         for s in mine.values[0]:
             try:
+                self.last_load_phases_s = {}
                 meta = restore.load_dir(self.path(s), components, optimizer, scheduler, trust_checkpoint=trust_checkpoint,
-                                        restore_rng=restore_rng, root=self.root)
+                                        restore_rng=restore_rng, root=self.root, read_threads=self.read_threads,
+                                        phases=self.last_load_phases_s)
             except CheckpointCorruptError as e:
                 if not fallback:
                     raise
@@ -345,6 +370,20 @@ class CheckpointManager:
         step = int(step)
         older = [s for s in reversed(self.list()) if s < step] if fallback else []
         return [step, *older]
+
+
+def written_sums(tmp: Path, fs: storage.HashingFileSystem) -> dict:
+    """{file: {bytes, crc32}} of this rank's shard files, as its writer threads hashed them; a
+    CheckpointError when the directory holds other files of this rank or other sizes."""
+    found = integrity.rank_files(tmp, collective.rank())
+    if sorted(fs.sums) != found:
+        raise CheckpointError(f"rank {collective.rank()} wrote {sorted(fs.sums)} into {tmp}, "
+                              f"but finds {found} there")
+    for name, s in fs.sums.items():
+        if (tmp / name).stat().st_size != s["bytes"]:
+            raise CheckpointError(f"{tmp / name} has {(tmp / name).stat().st_size} bytes; its writer "
+                                  f"wrote {s['bytes']}")
+    return dict(fs.sums)
 
 
 def _kit_version() -> str:

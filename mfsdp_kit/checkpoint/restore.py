@@ -15,6 +15,7 @@ same CheckpointError everywhere):
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from . import collective, integrity, state, storage, trust
@@ -25,7 +26,7 @@ from .errors import CheckpointCorruptError, CheckpointError
 DCP_METADATA = ".metadata"
 
 
-def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1):
+def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1, threads: int = 4):
     """(meta, DCP metadata) of a checkpoint that passed every check needing no model. Local.
 
     Trust (unless `trust_checkpoint`), meta.json and its file list, checksums (crc32 of files
@@ -37,7 +38,7 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:
         trust.check_trusted(path, root=root)
-    integrity.verify(path, meta, rank=rank, world=world)
+    integrity.verify(path, meta, rank=rank, world=world, threads=threads)
     return meta, trust.load_metadata(path / DCP_METADATA)
 
 
@@ -53,16 +54,26 @@ def json_state(path: Path, name: str) -> dict:
 
 
 def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoint: bool = False,
-             restore_rng: bool = True, root=None) -> dict:
+             restore_rng: bool = True, root=None, read_threads: int = 4, phases: dict | None = None) -> dict:
     """Load one checkpoint directory into `components` (a dict of name -> Stateful, or model chunks
     with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
     `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
-    `rng_restored` and `restored` (the component names loaded)."""
+    `rng_restored` and `restored` (the component names loaded). `phases` (a dict) gets the seconds
+    of check, match, read and restore."""
     path = Path(path)
+    phases = {} if phases is None else phases
+    tick = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal tick
+        now = time.perf_counter()
+        phases[name], tick = now - tick, now
     components = parts.as_components(components, optimizer, scheduler, rng=restore_rng)
     with agreed("checking checkpoint", path):
         parts.check(components)
-        meta, metadata = checked(path, trust_checkpoint, root=root, rank=collective.rank(), world=collective.world())
+        meta, metadata = checked(path, trust_checkpoint, root=root, rank=collective.rank(), world=collective.world(),
+                                 threads=read_threads)
+    lap("check")
     with agreed("checking the layout for checkpoint", path):
         active = parts.accepted(components, meta, path, restore_rng=restore_rng)
     with agreed("matching the model to checkpoint", path):
@@ -73,12 +84,15 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     asked = set().union(*collective.all_gather(integrity.flat_keys(into)))
     with agreed("matching the model to checkpoint", path):
         integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
+    lap("match")
     with agreed("loading checkpoint", path):
         if into:
-            storage.read(into, path)
+            storage.read(into, path, threads=read_threads)
+    lap("read")
     with agreed("restoring checkpoint", path):
         for name, comp in active.items():
             comp.load_state_dict(into[name] if name in into else from_json[name])
+    lap("restore")
     meta["rng_restored"] = any(isinstance(c, state.RNGState) for c in active.values())
     meta["restored"] = list(active)
     return meta

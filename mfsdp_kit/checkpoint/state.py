@@ -103,7 +103,10 @@ def fsdp_optimizer_state(chunks, optimizer, *, is_loading: bool) -> tuple[dict, 
     msd = {}
     for chunk in chunks:
         msd.update(chunk.state_dict_for_save_checkpoint())
-    osd = optimizer.sharded_state_dict(msd, is_loading=is_loading,
+    # is_loading makes megatron create the Adam state by a zero-gradient step over every parameter
+    # (distrib_optimizer.py:1137, _init_optimizer_states_with_dummy_values), on every call: 2 s of a
+    # 2 s CPU load here. The state it creates is only needed when there is none yet.
+    osd = optimizer.sharded_state_dict(msd, is_loading=is_loading and not has_adam_state(optimizer),
                                        metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
     state = osd["state"]
     mine = {k: sorted(kk for kk, vv in v.items() if isinstance(vv, DTensor)) for k, v in state.items()}
@@ -128,6 +131,13 @@ def fsdp_optimizer_state(chunks, optimizer, *, is_loading: bool) -> tuple[dict, 
         padded.append(key)
     osd["state"] = {k: dict(sorted(state[k].items())) for k in sorted(state)}
     return osd, padded
+
+
+def has_adam_state(optimizer) -> bool:
+    """Every parameter with local elements has its optimizer state (a step was taken or loaded)."""
+    params = [p for g in optimizer.optimizer.param_groups for p in g["params"]
+              if getattr(p, "_local_tensor", p).numel() > 0]
+    return bool(params) and all(optimizer.optimizer.state.get(p) for p in params)
 
 
 def ddp_optimizer_state(optimizer) -> dict:

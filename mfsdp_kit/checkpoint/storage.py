@@ -1,40 +1,184 @@
 """Bytes on disk: torch DCP writes (sync and async), the safe DCP read, JSON files, fsync.
 
 Every `dcp.load` of the kit is `read(state, path)`: DCP with `trust.SafeReader` (allow-list
-unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values).
+unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values),
+its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another).
+
+Every `dcp.save` is `write(...)`: DCP's FileSystemWriter, whose `thread_count` threads each
+serialise a share of the tensors into their own file. The naive integrity check reads those files
+back after the save to crc32 them - a second pass over every byte, started only when the last
+writer is done. Here each writer thread's stream crc32s the bytes on their way to the file, in
+PIECE_BYTES pieces (the piece is still in the CPU cache when it is written), and fsyncs the file
+itself (`HashingFileSystem`). The checksum is then the one of the bytes the kit meant to write,
+so a file damaged on its way to the disk fails at load, not silently at save. torch.save's own
+per-record crc32 (zip format; `torch.load` re-checks it) is switched off while the kit writes:
+it hashed every byte a second time at save and at load, and the file crc32 covers the same bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .trust import SafeLoadPlanner, SafeReader
 
+PIECE_BYTES = 4 << 20
+"""Bytes hashed and written at a time: fits a core's share of the CPU cache, so the write copies
+the bytes the crc32 just read from cache, not from memory."""
 
-def read(state: dict, path) -> None:
+
+def read(state: dict, path, *, threads: int = 4) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective."""
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=ParallelReader(str(path), threads=threads), planner=SafeLoadPlanner())
 
 
-def write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1):
+def write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1,
+          fs: "HashingFileSystem | None" = None):
     """torch DCP save (collective); with `async_save` the future of DCP's background write.
 
-    Async: `stage` has already copied `state` to host memory, so DCP's own stager would only copy
-    it again (and its copy breaks on CPU tensors and on Megatron-FSDP's uneven shards); the
-    background thread coordinates over `process_group` (gloo), never the training group.
+    `fs` (a HashingFileSystem) records each written file's size and crc32 and the writer threads'
+    seconds. Async: `stage` has already copied `state` to host memory, so DCP's own stager would
+    only copy it again (and its copy breaks on CPU tensors and on Megatron-FSDP's uneven shards);
+    the background thread coordinates over `process_group` (gloo), never the training group.
     """
     import torch.distributed.checkpoint as dcp
-    writer = dcp.FileSystemWriter(str(path), thread_count=thread_count)
+    writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem())
     if async_save:
         return dcp.async_save(state, storage_writer=writer, process_group=process_group,
                               async_stager=Prestaged())
     dcp.save(state, storage_writer=writer)
     return None
+
+
+class HashingStream:
+    """A file opened for writing that crc32s and counts what passes through `write`."""
+
+    def __init__(self, file, times: dict):
+        self.file, self.times, self.crc, self.nbytes = file, times, 0, 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, view.nbytes, PIECE_BYTES):
+            piece = view[i:i + PIECE_BYTES]
+            t0 = time.perf_counter()
+            self.crc = zlib.crc32(piece, self.crc)
+            t1 = time.perf_counter()
+            self.file.write(piece)
+            self.times["checksum"] += t1 - t0
+            self.times["file_write"] += time.perf_counter() - t1
+        self.nbytes += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.nbytes
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        """Flush and fsync (DCP's own fsync is off: `HashingWriter` passes sync_files=False)."""
+        if self.file.closed:
+            return
+        t0 = time.perf_counter()
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.times["fsync"] += time.perf_counter() - t0
+        self.file.close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's FileSystem whose write streams are `HashingStream`s.
+
+    `sums`: {file name: {"bytes", "crc32"}} of the files written (integrity's format);
+    `thread_s`: writer-thread seconds summed over threads - checksum, file_write (copies into the
+    page cache), fsync, serialise (the rest: torch.save's headers, DCP, device->host copies).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.sums: dict = {}
+        self.thread_s = dict.fromkeys(("serialise", "checksum", "file_write", "fsync"), 0.0)
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "wb" or not str(path).endswith(".distcp"):  # .metadata: rank 0, in DCP's finish
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        start, times = time.perf_counter(), dict.fromkeys(("checksum", "file_write", "fsync"), 0.0)
+        with open(path, "wb") as file:
+            stream = HashingStream(file, times)
+            yield stream
+            stream.close()
+        with self._lock:
+            self.sums[Path(path).name] = {"bytes": stream.nbytes, "crc32": f"{stream.crc:08x}"}
+            for k, v in times.items():
+                self.thread_s[k] += v
+            self.thread_s["serialise"] += time.perf_counter() - start - sum(times.values())
+
+
+class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
+    """DCP's FileSystemWriter on a `HashingFileSystem`, torch.save's per-record crc32 off.
+
+    sync_files=False only because the streams fsync themselves (`HashingStream.close`); the
+    `.metadata` DCP writes in `finish` is fsynced by the commit (manager._commit).
+    """
+
+    def __init__(self, path: str, *, thread_count: int, fs: HashingFileSystem):
+        super().__init__(path, thread_count=thread_count, sync_files=False)
+        self.fs = fs
+
+    def write_data(self, plan, planner):
+        from torch.utils.serialization import config
+        with config.patch({"save.compute_crc32": False}):  # process-wide while the shards are written
+            return super().write_data(plan, planner)
+
+
+class ParallelReader(SafeReader):
+    """SafeReader reading its files in `threads` threads (DCP's reader: one file after another).
+
+    The non-tensor values (planner.load_bytes inserts them into the state's dicts) are read first,
+    in this thread; each file's tensors then in a thread of their own (file reads, torch.load and
+    the copy into the target tensor release the GIL).
+    """
+
+    def __init__(self, path: str, *, threads: int = 4):
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan, planner):
+        from torch.distributed.checkpoint.planner import LoadItemType
+        read = super().read_data
+        per_file: dict = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        read(dataclasses.replace(plan, items=[i for i in plan.items if i.type == LoadItemType.BYTE_IO]), planner)
+        if self.threads <= 1 or len(per_file) <= 1:
+            return read(dataclasses.replace(plan, items=[i for items in per_file.values() for i in items]), planner)
+        with ThreadPoolExecutor(max_workers=min(self.threads, len(per_file))) as pool:
+            for future in [pool.submit(read, dataclasses.replace(plan, items=items), planner)
+                           for items in per_file.values()]:
+                future.result().wait()  # a torch Future, already done
+        return read(dataclasses.replace(plan, items=[]), planner)
 
 
 class Prestaged:
@@ -83,8 +227,8 @@ def stage(state, pinned: dict, prefix: str = ""):
 
 
 def harden(path: Path) -> None:
-    """Drop group/other write bits (so `check_trusted` accepts what we wrote). No fsync here: DCP's
-    FileSystemWriter fsyncs each file it writes (sync_files=True) and `write_json` its own."""
+    """Drop group/other write bits (so `check_trusted` accepts what we wrote). No fsync here: the
+    writer streams fsync each shard file, the commit `.metadata`, and `write_json` its own."""
     for p in path.iterdir():
         p.chmod(p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
     path.chmod(path.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
@@ -101,6 +245,11 @@ def write_json(path: Path, obj) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def fsync_dir(path: Path) -> None:

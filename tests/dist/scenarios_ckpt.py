@@ -6,7 +6,9 @@ thread per rank (launch.py sets OMP_NUM_THREADS=1), and the same 2-rank layout b
 """
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -274,6 +276,34 @@ def async_save(*, fsdp: bool, root: str) -> dict:
     runtime.shutdown()
     return dict(pending_after_save=pending_after_save, changed=changed, listed_after_second=listed_after_second,
                 listed=mgr.list(), latest=mgr.latest(), roundtrip=roundtrip, straight=losses[3:5], resumed=resumed)
+
+
+def io_options(*, fsdp: bool, root: str) -> dict:
+    """The I/O options: 3 writer threads, staged host copies, 3 then 1 reader threads. Save step 3,
+    train on (every tensor changes), load step 3 into the SAME optimizer (its Adam state exists:
+    megatron's zero-gradient step is skipped) and into a fresh build; both bitwise. meta.json's
+    checksums (hashed by the writer threads) equal a crc32 of the files read back."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    rt = runtime.init(cfg)
+    batches = _batches()
+    chunks, opt, sched = _build(cfg, 7)
+    mgr = ckpt.CheckpointManager(root, write_threads=3, read_threads=3, host_staging=True)
+    _train(chunks, opt, sched, batches, 0, 3)
+    before = local_snapshot(chunks, opt, fsdp)
+    mgr.save(3, chunks, opt, sched)
+    _train(chunks, opt, sched, batches, 3, 5)
+    changed = _compare(before, local_snapshot(chunks, opt, fsdp))["all_equal"] is False
+    mgr.load(chunks, opt, sched, step=3)
+    same_opt = _compare(before, local_snapshot(chunks, opt, fsdp))
+    fresh, fresh_opt, fresh_sched = _build(cfg, 99)
+    ckpt.CheckpointManager(root, read_threads=1).load(fresh, fresh_opt, fresh_sched, step=3)
+    one_reader = _compare(before, local_snapshot(fresh, fresh_opt, fsdp))
+    meta = json.loads((mgr.path(3) / "meta.json").read_text())
+    reread = {n: f"{zlib.crc32((mgr.path(3) / n).read_bytes()):08x}" for n in meta["files"]} if rt.rank == 0 else None
+    runtime.shutdown()
+    return dict(changed=changed, same_opt=same_opt, one_reader=one_reader, phases=mgr.last_save_phases_s,
+                load_phases=mgr.last_load_phases_s, files=meta["files"],
+                recorded={n: c["crc32"] for n, c in meta["checksums"].items()}, reread=reread)
 
 
 class Loader:
