@@ -60,8 +60,8 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
     ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
     ap.add_argument("--read-threads", type=int, default=4, help="file-reading threads per rank")
-    ap.add_argument("--host-staging", choices=("auto", "on", "off"), default="auto",
-                    help="CheckpointManager host_staging (auto: on with a GPU or async)")
+    ap.add_argument("--host-staging", action="store_true",
+                    help="CheckpointManager(host_staging=True): sync saves copy into reused (pinned) host buffers first")
     ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -81,7 +81,7 @@ def main() -> None:
     root = Path(collective.broadcast(root))
     mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads,
                                  read_threads=args.read_threads,
-                                 host_staging={"auto": None, "on": True, "off": False}[args.host_staging])
+                                 host_staging=args.host_staging)
     save_s, load_s, blocking_s, phases, load_phases, nbytes = [], [], [], [], [], 0
     save_cpu_s, load_cpu_s = [], []  # this process's CPU seconds, all its threads: the work, whatever the wall
     for i in range(args.repeats):

@@ -74,14 +74,15 @@ class CheckpointManager:
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
                  hf_source: str | None = None, write_threads: int = 4, read_threads: int = 4,
-                 host_staging: bool | None = None):
+                 host_staging: bool = False):
         """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count), each
         writing its own file; `read_threads`: threads per rank reading those files at load.
-        `host_staging`: copy the state into host buffers kept for the next save (pinned on CUDA: one
-        DMA per tensor) before DCP writes it. Async saves always do (training must not change what
-        is written). For a synchronous save the default (None) stages when the state is on a GPU:
-        DCP's writer threads would otherwise each `.cpu()` their tensors into fresh pageable memory
-        (a slower copy, plus a page fault per 4 KiB); on CPU it would add a copy DCP does not make."""
+        `host_staging`: a synchronous save first copies the state into host buffers kept for the
+        next save (pinned on CUDA: one DMA per tensor), as async saves always do (training must not
+        change what is written). Without it DCP's writer threads `.cpu()` each tensor into fresh
+        pageable memory (a slower copy, and a page fault per 4 KiB); with it the host holds one
+        more copy of this rank's checkpoint bytes for the manager's life (pinned on CUDA). On CPU
+        it replaces DCP's copy of Megatron-FSDP's buffer views and adds one for compact tensors."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
         for name, value in (("write_threads", write_threads), ("read_threads", read_threads)):
@@ -197,8 +198,7 @@ class CheckpointManager:
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         phases["state"] = time.perf_counter() - start
         with agreed("writing checkpoint", tmp):
-            staging = self.host_staging if self.host_staging is not None else torch.cuda.is_available()
-            if self.async_save or staging:
+            if self.async_save or self.host_staging:
                 to_save = storage.stage(to_save, self._pinned)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the host copies are complete before training goes on
