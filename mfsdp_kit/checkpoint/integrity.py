@@ -58,6 +58,19 @@ def checksums(directory: Path, names, *, threads: int = 4) -> dict:
         return dict(zip(names, pool.map(lambda n: file_checksum(Path(directory) / n), names)))
 
 
+def written(directory: Path, rank: int, sums: dict) -> dict:
+    """`sums` ({file: {bytes, crc32}} of `rank`'s shard files, as its writer threads hashed them),
+    after checking that `directory` holds exactly those files of `rank`, with those sizes."""
+    found = rank_files(directory, rank)
+    if sorted(sums) != found:
+        raise CheckpointError(f"rank {rank} wrote {sorted(sums)} into {directory}, but finds {found} there")
+    for name, s in sums.items():
+        size = (Path(directory) / name).stat().st_size
+        if size != s["bytes"]:
+            raise CheckpointError(f"{Path(directory) / name} has {size} bytes; its writer wrote {s['bytes']}")
+    return dict(sums)
+
+
 def read_meta(path) -> dict:
     """meta.json of a checkpoint directory; a clear error when it or a listed file is missing."""
     path = Path(path)

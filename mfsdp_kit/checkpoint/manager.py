@@ -256,7 +256,7 @@ class CheckpointManager:
                 if future is not None:
                     future.result()
                 written = time.perf_counter()
-                mine.value = written_sums(tmp, fs)
+                mine.value = integrity.written(tmp, collective.rank(), fs.sums)
             phases["write"] = written - self._write_start
             phases.update({k: v / max(1, len(fs.sums)) for k, v in fs.thread_s.items()})
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
@@ -370,20 +370,6 @@ class CheckpointManager:
         step = int(step)
         older = [s for s in reversed(self.list()) if s < step] if fallback else []
         return [step, *older]
-
-
-def written_sums(tmp: Path, fs: storage.HashingFileSystem) -> dict:
-    """{file: {bytes, crc32}} of this rank's shard files, as its writer threads hashed them; a
-    CheckpointError when the directory holds other files of this rank or other sizes."""
-    found = integrity.rank_files(tmp, collective.rank())
-    if sorted(fs.sums) != found:
-        raise CheckpointError(f"rank {collective.rank()} wrote {sorted(fs.sums)} into {tmp}, "
-                              f"but finds {found} there")
-    for name, s in fs.sums.items():
-        if (tmp / name).stat().st_size != s["bytes"]:
-            raise CheckpointError(f"{tmp / name} has {(tmp / name).stat().st_size} bytes; its writer "
-                                  f"wrote {s['bytes']}")
-    return dict(fs.sums)
 
 
 def _kit_version() -> str:

@@ -147,9 +147,16 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
         self.fs = fs
 
     def write_data(self, plan, planner):
-        from torch.utils.serialization import config
-        with config.patch({"save.compute_crc32": False}):  # process-wide while the shards are written
+        # Process-wide while the shards are written (a torch.save elsewhere meanwhile records no
+        # per-record crc32 either; torch.load reads such files). torch < 2.6 lacks the switch.
+        if not hasattr(torch.serialization, "set_crc32_options"):
             return super().write_data(plan, planner)
+        before = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return super().write_data(plan, planner)
+        finally:
+            torch.serialization.set_crc32_options(before)
 
 
 class ParallelReader(SafeReader):
