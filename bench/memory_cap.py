@@ -12,32 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from mfsdp_kit.perf.capacity import best_under, candidates
 from mfsdp_kit.perf.variants import TRAINERS
-
-
-def candidates(paths: list[str]) -> list[dict]:
-    """One row per successful mode of each file: system, micro-batch, recompute, tokens/s, peak GiB."""
-    rows = []
-    for path in paths:
-        run = json.load(open(path))
-        for mode, r in run["results"].items():
-            if "error" in r:
-                continue
-            rows.append(dict(system=r["variant"]["trainer"], mode=mode, file=path.rsplit("/", 1)[-1],
-                             micro_batch_size=run["args"]["micro_batch_size"],
-                             recompute=r["variant"]["config"]["recompute"],
-                             tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
-                             peak_gib=r["peak_bytes"] / 2**30))
-    return rows
-
-
-def best_under(rows: list[dict], cap_gib: float) -> dict[str, dict | None]:
-    """Per system, the fastest row whose peak is at most `cap_gib` (None: nothing fits)."""
-    out = {}
-    for system in TRAINERS:
-        fits = [r for r in rows if r["system"] == system and r["peak_gib"] <= cap_gib]
-        out[system] = max(fits, key=lambda r: r["tokens_per_s_per_gpu"]) if fits else None
-    return out
 
 
 def main() -> None:

@@ -22,8 +22,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("local", "sdpa")
 RECOMPUTE = ("none", "selective", "full")
-ADAM_IMPLEMENTATIONS = ("auto", "foreach", "fused")
-GPU_ONLY_DDP_KEYS = ("fsdp_double_buffer", "nccl_ub")
+ADAM_IMPLEMENTATIONS, GPU_ONLY_DDP_KEYS = ("auto", "foreach", "fused"), ("fsdp_double_buffer", "nccl_ub")
 
 # What verl's Megatron-FSDP mode sets before the user's overrides (verl PR #5423).
 FSDP_DDP_DEFAULTS = dict(
@@ -145,15 +144,11 @@ class EngineConfig:
                        "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
                        "with compute on several CUDA streams)")
         if self.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
-            raise bad_value("override_ddp_config.preserve_fp32_weights", False,
-                            f"True with dtype={self.dtype!r}: without fp32 main weights the grads stay "
-                            f"{self.dtype}, and megatron-core 0.16.1's optimizer clips fp32 grads only "
-                            "(optimizer/clip_grads.py:167 asserts; seen on 2 H200)")
-        for key in GPU_ONLY_DDP_KEYS:
-            if self.override_ddp_config.get(key) and not on_gpu:
-                raise bad_value(f"override_ddp_config.{key}", True,
-                                "False without a GPU: Megatron-FSDP's double buffer and NCCL user buffers are "
-                                "CUDA memory pools (megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
+            raise bad_value("override_ddp_config.preserve_fp32_weights", False, f"True with dtype={self.dtype!r}: "
+                            "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
+        for key in [k for k in GPU_ONLY_DDP_KEYS if self.override_ddp_config.get(k) and not on_gpu]:
+            raise bad_value(f"override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
+                            "megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------
@@ -203,14 +198,9 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Max global grad norm (0 = no clipping)."""
     adam_implementation: str = "auto"
-    """Which kernels torch's Adam(W) steps with. megatron-core 0.16.1 uses torch's Adam(W) when neither
-    TE nor apex is installed and passes no `fused=`, so torch would pick its multi-tensor "foreach"
-    ops on GPUs (a dozen kernels and temporaries per parameter group). "auto" (default): "fused" when
-    every parameter is on a GPU, torch's own choice otherwise (a per-tensor loop on CPU); "foreach";
-    "fused" (`torch._fused_adamw_`, one pass over each group's tensors, as FSDP2/torchtitan use).
-    Why fused on GPUs: on 2 H200 at 1.37 B (docs/benchmarks.md, levers; 3 runs each) it cut the
-    optimizer step's peak by 1.3 GiB (Megatron-FSDP) and 2.4 GiB (DDP) and was +0.5 % / +0.9 %
-    tokens/s. The same update up to rounding (losses within bf16 noise of foreach's)."""
+    """torch Adam(W)'s kernels (megatron-core 0.16.1 passes no `fused=`): "auto" = "fused" if every param is on a
+    GPU, else torch's choice (CPU unchanged) | "foreach" | "fused". Fused on GPUs: optimizer-step peak -1.3 GiB
+    (FSDP) / -2.4 GiB (DDP), +0.5 / +0.9 % tokens/s, 1.37 B on 2 H200 (docs/benchmarks.md, levers)."""
 
     def validate(self) -> "OptimConfig":
         """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.

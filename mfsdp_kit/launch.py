@@ -87,7 +87,7 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
     if preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0))):
-        _set_default_engine_cmd(launcher)
+        set_default_engine_cmd(launcher)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
         mpi = cluster.config.MPIEngineSetLauncher
@@ -100,7 +100,7 @@ def preload_by_default(*, n_engines: int, cores: int) -> bool:
     return cores >= PRELOAD_MIN_CORES_PER_ENGINE * max(n_engines, 1)
 
 
-def _set_default_engine_cmd(launcher: dict) -> None:
+def set_default_engine_cmd(launcher: dict) -> None:
     """PRELOAD_ENGINE_CMD as the local / MPI engine command, unless the caller's config names one."""
     from traitlets.config import Config
     section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))

@@ -43,20 +43,20 @@ View = Callable[[torch.Tensor], torch.Tensor]
 
 # ---- views: what the bridge's mappings do, as views -------------------------------------------------
 
-def _whole(full: torch.Tensor) -> torch.Tensor:
+def whole(full: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _permuted(full: torch.Tensor, *, dims: tuple[int, ...]) -> torch.Tensor:
+def permuted(full: torch.Tensor, *, dims: tuple[int, ...]) -> torch.Tensor:
     return full.permute(dims)
 
 
-def _half(full: torch.Tensor, *, index: int) -> torch.Tensor:
+def half(full: torch.Tensor, *, index: int) -> torch.Tensor:
     """GatedMLPMapping: megatron's fc1 is [gate; up] along rows."""
     return full.chunk(2, dim=0)[index]
 
 
-def _qkv(full: torch.Tensor, *, groups: int, per_group: int, head_size: int, part: str) -> torch.Tensor:
+def qkv(full: torch.Tensor, *, groups: int, per_group: int, head_size: int, part: str) -> torch.Tensor:
     """QKVMapping: rows are, per query group, `per_group` query heads, then one key, one value head."""
     grouped = full.view(groups, per_group + 2, head_size, *full.shape[1:])
     if part == "q":
@@ -64,14 +64,14 @@ def _qkv(full: torch.Tensor, *, groups: int, per_group: int, head_size: int, par
     return grouped[:, per_group + (part == "v")]
 
 
-def _rows(full: torch.Tensor, *, view: View, rows: int) -> torch.Tensor:
+def rows(full: torch.Tensor, *, view: View, rows: int) -> torch.Tensor:
     """vocab.trim: the padded vocabulary rows never leave."""
     return view(full)[:rows]
 
 
 def _direct_views(mapping, module) -> dict[str, View]:
     dims = getattr(mapping, "permute_dims", None)
-    return {str(mapping.hf_param): partial(_permuted, dims=tuple(dims)) if dims is not None else _whole}
+    return {str(mapping.hf_param): partial(permuted, dims=tuple(dims)) if dims is not None else whole}
 
 
 def _qkv_views(mapping, module) -> dict[str, View] | None:
@@ -80,12 +80,12 @@ def _qkv_views(mapping, module) -> dict[str, View] | None:
         return None
     heads, groups = config.num_attention_heads, config.num_query_groups
     head_size = config.kv_channels or config.hidden_size // heads
-    return {mapping.hf_param[part]: partial(_qkv, groups=groups, per_group=heads // groups,
+    return {mapping.hf_param[part]: partial(qkv, groups=groups, per_group=heads // groups,
                                             head_size=head_size, part=part) for part in "qkv"}
 
 
 def _gated_views(mapping, module) -> dict[str, View]:
-    return {mapping.hf_param["gate"]: partial(_half, index=0), mapping.hf_param["up"]: partial(_half, index=1)}
+    return {mapping.hf_param["gate"]: partial(half, index=0), mapping.hf_param["up"]: partial(half, index=1)}
 
 
 _RECOGNISED: dict[type, Callable] = {}
@@ -190,7 +190,7 @@ def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names:
         for view in candidates:
             got = view(probe)
             if name in vocab_names and got.shape[0] > hf_vocab:
-                view = partial(_rows, view=view, rows=hf_vocab)
+                view = partial(rows, view=view, rows=hf_vocab)
                 got = view(probe)
             if got.numel() == expected.numel() and torch.equal(got.reshape(expected.shape), expected):
                 out[name] = view

@@ -131,11 +131,11 @@ def test_engines_preload_where_there_are_cores_for_it():
     assert launch.preload_by_default(n_engines=2, cores=32) and launch.preload_by_default(n_engines=8, cores=32)
     assert not launch.preload_by_default(n_engines=2, cores=2) and not launch.preload_by_default(n_engines=9, cores=32)
     launcher = {}
-    launch._set_default_engine_cmd(launcher)
+    launch.set_default_engine_cmd(launcher)
     assert launcher["config"].LocalEngineSetLauncher.engine_cmd == launch.PRELOAD_ENGINE_CMD
     mine = {"engines": "mpi", "config": Config({"MPIEngineSetLauncher": {"engine_cmd": ["my-engine"]}})}
-    launch._set_default_engine_cmd(mine)
+    launch.set_default_engine_cmd(mine)
     assert mine["config"].MPIEngineSetLauncher.engine_cmd == ["my-engine"]
     slurm = {"engines": "slurm"}
-    launch._set_default_engine_cmd(slurm)
+    launch.set_default_engine_cmd(slurm)
     assert "config" not in slurm

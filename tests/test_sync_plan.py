@@ -14,16 +14,16 @@ def test_qkv_views_select_the_bridges_split():
     rows = (8 + 2 * 2) * 4
     for full, split in ((torch.randn(rows, 32), split_qkv_weights), (torch.randn(rows), split_qkv_biases)):
         for part, want in zip("qkv", split(config, full)):
-            got = sync_plan._qkv(full, groups=2, per_group=4, head_size=4, part=part)
+            got = sync_plan.qkv(full, groups=2, per_group=4, head_size=4, part=part)
             assert got.data_ptr() >= full.data_ptr() and got._base is full   # a view: no copy
             assert torch.equal(got.reshape(want.shape), want)
 
 
 def test_gated_halves_and_vocabulary_rows_are_views():
     full = torch.randn(6, 3)
-    gate, up = (sync_plan._half(full, index=i) for i in (0, 1))
+    gate, up = (sync_plan.half(full, index=i) for i in (0, 1))
     assert torch.equal(gate, full[:3]) and torch.equal(up, full[3:]) and gate._base is full
-    assert torch.equal(sync_plan._rows(full, view=sync_plan._whole, rows=4), full[:4])
+    assert torch.equal(sync_plan.rows(full, view=sync_plan.whole, rows=4), full[:4])
 
 
 def test_only_exact_mapping_classes_are_recognised():

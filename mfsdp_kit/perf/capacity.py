@@ -10,14 +10,19 @@ memory, until the largest size that trained and the smallest that did not are `l
 The trials themselves (build, train, catch the OOM, agree across ranks) are the caller's: this
 module only decides which sizes to try, so it runs without a device (tests/perf drive it with a
 fake one).
+
+The other capacity question, tokens/s under a memory cap (bench/memory_cap.py): `candidates` reads
+throughput runs, `best_under` picks each system's fastest setting whose measured peak fits.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from typing import Callable
 
 from ..models.gpt import GPTSpec
+from .variants import TRAINERS
 
 Trial = Callable[[int, str], dict]
 """trial(layers, purpose) -> {"trained": bool, "oom": bool, "error": str | None, "peak_reserved_bytes": int, ...};
@@ -100,3 +105,29 @@ def params_ratio(summaries: dict, *, numerator: str = "fsdp", denominator: str =
     if a.get("largest_trained_params") and b.get("largest_trained_params"):
         return a["largest_trained_params"] / b["largest_trained_params"]
     return None
+
+
+# ---- tokens/s under a memory cap -------------------------------------------------------------
+def candidates(paths: list[str]) -> list[dict]:
+    """One row per successful mode of each file: system, micro-batch, recompute, tokens/s, peak GiB."""
+    rows = []
+    for path in paths:
+        run = json.load(open(path))
+        for mode, r in run["results"].items():
+            if "error" in r:
+                continue
+            rows.append(dict(system=r["variant"]["trainer"], mode=mode, file=path.rsplit("/", 1)[-1],
+                             micro_batch_size=run["args"]["micro_batch_size"],
+                             recompute=r["variant"]["config"]["recompute"],
+                             tokens_per_s_per_gpu=r["tokens_per_s_per_gpu"], mfu=r["mfu"],
+                             peak_gib=r["peak_bytes"] / 2**30))
+    return rows
+
+
+def best_under(rows: list[dict], cap_gib: float) -> dict[str, dict | None]:
+    """Per system, the fastest row whose peak is at most `cap_gib` (None: nothing fits)."""
+    out = {}
+    for system in TRAINERS:
+        fits = [r for r in rows if r["system"] == system and r["peak_gib"] <= cap_gib]
+        out[system] = max(fits, key=lambda r: r["tokens_per_s_per_gpu"]) if fits else None
+    return out

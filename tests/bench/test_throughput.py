@@ -39,6 +39,6 @@ def test_throughput_bench(tmp_path):
     profile = results["fsdp"]["profile"]
     assert profile["steps"] == 2 and profile["num_activities"] == 0 and profile["trace"].endswith(".fsdp.trace.json.gz")
     assert "profile" not in results["ddp"]
-    from bench.memory_cap import candidates   # the cap table reads these JSONs: one row per good mode
+    from mfsdp_kit.perf.capacity import candidates   # bench/memory_cap reads these JSONs: one row per good mode
     rows = candidates([str(tmp_path / "t.json")])
     assert len(rows) == len(results) and {r["system"] for r in rows} == {"ddp", "fsdp", "fsdp2"}

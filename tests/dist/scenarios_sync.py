@@ -62,8 +62,8 @@ def _sabotaged() -> dict:
         return direct(mapping, module)
 
     table[AutoMapping] = reversed_norms
-    table[GatedMLPMapping] = lambda m, module: {m.hf_param["gate"]: partial(sync_plan._half, index=1),
-                                                m.hf_param["up"]: partial(sync_plan._half, index=0)}
+    table[GatedMLPMapping] = lambda m, module: {m.hf_param["gate"]: partial(sync_plan.half, index=1),
+                                                m.hf_param["up"]: partial(sync_plan.half, index=0)}
     del table[QKVMapping]
     return saved
 
