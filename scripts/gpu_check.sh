@@ -31,6 +31,10 @@ section() {  # section NAME command...: run, keep the log, remember failures
   "$@" 2>&1 | grep -v -E "UserWarning|warnings.warn|FutureWarning|^\s*$" | tee "$RESULTS/$name.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { echo "SECTION $name FAILED rc=$rc"; status=1; }
+  # On the device machine only a few files come back from $OUT: one archive of everything written so far
+  # (after every section, so a run cut off by its time limit keeps what it measured).
+  [ -n "${OUT:-}" ] && tar czf "$OUT/gpu_check_results.tgz" -C "$RESULTS" . 2>/dev/null
+  return 0
 }
 trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
 # nbval over each notebook (NOTEBOOKS: a subset; the knob MFSDP_MODEL picks the model, default tiny m in
@@ -100,6 +104,14 @@ for s in $SECTIONS; do
                 section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
+    # memory-backed storage only: the kit's own save/load path, default vs reused pinned host staging
+    checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
+                section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 0 \
+                  --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm_staged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --host-staging --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \
+                  --root /dev/shm/mfsdp_ckpt --out "$RESULTS/checkpoint_fsdp_async_shm.json"; rm -rf /dev/shm/mfsdp_ckpt ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
@@ -179,7 +191,5 @@ for s in $SECTIONS; do
     *) echo "unknown section $s"; status=1 ;;
   esac
 done
-# On the device machine only a few files come back from $OUT: one archive of everything written.
-[ -n "${OUT:-}" ] && tar czf "$OUT/gpu_check_results.tgz" -C "$RESULTS" . && echo "archived $RESULTS -> $OUT/gpu_check_results.tgz"
 echo; echo "gpu_check: $([ $status = 0 ] && echo ALL SECTIONS PASSED || echo SOME SECTIONS FAILED)"
 exit $status
