@@ -14,7 +14,7 @@ def test_throughput_bench(tmp_path):
     levers = ["fsdp-foreach-adam", "ddp-foreach-adam", "fsdp-grad-fp32", "fsdp-unit-1e9"]
     gpu_only = ["fsdp-double-buffer", "fsdp-nccl-ub"]
     modes = ["ddp", "fsdp", "fsdp2", "fsdp-recompute"] + levers + gpu_only
-    res = run("throughput.py", "--spec", "tiny", "--steps", "2", "--warmup", "1", "--profile", "--repeats", "2",
+    res = run("throughput.py", "--spec", "tiny", "--steps", "1", "--warmup", "1", "--profile", "--repeats", "2",
               "--modes", ",".join(modes), "--profile-modes", "fsdp", out=tmp_path / "t.json")
     results = res["results"]
     assert list(results) == modes
@@ -32,8 +32,8 @@ def test_throughput_bench(tmp_path):
     assert res["flops_per_token"] == flops_per_token(SPECS["tiny"]) and res["world"] == 2
     ddp = results["ddp"]["losses"]
     print({m: max(abs(a - b) for a, b in zip(r["losses"], ddp)) for m, r in results.items()}, "(max |loss - DDP's|)")
-    for r in results.values():  # same seed, init and batches, 3 steps: the modes differ only by rounding
-        assert len(r["losses"]) == 3 and max(abs(a - b) for a, b in zip(r["losses"], ddp)) < 1e-4
+    for r in results.values():  # same seed, init and batches, 2 steps: the modes differ only by rounding
+        assert len(r["losses"]) == 2 and max(abs(a - b) for a, b in zip(r["losses"], ddp)) < 1e-4
         assert r["tokens_per_s_per_gpu"] > 0 and r["memory"]["model_state_bytes"] > 0
     assert results["fsdp-recompute"]["variant"]["config"]["recompute"] == "full"
     profile = results["fsdp"]["profile"]
