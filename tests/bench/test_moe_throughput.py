@@ -1,12 +1,11 @@
 """bench/moe_throughput.py end to end on 2 gloo ranks (spec moe-tiny, fp32): DDP and Megatron-FSDP at
 expert-parallel size 2 train the same MoE GPT on the same batches (the script's default also runs EP 1)."""
-import pytest
-
 from mfsdp_kit.models.gpt import MOE_SPECS
 from tests.bench.cli import run
 
 
-@pytest.mark.parity
+# Not marked parity: tests/models/test_moe.py compares the same DDP/FSDP layouts strictly and is rerun
+# under ATEN_CPU_CAPABILITY=default; rerunning this smoke bench there too only adds CI time.
 def test_moe_throughput_bench(tmp_path):
     # EP 1 vs 2 at the smoke size costs two more builds; tests/models/test_moe.py compares the layouts
     res = run("moe_throughput.py", "--spec", "moe-tiny", "--steps", "2", "--warmup", "1", "--ep", "2",

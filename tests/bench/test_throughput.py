@@ -9,7 +9,8 @@ from mfsdp_kit.perf.flops import flops_per_token
 from tests.bench.cli import run
 
 
-@pytest.mark.parity
+# Not marked parity: the portable pass (make test, ATEN_CPU_CAPABILITY=default) reruns the strict
+# comparisons (test_train, test_engine_dist, test_moe); this bench's 1e-4 over 2 steps adds CI time, not a guard.
 def test_throughput_bench(tmp_path):
     levers = ["fsdp-foreach-adam", "ddp-foreach-adam", "fsdp-grad-fp32", "fsdp-unit-1e9"]
     gpu_only = ["fsdp-double-buffer", "fsdp-nccl-ub"]
