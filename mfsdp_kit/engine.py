@@ -251,11 +251,10 @@ def set_adam_implementation(optimizer, implementation: str) -> None:
         if not isinstance(torch_opt, torch.optim.Adam):   # AdamW is an Adam
             raise TypeError(f"adam_implementation needs torch's Adam(W) inside megatron's optimizer, got "
                             f"{type(torch_opt).__name__} (TE or apex installed?)")
-        if implementation == "auto":
-            if not all(p.is_cuda for g in torch_opt.param_groups for p in g["params"]):
-                continue
-            implementation = "fused"
-        fused = implementation == "fused"   # torch checks each param's device and dtype at the first step
+        on_gpu = all(p.is_cuda for g in torch_opt.param_groups for p in g["params"])
+        if implementation == "auto" and not on_gpu:
+            continue   # torch's own choice
+        fused = implementation == "fused" or implementation == "auto"   # torch checks devices/dtypes at step 1
         for group in [torch_opt.defaults, *torch_opt.param_groups]:
             group["fused"], group["foreach"] = fused, not fused
 
