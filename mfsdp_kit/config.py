@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
+
+from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -32,15 +31,6 @@ FSDP_DDP_DEFAULTS = dict(
     data_parallel_sharding_strategy="optim_grads_params",
     overlap_grad_reduce=True,
 )
-
-
-class ConfigError(ValueError):
-    """A config field holds a value that is not allowed; the message names both."""
-
-
-def bad_value(field_name: str, value: Any, allowed: str) -> ConfigError:
-    """The one message shape of every config mistake: field, value, what is allowed."""
-    return ConfigError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
 
 
 @dataclass(kw_only=True)
@@ -77,6 +67,13 @@ class EngineConfig:
     fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`):
     their unfused kernels are ~20 % of a GPU step on the local spec. The first step compiles."""
+    fsdp_all_gather_group: bool = False
+    """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
+    `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one
+    makes the next layer's gather wait behind queued gradient reduce-scatters. Costs one communicator."""
+    high_priority_comm: bool = False
+    """Data-parallel collectives on high-priority CUDA streams (megatron's `high_priority_stream_groups`
+    = ["dp_cp"]): their kernels are scheduled ahead of queued compute kernels. GPU (NCCL) only."""
     seed: int = 1234
     """Seed for parameter init and the per-rank RNG tracker."""
     optimizer_offload: bool = False
@@ -146,6 +143,8 @@ class EngineConfig:
         if self.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
             raise bad_value("override_ddp_config.preserve_fp32_weights", False, f"True with dtype={self.dtype!r}: "
                             "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
+        if self.high_priority_comm and not on_gpu:
+            raise bad_value("high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
         for key in [k for k in GPU_ONLY_DDP_KEYS if self.override_ddp_config.get(k) and not on_gpu]:
             raise bad_value(f"override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
                             "megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
@@ -209,15 +208,15 @@ class OptimConfig:
         decay_steps < 1 trains at lr 0, min_lr > lr decays upwards."""
         check_field_types(self)
         for name, ok, allowed in (
-                ("lr", _finite(self.lr) and self.lr > 0, "a finite number > 0"),
-                ("min_lr", _finite(self.min_lr) and 0 <= self.min_lr <= self.lr, f"a number in [0, lr={self.lr}]"),
+                ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"),
+                ("min_lr", finite(self.min_lr) and 0 <= self.min_lr <= self.lr, f"a number in [0, lr={self.lr}]"),
                 ("warmup_steps", self.warmup_steps >= 0, "an integer >= 0"),
                 ("decay_steps", self.decay_steps is None or self.decay_steps >= 1, "None or an integer >= 1"),
-                ("weight_decay", _finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
+                ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
                 ("adam_beta1", 0 <= self.adam_beta1 < 1, "a number in [0, 1)"),
                 ("adam_beta2", 0 <= self.adam_beta2 < 1, "a number in [0, 1)"),
-                ("adam_eps", _finite(self.adam_eps) and self.adam_eps > 0, "a finite number > 0"),
-                ("clip_grad", _finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)"),
+                ("adam_eps", finite(self.adam_eps) and self.adam_eps > 0, "a finite number > 0"),
+                ("clip_grad", finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)"),
                 ("adam_implementation", self.adam_implementation in ADAM_IMPLEMENTATIONS,
                  " | ".join(ADAM_IMPLEMENTATIONS))):
             if not ok:
@@ -279,71 +278,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-# ---- type checks ---------------------------------------------------------------------------
-# A dataclass's annotations are the contract; dataclasses do not enforce them, and megatron
-# fails (or silently misbehaves) long after the process group exists: "yes" is truthy, True is
-# the size 1, "2" * 64 is a string. The checker knows the plain kinds below and skips the rest
-# (Callables, torch.dtype, enums, megatron's own classes) rather than guess.
-
-def _kind(tp: Any) -> tuple[Callable[[Any], bool], str] | None:
-    """(accepts(value), what is allowed) for annotation `tp`, or None when the checker does not know it."""
-    if tp is bool:
-        return (lambda v: isinstance(v, bool)), "True | False"
-    if tp is int:
-        return _is_int, "an integer"
-    if tp is float:   # an int is a fine float; a bool is not
-        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
-    if tp is str:
-        return (lambda v: isinstance(v, str)), "a string"
-    if tp is type(None):
-        return (lambda v: v is None), "None"
-    if tp in (dict, list):
-        return (lambda v: isinstance(v, tp)), f"a {tp.__name__}"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return (lambda v: any(v == a and type(v) is type(a) for a in args)), " | ".join(map(repr, args))
-    if origin in (typing.Union, types.UnionType):
-        kinds = [_kind(a) for a in args]
-        if None in kinds:   # Union[int, SomethingElse]: cannot say what is wrong
-            return None
-        return (lambda v: any(ok(v) for ok, _ in kinds)), " or ".join(text for _, text in kinds)
-    return None
-
-
-def type_error(field_name: str, value: Any, tp: Any, default: Any = dataclasses.MISSING) -> ConfigError | None:
-    """A `ConfigError` when `value` does not fit annotation `tp`, else None (also for kinds it does not know).
-
-    The field's own default always fits (megatron declares `int = None` in places)."""
-    kind = _kind(tp)
-    if kind is None or kind[0](value) or (default is not dataclasses.MISSING and value is default):
-        return None
-    return bad_value(field_name, value, kind[1])
-
-
-def check_field_types(obj: Any) -> None:
-    """Every field of dataclass `obj` holds what its annotation says (as far as `_kind` knows)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        if err := type_error(f.name, getattr(obj, f.name), hints[f.name], f.default):
-            raise err
-
-
 @functools.cache
 def _ddp_types() -> dict[str, tuple[Any, Any]]:
     from megatron.core.distributed import DistributedDataParallelConfig
-    return _field_types(DistributedDataParallelConfig)
+    return field_types(DistributedDataParallelConfig)
 
 
 @functools.cache
 def _transformer_types() -> dict[str, tuple[Any, Any]]:
     from megatron.core.transformer import TransformerConfig
-    return _field_types(TransformerConfig)
-
-
-def _field_types(cls: type) -> dict[str, tuple[Any, Any]]:
-    """field name -> (annotation, default) of a megatron config dataclass."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+    return field_types(TransformerConfig)
 
 
 def _at_least(lo: int, *, none_ok: bool = False) -> tuple[Callable[[Any], bool], str]:
@@ -355,8 +299,8 @@ def _probability() -> tuple[Callable[[Any], bool], str]:
     return (lambda v: 0 <= v <= 1), "a number in [0, 1]"
 
 
-def _positive_finite() -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: _finite(v) and v > 0), "a finite number > 0"
+def _positivefinite() -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: finite(v) and v > 0), "a finite number > 0"
 
 
 DDP_RANGES = dict(
@@ -369,7 +313,7 @@ TRANSFORMER_RANGES = dict(
     num_layers=_at_least(1), hidden_size=_at_least(1), num_attention_heads=_at_least(1),
     num_query_groups=_at_least(1, none_ok=True), ffn_hidden_size=_at_least(1, none_ok=True),
     kv_channels=_at_least(1, none_ok=True), hidden_dropout=_probability(), attention_dropout=_probability(),
-    layernorm_epsilon=_positive_finite(), init_method_std=_positive_finite(),
+    layernorm_epsilon=_positivefinite(), init_method_std=_positivefinite(),
 )
 """Ranges of override_transformer_config values where the sane range is obvious."""
 
@@ -390,11 +334,3 @@ def _validate_overrides(field_name: str, overrides: dict, types_: dict[str, tupl
             raise err
         if key in ranges and value is not None and not ranges[key][0](value):
             raise bad_value(f"{field_name}.{key}", value, ranges[key][1])
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    return math.isfinite(value)

@@ -208,6 +208,8 @@ def _init_megatron(cfg: EngineConfig) -> None:
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         context_parallel_size=cfg.context_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
+        create_all_gather_group=cfg.use_megatron_fsdp and cfg.fsdp_all_gather_group,
+        high_priority_stream_groups=["dp_cp"] if cfg.high_priority_comm else None,
     )
 
 

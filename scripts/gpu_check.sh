@@ -149,6 +149,12 @@ for s in $SECTIONS; do
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \
                   --modes ddp,fsdp,fsdp2,fsdp-foreach-adam,ddp-foreach-adam,fsdp-unit-1e9,fsdp-grad-fp32,fsdp-double-buffer,fsdp-nccl-ub \
                   --out "$RESULTS/levers.json" ;;
+    # the second set of levers: Megatron-FSDP's all-gathers on their own communicator, high-priority NCCL
+    # streams, megatron's native fused cross-entropy (2026-12-01)
+    levers2)    section levers2 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp-ag-group \
+                  --modes ddp,fsdp,fsdp2,fsdp-ag-group,fsdp-high-prio,fsdp-ag-group-hp,fsdp-ce-fusion \
+                  --out "$RESULTS/levers2.json" ;;
     # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for
     headline)   section headline trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \
@@ -169,6 +175,9 @@ for s in $SECTIONS; do
                   --steps 6 --warmup 2 --fused-kernels --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_1gpu.json" ;;
     # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
     max_model)  section max_model  trun bench/max_model.py --spec 7b --max-trials 8 --out "$RESULTS/max_model.json" ;;
+    # the largest 7b-width model, Megatron-FSDP vs FSDP2 (issue 22 item 2)
+    max_model_fsdp2) section max_model_fsdp2 trun bench/max_model.py --spec 7b --modes fsdp,fsdp2 --layer-step 4 --max-trials 8 \
+                  --out "$RESULTS/max_model_fsdp2.json" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     notebooks)  section notebooks run_notebooks ;;
     # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO

@@ -133,6 +133,8 @@ ENGINE_CASES = [
     (dict(fused_kernels=1), "fused_kernels"),
     (dict(override_ddp_config={"fsdp_double_buffer": True}), "override_ddp_config.fsdp_double_buffer"),   # CPU
     (dict(override_ddp_config={"nccl_ub": True}), "override_ddp_config.nccl_ub"),
+    (dict(high_priority_comm=True), "high_priority_comm"),   # CPU: an NCCL option
+    (dict(fsdp_all_gather_group="yes"), "fsdp_all_gather_group"),
 ]
 OPTIM_CASES = [
     (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
@@ -187,7 +189,7 @@ def test_no_fp32_weights_only_in_fp32():
 
 
 def test_gpu_only_buffers_pass_on_gpu():
-    EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}).validate(on_gpu=True)
+    EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}, high_priority_comm=True).validate(on_gpu=True)
 
 
 def test_config_error_is_a_value_error():

@@ -73,6 +73,14 @@ VARIANTS = {
     # NCCL user-buffer registration of those buffers (implies the double buffer; needs
     # megatron.core.nccl_allocator, i.e. NCCL's ncclMemAlloc / window registration)
     "fsdp-nccl-ub": ("fsdp", dict(override_ddp_config=dict(nccl_ub=True))),
+    # all-gathers on their own NCCL communicator: no waiting behind queued reduce-scatters
+    "fsdp-ag-group": ("fsdp", dict(fsdp_all_gather_group=True)),
+    # data-parallel NCCL kernels on high-priority streams (GPU only), alone and with the AG communicator
+    "fsdp-high-prio": ("fsdp", dict(high_priority_comm=True)),
+    "fsdp-ag-group-hp": ("fsdp", dict(fsdp_all_gather_group=True, high_priority_comm=True)),
+    # megatron's native fused cross-entropy (jit_fuser = torch.compile) instead of its unfused
+    # vocab-parallel one: fewer passes over the [tokens, vocab] logits
+    "fsdp-ce-fusion": ("fsdp", dict(override_transformer_config=dict(cross_entropy_loss_fusion=True))),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
 }
@@ -109,6 +117,7 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
         recompute=recompute, fused_kernels=fused_kernels, seed=1234, override_ddp_config=ddp_config,
         # Initialise on the GPU: CPU init of billions of parameters takes minutes.
         override_transformer_config=dict(use_cpu_initialization=False) if torch.cuda.is_available() else {})
+    fields["override_transformer_config"].update(overrides.pop("override_transformer_config", {}))
     return EngineConfig(**{**fields, **overrides})
 
 

@@ -1,0 +1,81 @@
+"""Does a dataclass field hold what its annotation says? The checks behind every config's `validate()`.
+
+A dataclass's annotations are the contract; dataclasses do not enforce them, and megatron fails (or
+silently misbehaves) long after the process group exists: "yes" is truthy, True is the size 1, "2" * 64
+is a string. The checker knows the plain kinds below and skips the rest (Callables, torch.dtype, enums,
+megatron's own classes) rather than guess. `ConfigError` / `bad_value` are the one message shape of a
+configuration mistake: field, value, what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Callable, Literal
+
+
+class ConfigError(ValueError):
+    """A config field holds a value that is not allowed; the message names both."""
+
+
+def bad_value(field_name: str, value: Any, allowed: str) -> ConfigError:
+    """The one message shape of every config mistake: field, value, what is allowed."""
+    return ConfigError(f"{field_name}={value!r} is not allowed; allowed: {allowed}")
+
+
+def kind(tp: Any) -> tuple[Callable[[Any], bool], str] | None:
+    """(accepts(value), what is allowed) for annotation `tp`, or None when the checker does not know it."""
+    if tp is bool:
+        return (lambda v: isinstance(v, bool)), "True | False"
+    if tp is int:
+        return is_int, "an integer"
+    if tp is float:   # an int is a fine float; a bool is not
+        return (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    if tp is str:
+        return (lambda v: isinstance(v, str)), "a string"
+    if tp is type(None):
+        return (lambda v: v is None), "None"
+    if tp in (dict, list):
+        return (lambda v: isinstance(v, tp)), f"a {tp.__name__}"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return (lambda v: any(v == a and type(v) is type(a) for a in args)), " | ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        kinds = [kind(a) for a in args]
+        if None in kinds:   # Union[int, SomethingElse]: cannot say what is wrong
+            return None
+        return (lambda v: any(ok(v) for ok, _ in kinds)), " or ".join(text for _, text in kinds)
+    return None
+
+
+def type_error(field_name: str, value: Any, tp: Any, default: Any = dataclasses.MISSING) -> ConfigError | None:
+    """A `ConfigError` when `value` does not fit annotation `tp`, else None (also for kinds it does not know).
+
+    The field's own default always fits (megatron declares `int = None` in places)."""
+    known = kind(tp)
+    if known is None or known[0](value) or (default is not dataclasses.MISSING and value is default):
+        return None
+    return bad_value(field_name, value, known[1])
+
+
+def check_field_types(obj: Any) -> None:
+    """Every field of dataclass `obj` holds what its annotation says (as far as `kind` knows)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if err := type_error(f.name, getattr(obj, f.name), hints[f.name], f.default):
+            raise err
+
+
+def field_types(cls: type) -> dict[str, tuple[Any, Any]]:
+    """field name -> (annotation, default) of a dataclass (megatron's configs)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cls)}
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite(value: Any) -> bool:
+    return math.isfinite(value)
