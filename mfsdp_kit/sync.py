@@ -93,6 +93,10 @@ def load_into(hf_model: torch.nn.Module, chunks, bridge, *, planned: bool = True
     if planned:
         plan, built = sync_plan.cached(hf_model, chunks, bridge)
         nbytes, seen = sync_plan.replay(plan)
+        if not plan.fallback and plan.complete:  # same tensors as when the plan was built and checked
+            return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=len(set(seen)), planned=plan.planned,
+                        bridge=0, plan_built=built, plan_s=plan.build_s if built else 0.0)
+        seen = list(seen)
     if plan is None or plan.fallback:
         targets = {**dict(hf_model.named_parameters()), **dict(hf_model.named_buffers())}
         with params_view(chunks, "compute"):
