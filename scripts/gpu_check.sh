@@ -135,6 +135,10 @@ for s in $SECTIONS; do
     throughput_7b) section throughput_7b trun bench/throughput.py --spec 7b --attention sdpa \
                   --micro-batch-size 2 --global-batch 8 --steps 4 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_7b.json" ;;
+    # the same at micro-batch 4 (the kit's defaults since 2026-11-30: fused Adam, 2-layer FSDP unit): MFU at 7b
+    throughput_7b_mb4) section throughput_7b_mb4 trun bench/throughput.py --spec 7b --attention sdpa \
+                  --micro-batch-size 4 --global-batch 16 --steps 4 --warmup 2 --fused-kernels \
+                  --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_7b_mb4.json" ;;
     throughput_simple) NCCL_PROTO=Simple section throughput_simple trun bench/throughput.py --spec 1.7b \
                   --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
