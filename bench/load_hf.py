@@ -4,11 +4,11 @@ phases on every rank, with time, host RSS and GPU memory per phase and rank.
     torchrun --nproc_per_node 2 bench/load_hf.py --shape qwen2.5-7b --root /dev/shm --out runs/bench/load_7b.json
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/load_hf.py --shape small     # CPU smoke run, gloo
 
-Rank 0 writes the folder: the shape's config.json (Qwen2.5-7B or Llama-3-8B, as transformers writes it),
-random bf16 weights in safetensors shards of --shard-gb with a model.safetensors.index.json (values
-tiled from one seeded normal(0, 0.02) pool: writing runs at memory speed, not at the RNG's), and no
-tokenizer (loading needs none). Then every rank runs what `models.hf.load(path, cfg)` runs, one timed
-phase each, in its order (mfsdp_kit/models/hf.py `load`; this script must follow it if it changes):
+Rank 0 writes the folder (`perf.hf_folder.write_folder`): the shape's config.json (Qwen2.5-7B or
+Llama-3-8B, as transformers writes it), random bf16 weights in safetensors shards of --shard-gb with a
+model.safetensors.index.json, and no tokenizer (loading needs none). Then every rank runs what
+`models.hf.load(path, cfg)` runs, one timed phase each, in its order (mfsdp_kit/models/hf.py `load`;
+this script must follow it if it changes):
 
     check     check_folder: config support, heads, safetensors headers against the architecture
     provider  the Megatron-Bridge provider from config.json (no weights read)
@@ -30,7 +30,6 @@ import os
 import resource
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -39,81 +38,7 @@ import torch.distributed as dist
 from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
-
-SHAPES = {
-    # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                 max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
-    # meta-llama/Meta-Llama-3-8B's config.json: 8.03 B params
-    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5,
-                                tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)),
-    # the CPU smoke shape (tests, gloo)
-    "small": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=1e6,
-                            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
-}
-POOL_ELEMENTS = 1 << 26
-"""64 M bf16 values (128 MiB) drawn once; every weight is a tiling of it from a per-tensor offset."""
-
-
-def hf_config(shape: str):
-    from transformers import LlamaConfig, Qwen2Config
-    arch, fields = SHAPES[shape]
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    config = cls(**fields, torch_dtype="bfloat16")
-    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
-    return config
-
-
-def _weight(name: str, shape: torch.Size, pool: torch.Tensor, *, offset: int) -> torch.Tensor:
-    """Norm weights 1; every other tensor the pool tiled from `offset` (bf16)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    t = torch.empty(shape, dtype=torch.bfloat16)
-    flat, pos, start = t.view(-1), 0, offset % pool.numel()
-    while pos < flat.numel():
-        n = min(flat.numel() - pos, pool.numel() - start)
-        flat[pos:pos + n] = pool[start:start + n]
-        pos, start = pos + n, 0
-    return t
-
-
-def write_folder(path: Path, shape: str, *, shard_gb: float, seed: int = 0) -> dict:
-    """config.json + bf16 safetensors shards + index; returns what was written and how long it took."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-    t0 = time.perf_counter()
-    config = hf_config(shape)
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    pool = torch.empty(POOL_ELEMENTS).normal_(0, 0.02, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    plan, size, limit = [[]], 0, int(shard_gb * 2**30)   # names per shard, by bytes, in the model's order
-    for name, shape_ in shapes.items():
-        nbytes = 2 * shape_.numel()
-        if plan[-1] and size + nbytes > limit:
-            plan.append([])
-            size = 0
-        plan[-1].append(name)
-        size += nbytes
-    weight_map, total = {}, 0
-    for k, names in enumerate(plan):   # one shard in memory at a time
-        shard = {name: _weight(name, shapes[name], pool, offset=zlib.crc32(name.encode())) for name in names}
-        file = f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors"
-        save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in shard})
-        total += sum(t.nbytes for t in shard.values())
-        del shard
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return dict(seconds=time.perf_counter() - t0, bytes=total, shards=len(plan),
-                params=sum(s.numel() for s in shapes.values()))
-
+from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
 
 class Phases:
     """Times phases on this rank, with host and GPU memory at each end (synchronized first)."""

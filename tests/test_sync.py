@@ -41,6 +41,19 @@ def test_plan_reused_after_a_step_is_exact(results, case):
 
 
 @pytest.mark.parametrize("case", IDS)
+def test_a_warm_replay_does_no_per_tensor_work(results, case):
+    """A warm replay is a few `_foreach_copy_` per unit on views made once (FSDP adds megatron's own
+    gather ops). A silent fallback or per-tensor copies show as `copy_`; views remade on every sync
+    as `select` / `split` (the QKV blocks, the gate/up halves)."""
+    r = results[case]
+    ops = r["replay_ops"]
+    assert not any(ops.get(op) for op in ("copy_", "select", "split", "chunk")), ops
+    assert 1 <= ops["_foreach_copy_"] <= 2 * r["units"], (ops, r["units"])
+    if "ddp" in case:
+        assert sum(ops.values()) == ops["_foreach_copy_"], ops
+
+
+@pytest.mark.parametrize("case", IDS)
 def test_plan_rebuilt_when_a_rollout_parameter_is_replaced(results, case):
     r = results[case]
     assert r["replaced"]["plan_built"] and r["replaced"]["planned"] == r["hf_tensors"]

@@ -1,19 +1,21 @@
 """Rollout weight sync on the torchrun world: the planned path (`sync_plan`) against the bridge path.
 
 `sync_paths`: load an HF folder into DDP or Megatron-FSDP chunks, sync into two rollout models (one
-by the plan, one by the bridge), train a step, sync again (the plan is reused), replace one rollout
-parameter (the plan is rebuilt), then sync a third rollout model with the plan's recognisers
+by the plan, one by the bridge), train a step, sync again (the plan is reused; one more sync counts
+the aten ops a warm replay dispatches), replace one rollout parameter (the plan is rebuilt), then sync a third rollout model with the plan's recognisers
 sabotaged (wrong views that keep the shapes, QKV unknown): those tensors must fall back to the
 bridge and everything must still be exact. Rank 0's dict holds max|diff| numbers (0.0 = bitwise
 equal) and the paths' tensor counts.
 """
 from __future__ import annotations
 
+import collections
 import os
 from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mfsdp_kit import runtime, sync, sync_plan
 from mfsdp_kit.config import EngineConfig, OptimConfig
@@ -32,6 +34,18 @@ def _max_diff(a: dict, b: dict) -> float:
             return float("inf")
         worst = max(worst, (a[k].float() - v.float()).abs().max().item())
     return worst
+
+
+class _OpCount(TorchDispatchMode):
+    """aten ops dispatched inside the block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _weights(model) -> dict:
@@ -92,6 +106,9 @@ def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, ov
     batch = random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=vocab_size, seed=9)[0]
     step(model.chunks, opt, batch, micro_batch_size=2)
     second = sync.load_into(planned, model.chunks, model.bridge)
+    with _OpCount() as count:  # a warm replay: what every RL iteration pays
+        sync.load_into(planned, model.chunks, model.bridge)
+    out.update(replay_ops=dict(count.ops), units=len(sync_plan.cached(planned, model.chunks, model.bridge)[0].units))
     sync.load_into(bridged, model.chunks, model.bridge, planned=False)
     exported = dict(sync.export_hf_weights(model.chunks, model.bridge))
     named = _weights(planned)

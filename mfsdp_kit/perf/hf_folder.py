@@ -1,0 +1,102 @@
+"""Hugging Face folders of real model shapes, written on the node: what the real-size benchmarks
+(bench/load_hf.py, bench/sync.py --shape) load, without downloading a checkpoint.
+
+`write_folder(path, shape, shard_gb=...)` writes the shape's config.json (as transformers writes it
+for Qwen2.5-7B or Llama-3-8B), random bf16 weights in safetensors shards of `shard_gb` and a
+model.safetensors.index.json. The values are tiled from one seeded normal(0, 0.02) pool, so
+writing runs at memory speed, not at the RNG's: a 7.6 B folder is 15 GB and takes a while anyway.
+
+`weights=False` writes the config and the index only (every tensor name, no shard): enough for
+Megatron-Bridge to build a provider and its conversion tasks (it orders them by the index's names)
+when the weights themselves do not matter, e.g. timing a sync whose result is checked against the
+bridge's own export of the same megatron weights. Nothing may read a weight from such a folder.
+"""
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=131072, rope_theta=1e6, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)),
+    # meta-llama/Meta-Llama-3-8B's config.json: 8.03 B params
+    "llama3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                max_position_embeddings=8192, rope_theta=5e5, rms_norm_eps=1e-5,
+                                tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)),
+    # the CPU smoke shape (tests, gloo)
+    "small": ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rope_theta=1e6,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
+}
+POOL_ELEMENTS = 1 << 26
+"""64 M bf16 values (128 MiB) drawn once; every weight is a tiling of it from a per-tensor offset."""
+
+
+def hf_config(shape: str):
+    """The transformers config of `shape` (a key of SHAPES), bf16, with its architecture named."""
+    from transformers import LlamaConfig, Qwen2Config
+    arch, fields = SHAPES[shape]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = cls(**fields, torch_dtype="bfloat16")
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    return config
+
+
+def tensor_shapes(shape: str) -> dict[str, torch.Size]:
+    """HF name -> shape of every tensor of `shape`'s state dict (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        return {n: p.shape for n, p in AutoModelForCausalLM.from_config(hf_config(shape)).state_dict().items()}
+
+
+def _weight(name: str, shape: torch.Size, pool: torch.Tensor, *, offset: int) -> torch.Tensor:
+    """Norm weights 1; every other tensor the pool tiled from `offset` (bf16)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    flat, pos, start = t.view(-1), 0, offset % pool.numel()
+    while pos < flat.numel():
+        n = min(flat.numel() - pos, pool.numel() - start)
+        flat[pos:pos + n] = pool[start:start + n]
+        pos, start = pos + n, 0
+    return t
+
+
+def write_folder(path: Path, shape: str, *, shard_gb: float, seed: int = 0, weights: bool = True) -> dict:
+    """config.json + bf16 safetensors shards + index (`weights=False`: config + index only); returns
+    what was written (seconds, bytes of weights, shards, params)."""
+    from safetensors.torch import save_file
+    t0 = time.perf_counter()
+    path = Path(path)
+    shapes = tensor_shapes(shape)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config(shape).save_pretrained(path)
+    plan, size, limit = [[]], 0, int(shard_gb * 2**30)   # names per shard, by bytes, in the model's order
+    for name, shape_ in shapes.items():
+        nbytes = 2 * shape_.numel()
+        if plan[-1] and size + nbytes > limit:
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += nbytes
+    files = [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
+    weight_map = {n: file for names, file in zip(plan, files) for n in names}
+    total = sum(2 * shapes[n].numel() for n in weight_map)
+    if weights:
+        pool = torch.empty(POOL_ELEMENTS).normal_(0, 0.02, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        for names, file in zip(plan, files):   # one shard in memory at a time
+            shard = {name: _weight(name, shapes[name], pool, offset=zlib.crc32(name.encode())) for name in names}
+            save_file(shard, str(path / file), metadata={"format": "pt"})
+            del shard
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return dict(seconds=time.perf_counter() - t0, bytes=total, shards=len(plan) if weights else 0,
+                params=sum(s.numel() for s in shapes.values()))
