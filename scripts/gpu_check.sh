@@ -93,7 +93,8 @@ for s in $SECTIONS; do
                   --out "$RESULTS/grpo_$GRPO_TAG.json" ;;
     # the planned sync (sync_plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
     sync)       section sync       trun bench/sync.py --size l --repeats 5 --out "$RESULTS/sync_l.json" ;;
-    # a 7.6 B (Qwen2.5-7B-shaped) folder written once under runs/, Megatron-FSDP only, planned path only (~3 min)
+    # a 7.6 B Qwen2.5-7B-shaped model (random megatron chunks from the bridge's provider, the rollout built from the
+    # config on the GPU, checked bit-exact against the bridge's export), Megatron-FSDP only, planned path only
     sync_7b)    section sync_7b    trun bench/sync.py --shape qwen2.5-7b --modes fsdp --paths planned --repeats 5 \
                   --out "$RESULTS/sync_7b.json" ;;
     offload)    section offload    trun bench/offload.py --size l --repeats 3 --out "$RESULTS/offload_l.json" ;;

@@ -6,5 +6,6 @@
 - `variants`: the named engine configurations a benchmark compares (ddp, fsdp, fsdp2, fsdp-*);
 - `trainers`: one training step of each variant behind one interface (megatron's, torch FSDP2's);
 - `capacity`: the search for the largest model that trains (calibrate, predict, verify);
-- `roundtrip`: HF -> Megatron -> HF, checked and timed.
+- `roundtrip`: HF -> Megatron -> HF, checked and timed;
+- `hf_folder`: HF folders of a named real shape (Qwen2.5-7B) written by transformers, or only their config and tensor names.
 """
