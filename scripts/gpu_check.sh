@@ -105,9 +105,12 @@ for s in $SECTIONS; do
                 section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
-    # memory-backed storage only: the kit's own save/load path, default vs reused pinned host staging
-    checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
-                section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 0 \
+    # memory-backed storage only: the kit's own save/load path; raw tensor items (default) vs DCP's torch.save
+    # items (the format before, same code otherwise: the A/B), then reused pinned host staging and async
+    checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16 --repeats 5"
+                section checkpoint_fsdp_shm_torchsave trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --tensor-format torch_save --probe-mb 1024 --out "$RESULTS/checkpoint_fsdp_shm_torchsave.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 1024 \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm_staged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --host-staging --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt

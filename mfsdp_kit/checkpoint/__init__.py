@@ -10,8 +10,9 @@
              "rng": RNGState(), "scheduler": scheduler, "data": loader}  # loader: state_dict/load_state_dict
     ckpt.save(step, parts);  ckpt.load(parts)
 
-Layout of one checkpoint, `root/step_000010/`: torch DCP files (`*.distcp`, `.metadata`)
-holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors (and
+Layout of one checkpoint, `root/step_000010/`: torch DCP files (`*.distcp`, `.metadata`; each
+tensor item stored as its raw bytes, the format `rawio` documents and reads, with checkpoints of
+DCP's own torch.save items) holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors (and
 `<name>...` of every other component that holds tensors), `scheduler.json` (`<name>.json` of every
 component without tensors), and `meta.json` (written last, by rank 0: step, world size, tp/pp,
 fsdp, components, kit version, engine config, file list with a crc32 and size per file, `extra`).

@@ -59,6 +59,13 @@ def describe(error: BaseException) -> str:
     return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
 
 
+def is_corrupt(error: BaseException) -> bool:
+    """Damaged bytes: a CheckpointCorruptError, or DCP's CheckpointException of only those."""
+    if isinstance(error, CheckpointException):
+        return bool(error.failures) and all(isinstance(e, CheckpointCorruptError) for e, _ in error.failures.values())
+    return isinstance(error, CheckpointCorruptError)
+
+
 @dataclass
 class Outcome:
     """What `agreed` hands the block: set `value`; after the block, `values` holds every rank's."""
@@ -80,7 +87,7 @@ def agreed(what: str, path):
         yield outcome
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of it
         error = e
-    mine = None if error is None else (describe(error)[:ERROR_CHARS], isinstance(error, CheckpointCorruptError))
+    mine = None if error is None else (describe(error)[:ERROR_CHARS], is_corrupt(error))
     everyone = all_gather((mine, outcome.value))
     failures = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
     outcome.values = [v for _, v in everyone]

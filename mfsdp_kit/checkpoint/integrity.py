@@ -8,8 +8,10 @@ zlib.crc32 runs at ~2.1 GB/s per core here (hashlib.sha256 1.3, blake2b 0.45; CP
 memory); hashing 1.07 GB of freshly written DCP files took 0.58-0.71 s on one thread, 8-13 % of
 that CPU DCP save (4.3-8.7 s); a rank's files hash in parallel threads. crc32 is an integrity
 check against bit rot and truncation, not a signature (who may write the files is
-`trust.check_trusted`'s job). A load checks every file's size on every rank and each
-file's crc32 on one rank (file i on rank i % world size), so the bytes are read once in total.
+`trust.check_trusted`'s job). A load checks every file's size on every rank before anything is
+read; each file's crc32 is checked by one rank: the small ones (`.metadata`, `<name>.json`) before
+anything is read (file i on rank i % world size), each shard file by the rank that reads most of
+it, as it reads it (`rawio`: the bytes are read once in total).
 
 Fits: the naive load lets DCP match keys; keys the model lacks are silently dropped (a 2-layer
 checkpoint loads into a 1-layer model) and mismatched shapes fail deep in DCP. `check_fit`
@@ -94,9 +96,24 @@ def read_meta(path) -> dict:
     return meta
 
 
-def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4) -> None:
+def shard_sums(meta: dict) -> dict | None:
+    """{shard file: {bytes, crc32}} of meta.json (None: an old checkpoint without checksums)."""
+    recorded = meta.get("checksums")
+    return None if recorded is None else {n: s for n, s in recorded.items() if n.endswith(".distcp")}
+
+
+def check_crc(file, got: str, want: dict) -> None:
+    """CheckpointCorruptError naming `file` and its checkpoint when crc32 `got` is not the saved one."""
+    file = Path(file)
+    if got != want["crc32"]:
+        raise CheckpointCorruptError(f"{file} has crc32 {got}, {want['crc32']} was saved: "
+                                     f"its bytes changed since the save; checkpoint {file.parent} is damaged")
+
+
+def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4, shards: bool = True) -> None:
     """Sizes of all files, crc32 of this rank's share (`threads` files at a time); CheckpointCorruptError
-    naming file and checkpoint."""
+    naming file and checkpoint. `shards=False`: the shard files' crc32 is left to the read, which
+    hashes them as it reads them (`rawio`); their sizes are still checked here."""
     path = Path(path)
     recorded = meta.get("checksums")
     if recorded is None:
@@ -110,11 +127,9 @@ def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4)
         if size != recorded[name]["bytes"]:
             raise CheckpointCorruptError(f"{path / name} has {size} bytes, {recorded[name]['bytes']} were saved: "
                                          f"the file is truncated or altered; checkpoint {path} is damaged")
-    for name, mine in checksums(path, meta["files"][rank::world], threads=threads).items():
-        got = mine["crc32"]
-        if got != recorded[name]["crc32"]:
-            raise CheckpointCorruptError(f"{path / name} has crc32 {got}, {recorded[name]['crc32']} was saved: "
-                                         f"its bytes changed since the save; checkpoint {path} is damaged")
+    names = [n for n in meta["files"] if shards or not n.endswith(".distcp")]
+    for name, mine in checksums(path, names[rank::world], threads=threads).items():
+        check_crc(path / name, mine["crc32"], recorded[name])
 
 
 def flat_keys(state: dict) -> list[str]:

@@ -9,8 +9,8 @@ never outlives its check), so a failed save leaves nothing behind and the next o
 2. rank 0: the root is writable (a probe file), the step is new, a stale `.tmp-step_X` goes.
 3. every rank: each component's state dict (`components.collect`), uneven shards marked.
 4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
-   end and 5 run in `wait()`); its writer threads crc32 each file's bytes as they write them
-   (`storage.HashingFileSystem`), so no file is read back.
+   end and 5 run in `wait()`), each tensor as its raw bytes (`rawio`); its writer threads crc32
+   each file's bytes as they write them (`storage.HashingFileSystem`), so no file is read back.
 5. rank 0 commits: `<name>.json` of the JSON components (scheduler.json), checksums of the other
    files, meta.json (last), group/other write bits dropped, fsync, rename to `step_X`, then
    `latest` (written aside, `os.replace`d). A commit that fails before `latest` moved is rolled back.
@@ -40,8 +40,10 @@ from .errors import CheckpointCorruptError, CheckpointError
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
-FORMAT_VERSION = 2
-"""1: no checksums. 2: meta.json's `checksums` ({file: {bytes, crc32}})."""
+FORMAT_VERSION = 3
+"""1: no checksums. 2: meta.json's `checksums` ({file: {bytes, crc32}}). 3: tensor items as raw
+bytes (`rawio`; `tensor_format="torch_save"` still writes 2). Every version loads."""
+TENSOR_FORMATS = ("raw", "torch_save")
 
 
 def step_dirname(step: int) -> str:
@@ -74,7 +76,7 @@ class CheckpointManager:
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
                  hf_source: str | None = None, write_threads: int = 4, read_threads: int = 4,
-                 host_staging: bool = False):
+                 host_staging: bool = False, tensor_format: str = "raw"):
         """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count), each
         writing its own file; `read_threads`: threads per rank reading those files at load.
         `host_staging`: a synchronous save first copies the state into host buffers kept for the
@@ -82,12 +84,17 @@ class CheckpointManager:
         change what is written). Without it DCP's writer threads `.cpu()` each tensor into fresh
         pageable memory (a slower copy, and a page fault per 4 KiB); with it the host holds one
         more copy of this rank's checkpoint bytes for the manager's life (pinned on CUDA). On CPU
-        it replaces DCP's copy of Megatron-FSDP's buffer views and adds one for compact tensors."""
+        it replaces DCP's copy of Megatron-FSDP's buffer views and adds one for compact tensors.
+        `tensor_format`: "raw" (each tensor's bytes, `rawio`) or "torch_save" (DCP's torch.save per
+        tensor, the format before, which DCP's stock reader reads too); loads read either."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
         for name, value in (("write_threads", write_threads), ("read_threads", read_threads)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= 1")
+        if tensor_format not in TENSOR_FORMATS:
+            raise ValueError(f"tensor_format={tensor_format!r} is not allowed; allowed: {', '.join(TENSOR_FORMATS)}")
+        self.tensor_format = tensor_format
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
@@ -106,15 +113,17 @@ class CheckpointManager:
         self.last_save_phases_s: dict = {}
         """Seconds per phase of the last save: state (build + shard metadata), stage (async host
         copy), write (DCP: planning, then the writer threads; async: until its future is done),
-        commit (meta.json, fsync, rename, `latest`). Within write, an average writer thread's
-        seconds: serialise (torch.save, device->host copies), checksum (crc32 of its bytes),
-        file_write (copies into the page cache), fsync."""
+        commit (meta.json, fsync, rename, `latest`); async saves also submit (handing the staged
+        state to DCP's background thread). Within write, an average writer thread's seconds:
+        serialise (DCP's per-item lookup, device->host copies; with tensor_format="torch_save" also
+        torch.save and DCP's clone of buffer views), checksum (crc32 of its bytes), file_write
+        (copies into the page cache), fsync."""
         self.last_load_s: float | None = None
         self.last_load_phases_s: dict = {}
         """Seconds per phase of the last load: check (trust, sizes, crc32 of this rank's share of
-        the files, DCP metadata), match (layout, state to load into, names and shapes), read (DCP:
-        file reads, torch.load, copies into the state; `read_threads` files at a time), restore
-        (the components' load_state_dict)."""
+        the small files, DCP metadata), match (layout, state to load into, names and shapes), read
+        (DCP: file reads straight into the state, crc32 of the shard files this rank verifies;
+        `read_threads` files at a time), restore (the components' load_state_dict)."""
 
     # ---- listing
     def list(self) -> list[int]:
@@ -205,7 +214,10 @@ class CheckpointManager:
                 phases["stage"] = time.perf_counter() - start - phases["state"]
             self._write_start = time.perf_counter()
             future = storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
-                                   process_group=collective.gloo_group() if self.async_save else None, fs=fs)
+                                   process_group=collective.gloo_group() if self.async_save else None, fs=fs,
+                                   raw=self.tensor_format == "raw")
+            if self.async_save:
+                phases["submit"] = time.perf_counter() - self._write_start
         return future, as_json, formats
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
@@ -214,7 +226,7 @@ class CheckpointManager:
         layout = state.layout()
         model = parts.model(components)
         cfg = runtime.current_config() if runtime._current is not None else None
-        return dict(format=FORMAT_VERSION, step=step, world_size=layout["world_size"], tp=layout["tp"],
+        return dict(format=FORMAT_VERSION if self.tensor_format == "raw" else 2, step=step, world_size=layout["world_size"], tp=layout["tp"],
                     pp=layout["pp"], ep=layout["ep"], fsdp=bool(model and model.fsdp), num_chunks=len(model.chunks) if model else 0,
                     components=formats, kit_version=_kit_version(),
                     engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),

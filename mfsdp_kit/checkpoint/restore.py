@@ -2,15 +2,18 @@
 
 `load_dir` runs in phases, each ending in `collective.agreed` (a failure anywhere raises the
 same CheckpointError everywhere):
-1. checks that need no model (`checked`): meta.json, listed files, trust, checksums (each rank
-   its share), the DCP metadata through the allow-list unpickler;
+1. checks that need no model (`checked`): meta.json, listed files and their sizes, trust,
+   checksums of the small files (each rank its share), the DCP metadata through the allow-list
+   unpickler;
 2. the job's layout against the saved one, through each component's `accepts` (optimizer state
    needs the same wrapper and world size; RNG the same TP/PP layout, else it is skipped);
 3. the state to load into (`components.collect`: each component's state dict; JSON components
    from `<name>.json`), then `integrity.check_fit` against the DCP metadata - names and shapes -
    still before any tensor is read;
-4. the DCP read (`storage.read`), then each component's `load_state_dict`, in the dict's order
-   (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
+4. the DCP read (`storage.read`), which crc32s each shard file on one rank as it reads it
+   (`rawio`; a damaged file fails the load here, before any `load_state_dict`; with nothing to read,
+   the shard files are hashed on their own), then each component's `load_state_dict`, in the
+   dict's order (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
 """
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ from .errors import CheckpointCorruptError, CheckpointError
 DCP_METADATA = ".metadata"
 
 
-def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1, threads: int = 4):
+def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1, threads: int = 4,
+            shards: bool = True):
     """(meta, DCP metadata) of a checkpoint that passed every check needing no model. Local.
 
     Trust (unless `trust_checkpoint`), meta.json and its file list, checksums (crc32 of files
-    rank::world), then `.metadata` through `trust.load_metadata` (never runs code it contains).
+    rank::world; `shards=False`: not of the shard files, which the read verifies), then
+    `.metadata` through `trust.load_metadata` (never runs code it contains).
     """
     path = Path(path)
     meta = integrity.read_meta(path)
@@ -38,7 +43,7 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:
         trust.check_trusted(path, root=root)
-    integrity.verify(path, meta, rank=rank, world=world, threads=threads)
+    integrity.verify(path, meta, rank=rank, world=world, threads=threads, shards=shards)
     return meta, trust.load_metadata(path / DCP_METADATA)
 
 
@@ -72,7 +77,7 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     with agreed("checking checkpoint", path):
         parts.check(components)
         meta, metadata = checked(path, trust_checkpoint, root=root, rank=collective.rank(), world=collective.world(),
-                                 threads=read_threads)
+                                 threads=read_threads, shards=False)
     lap("check")
     with agreed("checking the layout for checkpoint", path):
         active = parts.accepted(components, meta, path, restore_rng=restore_rng)
@@ -83,11 +88,17 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     # Expert-parallel ranks each ask for their own experts: a key is unexpected when no rank asks for it.
     asked = set().union(*collective.all_gather(integrity.flat_keys(into)))
     with agreed("matching the model to checkpoint", path):
-        integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
+        try:
+            integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
+        except CheckpointError:  # damaged bytes are the first thing to report (and `fallback` skips them)
+            integrity.verify(path, meta, threads=read_threads)  # every rank every file: on this failure only
+            raise
     lap("match")
     with agreed("loading checkpoint", path):
         if into:
-            storage.read(into, path, threads=read_threads)
+            storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta))
+        else:  # nothing to read: the shard files' checksums on their own
+            integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads)
     lap("read")
     with agreed("restoring checkpoint", path):
         for name, comp in active.items():

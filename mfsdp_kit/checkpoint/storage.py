@@ -2,10 +2,12 @@
 
 Every `dcp.load` of the kit is `read(state, path)`: DCP with `trust.SafeReader` (allow-list
 unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values),
-its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another).
+its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another),
+tensor items in either format (`rawio`), shard files crc32'd as they are read.
 
 Every `dcp.save` is `write(...)`: DCP's FileSystemWriter, whose `thread_count` threads each
-serialise a share of the tensors into their own file. The naive integrity check reads those files
+write a share of the tensors into their own file, as raw bytes (`rawio`; `raw=False`: DCP's
+torch.save per item, the format before). The naive integrity check reads those files
 back after the save to crc32 them - a second pass over every byte, started only when the last
 writer is done. Here each writer thread's stream crc32s the bytes on their way to the file, in
 PIECE_BYTES pieces (the piece is still in the CPU cache when it is written), and fsyncs the file
@@ -16,44 +18,45 @@ it hashed every byte a second time at save and at load, and the file crc32 cover
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import stat
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from . import rawio
+from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
-PIECE_BYTES = 4 << 20
-"""Bytes hashed and written at a time: fits a core's share of the CPU cache, so the write copies
-the bytes the crc32 just read from cache, not from memory."""
 
-
-def read(state: dict, path, *, threads: int = 4) -> None:
-    """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective."""
+def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None) -> None:
+    """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
+    `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
+    reading it, on one rank (`rawio.assign_checks`); CheckpointCorruptError (inside DCP's
+    CheckpointException) when one differs."""
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=ParallelReader(str(path), threads=threads), planner=SafeLoadPlanner())
+    dcp.load(state, storage_reader=ParallelReader(str(path), threads=threads, checksums=checksums),
+             planner=SafeLoadPlanner())
 
 
 def write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1,
-          fs: "HashingFileSystem | None" = None):
+          fs: "HashingFileSystem | None" = None, raw: bool = True):
     """torch DCP save (collective); with `async_save` the future of DCP's background write.
 
     `fs` (a HashingFileSystem) records each written file's size and crc32 and the writer threads'
     seconds. Async: `stage` has already copied `state` to host memory, so DCP's own stager would
     only copy it again (and its copy breaks on CPU tensors and on Megatron-FSDP's uneven shards);
     the background thread coordinates over `process_group` (gloo), never the training group.
+    `raw`: tensor items as raw bytes (`rawio`), else DCP's torch.save per item.
     """
     import torch.distributed.checkpoint as dcp
-    writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem())
+    writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem(), raw=raw)
     if async_save:
         return dcp.async_save(state, storage_writer=writer, process_group=process_group,
                               async_stager=Prestaged())
@@ -142,11 +145,13 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
     `.metadata` DCP writes in `finish` is fsynced by the commit (manager._commit).
     """
 
-    def __init__(self, path: str, *, thread_count: int, fs: HashingFileSystem):
+    def __init__(self, path: str, *, thread_count: int, fs: HashingFileSystem, raw: bool = True):
         super().__init__(path, thread_count=thread_count, sync_files=False)
-        self.fs = fs
+        self.fs, self.raw = fs, raw and rawio.supported()
 
     def write_data(self, plan, planner):
+        if self.raw:
+            return rawio.write_data(self, plan, planner)
         # Process-wide while the shards are written (a torch.save elsewhere meanwhile records no
         # per-record crc32 either; torch.load reads such files). torch < 2.6 lacks the switch.
         if not hasattr(torch.serialization, "set_crc32_options"):
@@ -160,32 +165,25 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
 
 
 class ParallelReader(SafeReader):
-    """SafeReader reading its files in `threads` threads (DCP's reader: one file after another).
+    """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
+    both tensor-item formats, verifying shard files while reading them (`rawio.read_data`)."""
 
-    The non-tensor values (planner.load_bytes inserts them into the state's dicts) are read first,
-    in this thread; each file's tensors then in a thread of their own (file reads, torch.load and
-    the copy into the target tensor release the GIL).
-    """
-
-    def __init__(self, path: str, *, threads: int = 4):
+    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None):
         super().__init__(path)
-        self.threads = threads
+        self.threads, self.checksums, self.chunks = threads, checksums, {}
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.chunks = rawio.chunk_table(metadata)
+
+    def prepare_global_plan(self, plans):
+        plans = super().prepare_global_plan(plans)
+        if not self.checksums:
+            return plans
+        return rawio.assign_checks(plans, self.storage_data, self.checksums)
 
     def read_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import LoadItemType
-        read = super().read_data
-        per_file: dict = {}
-        for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        read(dataclasses.replace(plan, items=[i for i in plan.items if i.type == LoadItemType.BYTE_IO]), planner)
-        if self.threads <= 1 or len(per_file) <= 1:
-            return read(dataclasses.replace(plan, items=[i for items in per_file.values() for i in items]), planner)
-        with ThreadPoolExecutor(max_workers=min(self.threads, len(per_file))) as pool:
-            for future in [pool.submit(read, dataclasses.replace(plan, items=items), planner)
-                           for items in per_file.values()]:
-                future.result().wait()  # a torch Future, already done
-        return read(dataclasses.replace(plan, items=[]), planner)
+        return rawio.read_data(self, plan, planner)
 
 
 class Prestaged:

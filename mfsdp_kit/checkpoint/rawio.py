@@ -1,0 +1,339 @@
+"""DCP shard files whose tensor items are their raw bytes: the kit's writer and reader of them.
+
+The format. A checkpoint stays a standard torch DCP checkpoint: `.metadata` is DCP's own pickled
+`Metadata` (written by FileSystemWriter.finish), each rank writes `__<rank>_<i>.distcp` files, and
+each item's `_StorageInfo` (relative_path, offset, length) says where its bytes are. DCP's
+FileSystemWriter stores every tensor item as a `torch.save` zip (a pickle, zip records, the bytes),
+read back with one `torch.load` per item. Here a tensor item is its bytes only: C-contiguous, this
+machine's byte order (little-endian), dtype and shape those of the item's chunk in the metadata
+(`TensorStorageMetadata.properties.dtype`, the `chunks` entry at the item's offsets), and its
+`_StorageInfo.transform_descriptors` is `[RAW]`. Non-tensor items stay DCP's (torch.save bytes,
+read with weights_only). A stock FileSystemReader refuses a raw item (ValueError "Unknown extension
+name='mfsdp_kit.raw'") rather than misread it; this module reads both kinds, so checkpoints
+written before (torch.save items, no descriptor) still load.
+
+Why. The naive writer (DCP's): per tensor, `.cpu()` into fresh pageable memory (a GPU tensor), a
+clone when the tensor is a view of a larger buffer (every Megatron-FSDP shard is: torch.save would
+write the whole buffer), then torch.save. Here a CPU tensor's memory goes to the file as it is (no
+copy, no pickle), a GPU tensor through one pinned buffer per writer thread (one DMA per
+STAGE_BYTES); the stream crc32s each piece just before writing it (`storage.HashingStream`).
+
+The naive reader: per item, read the slice, `torch.load` it into a new tensor, copy that into the
+destination; and the checksums are a separate read of every file before it. Here each file is read
+once, in offset order, one thread per file: a raw item whose destination is a contiguous CPU tensor
+of the saved chunk (the same layout) is `readinto` that tensor's memory; a GPU destination gets it
+through a pinned buffer; anything else (another layout: a part of the chunk) through a buffer and
+DCP's narrow + copy. Verify while reading: the coordinator, which sees every rank's read plan
+(`assign_checks`), gives each shard file to one rank - the one reading most of it (a file nobody
+reads: rank i % world) - and that rank crc32s the whole file as it reads it (the bytes between its
+items too), then compares with meta.json. So the bytes are read once, but a damaged file is found
+after (some of) its bytes were copied into the state: the load then raises
+CheckpointCorruptError on every rank before any component's `load_state_dict` runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from . import integrity
+from .errors import CheckpointCorruptError, CheckpointError
+
+RAW = "mfsdp_kit.raw/1"
+"""The `_StorageInfo.transform_descriptors` entry of a raw tensor item (name/version)."""
+PIECE_BYTES = 4 << 20
+"""Bytes hashed and written (read) at a time: a core's share of the CPU cache, so the write copies
+the bytes the crc32 just read from cache, not from memory."""
+STAGE_BYTES = 64 << 20
+"""Pinned buffer per thread between a GPU tensor and the file, either way."""
+
+
+def supported() -> bool:
+    """Does this torch's DCP `_StorageInfo` carry transform descriptors (torch >= 2.7)?"""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    return "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class _Pinned:
+    """One lazily made STAGE_BYTES host buffer (pinned when CUDA is there) per thread."""
+
+    def __init__(self):
+        self.buf = None
+
+    def get(self) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self.buf
+
+
+# ---------------------------------------------------------------- save
+def _nbytes(item) -> int:
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def buckets(items, n: int) -> list:
+    """Write items in `n` files: byte items round-robin, tensors biggest first into the lightest file
+    (DCP's `_split_by_size_and_type`); empty files are left out."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+    out, sizes = [[] for _ in range(n)], [0] * n
+    for k, item in enumerate(i for i in items if i.type == WriteItemType.BYTE_IO):
+        out[k % n].append(item)
+    for item in sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_nbytes, reverse=True):
+        j = sizes.index(min(sizes))
+        out[j].append(item)
+        sizes[j] += _nbytes(item)
+    return [b for b in out if b]
+
+
+def write_tensor(stream, t: torch.Tensor, item, pinned: _Pinned) -> int:
+    """`t`'s bytes into `stream` (CPU: straight from its memory; GPU: via the pinned buffer)."""
+    chunk, props = item.tensor_data.chunk, item.tensor_data.properties
+    if tuple(t.shape) != tuple(chunk.sizes) or t.dtype != props.dtype:
+        raise CheckpointError(f"{item.index.fqn}: the tensor to write is {t.dtype} {list(t.shape)}, its DCP write "
+                              f"item says {props.dtype} {list(chunk.sizes)}")
+    t = t.detach().contiguous()
+    if t.device.type == "cpu":
+        return stream.write(byte_view(t))
+    src, buf = t.reshape(-1).view(torch.uint8), pinned.get()
+    for i in range(0, src.numel(), STAGE_BYTES):
+        n = min(STAGE_BYTES, src.numel() - i)
+        buf[:n].copy_(src[i:i + n])  # blocking: the buffer is complete before it is written
+        stream.write(byte_view(buf[:n]))
+    return src.numel()
+
+
+def write_file(writer, planner, name: str, items) -> list:
+    """One shard file: byte items as DCP writes them, then each tensor's raw bytes; its WriteResults."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    results, pinned = [], _Pinned()
+    with writer.fs.create_stream(writer.fs.concat_path(writer.path, name), "wb") as stream:
+        for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+            offset, data = stream.tell(), planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(data.getbuffer())
+                info = _StorageInfo(name, offset, stream.tell() - offset)
+            else:
+                info = _StorageInfo(name, offset, write_tensor(stream, data, item, pinned), transform_descriptors=[RAW])
+            results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+    return results
+
+
+def write_data(writer, plan, planner):
+    """`StorageWriter.write_data` in this format: `writer.thread_count` files, one thread each."""
+    from torch.futures import Future
+    groups = buckets(plan.items, writer.thread_count)
+    names = [f"{plan.storage_data.prefix}{i}.distcp" for i in range(len(groups))]
+    if len(groups) <= 1:
+        results = [write_file(writer, planner, n, g) for n, g in zip(names, groups)]
+    else:
+        with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+            results = list(pool.map(lambda ng: write_file(writer, planner, *ng), zip(names, groups)))
+    fut = Future()
+    fut.set_result([r for rs in results for r in rs])
+    return fut
+
+
+# ---------------------------------------------------------------- load
+def chunk_table(metadata) -> dict:
+    """{(fqn, chunk offsets): (chunk sizes, dtype)} of every saved tensor chunk."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    return {(fqn, tuple(c.offsets)): (tuple(c.sizes), md.properties.dtype)
+            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+            for c in md.chunks}
+
+
+def assign_checks(plans: list, storage_data: dict, names) -> list:
+    """Coordinator: each shard file in `names` goes to the rank reading most of its bytes (nobody:
+    rank i % world); every plan's `storage_data` becomes the list of files that rank verifies."""
+    read = [{} for _ in plans]
+    for r, plan in enumerate(plans):
+        seen = set()
+        for item in plan.items:
+            info = storage_data[item.storage_index]
+            if (info.relative_path, info.offset) not in seen:
+                seen.add((info.relative_path, info.offset))
+                read[r][info.relative_path] = read[r].get(info.relative_path, 0) + info.length
+    mine = [[] for _ in plans]
+    for i, name in enumerate(sorted(names)):
+        mine[max(range(len(plans)), key=lambda r: (read[r].get(name, 0), r == i % len(plans)))].append(name)
+    return [dataclasses.replace(p, storage_data=files) for p, files in zip(plans, mine)]
+
+
+class _Crc:
+    def __init__(self):
+        self.value, self.nbytes = 0, 0
+
+    def update(self, view) -> None:
+        self.value = zlib.crc32(view, self.value)
+        self.nbytes += len(view)
+
+
+def read_into(f, view: memoryview, crc: _Crc | None, path) -> None:
+    """Fill `view` from `f` (PIECE_BYTES at a time, each crc32'd while in cache)."""
+    for i in range(0, len(view), PIECE_BYTES):
+        piece = view[i:i + PIECE_BYTES]
+        got = 0
+        while got < len(piece):
+            n = f.readinto(piece[got:])
+            if not n:
+                raise CheckpointCorruptError(f"{path} ends at byte {f.tell()}: an item needs more; the file is truncated")
+            got += n
+        if crc is not None:
+            crc.update(piece)
+
+
+class FileReader:
+    """Reads one shard file's items for `reader` (a `storage.ParallelReader`) in offset order."""
+
+    def __init__(self, reader, name: str, items: list, planner, expected: dict | None):
+        self.reader, self.planner, self.expected = reader, planner, expected
+        self.path = reader.fs.concat_path(reader.path, name)
+        self.items, self.pinned, self.loaded_bytes, self.scratch = items, _Pinned(), [], None
+
+    def run(self) -> list:
+        """Read every item (hashing the whole file when `expected`); [(read item, bytes)] of byte items."""
+        groups: dict = {}
+        for req in self.items:
+            info = self.reader.storage_data[req.storage_index]
+            groups.setdefault((info.offset, info.length), (info, []))[1].append(req)
+        crc, pos = (_Crc() if self.expected else None), 0
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                for (offset, length), (info, reqs) in sorted(groups.items(), key=lambda kv: kv[0]):
+                    if crc is not None and offset >= pos:
+                        self.skip(f, offset - pos, crc)
+                    else:  # not verifying here; or items overlap: then `check` hashes the file on its own
+                        crc = None
+                        f.seek(offset)
+                    self.read_item(f, info, reqs, crc)
+                    pos = offset + length
+                if crc is not None:
+                    self.skip(f, None, crc)
+        except CheckpointCorruptError:
+            raise
+        except Exception as e:  # damaged bytes read by a rank that does not verify this file?
+            self.check_whole_file(e)
+            raise
+        if self.expected:
+            self.check(crc.value if crc is not None else None)
+        return self.loaded_bytes
+
+    def skip(self, f, nbytes: int | None, crc: _Crc) -> None:
+        """Hash the next `nbytes` (None: up to the end of the file) without keeping them."""
+        if nbytes == 0:
+            return
+        if self.scratch is None:
+            self.scratch = memoryview(bytearray(PIECE_BYTES))
+        view = self.scratch
+        while nbytes is None or nbytes > 0:
+            n = f.readinto(view if nbytes is None else view[:min(PIECE_BYTES, nbytes)])
+            if not n:
+                if nbytes:
+                    raise CheckpointCorruptError(f"{self.path} ends at byte {f.tell()}: the file is truncated")
+                return
+            crc.update(view[:n])
+            nbytes = None if nbytes is None else nbytes - n
+
+    def read_item(self, f, info, reqs: list, crc: _Crc | None) -> None:
+        from torch.distributed.checkpoint.planner import LoadItemType
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            data = bytearray(info.length)
+            read_into(f, memoryview(data), crc, self.path)
+            self.loaded_bytes += [(req, data) for req in reqs]
+            return
+        if RAW not in (info.transform_descriptors or ()):  # DCP's own item: a torch.save zip
+            if info.transform_descriptors:
+                raise CheckpointError(f"{self.path}: item {reqs[0].storage_index.fqn} has transforms "
+                                      f"{list(info.transform_descriptors)}; the kit reads none")
+            data = bytearray(info.length)
+            read_into(f, memoryview(data), crc, self.path)
+            return self.copy_out(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), reqs)
+        sizes, dtype = self.reader.chunks[(reqs[0].storage_index.fqn, tuple(reqs[0].storage_index.offset))]
+        numel = math.prod(sizes)
+        if numel * dtype.itemsize != info.length:
+            raise CheckpointCorruptError(f"{self.path}: item {reqs[0].storage_index.fqn} holds {info.length} bytes, "
+                                         f"a {dtype} {list(sizes)} chunk has {numel * dtype.itemsize}")
+        target = self.planner.resolve_tensor(reqs[0]).detach() if len(reqs) == 1 else None
+        whole = target is not None and tuple(target.shape) == sizes and target.dtype == dtype and target.is_contiguous()
+        if whole and target.device.type == "cpu":
+            read_into(f, byte_view(target), crc, self.path)
+            return self.planner.commit_tensor(reqs[0], target)
+        if whole:
+            dst, buf = target.reshape(-1).view(torch.uint8), self.pinned.get()
+            for i in range(0, info.length, STAGE_BYTES):
+                n = min(STAGE_BYTES, info.length - i)
+                read_into(f, byte_view(buf[:n]), crc, self.path)
+                dst[i:i + n].copy_(buf[:n])  # blocking: the buffer is free again after it
+            return self.planner.commit_tensor(reqs[0], target)
+        saved = torch.empty(sizes, dtype=dtype)
+        read_into(f, byte_view(saved), crc, self.path)
+        self.copy_out(saved, reqs)
+
+    def copy_out(self, saved: torch.Tensor, reqs: list) -> None:
+        """DCP's way: the part of the saved chunk each read item asks for, copied into its destination."""
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        for req in reqs:
+            part = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
+            target = self.planner.resolve_tensor(req).detach()
+            if target.size() != part.size():
+                raise CheckpointError(f"{self.path}: item {req.storage_index.fqn} is {list(part.shape)}, "
+                                      f"its destination {list(target.shape)}")
+            target.copy_(part)
+            self.planner.commit_tensor(req, target)
+
+    def check(self, got: int | None) -> None:
+        if got is None:  # items overlapped: hash the file on its own
+            got = int(integrity.file_checksum(self.path)["crc32"], 16)
+        integrity.check_crc(self.path, f"{got:08x}", self.expected)
+
+    def check_whole_file(self, error: Exception) -> None:
+        """After `error` reading this file: CheckpointCorruptError if its bytes are not the saved ones."""
+        want = (self.reader.checksums or {}).get(Path(self.path).name)
+        if want is not None:
+            try:
+                integrity.check_crc(self.path, integrity.file_checksum(self.path)["crc32"], want)
+            except CheckpointCorruptError as corrupt:
+                raise corrupt from error
+
+
+def read_data(reader, plan, planner):
+    """`StorageReader.read_data` for both item kinds, one thread per file (`reader.threads` at a
+    time), verifying the files the coordinator gave this rank; byte items go to the planner last,
+    in this thread (`load_bytes` inserts into the state's dicts)."""
+    from torch.futures import Future
+    checks = set(plan.storage_data or ()) if reader.checksums else set()
+    per_file: dict = {}
+    for item in plan.items:
+        per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
+    names = sorted(set(per_file) | checks)
+    readers = [FileReader(reader, n, per_file.get(n, []), planner, reader.checksums[n] if n in checks else None)
+               for n in names]
+    if len(readers) <= 1 or reader.threads <= 1:
+        loaded = [r.run() for r in readers]
+    else:
+        with ThreadPoolExecutor(max_workers=min(reader.threads, len(readers))) as pool:
+            loaded = list(pool.map(FileReader.run, readers))
+    for file_reader, items in zip(readers, loaded):
+        for req, data in items:
+            try:
+                planner.load_bytes(req, io.BytesIO(data))
+            except Exception as e:
+                file_reader.check_whole_file(e)
+                raise
+    fut = Future()
+    fut.set_result(None)
+    return fut
