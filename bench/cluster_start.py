@@ -1,13 +1,14 @@
 """Where `cluster.start` spends its time, phase by phase, and what stop and restart cost.
 
     python bench/cluster_start.py [--n 2] [--repeats 3] [--out runs/bench/cluster_start.json] [--engines mpi]
-                                  [--variants plain,preload]
+                                  [--variants plain,preload,noimport]
 
 "Ready" means `start()` returned: every engine registered, ran `runtime.init`, and %%px would work.
-Phases (`handle.startup_s`): controller -> engines_spawn -> client_connect -> register (engine processes
-boot, import ipyparallel and register) -> identify (ranks, free port) -> world_init (every engine:
-engine.import_torch, engine.import_megatron, engine.runtime_init = process group + megatron state;
-the slowest rank's). The import floor -- one interpreter importing each module cold, alone -- is measured
+Phases (`handle.startup_s`): controller and engines_spawn (the kit's local engines are spawned first and
+wait for the controller's connection file) -> client_connect -> register (engine processes boot, import
+ipyparallel and register) -> identify (ranks, free port) -> world_init (every engine:
+engine.preload_wait (imports begun at engine boot), engine.import_torch, engine.import_megatron,
+engine.runtime_init = process group + megatron state; the slowest rank's). The import floor -- one interpreter importing each module cold, alone -- is measured
 too, so a reader can tell the kit's overhead from the libraries' import time. Runs on CPU (gloo, 2
 engines) and on GPUs (nccl, one engine per GPU) alike.
 """
@@ -23,7 +24,10 @@ import sys
 import time
 
 IMPORTS = {"python": "pass", "ipyparallel engine": "import ipyparallel.engine.app",
-           "torch": "import torch, torch.distributed", "megatron.core": "import megatron.core.parallel_state"}
+           "torch": "import torch, torch.distributed", "megatron.core": "import megatron.core.parallel_state",
+           "mfsdp_kit + megatron.core": "import mfsdp_kit, megatron.core.parallel_state"}
+"""The last is what an engine imports (the kit's compat rows change megatron's import); the one before is megatron
+as upstream ships it."""
 ALL_REDUCE = ("import torch, torch.distributed as dist\nfrom mfsdp_kit import runtime\n"
               "x = torch.ones(1, device=runtime.current().device)\ndist.all_reduce(x)")
 
@@ -39,17 +43,22 @@ def import_floor() -> dict:
 
 
 def variant_kwargs(variant: str, engines: str | None) -> dict:
-    """`start` keywords: `preload` runs engines as `python -m mfsdp_kit.ipengine` (imports begun at boot), `plain`
-    as ipyparallel's own engine; `default` leaves the choice to the kit (launch.preload_by_default)."""
+    """`start` keywords for one variant:
+    - `plain`: ipyparallel's own engine, spawned once the controller is up (the kit before its own engine);
+    - `preload`: the kit's engine (launch.ENGINE_CMD) importing torch/megatron in a thread from its first instant;
+    - `noimport`: the kit's engine without that thread (the imports run in runtime.init);
+    - `default`: whatever the kit picks here (launch.preload_by_default).
+    The kit's local engines are spawned before the controller (launch.start_processes); MPI ones after it."""
     from traitlets.config import Config
 
-    from mfsdp_kit import launch
+    from mfsdp_kit import ipengine, launch
     kwargs = {"engines": engines} if engines else {}
-    if variant in ("preload", "plain"):
+    if variant in ("preload", "noimport", "plain"):
         from ipyparallel.cluster.launcher import ipengine_cmd_argv
         section = "MPIEngineSetLauncher" if engines == "mpi" else "LocalEngineSetLauncher"
-        cmd = launch.PRELOAD_ENGINE_CMD if variant == "preload" else ipengine_cmd_argv
-        kwargs["config"] = Config({section: {"engine_cmd": cmd}})
+        cmd = ipengine_cmd_argv if variant == "plain" else launch.ENGINE_CMD
+        env = {ipengine.PRELOAD_ENV: "0" if variant == "noimport" else "1"}
+        kwargs["config"] = Config({section: {"engine_cmd": cmd, "environment": env}})
     return kwargs
 
 
@@ -96,9 +105,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2, help="engines per start")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default=None, help="ipyparallel launcher, e.g. mpi (default: local)")
-    parser.add_argument("--variants", default="plain,preload",
-                        help="comma-separated: plain (ipyparallel's engine), preload (engines import torch/megatron at boot), default (the kit picks); "
-                             "run alternately, so both see the same load")
+    parser.add_argument("--variants", default="plain,preload,noimport",
+                        help="comma-separated: plain (ipyparallel's engine), preload (the kit's engine, imports at boot), "
+                             "noimport (the kit's engine, imports in runtime.init), default (the kit picks); "
+                             "run alternately, so all see the same load")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()
     variants = args.variants.split(",")

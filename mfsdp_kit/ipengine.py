@@ -1,23 +1,37 @@
-"""`python -m mfsdp_kit.ipengine`: ipyparallel's own engine, with torch and megatron imported meanwhile.
+"""`python -m mfsdp_kit.ipengine`: ipyparallel's own engine, started before the controller is up, with torch and
+megatron imported meanwhile.
 
-Most of `cluster.start` is every engine importing torch and megatron.core (bench/cluster_start.py: the
-import floor). The naive order -- boot the engine, register, wait for the others, then import in
-`runtime.init` -- leaves those imports idle while the engine waits for its nanny process, the controller
-and the slowest peer. Here a background thread imports them from the engine's first instant; the
-engine itself is unchanged (`ipyparallel.engine.app.main`, same arguments), and `cluster._engine_init`
-calls `wait()` before it imports anything, so no module is imported by two threads at once.
+Most of `cluster.start` is every engine booting and importing torch and megatron.core (bench/cluster_start.py:
+the import floor). The naive order -- start the controller, wait for its connection file, spawn the engines,
+let them register, then import in `runtime.init` -- leaves each step idle while the one before it runs. This
+engine removes two of those waits:
 
-The default engine command where the machine has 4+ cores per engine (`launch.preload_by_default`): the
-thread shares the engine's GIL with its boot, so it only pays where cores are free; bench/cluster_start.py
-measures it next to ipyparallel's plain engine.
+- it can be spawned before the controller (`launch.start_processes` does so for local engines): it boots and
+  imports ipyparallel while the controller boots, then waits for the controller's connection file itself
+  (`wait_for_connection_info`, reading it only once it is whole JSON: the controller creates it empty, then
+  writes it, and ipyparallel's engine would read whatever is there). Started after the controller (restart,
+  MPI), it finds `$IPP_CONNECTION_INFO` set and goes straight on;
+- unless `MFSDP_KIT_PRELOAD=0`, a background thread imports torch and
+  megatron.core from the engine's first instant, so the imports overlap the engine's waits (the controller,
+  its nanny process, registration, the slowest peer); `cluster._engine_init` calls `wait()` before it imports
+  anything, so no module is imported by two threads at once.
+
+The engine itself is unchanged (`ipyparallel.engine.app.main`, same arguments).
 """
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import threading
+import time
 
 MODULES = ("torch", "torch.distributed", "megatron.core.parallel_state", "mfsdp_kit.runtime")
 """What `runtime.init` imports first, heaviest first."""
+PRELOAD_ENV = "MFSDP_KIT_PRELOAD"
+"""'0': no import thread (the imports then run in `runtime.init`); anything else or unset: imports at boot."""
+WAIT_ENV = "MFSDP_KIT_CONNECTION_WAIT_S"
+"""Seconds an engine spawned before the controller waits for its connection file (launch.py sets `timeout_s`)."""
 _thread: threading.Thread | None = None
 _error: BaseException | None = None
 
@@ -47,9 +61,37 @@ def wait() -> None:
             raise _error
 
 
+def connection_file(profile_dir: str, cluster_id: str) -> str:
+    """Where ipyparallel's controller writes the engines' connection info (its launchers' `connection_files`)."""
+    prefix = f"ipcontroller-{cluster_id}" if cluster_id else "ipcontroller"
+    return os.path.join(profile_dir, "security", f"{prefix}-engine.json")
+
+
+def wait_for_connection_info(path: str, timeout_s: float, poll_s: float = 0.02) -> dict:
+    """The controller's engine connection info, once `path` holds whole JSON with the signing key."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path) as f:
+                info = json.load(f)
+            if isinstance(info, dict) and "key" in info and "registration" in info:
+                return info
+        except (OSError, ValueError):   # not there yet, or created but not yet written
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the controller's connection file {path} did not arrive within {timeout_s} s")
+        time.sleep(poll_s)
+
+
 def main() -> None:
-    start()
-    from ipyparallel.engine.app import main as engine_main
+    if os.environ.get(PRELOAD_ENV, "1") != "0":
+        start()
+    from ipyparallel.engine.app import main as engine_main   # the engine's own imports, while the controller boots
+    profile_dir, cluster_id = os.environ.get("IPP_PROFILE_DIR"), os.environ.get("IPP_CLUSTER_ID", "")
+    if "IPP_CONNECTION_INFO" not in os.environ and profile_dir:   # spawned before the controller
+        info = wait_for_connection_info(connection_file(profile_dir, cluster_id),
+                                        float(os.environ.get(WAIT_ENV, "120")))
+        os.environ["IPP_CONNECTION_INFO"] = json.dumps(info)
     engine_main()
 
 

@@ -1,8 +1,9 @@
 """Starting and stopping engines with ipyparallel's own launchers, and timing where the start goes.
 
 `cluster.start` owns the world (ranks, rendezvous, `runtime.init`); this module owns the processes:
-the kit's defaults for ipyparallel's `Cluster`, OpenMPI's switches for `engines="mpi"`, waiting for
-engines to register (failing at once when the launcher itself exited, e.g. `mpiexec` refusing to run),
+the kit's defaults for ipyparallel's `Cluster` (its own engine, ipengine.py, for local engines, spawned before
+the controller so that their boot overlaps the controller's), OpenMPI's switches for `engines="mpi"`, waiting
+for engines to register (failing at once when the launcher itself exited, e.g. `mpiexec` refusing to run),
 killing engines stuck in a collective, and `Stopwatch`, the per-phase record behind `handle.startup_s`
 and bench/cluster_start.py.
 """
@@ -21,13 +22,17 @@ from .config import ConfigError
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
-PRELOAD_ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
-"""`engine_cmd` for local / MPI engines: ipyparallel's engine behind a thread importing torch and megatron at boot
-(ipengine.py). The default where this machine has PRELOAD_MIN_CORES_PER_ENGINE cores per engine or more."""
+ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
+"""The kit's engine (ipengine.py): ipyparallel's engine that may start before the controller and imports torch
+and megatron at boot (unless `ipengine.PRELOAD_ENV` is '0'). The default `engine_cmd` of local engines, and of
+MPI engines where this machine has PRELOAD_MIN_CORES_PER_ENGINE cores per engine or more."""
+PRELOAD_ENGINE_CMD = ENGINE_CMD
+"""The same command; with no `ipengine.PRELOAD_ENV` set it always imports at boot (a caller's config naming it)."""
 PRELOAD_MIN_CORES_PER_ENGINE = 4
 """bench/cluster_start.py, start() to ready on 2 engines: a 32-core GPU node 12.3 -> 10.8 s and, on a slower
-one, 17.3 -> 14.7 s with the preloading engine; 2 busy CPU cores were slower with it (the import thread and
-the registration share the engine's GIL and the cores)."""
+one, 17.3 -> 14.7 s with the imports at boot; 2 busy CPU cores were slower with them (the import thread and
+the registration share the engine's GIL and the cores), when engines were spawned after the controller. It now
+decides for MPI engines only: local ones are spawned first and import at boot everywhere (2 busy cores included)."""
 CONTROLLER_ARGS = ["--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=120"]
 OPENMPI_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 """OpenMPI refuses more ranks than cores; an engine mostly waits (one per GPU), so the kit allows it."""
@@ -86,8 +91,10 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
     launcher.setdefault("log_level", 40)
     launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
-    if preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0))):
-        set_default_engine_cmd(launcher)
+    # Local engines import at boot everywhere: spawned before the controller, that won on 2 busy cores too
+    # (bench/cluster_start.py: ready 3.9 -> 3.0 s); MPI engines (spawned after it) only with cores to spare.
+    preload = kind(launcher) == "local" or preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0)))
+    set_default_engine_cmd(launcher, preload=preload, connection_wait_s=timeout_s)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
         mpi = cluster.config.MPIEngineSetLauncher
@@ -96,27 +103,61 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
 
 
 def preload_by_default(*, n_engines: int, cores: int) -> bool:
-    """Whether engines preload torch/megatron at boot (PRELOAD_ENGINE_CMD) unless the caller chose an engine_cmd."""
+    """Whether engines import torch/megatron at boot unless the caller chose an engine_cmd or set PRELOAD_ENV."""
     return cores >= PRELOAD_MIN_CORES_PER_ENGINE * max(n_engines, 1)
 
 
-def set_default_engine_cmd(launcher: dict) -> None:
-    """PRELOAD_ENGINE_CMD as the local / MPI engine command, unless the caller's config names one."""
+def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_wait_s: float = 120.0) -> None:
+    """The kit's engine (ENGINE_CMD) for local engines, and for MPI ones when `preload`, unless the caller's
+    config names an engine_cmd. Local engines the kit picks get `ipengine.PRELOAD_ENV=0` when not `preload`
+    (unless it is set in this process's environment, which they inherit); every local engine set starts its
+    engines at once (ipyparallel waits 0.1 s between two) and may wait `connection_wait_s` for the controller."""
     from traitlets.config import Config
+
+    from .ipengine import PRELOAD_ENV, WAIT_ENV
     section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))
-    if section is None:   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
-        return
-    config = launcher.setdefault("config", Config())
-    if "engine_cmd" not in config[section]:
-        config[section].engine_cmd = PRELOAD_ENGINE_CMD
+    if section is None or (section == "MPIEngineSetLauncher" and not preload):
+        return   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
+    config = launcher.setdefault("config", Config())[section]
+    env = {}
+    if section == "LocalEngineSetLauncher":
+        env[WAIT_ENV] = f"{connection_wait_s:g}"
+        if "delay" not in config:
+            config.delay = 0.0
+    if "engine_cmd" not in config:
+        config.engine_cmd = ENGINE_CMD
+        if section == "LocalEngineSetLauncher" and not preload and PRELOAD_ENV not in os.environ:
+            env[PRELOAD_ENV] = "0"
+    if env:
+        config.environment = {**env, **config.get("environment", {})}
+
+
+def engines_find_controller(cluster: ipp.Cluster) -> bool:
+    """Whether `cluster`'s engines are local ones running the kit's engine, which wait for the controller's
+    connection file themselves (ipengine.py), so they can be spawned before the controller."""
+    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+    cls = cluster.engine_launcher_class
+    cmd = cluster.config.LocalEngineSetLauncher.get("engine_cmd", [])
+    return isinstance(cls, type) and issubclass(cls, LocalEngineSetLauncher) and "mfsdp_kit.ipengine" in cmd
 
 
 def start_processes(cluster: ipp.Cluster, n: int, watch: Stopwatch) -> ipp.Client:
-    """Controller, then n engines, then a client; each a phase of `watch`."""
-    cluster.start_controller_sync()
-    watch.lap("controller")
-    cluster.start_engines_sync(n)
-    watch.lap("engines_spawn")
+    """n engines, the controller and a client; each a phase of `watch`.
+
+    The kit's local engines are spawned first: they boot (and import torch) while the controller does, then
+    read its connection file. Other engines (plain ipyparallel ones, MPI, Slurm, whose nodes may not see this
+    filesystem) are spawned once the controller is up, with its connection info in `$IPP_CONNECTION_INFO`.
+    """
+    if engines_find_controller(cluster):
+        cluster.start_engines_sync(n)
+        watch.lap("engines_spawn")
+        cluster.start_controller_sync()
+        watch.lap("controller")
+    else:
+        cluster.start_controller_sync()
+        watch.lap("controller")
+        cluster.start_engines_sync(n)
+        watch.lap("engines_spawn")
     client = cluster.connect_client_sync()
     watch.lap("client_connect")
     return client

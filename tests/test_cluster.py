@@ -30,6 +30,8 @@ def test_all_reduce_of_rank_plus_one(handle):
     assert [float(x) for x in handle.view["x"]] == [3.0, 3.0]
     assert handle.view["rank"] == [0, 1] and handle.view["world_size"] == [2, 2]
     assert "ranks=[0, 1]" in repr(handle) and "backend='gloo'" in repr(handle)
+    # local engines run the kit's engine, spawned before the controller (launch.start_processes)
+    assert list(handle.startup_s)[1:3] == ["engines_spawn", "controller"], handle.startup_s
 
 
 def test_default_bind_address_and_connection_file_permissions(handle):
@@ -124,18 +126,48 @@ def test_bad_start_arguments_are_config_errors_before_anything_starts(kwargs, fi
 
 
 def test_engines_preload_where_there_are_cores_for_it():
-    """launch.preload_by_default: 4 cores per engine or more; a caller's engine_cmd always wins."""
+    """launch.preload_by_default: 4 cores per engine or more; local engines run the kit's engine either way
+    (without the import thread below that), MPI ones only with it; a caller's engine_cmd always wins."""
     from traitlets.config import Config
 
-    from mfsdp_kit import launch
+    from mfsdp_kit import ipengine, launch
     assert launch.preload_by_default(n_engines=2, cores=32) and launch.preload_by_default(n_engines=8, cores=32)
     assert not launch.preload_by_default(n_engines=2, cores=2) and not launch.preload_by_default(n_engines=9, cores=32)
     launcher = {}
     launch.set_default_engine_cmd(launcher)
-    assert launcher["config"].LocalEngineSetLauncher.engine_cmd == launch.PRELOAD_ENGINE_CMD
+    local = launcher["config"].LocalEngineSetLauncher
+    assert local.engine_cmd == launch.PRELOAD_ENGINE_CMD and local.delay == 0
+    assert ipengine.PRELOAD_ENV not in local.environment and local.environment[ipengine.WAIT_ENV] == "120"
+    few_cores = {}
+    launch.set_default_engine_cmd(few_cores, preload=False, connection_wait_s=30)
+    local = few_cores["config"].LocalEngineSetLauncher
+    assert local.engine_cmd == launch.ENGINE_CMD and local.environment[ipengine.WAIT_ENV] == "30"
+    if ipengine.PRELOAD_ENV not in os.environ:
+        assert local.environment[ipengine.PRELOAD_ENV] == "0"
     mine = {"engines": "mpi", "config": Config({"MPIEngineSetLauncher": {"engine_cmd": ["my-engine"]}})}
     launch.set_default_engine_cmd(mine)
     assert mine["config"].MPIEngineSetLauncher.engine_cmd == ["my-engine"]
-    slurm = {"engines": "slurm"}
-    launch.set_default_engine_cmd(slurm)
-    assert "config" not in slurm
+    for other in ({"engines": "slurm"}, {"engines": "mpi"}):
+        launch.set_default_engine_cmd(other, preload=False)
+        assert "config" not in other
+
+
+def test_engine_reads_the_connection_file_only_once_it_is_whole(tmp_path):
+    """The controller creates its file, then writes it: an engine spawned before it must not read it half-done."""
+    import threading
+
+    from mfsdp_kit import ipengine
+    path = ipengine.connection_file(str(tmp_path), "abc")
+    assert path == str(tmp_path / "security" / "ipcontroller-abc-engine.json")
+    (tmp_path / "security").mkdir()
+    open(path, "w").close()   # created, not yet written
+
+    def write():
+        with open(path, "w") as f:
+            f.write(json.dumps({"key": "k", "registration": 1234}))
+    timer = threading.Timer(0.1, write)
+    timer.start()
+    assert ipengine.wait_for_connection_info(path, timeout_s=10)["registration"] == 1234
+    timer.join()
+    with pytest.raises(TimeoutError, match="did not arrive"):
+        ipengine.wait_for_connection_info(str(tmp_path / "missing.json"), timeout_s=0.05)
