@@ -116,6 +116,9 @@ for s in $SECTIONS; do
                   --host-staging --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \
                   --root /dev/shm/mfsdp_ckpt --out "$RESULTS/checkpoint_fsdp_async_shm.json"; rm -rf /dev/shm/mfsdp_ckpt ;;
+    # the checkpoint tests that move tensors between GPU and host (raw items through pinned buffers), ~2 min
+    gpu_tests_ckpt) section gpu_tests_ckpt python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_format.py \
+                  tests/test_checkpoint.py -k "roundtrip or resume or async or io_options or reshard or format" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
@@ -196,7 +199,7 @@ for s in $SECTIONS; do
     moe)        section moe trun bench/moe_throughput.py --spec moe-1.3b --micro-batch-size 4 --steps 8 --warmup 2 \
                   --out "$RESULTS/moe_throughput.json" ;;
     # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
-    cluster_start) section cluster_start python3 bench/cluster_start.py --n "$NGPU" --repeats 3 \
+    cluster_start) section cluster_start python3 bench/cluster_start.py --n "$NGPU" --repeats 3 --variants "${CS_VARIANTS:-plain,preload,noimport}" \
                   --out "$RESULTS/cluster_start.json" ;;
     # where an engine's imports go (issue 21: engines up fast): -X importtime of the kit + megatron, twice
     # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries

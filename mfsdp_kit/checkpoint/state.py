@@ -154,8 +154,9 @@ def ddp_optimizer_state(optimizer) -> dict:
                 st = torch_opt.state[p]
                 if "exp_avg" not in st:
                     st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p.data), torch.zeros_like(p.data)
-                if "step" not in st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
+                if "step" not in st:   # where torch's Adam keeps it: on the param's device when fused/capturable
+                    on_device = group.get("fused") or group.get("capturable")
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 key = f"{i}.{g}.{j}"
                 out[f"{key}.param"] = p.data
                 out.update({f"{key}.{n}": v for n, v in st.items() if torch.is_tensor(v)})

@@ -75,7 +75,7 @@ def local_snapshot(chunks, opt, fsdp: bool) -> dict:
 
 def _compare(a: dict, b: dict) -> dict:
     keys = sorted(set(a) | set(b))
-    differ = [k for k in keys if k not in a or k not in b or not torch.equal(a[k], b[k])]
+    differ = [k for k in keys if k not in a or k not in b or a[k].device != b[k].device or not torch.equal(a[k], b[k])]
     groups = {g: sum(k.startswith(g) for k in keys) for g in ("model", "optimizer", "rng")}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, dict(differ=differ[:5], n_differ=len(differ), groups=groups))
