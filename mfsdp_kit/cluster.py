@@ -28,6 +28,7 @@ import ipyparallel as ipp
 
 from . import launch, watchdog
 from .config import EngineConfig, bad_value
+from .fieldtypes import is_int
 from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
@@ -321,9 +322,9 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     from .runtime import BACKENDS   # imports torch in the notebook: the first start pays it ("checks" phase)
     if backend not in BACKENDS:   # fail here, not after engines have started
         raise _bad_start("backend", backend, " | ".join(BACKENDS))
-    if device_count is not None and (not _is_int(device_count) or device_count < 0):
+    if device_count is not None and (not is_int(device_count) or device_count < 0):
         raise _bad_start("device_count", device_count, "None or an integer >= 0")
-    if n is not None and (not _is_int(n) or n < 1):
+    if n is not None and (not is_int(n) or n < 1):
         raise _bad_start("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
         raise _bad_start("timeout_s", timeout_s, "a finite number of seconds > 0")
@@ -352,10 +353,6 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     except BaseException:
         launch.stop(cluster, client)
         raise
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
+from .fieldtypes import is_int
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -54,11 +55,11 @@ def _check_world(*, backend: str, rank: int, world_size: int, local_rank: int, t
     """The launch arguments, checked like config fields: a bad one is a `ConfigError` before any socket opens."""
     if backend not in BACKENDS:
         raise bad_value("backend", backend, " | ".join(BACKENDS))
-    if not _is_int(world_size) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise bad_value("world_size", world_size, "an integer >= 1")
-    if not _is_int(rank) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise bad_value("rank", rank, f"an integer in [0, {world_size - 1}] (world_size={world_size})")
-    if not _is_int(local_rank) or local_rank < 0:
+    if not is_int(local_rank) or local_rank < 0:
         raise bad_value("local_rank", local_rank, "an integer >= 0")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise bad_value("timeout_s", timeout_s, "a finite number of seconds > 0")
@@ -192,10 +193,6 @@ def loopback_interface() -> str | None:
         if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
             return name
     return None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _init_megatron(cfg: EngineConfig) -> None:
