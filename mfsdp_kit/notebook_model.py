@@ -9,8 +9,8 @@
 
 Why "m" on GPUs: every notebook passes with it and runs in about a minute on 2 H200 (all 8: 528 s,
 docs/benchmarks.md), with real bf16 numbers in 06_memory (139k / 89k tokens/s per GPU for DDP / FSDP,
-10-16 % MFU, 15 of 140 GiB); `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s per notebook to
-write its folder. The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
+10-16 % MFU, 15 of 140 GiB); `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its
+folder, once per machine (`models.tiny.cached`). The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
 them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4 on l; bench/sft_grpo.py
 trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
 
@@ -96,13 +96,14 @@ def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) 
 
 def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: str | None = None,
             seed: int = 0) -> NotebookModel:
-    """Resolve the knob and make the model's folder: a tiny size is written (seeded) under `workdir`."""
+    """Resolve the knob and find the model's folder: a tiny size is written (seeded) once per machine and
+    reused (`models.tiny.cached`, under $MFSDP_KIT_CACHE or ~/.cache/mfsdp_kit); outputs go to `workdir`."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     choice, dtype = resolve(model, on_gpu=on_gpu)
     workdir = workdir or tempfile.mkdtemp(prefix="mfsdp_nb_")
     if choice in TINY_SIZES:
-        from .models.tiny import tiny
-        path = str(tiny(Path(workdir) / f"tiny_{choice}", size=choice, seed=seed))
+        from .models.tiny import cached
+        path = str(cached(size=choice, seed=seed))
         scale = LR_SCALE[choice]
     else:
         path, scale = choice, USER_LR_SCALE

@@ -37,33 +37,42 @@ section() {  # section NAME command...: run, keep the log, remember failures
   return 0
 }
 trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
-# nbval over each notebook (NOTEBOOKS: a subset; the knob MFSDP_MODEL picks the model, default tiny m in
-# bf16 on GPUs), one pytest per notebook so each gets its wall time (engine start, model write and load,
-# every cell); prints a table, writes $RESULTS/notebooks.json, fails if any notebook failed.
+# nbval over every notebook in ONE pytest, as `make test` runs them on CPU (NOTEBOOKS: a subset; the knob
+# MFSDP_MODEL picks the model, default tiny m in bf16 on GPUs); each notebook's time is the sum of its cells'
+# setup/call/teardown (pytest --durations=0), its slowest cells beside it; prints a table, writes
+# $RESULTS/notebooks.json, fails if any cell failed.
 run_notebooks() {
   NOTEBOOKS="${NOTEBOOKS:-$(ls notebooks/*.ipynb)}" python3 - "$RESULTS/notebooks.json" <<'PY'
-import json, os, subprocess, sys, time
+import collections, json, os, re, subprocess, sys, time
 import torch
-rows, failed = [], 0
-def result():
-    return dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
-                gpus=torch.cuda.device_count(),
-                device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                total_s=round(sum(r["wall_s"] for r in rows), 1), notebooks=rows)
-for nb in os.environ["NOTEBOOKS"].split():
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider",
-                        "--nbval-cell-timeout=400", nb], capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    last = (p.stdout.strip().splitlines() or [""])[-1]
-    rows.append(dict(notebook=os.path.basename(nb), ok=p.returncode == 0, wall_s=round(wall, 1), pytest=last))
-    print(f"{rows[-1]['notebook']:<22} {'ok' if p.returncode == 0 else 'FAILED':>6} {wall:8.1f} s   {last}", flush=True)
-    if p.returncode:
-        failed += 1
-        print(p.stdout[-6000:], p.stderr[-3000:])
-    json.dump(result(), open(sys.argv[1], "w"), indent=1)   # after each notebook: a cut-off run keeps its rows
-print(f"{'total':<22} {len(rows) - failed}/{len(rows)} ok {result()['total_s']:8.1f} s")
-sys.exit(1 if failed else 0)
+nbs = os.environ["NOTEBOOKS"].split()
+t0 = time.perf_counter()
+p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", "--nbval-cell-timeout=400",
+                    "--durations=0", "--durations-min=0", *nbs], capture_output=True, text=True)
+wall = time.perf_counter() - t0
+cells = [(float(m[1]), m[2], m[3], m[4]) for m in
+         re.finditer(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+?\.ipynb)::(.+)$", p.stdout, re.M)]
+per_nb = collections.defaultdict(float)
+for s, _, nb, _ in cells:
+    per_nb[os.path.basename(nb)] += s
+failed = [l for l in p.stdout.splitlines() if l.startswith("FAILED")]
+rows = []
+for nb in nbs:
+    name = os.path.basename(nb)
+    slowest = sorted(((s, c) for s, w, n, c in cells if os.path.basename(n) == name and w == "call"), reverse=True)[:4]
+    rows.append(dict(notebook=name, ok=not any(name in l for l in failed), cells_s=round(per_nb[name], 1),
+                     slowest_cells=[dict(cell=c, s=s) for s, c in slowest]))
+    print(f"{name:<22} {'ok' if rows[-1]['ok'] else 'FAILED':>6} {per_nb[name]:8.1f} s   "
+          + ", ".join(f"{c} {s:.1f} s" for s, c in slowest), flush=True)
+last = (p.stdout.strip().splitlines() or [""])[-1]
+json.dump(dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
+               gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               total_s=round(wall, 1), cells_s=round(sum(per_nb.values()), 1), pytest=last, notebooks=rows),
+          open(sys.argv[1], "w"), indent=1)
+print(f"{'total (one pytest)':<22} {wall:8.1f} s   {last}")
+if p.returncode:
+    print(p.stdout[-8000:], p.stderr[-3000:])
+sys.exit(p.returncode)
 PY
 }
 
@@ -205,7 +214,29 @@ for s in $SECTIONS; do
     # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries
     imports)    section imports bash -c 'for i in 1 2; do /usr/bin/time -f "run $i: %e s" python3 -X importtime \
                   -c "import mfsdp_kit, megatron.core" 2> "$0/importtime$i.txt"; tail -1 "$0/importtime$i.txt"; done
-                  sort -t"|" -k2 -n -r "$0/importtime2.txt" | head -30' "$RESULTS" ;;
+                  sort -t"|" -k2 -n -r "$0/importtime2.txt" | head -30' "$RESULTS"
+                # is bytecode cached where the image keeps its packages? (an import that finds no .pyc and cannot
+                # write one compiles every module, every time)
+                section pyc_cache python3 - <<'PY'
+import importlib.util, os, subprocess, sys, time
+for name in ("sympy", "torch", "megatron.core", "ipyparallel"):
+    spec = importlib.util.find_spec(name)
+    d = os.path.dirname(spec.origin)
+    cached = importlib.util.cache_from_source(spec.origin)
+    print(f"{name:14} {d}  writable={os.access(d, os.W_OK)}  pyc={os.path.exists(cached)}")
+def t(env=None):
+    t0 = time.perf_counter(); subprocess.run([sys.executable, "-c", "import sympy"], env={**os.environ, **(env or {})}); return time.perf_counter() - t0
+print("import sympy, s:", [round(t(), 2) for _ in range(2)],
+      "with PYTHONPYCACHEPREFIX:", [round(t({"PYTHONPYCACHEPREFIX": "/tmp/pyc"}), 2) for _ in range(3)])
+# what CUDA costs an engine before its first kernel: driver init, the device's context, cuBLAS
+import torch
+t0 = time.perf_counter(); torch.cuda.init(); t1 = time.perf_counter()
+torch.cuda.set_device(0); t2 = time.perf_counter()
+x = torch.ones(64, 64, device="cuda"); torch.cuda.synchronize(); t3 = time.perf_counter()
+(x @ x).sum().item(); t4 = time.perf_counter()
+print(f"cuda init {t1 - t0:.3f} s, set_device {t2 - t1:.3f} s, first tensor {t3 - t2:.3f} s, first matmul {t4 - t3:.3f} s")
+PY
+                ;;
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
                   --train-steps 1 --out "$RESULTS/load_7b.json" ;;
     *) echo "unknown section $s"; status=1 ;;

@@ -1,10 +1,12 @@
 """notebook_model: the one knob (MFSDP_MODEL / MFSDP_DTYPE or a first-cell argument) that picks the
 notebooks' model. throughput() itself runs in notebooks/06_memory (nbval)."""
+from pathlib import Path
+
 import pytest
 
 from mfsdp_kit import notebook_model as nm
 from mfsdp_kit.config import ConfigError
-from mfsdp_kit.models.tiny import SIZES, param_count, tiny
+from mfsdp_kit.models.tiny import CACHE_ENV, SIZES, param_count, tiny
 
 
 def test_defaults_follow_the_hardware():
@@ -29,12 +31,17 @@ def test_bad_values_name_the_knob(env, field):
         nm.resolve(on_gpu=False, env=env)
 
 
-def test_prepare_writes_the_tiny_folder(tmp_path, monkeypatch):
+def test_prepare_writes_the_tiny_folder_once(tmp_path, monkeypatch):
     monkeypatch.delenv(nm.ENV_MODEL, raising=False)
     monkeypatch.delenv(nm.ENV_DTYPE, raising=False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     m = nm.prepare(on_gpu=False, workdir=str(tmp_path))
     assert (m.choice, m.dtype, m.size, m.lr_scale) == ("xs", "fp32", "xs", 1.0)
-    assert m.path == str(tmp_path / "tiny_xs") and (tmp_path / "tiny_xs" / "model.safetensors").is_file()
+    weights = Path(m.path) / "model.safetensors"
+    assert Path(m.path).parent == tmp_path / "cache" and weights.is_file()
+    written = weights.stat().st_mtime_ns
+    again = nm.prepare(on_gpu=False, workdir=str(tmp_path / "other"))
+    assert again.path == m.path and weights.stat().st_mtime_ns == written   # reused, not rewritten
     assert m.lr(3e-3) == 3e-3 and m.out("sft") == str(tmp_path / "sft")
     cfg = m.engine_config(use_megatron_fsdp=True)
     assert cfg.dtype == "fp32" and cfg.use_megatron_fsdp

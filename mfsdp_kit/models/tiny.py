@@ -12,7 +12,10 @@ bitwise-identical model.safetensors, in seconds.
 """
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
+import tempfile
 import zlib
 
 import torch
@@ -20,6 +23,8 @@ import torch
 from ..config import bad_value
 
 ARCHS = ("qwen2", "llama")
+CACHE_ENV = "MFSDP_KIT_CACHE"
+"""Folder under which `cached` keeps written tiny models (default ~/.cache/mfsdp_kit)."""
 
 SIZES: dict[str, dict[str, int]] = {
     # xs: trains in seconds on 2 CPU cores. ~0.1 M params.
@@ -151,3 +156,40 @@ def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> pathl
                      max_new_tokens=16).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+def cache_root() -> pathlib.Path:
+    """$MFSDP_KIT_CACHE, else ~/.cache/mfsdp_kit: where `cached` keeps tiny folders."""
+    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "mfsdp_kit")
+
+
+def cache_key(*, arch: str, size: str, seed: int) -> str:
+    """Folder name of one tiny model: what it is, plus a digest of everything its bytes depend on (this module's
+    source: shapes, init, tokenizer; torch's RNG; transformers' file formats), so a change writes a new one."""
+    import transformers
+    digest = zlib.crc32(pathlib.Path(__file__).read_bytes())
+    digest = zlib.crc32(f"{torch.__version__} {transformers.__version__}".encode(), digest)
+    return f"tiny-{arch}-{size}-seed{seed}-{digest:08x}"
+
+
+def cached(*, arch: str = "qwen2", size: str = "xs", seed: int = 0, root=None) -> pathlib.Path:
+    """The folder `tiny(...)` writes, written once per machine and reused: the 180 M "m" model takes seconds to
+    draw and write, and every notebook asks for it. The folder appears whole or not at all (written aside,
+    then renamed into place); a reader must not write into it (outputs go elsewhere)."""
+    _check("arch", arch, ARCHS)
+    _check("size", size, tuple(SIZES))
+    root = pathlib.Path(root) if root is not None else cache_root()
+    final = root / cache_key(arch=arch, size=size, seed=seed)
+    if (final / "model.safetensors").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        tiny(tmp, arch=arch, size=size, seed=seed)
+        os.replace(tmp, final)          # atomic; fails if another process put a (non-empty) one there first
+    except OSError:
+        if not (final / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
