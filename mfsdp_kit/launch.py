@@ -18,6 +18,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from . import cache
 from .config import ConfigError
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
@@ -111,7 +112,8 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     """The kit's engine (ENGINE_CMD) for local engines, and for MPI ones when `preload`, unless the caller's
     config names an engine_cmd. Local engines the kit picks get `ipengine.PRELOAD_ENV=0` when not `preload`
     (unless it is set in this process's environment, which they inherit); every local engine set starts its
-    engines at once (ipyparallel waits 0.1 s between two) and may wait `connection_wait_s` for the controller."""
+    engines at once (ipyparallel waits 0.1 s between two) and may wait `connection_wait_s` for the controller.
+    Both keep the bytecode of what they import (`cache.bytecode_env`)."""
     from traitlets.config import Config
 
     from .ipengine import PRELOAD_ENV, WAIT_ENV
@@ -119,7 +121,7 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     if section is None or (section == "MPIEngineSetLauncher" and not preload):
         return   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
     config = launcher.setdefault("config", Config())[section]
-    env = {}
+    env = cache.bytecode_env()   # an image with PYTHONDONTWRITEBYTECODE=1 recompiles torch at every start
     if section == "LocalEngineSetLauncher":
         env[WAIT_ENV] = f"{connection_wait_s:g}"
         if "delay" not in config:

@@ -21,6 +21,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/mfsdp_site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+# The image sets PYTHONDONTWRITEBYTECODE=1, so every process would compile torch, sympy and megatron from source
+# (~10 s). Keep bytecode the way the kit's engines and `make lab` do (mfsdp_kit/cache.py); IMAGE_ENV undoes it
+# for a section that measures what the kit itself does (cluster_start).
+IMAGE_ENV="env PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-} PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-}"
+eval "$(python3 -c 'from mfsdp_kit.cache import bytecode_env; print("".join(f"export {k}={v!r};" for k, v in bytecode_env().items()))')"
 python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "transformers", transformers.__version__, "mcore", m.__version__, "gpus", torch.cuda.device_count())'
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
@@ -208,7 +213,7 @@ for s in $SECTIONS; do
     moe)        section moe trun bench/moe_throughput.py --spec moe-1.3b --micro-batch-size 4 --steps 8 --warmup 2 \
                   --out "$RESULTS/moe_throughput.json" ;;
     # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
-    cluster_start) section cluster_start python3 bench/cluster_start.py --n "$NGPU" --repeats 3 --variants "${CS_VARIANTS:-plain,preload,noimport}" \
+    cluster_start) section cluster_start $IMAGE_ENV python3 bench/cluster_start.py --n "$NGPU" --repeats 3 --variants "${CS_VARIANTS:-plain,preload,noimport}" \
                   --out "$RESULTS/cluster_start.json" ;;
     # where an engine's imports go (issue 21: engines up fast): -X importtime of the kit + megatron, twice
     # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries

@@ -152,6 +152,18 @@ def test_engines_preload_where_there_are_cores_for_it():
         assert "config" not in other
 
 
+def test_engines_keep_their_bytecode_where_the_image_switches_it_off(tmp_path, monkeypatch):
+    """A container image's PYTHONDONTWRITEBYTECODE=1 made every engine recompile torch and megatron at each start."""
+    from mfsdp_kit import cache, launch
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    launcher = {}
+    launch.set_default_engine_cmd(launcher)
+    env = launcher["config"].LocalEngineSetLauncher.environment
+    assert env["PYTHONDONTWRITEBYTECODE"] == "" and env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache")
+
+
 def test_engine_reads_the_connection_file_only_once_it_is_whole(tmp_path):
     """The controller creates its file, then writes it: an engine spawned before it must not read it half-done."""
     import threading

@@ -6,7 +6,8 @@ import pytest
 
 from mfsdp_kit import notebook_model as nm
 from mfsdp_kit.config import ConfigError
-from mfsdp_kit.models.tiny import CACHE_ENV, SIZES, param_count, tiny
+from mfsdp_kit.cache import CACHE_ENV
+from mfsdp_kit.models.tiny import SIZES, param_count, tiny
 
 
 def test_defaults_follow_the_hardware():

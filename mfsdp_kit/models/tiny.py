@@ -23,8 +23,6 @@ import torch
 from ..config import bad_value
 
 ARCHS = ("qwen2", "llama")
-CACHE_ENV = "MFSDP_KIT_CACHE"
-"""Folder under which `cached` keeps written tiny models (default ~/.cache/mfsdp_kit)."""
 
 SIZES: dict[str, dict[str, int]] = {
     # xs: trains in seconds on 2 CPU cores. ~0.1 M params.
@@ -158,11 +156,6 @@ def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> pathl
     return path
 
 
-def cache_root() -> pathlib.Path:
-    """$MFSDP_KIT_CACHE, else ~/.cache/mfsdp_kit: where `cached` keeps tiny folders."""
-    return pathlib.Path(os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "mfsdp_kit")
-
-
 def cache_key(*, arch: str, size: str, seed: int) -> str:
     """Folder name of one tiny model: what it is, plus a digest of everything its bytes depend on (this module's
     source: shapes, init, tokenizer; torch's RNG; transformers' file formats), so a change writes a new one."""
@@ -173,12 +166,13 @@ def cache_key(*, arch: str, size: str, seed: int) -> str:
 
 
 def cached(*, arch: str = "qwen2", size: str = "xs", seed: int = 0, root=None) -> pathlib.Path:
-    """The folder `tiny(...)` writes, written once per machine and reused: the 180 M "m" model takes seconds to
-    draw and write, and every notebook asks for it. The folder appears whole or not at all (written aside,
-    then renamed into place); a reader must not write into it (outputs go elsewhere)."""
+    """The folder `tiny(...)` writes, written once per machine (under `cache.root()`, or `root`) and reused:
+    the 180 M "m" model takes seconds to draw and write, and every notebook asks for it. The folder appears
+    whole or not at all (written aside, then renamed into place); a reader must not write into it."""
     _check("arch", arch, ARCHS)
     _check("size", size, tuple(SIZES))
-    root = pathlib.Path(root) if root is not None else cache_root()
+    from .. import cache
+    root = pathlib.Path(root) if root is not None else cache.root()
     final = root / cache_key(arch=arch, size=size, seed=seed)
     if (final / "model.safetensors").is_file():
         return final
