@@ -22,6 +22,8 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("local", "sdpa")
 RECOMPUTE = ("none", "selective", "full")
 ADAM_IMPLEMENTATIONS, GPU_ONLY_DDP_KEYS = ("auto", "foreach", "fused"), ("fsdp_double_buffer", "nccl_ub")
+NCCL_MAX_CTAS = 32
+"""NCCL's MAXCHANNELS: the most CTAs one collective can use (ncclConfig_t.maxCTAs is checked against it)."""
 
 # What verl's Megatron-FSDP mode sets before the user's overrides (verl PR #5423).
 FSDP_DDP_DEFAULTS = dict(
@@ -74,6 +76,11 @@ class EngineConfig:
     high_priority_comm: bool = False
     """Data-parallel collectives on high-priority CUDA streams (megatron's `high_priority_stream_groups`
     = ["dp_cp"]): their kernels are scheduled ahead of queued compute kernels. GPU (NCCL) only."""
+    nccl_max_ctas: int | None = None
+    """Most thread blocks (CTAs, one SM each) a data-parallel NCCL collective may run on (megatron's per-communicator
+    `max_ctas`, groups dp_cp and dp; NCCL's Hopper default is 32 of 132 SMs). Collectives that overlap compute take
+    their SMs from the GEMMs beside them; fewer CTAs leave the GEMMs more, and make each collective slower.
+    None: NCCL's choice. GPU (NCCL) only."""
     seed: int = 1234
     """Seed for parameter init and the per-rank RNG tracker."""
     optimizer_offload: bool = False
@@ -145,6 +152,10 @@ class EngineConfig:
                             "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
         if self.high_priority_comm and not on_gpu:
             raise bad_value("high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
+        if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= NCCL_MAX_CTAS:
+            raise bad_value("nccl_max_ctas", self.nccl_max_ctas, f"None or an integer in [1, {NCCL_MAX_CTAS}]")
+        if self.nccl_max_ctas is not None and not on_gpu:
+            raise bad_value("nccl_max_ctas", self.nccl_max_ctas, "None without a GPU (an NCCL communicator option)")
         for key in [k for k in GPU_ONLY_DDP_KEYS if self.override_ddp_config.get(k) and not on_gpu]:
             raise bad_value(f"override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
                             "megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")

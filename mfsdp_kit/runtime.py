@@ -7,10 +7,12 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT). On a machine without CUDA the backend is 
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
 import socket
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -199,15 +201,32 @@ def _init_megatron(cfg: EngineConfig) -> None:
     from megatron.core import parallel_state as ps
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
-        create_all_gather_group=cfg.use_megatron_fsdp and cfg.fsdp_all_gather_group,
-        high_priority_stream_groups=["dp_cp"] if cfg.high_priority_comm else None,
-    )
+    with _nccl_config_file(cfg) as nccl_config:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
+            create_all_gather_group=cfg.use_megatron_fsdp and cfg.fsdp_all_gather_group,
+            high_priority_stream_groups=["dp_cp"] if cfg.high_priority_comm else None,
+            nccl_communicator_config_path=nccl_config,
+        )
+
+
+@contextlib.contextmanager
+def _nccl_config_file(cfg: EngineConfig):
+    """megatron reads per-communicator NCCL options from a YAML file only: write one for `cfg.nccl_max_ctas` (the
+    data-parallel groups, which Megatron-FSDP's gathers and reduce-scatters and DDP's reductions use), else None."""
+    if cfg.nccl_max_ctas is None:
+        yield None
+        return
+    import yaml
+    with tempfile.TemporaryDirectory(prefix="mfsdp_nccl_") as tmp:
+        path = os.path.join(tmp, "nccl.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump({group: {"max_ctas": cfg.nccl_max_ctas} for group in ("dp_cp", "dp")}, f)
+        yield path
 
 
 def set_seed(seed: int) -> None:

@@ -122,12 +122,12 @@ for s in $SECTIONS; do
     # memory-backed storage only: the kit's own save/load path; raw tensor items (default) vs DCP's torch.save
     # items (the format before, same code otherwise: the A/B), then reused pinned host staging and async
     checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16 --repeats 5"
-                section checkpoint_fsdp_shm_torchsave trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
-                  --tensor-format torch_save --probe-mb 1024 --out "$RESULTS/checkpoint_fsdp_shm_torchsave.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 1024 \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
-                section checkpoint_fsdp_shm_staged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
-                  --host-staging --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm_unstaged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --host-staging off --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_unstaged.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm_t8 trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --threads 8 --read-threads 8 --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_t8.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \
                   --root /dev/shm/mfsdp_ckpt --out "$RESULTS/checkpoint_fsdp_async_shm.json"; rm -rf /dev/shm/mfsdp_ckpt ;;
     # the checkpoint tests that move tensors between GPU and host (raw items through pinned buffers), ~2 min
@@ -180,6 +180,11 @@ for s in $SECTIONS; do
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp-ag-group \
                   --modes ddp,fsdp,fsdp2,fsdp-ag-group,fsdp-high-prio,fsdp-ag-group-hp,fsdp-ce-fusion \
                   --out "$RESULTS/levers2.json" ;;
+    # the third set: NCCL's SM budget. Data-parallel collectives capped at 8 / 16 CTAs (Hopper default 32 of 132 SMs),
+    # so the GEMMs they overlap keep more SMs (2026-12-01)
+    levers3)    section levers3 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp-ctas8 \
+                  --modes ddp,fsdp,fsdp2,fsdp-ctas8,fsdp-ctas16,ddp-ctas8 --out "$RESULTS/levers3.json" ;;
     # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for
     headline)   section headline trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \

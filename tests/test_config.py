@@ -134,6 +134,8 @@ ENGINE_CASES = [
     (dict(override_ddp_config={"fsdp_double_buffer": True}), "override_ddp_config.fsdp_double_buffer"),   # CPU
     (dict(override_ddp_config={"nccl_ub": True}), "override_ddp_config.nccl_ub"),
     (dict(high_priority_comm=True), "high_priority_comm"),   # CPU: an NCCL option
+    (dict(nccl_max_ctas=8), "nccl_max_ctas"),                # CPU: an NCCL option
+    (dict(nccl_max_ctas="8"), "nccl_max_ctas"),
     (dict(fsdp_all_gather_group="yes"), "fsdp_all_gather_group"),
 ]
 OPTIM_CASES = [
@@ -189,7 +191,14 @@ def test_no_fp32_weights_only_in_fp32():
 
 
 def test_gpu_only_buffers_pass_on_gpu():
-    EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}, high_priority_comm=True).validate(on_gpu=True)
+    EngineConfig(override_ddp_config={"fsdp_double_buffer": True, "nccl_ub": True}, high_priority_comm=True,
+                 nccl_max_ctas=8).validate(on_gpu=True)
+
+
+@pytest.mark.parametrize("ctas", [0, 33, -1])
+def test_nccl_max_ctas_range(ctas):
+    with pytest.raises(ConfigError, match=r"nccl_max_ctas=.*\[1, 32\]"):
+        EngineConfig(nccl_max_ctas=ctas).validate(on_gpu=True)
 
 
 def test_config_error_is_a_value_error():

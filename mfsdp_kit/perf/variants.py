@@ -78,6 +78,11 @@ VARIANTS = {
     # data-parallel NCCL kernels on high-priority streams (GPU only), alone and with the AG communicator
     "fsdp-high-prio": ("fsdp", dict(high_priority_comm=True)),
     "fsdp-ag-group-hp": ("fsdp", dict(fsdp_all_gather_group=True, high_priority_comm=True)),
+    # data-parallel NCCL collectives capped at 8 / 16 CTAs (NCCL's Hopper default: 32 SMs): SMs back to the GEMMs
+    # the gathers and reduce-scatters overlap (GPU only)
+    "fsdp-ctas8": ("fsdp", dict(nccl_max_ctas=8)),
+    "fsdp-ctas16": ("fsdp", dict(nccl_max_ctas=16)),
+    "ddp-ctas8": ("ddp", dict(nccl_max_ctas=8)),
     # megatron's native fused cross-entropy (jit_fuser = torch.compile) instead of its unfused
     # vocab-parallel one: fewer passes over the [tokens, vocab] logits
     "fsdp-ce-fusion": ("fsdp", dict(override_transformer_config=dict(cross_entropy_loss_fusion=True))),

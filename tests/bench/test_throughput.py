@@ -13,7 +13,7 @@ from tests.bench.cli import run
 # comparisons (test_train, test_engine_dist, test_moe); this bench's 1e-4 over 2 steps adds CI time, not a guard.
 def test_throughput_bench(tmp_path):
     levers = ["fsdp-foreach-adam", "ddp-foreach-adam", "fsdp-grad-fp32", "fsdp-unit-1e9", "fsdp-ag-group"]
-    gpu_only = ["fsdp-double-buffer", "fsdp-nccl-ub", "fsdp-high-prio"]
+    gpu_only = ["fsdp-double-buffer", "fsdp-nccl-ub", "fsdp-high-prio", "fsdp-ctas8"]
     modes = ["ddp", "fsdp", "fsdp2", "fsdp-recompute"] + levers + gpu_only
     res = run("throughput.py", "--spec", "tiny", "--steps", "1", "--warmup", "1", "--profile", "--repeats", "2",
               "--modes", ",".join(modes), "--profile-modes", "fsdp", out=tmp_path / "t.json")
@@ -21,8 +21,9 @@ def test_throughput_bench(tmp_path):
     assert list(results) == modes
     for m in gpu_only:   # refused by EngineConfig.validate before anything is built, naming the key
         ddp_keys = results[m]["variant"]["overrides"].get("override_ddp_config", {})
-        key = f"override_ddp_config.{next(iter(ddp_keys))}" if ddp_keys else "high_priority_comm"
-        assert f"{key}=True is not allowed" in results[m]["error"], results[m]["error"]
+        key, value = (f"override_ddp_config.{next(iter(ddp_keys))}", True) if ddp_keys else \
+            next((k, v) for k, v in results[m]["variant"]["overrides"].items() if k in ("high_priority_comm", "nccl_max_ctas"))
+        assert f"{key}={value} is not allowed" in results[m]["error"], results[m]["error"]
         results.pop(m)
     assert not [m for m, r in results.items() if "error" in r], results
     for r in results.values():   # two runs each, combined: the median of their tokens/s
