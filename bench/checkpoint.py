@@ -5,8 +5,11 @@
 Builds the model, takes one optimizer step (so Adam state exists), then saves and loads
 `--repeats` times into `--root` (a fresh step each time) and reports the median seconds and
 GB/s (checkpoint bytes / seconds; 1 GB = 1e9 bytes), and the median of each phase of rank 0's
-saves and loads (CheckpointManager.last_save_phases_s / last_load_phases_s: what each is). Rank 0
-prints a table and writes JSON.
+saves and loads (CheckpointManager.last_save_phases_s / last_load_phases_s: what each is). The
+top-level phases add up to rank 0's save (load); `write.data` is a part of `write`; "per file":
+a writer thread's mean seconds per file. keep_last=1, so from the third save on each save prunes
+the step before the last (renamed away in the commit, deleted in the background meanwhile).
+Rank 0 prints a table and writes JSON (with every repeat's phases).
 """
 from __future__ import annotations
 
@@ -47,6 +50,23 @@ def disk_write_gb_per_s(root: Path, nbytes: int) -> float:
     return nbytes * dist.get_world_size() / seconds / 1e9
 
 
+PER_FILE = ("serialise", "checksum", "file_write", "fsync")
+"""Save phases that are a writer thread's seconds per file (mean), not parts of the save's wall time."""
+
+
+def phase_rows(phases: dict) -> list:
+    """Table rows: the top-level phases (they add up to the save / load), then each one's parts."""
+    top = {k: v for k, v in phases.items() if "." not in k and k not in PER_FILE}
+    rows = [("  phases", "  ".join(f"{k} {v:.3f}" for k, v in top.items()) + f"  (sum {sum(top.values()):.3f} s)")]
+    for name in top:
+        parts = {k.split(".", 1)[1]: v for k, v in phases.items() if k.startswith(name + ".")}
+        if parts:
+            rows.append((f"    {name}", "  ".join(f"{k} {v:.3f}" for k, v in parts.items())))
+    if any(k in phases for k in PER_FILE):
+        rows.append(("    per file", "  ".join(f"{k} {phases[k]:.3f}" for k in PER_FILE if k in phases)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fsdp", action="store_true", help="Megatron-FSDP (default: DDP + distributed optimizer)")
@@ -60,8 +80,9 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
     ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
     ap.add_argument("--read-threads", type=int, default=4, help="file-reading threads per rank")
-    ap.add_argument("--host-staging", action="store_true",
-                    help="CheckpointManager(host_staging=True): sync saves copy into reused (pinned) host buffers first")
+    ap.add_argument("--host-staging", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                    help="CheckpointManager(host_staging=None/True/False): sync saves copy into reused (pinned) host "
+                         "buffers first; auto: on CUDA only")
     ap.add_argument("--tensor-format", default="raw", choices=("raw", "torch_save"),
                     help="CheckpointManager(tensor_format=...): raw tensor bytes, or DCP's torch.save per tensor (before)")
     ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
@@ -83,7 +104,8 @@ def main() -> None:
     root = Path(collective.broadcast(root))
     mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads,
                                  read_threads=args.read_threads,
-                                 host_staging=args.host_staging, tensor_format=args.tensor_format)
+                                 host_staging={"auto": None, "on": True, "off": False}[args.host_staging],
+                                 tensor_format=args.tensor_format)
     save_s, load_s, blocking_s, phases, load_phases, nbytes = [], [], [], [], [], 0
     save_cpu_s, load_cpu_s = [], []  # this process's CPU seconds, all its threads: the work, whatever the wall
     for i in range(args.repeats):
@@ -103,34 +125,36 @@ def main() -> None:
         load_cpu_s.append(time.process_time() - c0)
         load_phases.append(dict(mgr.last_load_phases_s))
         nbytes = meta["bytes"]
+    mgr.close()
     disk = disk_write_gb_per_s(root, args.probe_mb * 2**20) if args.probe_mb else None
     save, load = statistics.median(save_s), statistics.median(load_s)
-    phase = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
-    load_phase = {k: statistics.median(p[k] for p in load_phases) for k in load_phases[0]}
+    phase = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    load_phase = {k: statistics.median(p.get(k, 0.0) for p in load_phases) for k in load_phases[0]}
     result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
-                  host_staging=args.host_staging, tensor_format=args.tensor_format,
+                  host_staging=mgr.stages(), tensor_format=args.tensor_format,
                   save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=args.threads,
                   load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=args.read_threads,
                   load_phases_s=load_phase,
                   blocking_s=statistics.median(blocking_s), disk_write_gb_per_s=disk, save_phases_s=phase,
                   save_cpu_s=statistics.median(save_cpu_s), load_cpu_s=statistics.median(load_cpu_s),
-                  save_s_all=save_s, load_s_all=load_s, device=str(rt.device))
+                  save_s_all=save_s, load_s_all=load_s, save_phases_s_all=phases, load_phases_s_all=load_phases,
+                  device=str(rt.device))
     if rt.rank == 0:
         rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
                 ("checkpoint", f"{nbytes / 1e6:.2f} MB"),
                 ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s  "
                          f"({result['save_gb_per_s_per_gpu']:.3f} GB/s per rank; target >= 2 per GPU)"),
-                ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in phase.items())),
+                *phase_rows(phase),
                 ("  cpu", f"{result['save_cpu_s']:.3f} s of rank 0's CPU time (all threads)"),
                 ("  blocked", f"{result['blocking_s']:.3f} s (async: the time training waits)"),
                 ("load", f"{load:.3f} s  {result['load_gb_per_s']:.3f} GB/s  ({result['load_gb_per_s_per_gpu']:.3f} "
                          "GB/s per rank; page cache warm)"),
-                ("  phases", "  ".join(f"{k} {v:.3f} s" for k, v in load_phase.items())),
+                *phase_rows(load_phase),
                 ("  cpu", f"{result['load_cpu_s']:.3f} s of rank 0's CPU time (all threads)"),
                 ("disk", "-" if disk is None else f"{disk:.3f} GB/s raw write + fsync, all ranks at once")]
-        print("\n".join(f"{k:<11} {v}" for k, v in rows))
+        print("\n".join(f"{k:<13} {v}" for k, v in rows))
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1))

@@ -181,7 +181,10 @@ def test_io_options_round_trip_bitwise(work, wrapper):
     assert r["recorded"] == r["reread"]
     assert sum(f.startswith("__0_") for f in r["files"]) == 3  # one file per writer thread
     assert {"write", "checksum", "file_write", "fsync", "serialise", "stage", "commit"} <= set(r["phases"])
-    assert set(r["load_phases"]) == {"check", "match", "read", "restore"}
+    top = {k: v for k, v in r["phases"].items() if "." not in k and k not in ("checksum", "file_write", "fsync", "serialise")}
+    assert set(top) == {"state", "stage", "write", "commit"} and abs(sum(top.values()) - r["save_s"]) < 1e-3
+    assert {k for k in r["load_phases"] if "." not in k} == {"find", "check", "match", "read", "restore"}
+    assert {"read.plan", "read.data", "read.checksum", "read.copy", "read.wait_peers"} <= set(r["load_phases"])
 
 
 # ---- components: a dict of name -> torch DCP Stateful ------------------------------------

@@ -73,6 +73,24 @@ def written(directory: Path, rank: int, sums: dict) -> dict:
     return dict(sums)
 
 
+def check_json(extra: dict) -> None:
+    """`extra` goes into meta.json: refuse what JSON cannot hold, naming the keys."""
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        bad = [k for k, v in extra.items() if not _jsonable(v)]
+        raise CheckpointError(f"extra keys {bad} cannot be saved in meta.json ({e}): pass numbers, strings, "
+                              "lists and dicts (for a tensor t: t.item() or t.tolist())") from e
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def read_meta(path) -> dict:
     """meta.json of a checkpoint directory; a clear error when it or a listed file is missing."""
     path = Path(path)

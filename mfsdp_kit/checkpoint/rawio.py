@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -174,24 +175,30 @@ def assign_checks(plans: list, storage_data: dict, names) -> list:
 
 
 class _Crc:
-    def __init__(self):
-        self.value, self.nbytes = 0, 0
+    """A running crc32 that counts its bytes and its seconds (into `times["checksum"]`)."""
+
+    def __init__(self, times: dict):
+        self.value, self.nbytes, self.times = 0, 0, times
 
     def update(self, view) -> None:
+        t0 = time.perf_counter()
         self.value = zlib.crc32(view, self.value)
         self.nbytes += len(view)
+        self.times["checksum"] += time.perf_counter() - t0
 
 
-def read_into(f, view: memoryview, crc: _Crc | None, path) -> None:
-    """Fill `view` from `f` (PIECE_BYTES at a time, each crc32'd while in cache)."""
+def read_into(f, view: memoryview, crc: _Crc | None, path, times: dict) -> None:
+    """Fill `view` from `f` (PIECE_BYTES at a time, each crc32'd while in cache); the read's
+    seconds go to `times["file_read"]`."""
     for i in range(0, len(view), PIECE_BYTES):
         piece = view[i:i + PIECE_BYTES]
-        got = 0
+        got, t0 = 0, time.perf_counter()
         while got < len(piece):
             n = f.readinto(piece[got:])
             if not n:
                 raise CheckpointCorruptError(f"{path} ends at byte {f.tell()}: an item needs more; the file is truncated")
             got += n
+        times["file_read"] += time.perf_counter() - t0
         if crc is not None:
             crc.update(piece)
 
@@ -203,14 +210,17 @@ class FileReader:
         self.reader, self.planner, self.expected = reader, planner, expected
         self.path = reader.fs.concat_path(reader.path, name)
         self.items, self.pinned, self.loaded_bytes, self.scratch = items, _Pinned(), [], None
+        self.times = dict.fromkeys(("file_read", "checksum", "copy"), 0.0)
+        """Seconds of this file's reads, crc32 and copies into the destinations; `wall` all of them."""
+        self.wall = 0.0
 
     def run(self) -> list:
         """Read every item (hashing the whole file when `expected`); [(read item, bytes)] of byte items."""
-        groups: dict = {}
+        start, groups = time.perf_counter(), {}
         for req in self.items:
             info = self.reader.storage_data[req.storage_index]
             groups.setdefault((info.offset, info.length), (info, []))[1].append(req)
-        crc, pos = (_Crc() if self.expected else None), 0
+        crc, pos = (_Crc(self.times) if self.expected else None), 0
         try:
             with open(self.path, "rb", buffering=0) as f:
                 for (offset, length), (info, reqs) in sorted(groups.items(), key=lambda kv: kv[0]):
@@ -230,6 +240,7 @@ class FileReader:
             raise
         if self.expected:
             self.check(crc.value if crc is not None else None)
+        self.wall = time.perf_counter() - start
         return self.loaded_bytes
 
     def skip(self, f, nbytes: int | None, crc: _Crc) -> None:
@@ -240,7 +251,9 @@ class FileReader:
             self.scratch = memoryview(bytearray(PIECE_BYTES))
         view = self.scratch
         while nbytes is None or nbytes > 0:
+            t0 = time.perf_counter()
             n = f.readinto(view if nbytes is None else view[:min(PIECE_BYTES, nbytes)])
+            self.times["file_read"] += time.perf_counter() - t0
             if not n:
                 if nbytes:
                     raise CheckpointCorruptError(f"{self.path} ends at byte {f.tell()}: the file is truncated")
@@ -252,7 +265,7 @@ class FileReader:
         from torch.distributed.checkpoint.planner import LoadItemType
         if reqs[0].type == LoadItemType.BYTE_IO:
             data = bytearray(info.length)
-            read_into(f, memoryview(data), crc, self.path)
+            read_into(f, memoryview(data), crc, self.path, self.times)
             self.loaded_bytes += [(req, data) for req in reqs]
             return
         if RAW not in (info.transform_descriptors or ()):  # DCP's own item: a torch.save zip
@@ -260,7 +273,7 @@ class FileReader:
                 raise CheckpointError(f"{self.path}: item {reqs[0].storage_index.fqn} has transforms "
                                       f"{list(info.transform_descriptors)}; the kit reads none")
             data = bytearray(info.length)
-            read_into(f, memoryview(data), crc, self.path)
+            read_into(f, memoryview(data), crc, self.path, self.times)
             return self.copy_out(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), reqs)
         sizes, dtype = self.reader.chunks[(reqs[0].storage_index.fqn, tuple(reqs[0].storage_index.offset))]
         numel = math.prod(sizes)
@@ -270,22 +283,25 @@ class FileReader:
         target = self.planner.resolve_tensor(reqs[0]).detach() if len(reqs) == 1 else None
         whole = target is not None and tuple(target.shape) == sizes and target.dtype == dtype and target.is_contiguous()
         if whole and target.device.type == "cpu":
-            read_into(f, byte_view(target), crc, self.path)
+            read_into(f, byte_view(target), crc, self.path, self.times)
             return self.planner.commit_tensor(reqs[0], target)
         if whole:
             dst, buf = target.reshape(-1).view(torch.uint8), self.pinned.get()
             for i in range(0, info.length, STAGE_BYTES):
                 n = min(STAGE_BYTES, info.length - i)
-                read_into(f, byte_view(buf[:n]), crc, self.path)
+                read_into(f, byte_view(buf[:n]), crc, self.path, self.times)
+                t0 = time.perf_counter()
                 dst[i:i + n].copy_(buf[:n])  # blocking: the buffer is free again after it
+                self.times["copy"] += time.perf_counter() - t0
             return self.planner.commit_tensor(reqs[0], target)
         saved = torch.empty(sizes, dtype=dtype)
-        read_into(f, byte_view(saved), crc, self.path)
+        read_into(f, byte_view(saved), crc, self.path, self.times)
         self.copy_out(saved, reqs)
 
     def copy_out(self, saved: torch.Tensor, reqs: list) -> None:
         """DCP's way: the part of the saved chunk each read item asks for, copied into its destination."""
         from torch.distributed._shard._utils import narrow_tensor_by_index
+        t0 = time.perf_counter()
         for req in reqs:
             part = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
             target = self.planner.resolve_tensor(req).detach()
@@ -294,6 +310,7 @@ class FileReader:
                                       f"its destination {list(target.shape)}")
             target.copy_(part)
             self.planner.commit_tensor(req, target)
+        self.times["copy"] += time.perf_counter() - t0
 
     def check(self, got: int | None) -> None:
         if got is None:  # items overlapped: hash the file on its own
@@ -308,6 +325,16 @@ class FileReader:
                 integrity.check_crc(self.path, integrity.file_checksum(self.path)["crc32"], want)
             except CheckpointCorruptError as corrupt:
                 raise corrupt from error
+
+
+def thread_seconds(readers: list) -> dict:
+    """Seconds per file of the reader threads' work (mean over files; `other`: the rest of their
+    wall time: DCP's lookups, torch.load of old items) and the slowest file's wall seconds."""
+    n = max(1, len(readers))
+    out = {k: sum(r.times[k] for r in readers) / n for k in ("file_read", "checksum", "copy")}
+    out["other"] = sum(r.wall - sum(r.times.values()) for r in readers) / n
+    out["slowest_file"] = max((r.wall for r in readers), default=0.0)
+    return out
 
 
 def read_data(reader, plan, planner):
@@ -327,6 +354,7 @@ def read_data(reader, plan, planner):
     else:
         with ThreadPoolExecutor(max_workers=min(reader.threads, len(readers))) as pool:
             loaded = list(pool.map(FileReader.run, readers))
+    reader.file_s = thread_seconds(readers)
     for file_reader, items in zip(readers, loaded):
         for req, data in items:
             try:

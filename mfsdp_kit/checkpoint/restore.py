@@ -64,7 +64,7 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
     `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
     `rng_restored` and `restored` (the component names loaded). `phases` (a dict) gets the seconds
-    of check, match, read and restore."""
+    of check, match, read and restore, and read's parts as `read.<part>` (`storage.read`)."""
     path = Path(path)
     phases = {} if phases is None else phases
     tick = time.perf_counter()
@@ -94,12 +94,16 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
             integrity.verify(path, meta, threads=read_threads)  # every rank every file: on this failure only
             raise
     lap("match")
+    reading: dict = {}
     with agreed("loading checkpoint", path):
         if into:
-            storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta))
+            storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading)
         else:  # nothing to read: the shard files' checksums on their own
             integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads)
     lap("read")
+    if reading:
+        reading["wait_peers"] = phases["read"] - reading["plan"] - reading["data"] - reading["finish"]
+    phases.update({f"read.{k}": v for k, v in reading.items()})
     with agreed("restoring checkpoint", path):
         for name, comp in active.items():
             comp.load_state_dict(into[name] if name in into else from_json[name])

@@ -35,14 +35,24 @@ from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
 
-def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None) -> None:
+def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
     `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
     reading it, on one rank (`rawio.assign_checks`); CheckpointCorruptError (inside DCP's
-    CheckpointException) when one differs."""
+    CheckpointException) when one differs. `phases` (a dict) gets this rank's seconds of plan
+    (DCP's planning and its collectives), data (`read_data`: the reader threads), finish (DCP's
+    last barrier) and, per file (mean over files), file_read, checksum, copy (into the
+    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file."""
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=ParallelReader(str(path), threads=threads, checksums=checksums),
-             planner=SafeLoadPlanner())
+    reader = ParallelReader(str(path), threads=threads, checksums=checksums)
+    start = time.perf_counter()
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    done = time.perf_counter()
+    if phases is not None:
+        marks = reader.marks
+        phases.update(plan=marks.get("data", done) - start, data=marks.get("data_done", done) - marks.get("data", done),
+                      finish=done - marks.get("data_done", done))
+        phases.update(reader.file_s)
 
 
 def write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1,
@@ -58,9 +68,12 @@ def write(state: dict, path: Path, *, async_save: bool = False, process_group=No
     import torch.distributed.checkpoint as dcp
     writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem(), raw=raw)
     if async_save:
-        return dcp.async_save(state, storage_writer=writer, process_group=process_group,
-                              async_stager=Prestaged())
+        future = dcp.async_save(state, storage_writer=writer, process_group=process_group,
+                                async_stager=Prestaged())
+        future.add_done_callback(lambda _: writer.fs.marks.setdefault("done", time.perf_counter()))
+        return future
     dcp.save(state, storage_writer=writer)
+    writer.fs.marks["done"] = time.perf_counter()
     return None
 
 
@@ -111,13 +124,17 @@ class HashingFileSystem(FileSystem):
 
     `sums`: {file name: {"bytes", "crc32"}} of the files written (integrity's format);
     `thread_s`: writer-thread seconds summed over threads - checksum, file_write (copies into the
-    page cache), fsync, serialise (the rest: torch.save's headers, DCP, device->host copies).
+    page cache), fsync, serialise (the rest: torch.save's headers, DCP, device->host copies);
+    `slowest_s`: wall seconds of the slowest file (the writer threads' part of the save);
+    `marks`: perf_counter() seconds when this rank's `write_data` began (data) and ended
+    (data_done), and when DCP's save returned (done: after its result gather and `.metadata`).
     """
 
     def __init__(self):
         super().__init__()
         self.sums: dict = {}
         self.thread_s = dict.fromkeys(("serialise", "checksum", "file_write", "fsync"), 0.0)
+        self.slowest_s, self.marks = 0.0, {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -133,9 +150,22 @@ class HashingFileSystem(FileSystem):
             stream.close()
         with self._lock:
             self.sums[Path(path).name] = {"bytes": stream.nbytes, "crc32": f"{stream.crc:08x}"}
+            wall = time.perf_counter() - start
             for k, v in times.items():
                 self.thread_s[k] += v
-            self.thread_s["serialise"] += time.perf_counter() - start - sum(times.values())
+            self.thread_s["serialise"] += wall - sum(times.values())
+            self.slowest_s = max(self.slowest_s, wall)
+
+    def write_phases(self, write_start: float, written: float) -> dict:
+        """The write phase's parts on this rank, in seconds, from perf_counter() `write_start` to
+        `written`: plan (DCP's planning and its collectives; async: also the wait for the background
+        thread), data (`write_data`: the writer threads), finish (DCP's result gather; rank 0 writes
+        `.metadata`), rest; per file (mean): serialise, checksum, file_write, fsync; slowest_file."""
+        data, data_done, done = (self.marks.get(k, written) for k in ("data", "data_done", "done"))
+        out = {"write.plan": data - write_start, "write.data": data_done - data, "write.finish": done - data_done,
+               "write.rest": written - done, "write.slowest_file": self.slowest_s}
+        out.update({k: v / max(1, len(self.sums)) for k, v in self.thread_s.items()})
+        return out
 
 
 class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
@@ -150,6 +180,13 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
         self.fs, self.raw = fs, raw and rawio.supported()
 
     def write_data(self, plan, planner):
+        self.fs.marks["data"] = time.perf_counter()
+        try:
+            return self._write_items(plan, planner)
+        finally:
+            self.fs.marks["data_done"] = time.perf_counter()
+
+    def _write_items(self, plan, planner):
         if self.raw:
             return rawio.write_data(self, plan, planner)
         # Process-wide while the shards are written (a torch.save elsewhere meanwhile records no
@@ -171,6 +208,10 @@ class ParallelReader(SafeReader):
     def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None):
         super().__init__(path)
         self.threads, self.checksums, self.chunks = threads, checksums, {}
+        self.marks: dict = {}
+        """perf_counter() seconds when `read_data` began (data) and ended (data_done)."""
+        self.file_s: dict = {}
+        """Reader-thread seconds per file (mean over files), and the slowest file's wall seconds."""
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -183,7 +224,11 @@ class ParallelReader(SafeReader):
         return rawio.assign_checks(plans, self.storage_data, self.checksums)
 
     def read_data(self, plan, planner):
-        return rawio.read_data(self, plan, planner)
+        self.marks["data"] = time.perf_counter()
+        try:
+            return rawio.read_data(self, plan, planner)
+        finally:
+            self.marks["data_done"] = time.perf_counter()
 
 
 class Prestaged:

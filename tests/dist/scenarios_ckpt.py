@@ -302,6 +302,7 @@ def io_options(*, fsdp: bool, root: str) -> dict:
     reread = {n: f"{zlib.crc32((mgr.path(3) / n).read_bytes()):08x}" for n in meta["files"]} if rt.rank == 0 else None
     runtime.shutdown()
     return dict(changed=changed, same_opt=same_opt, one_reader=one_reader, phases=mgr.last_save_phases_s,
+                save_s=mgr.last_save_s,
                 load_phases=mgr.last_load_phases_s, files=meta["files"],
                 recorded={n: c["crc32"] for n, c in meta["checksums"].items()}, reread=reread)
 
