@@ -47,17 +47,21 @@ def variant_kwargs(variant: str, engines: str | None) -> dict:
     - `plain`: ipyparallel's own engine, spawned once the controller is up (the kit before its own engine);
     - `preload`: the kit's engine (launch.ENGINE_CMD) importing torch/megatron in a thread from its first instant;
     - `noimport`: the kit's engine without that thread (the imports run in runtime.init);
+    - `nobytecode`: `preload` under the environment's own bytecode policy (the kit before `cache.bytecode_env`:
+      an image with PYTHONDONTWRITEBYTECODE=1 compiles every module at every start);
     - `default`: whatever the kit picks here (launch.preload_by_default).
     The kit's local engines are spawned before the controller (launch.start_processes); MPI ones after it."""
     from traitlets.config import Config
 
     from mfsdp_kit import ipengine, launch
     kwargs = {"engines": engines} if engines else {}
-    if variant in ("preload", "noimport", "plain"):
+    if variant in ("preload", "noimport", "plain", "nobytecode"):
         from ipyparallel.cluster.launcher import ipengine_cmd_argv
         section = "MPIEngineSetLauncher" if engines == "mpi" else "LocalEngineSetLauncher"
         cmd = ipengine_cmd_argv if variant == "plain" else launch.ENGINE_CMD
         env = {ipengine.PRELOAD_ENV: "0" if variant == "noimport" else "1"}
+        if variant == "nobytecode":   # a caller's environment wins over the kit's bytecode_env
+            env.update({k: os.environ.get(k, "") for k in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")})
         kwargs["config"] = Config({section: {"engine_cmd": cmd, "environment": env}})
     return kwargs
 
@@ -107,7 +111,8 @@ def main() -> None:
     parser.add_argument("--engines", default=None, help="ipyparallel launcher, e.g. mpi (default: local)")
     parser.add_argument("--variants", default="plain,preload,noimport",
                         help="comma-separated: plain (ipyparallel's engine), preload (the kit's engine, imports at boot), "
-                             "noimport (the kit's engine, imports in runtime.init), default (the kit picks); "
+                             "noimport (the kit's engine, imports in runtime.init), nobytecode (preload, the "
+                             "environment's bytecode policy), default (the kit picks); "
                              "run alternately, so all see the same load")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 CACHE_ENV = "MFSDP_KIT_CACHE"
@@ -32,21 +33,25 @@ def root(environ=None) -> Path:
     return Path(environ.get(CACHE_ENV) or Path.home() / ".cache" / "mfsdp_kit")
 
 
-def bytecode_is_kept(environ=None, *, probe: str = PROBE_MODULE) -> bool:
-    """Would a Python started with `environ` keep the bytecode of `probe` (and so of its neighbours)?"""
+def bytecode_is_kept(environ=None, *, probe: str | None = None) -> bool:
+    """Would a Python started with `environ` find or keep the bytecode of `probe` (and so of its neighbours)?
+    Bytecode already beside the source counts (an image compiled at build time, then PYTHONDONTWRITEBYTECODE=1):
+    it is read even where nothing may be written."""
     environ = os.environ if environ is None else environ
-    if environ.get("PYTHONDONTWRITEBYTECODE"):   # any non-empty value switches writing off
-        return False
+    no_writes = bool(environ.get("PYTHONDONTWRITEBYTECODE"))   # any non-empty value switches writing off
     if environ.get("PYTHONPYCACHEPREFIX"):
-        return True
-    spec = importlib.util.find_spec(probe)
+        return not no_writes
+    spec = importlib.util.find_spec(probe or PROBE_MODULE)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return True   # nothing to compile
-    pycache = Path(importlib.util.cache_from_source(spec.origin)).parent
-    return os.access(pycache if pycache.is_dir() else pycache.parent, os.W_OK)
+    source = Path(spec.origin)
+    pycache = source.parent / "__pycache__"
+    if (pycache / f"{source.stem}.{sys.implementation.cache_tag}.pyc").is_file():
+        return True
+    return not no_writes and os.access(pycache if pycache.is_dir() else source.parent, os.W_OK)
 
 
-def bytecode_env(environ=None, *, probe: str = PROBE_MODULE) -> dict[str, str]:
+def bytecode_env(environ=None, *, probe: str | None = None) -> dict[str, str]:
     """Variables to add to a child process's environment so that it keeps the bytecode it compiles: {} when Python
     already does (or MFSDP_KIT_BYTECODE=0), else writing on and a prefix folder of the kit's
     (root()/pycache, or the PYTHONPYCACHEPREFIX already set)."""

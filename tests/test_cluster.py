@@ -155,6 +155,9 @@ def test_engines_preload_where_there_are_cores_for_it():
 def test_engines_keep_their_bytecode_where_the_image_switches_it_off(tmp_path, monkeypatch):
     """A container image's PYTHONDONTWRITEBYTECODE=1 made every engine recompile torch and megatron at each start."""
     from mfsdp_kit import cache, launch
+    (tmp_path / "kit_engine_probe.py").write_text("X = 1\n")   # stands in for the image's uncompiled torch
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cache, "PROBE_MODULE", "kit_engine_probe")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
