@@ -78,8 +78,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
-    ap.add_argument("--threads", type=int, default=4, help="file-writing threads per rank")
-    ap.add_argument("--read-threads", type=int, default=4, help="file-reading threads per rank")
+    ap.add_argument("--threads", type=int, default=None, help="file-writing threads per rank (default: the manager's)")
+    ap.add_argument("--read-threads", type=int, default=None, help="file-reading threads per rank (default: the manager's)")
     ap.add_argument("--host-staging", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                     help="CheckpointManager(host_staging=None/True/False): sync saves copy into reused (pinned) host "
                          "buffers first; auto: on CUDA only")
@@ -134,8 +134,8 @@ def main() -> None:
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
                   host_staging=mgr.stages(), tensor_format=args.tensor_format,
-                  save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=args.threads,
-                  load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=args.read_threads,
+                  save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=mgr.write_threads,
+                  load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=mgr.read_threads,
                   load_phases_s=load_phase,
                   blocking_s=statistics.median(blocking_s), disk_write_gb_per_s=disk, save_phases_s=phase,
                   save_cpu_s=statistics.median(save_cpu_s), load_cpu_s=statistics.median(load_cpu_s),

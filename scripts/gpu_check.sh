@@ -126,8 +126,8 @@ for s in $SECTIONS; do
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm_unstaged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --host-staging off --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_unstaged.json"; rm -rf /dev/shm/mfsdp_ckpt
-                section checkpoint_fsdp_shm_t8 trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
-                  --threads 8 --read-threads 8 --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_t8.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm_t16 trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --threads 16 --read-threads 16 --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_t16.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \
                   --root /dev/shm/mfsdp_ckpt --out "$RESULTS/checkpoint_fsdp_async_shm.json"; rm -rf /dev/shm/mfsdp_ckpt ;;
     # the checkpoint tests that move tensors between GPU and host (raw items through pinned buffers), ~2 min

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint.manager import io_threads
 from mfsdp_kit.checkpoint.restore import checked
 from tests.dist import launch
 
@@ -157,6 +158,11 @@ def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
     assert verdict and "cannot write checkpoints under" in verdict
     with pytest.raises(ValueError, match="keep_last=0"):
         ckpt.CheckpointManager(tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="read_threads=0 is not allowed"):
+        ckpt.CheckpointManager(tmp_path, read_threads=0)
+    default = ckpt.CheckpointManager(tmp_path)   # 4 threads each without GPUs (8 where every GPU has 8+ cores)
+    assert default.write_threads == default.read_threads == io_threads()
+    assert torch.cuda.is_available() or io_threads() == 4
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
