@@ -15,7 +15,19 @@ def same_training(a: dict, b: dict):
 
 @pytest.fixture(scope="module")
 def ddp_fsdp():
-    return launch.run("train_losses", nproc=2, fsdp=False), launch.run("train_losses", nproc=2, fsdp=True)
+    """DDP then FSDP in one 2-rank job (each run inits and shuts down its own layout, seeded alike)."""
+    return tuple(launch.run("sequence", nproc=2, calls=[["train_losses", dict(fsdp=False)],
+                                                        ["train_losses", dict(fsdp=True)]]))
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """The good and the buggy variant of three checks, all in one 2-rank job: one launch, not six.
+    pending_gathers(settle=False) disables engine.settle_param_gathers in the process: it runs last."""
+    calls = [["sync_two_chunks", {}], ["sync_two_chunks", dict(first_only=True)],
+             ["release_frees", dict(release=True)], ["release_frees", dict(release=False)],
+             ["pending_gathers", dict(settle=True)], ["pending_gathers", dict(settle=False)]]
+    return launch.run("sequence", nproc=2, calls=calls)
 
 
 @pytest.mark.parity
@@ -40,28 +52,27 @@ def test_fsdp_shards_parameters(ddp_fsdp):
 
 @pytest.mark.parity
 def test_tp2_fsdp_matches_tp1(capsys):
-    tp1 = launch.run("train_losses", nproc=4, fsdp=True, tp=1, steps=3)
-    tp2 = launch.run("train_losses", nproc=4, fsdp=True, tp=2, steps=3)
+    tp1, tp2 = launch.run("sequence", nproc=4, calls=[["train_losses", dict(fsdp=True, tp=1, steps=3)],
+                                                      ["train_losses", dict(fsdp=True, tp=2, steps=3)]])
     print("TP1xDP4", tp1["losses"], "\nTP2xDP2", tp2["losses"])
     same_training(tp1, tp2)
 
 
-def test_sync_covers_every_chunk():
-    full = launch.run("sync_two_chunks", nproc=2)
+def test_sync_covers_every_chunk(pairs):
+    full, buggy = pairs[0], pairs[1]  # buggy: first_only=True, verl's first version
     assert full["synced"] == 2 and full["dtensor_chunks"] == [True, True]
     assert full["restored"] == 2 and full["raw_after_restore"] == [True, True]
-    buggy = launch.run("sync_two_chunks", nproc=2, first_only=True)  # verl's first version
     assert buggy["dtensor_chunks"] == [True, False]
 
 
-def test_release_lets_a_dropped_fsdp_model_be_freed():
-    assert launch.run("release_frees", nproc=2, release=True)["freed"]
+def test_release_lets_a_dropped_fsdp_model_be_freed(pairs):
+    assert pairs[2]["freed"]
     # megatron-core 0.16.1 leaks it otherwise; when this fails upstream fixed it and release() can go
-    assert not launch.run("release_frees", nproc=2, release=False)["freed"]
+    assert not pairs[3]["freed"]
 
 
-def test_no_all_gather_left_in_flight_on_cpu():
-    settled = launch.run("pending_gathers", nproc=2, settle=True)
+def test_no_all_gather_left_in_flight_on_cpu(pairs):
+    settled = pairs[4]
     assert settled == dict(after_step=0, after_forward=0)
-    raw = launch.run("pending_gathers", nproc=2, settle=False)  # what Megatron-FSDP leaves by itself
+    raw = pairs[5]  # settle=False: what Megatron-FSDP leaves by itself
     assert raw["after_step"] > 0 and raw["after_forward"] > 0
