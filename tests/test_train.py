@@ -10,9 +10,28 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("train"))
 
 
-def test_sft_learns_the_task(workdir):
-    r = launch.run("scenarios_train:sft", fsdp=True, workdir=workdir, steps=150, global_batch=32,
-                   micro_batch_size=16)
+@pytest.fixture(scope="module")
+def parity_runs(workdir):
+    """The parity tests' four runs in one 2-rank job (each run inits, seeds and shuts down its own layout):
+    SFT under DDP and FSDP (4 micro-batches each), then one step's gradients as 1x8 and 4x2 micro-batches."""
+    kw = dict(workdir=workdir, steps=20, global_batch=16, micro_batch_size=2, evaluate=False)
+    calls = [["scenarios_train:sft", dict(fsdp=False, **kw)], ["scenarios_train:sft", dict(fsdp=True, **kw)],
+             ["scenarios_train:first_step_grads", dict(micro_batch_size=8, workdir=workdir)],
+             ["scenarios_train:first_step_grads", dict(micro_batch_size=2, workdir=workdir)]]
+    return launch.run("sequence", calls=calls)
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    """The other checks' runs in one 2-rank job: SFT that learns, then a NaN loss under DDP and FSDP."""
+    calls = [["scenarios_train:sft", dict(fsdp=True, workdir=workdir, steps=150, global_batch=32,
+                                          micro_batch_size=16)]]
+    calls += [["scenarios_train:nonfinite_stops", dict(fsdp=fsdp, workdir=workdir, bad_step=2)] for fsdp in (False, True)]
+    return dict(zip(["sft", False, True], launch.run("sequence", calls=calls)))
+
+
+def test_sft_learns_the_task(runs):
+    r = runs["sft"]
     print(f"train loss {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}; held-out exact match "
           f"{r['accuracy_before']:.2f} -> {r['accuracy_after']:.2f}; samples {r['samples']}")
     assert r["loss"][-1] <= 0.5 * r["loss"][0]
@@ -21,9 +40,8 @@ def test_sft_learns_the_task(workdir):
 
 
 @pytest.mark.parity
-def test_fsdp_and_ddp_histories_match(workdir):
-    kw = dict(workdir=workdir, steps=20, global_batch=16, micro_batch_size=2, evaluate=False)  # 4 micro-batches
-    ddp, fsdp = launch.run("scenarios_train:sft", fsdp=False, **kw), launch.run("scenarios_train:sft", fsdp=True, **kw)
+def test_fsdp_and_ddp_histories_match(parity_runs):
+    ddp, fsdp = parity_runs[:2]  # global batch 16, micro-batches of 2: 4 per rank
     assert len(ddp["loss"]) == 20
     # the 10 warm-up steps differ only by reduction order; later ones statistically (mfsdp_kit.parity)
     report = compare_curves(ddp["loss"], fsdp["loss"], exact_steps=10, late_window=10,
@@ -39,9 +57,8 @@ def test_fsdp_and_ddp_histories_match(workdir):
 
 
 @pytest.mark.parity
-def test_micro_batching_is_exact(workdir):
-    one = launch.run("scenarios_train:first_step_grads", micro_batch_size=8, workdir=workdir)
-    four = launch.run("scenarios_train:first_step_grads", micro_batch_size=2, workdir=workdir)
+def test_micro_batching_is_exact(parity_runs):
+    one, four = parity_runs[2:]
     assert one["tokens"] == four["tokens"] > 0
     assert abs(one["loss"] - four["loss"]) <= 1e-6 * one["loss"]
     worst = max(abs(a - b) for a, b in zip(one["grads"], four["grads"]))
@@ -51,7 +68,7 @@ def test_micro_batching_is_exact(workdir):
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_nonfinite_loss_stops_with_the_step_number(workdir, fsdp):
-    r = launch.run("scenarios_train:nonfinite_stops", fsdp=fsdp, workdir=workdir, bad_step=2)
+def test_nonfinite_loss_stops_with_the_step_number(runs, fsdp):
+    r = runs[fsdp]
     print(r)
     assert r["completed"] == 2 and r["error"] and r["error"].startswith("step 2:")
