@@ -11,20 +11,30 @@ from mfsdp_kit.train import DeadModelWarning, HealthWatch, StepResult
 from tests.dist import launch
 
 
-def test_lr_1e6_kills_the_model_and_fit_warns_once_naming_the_step(tmp_path):
-    r = launch.run("scenarios_health:dead_model", workdir=str(tmp_path), lr=1e6)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three 2-rank runs in one job, one after another (each inits and shuts down its own layout)."""
+    workdir = str(tmp_path_factory.mktemp("health"))
+    calls = [["scenarios_health:dead_model", dict(workdir=workdir, lr=1e6)],
+             ["scenarios_health:dead_model", dict(workdir=workdir, lr=3e-3, steps=6)],
+             ["scenarios_health:nan_loss_mask", dict(workdir=workdir, bad_step=2)]]
+    return dict(zip(["dead", "healthy", "nan"], launch.run("sequence", calls=calls)))
+
+
+def test_lr_1e6_kills_the_model_and_fit_warns_once_naming_the_step(runs):
+    r = runs["dead"]
     assert r["grad_norm"][0] > 0 and r["grad_norm"][1:] == [0.0] * 7, r          # what the issue saw
     assert all(math.isclose(loss, r["ln_vocab"], rel_tol=1e-3) for loss in r["loss"][1:]), r
     assert len(r["warnings"]) == 1 and r["warnings"][0].startswith("step 1: gradient norm is exactly 0.0"), r
 
 
-def test_healthy_run_does_not_warn(tmp_path):
-    r = launch.run("scenarios_health:dead_model", workdir=str(tmp_path), lr=3e-3, steps=6)
+def test_healthy_run_does_not_warn(runs):
+    r = runs["healthy"]
     assert r["warnings"] == [] and r["loss"][-1] < r["loss"][0] - 0.5, r
 
 
-def test_nan_in_loss_mask_stops_fit_naming_step_and_field(tmp_path):
-    r = launch.run("scenarios_health:nan_loss_mask", workdir=str(tmp_path), bad_step=2)
+def test_nan_in_loss_mask_stops_fit_naming_step_and_field(runs):
+    r = runs["nan"]
     assert r["error"].startswith("step 2: loss_mask holds 1 non-finite"), r
     assert {"NonFiniteLossError", "ValueError"} <= set(r["error_type"]), r
 
