@@ -8,13 +8,19 @@ from tests.dist import launch
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("offload"))
+def runs(tmp_path_factory):
+    """The four 2-rank runs in one job, one after another (each inits and shuts down its own layout)."""
+    workdir = str(tmp_path_factory.mktemp("offload"))
+    calls = [["scenarios_offload:roundtrip", dict(fsdp=True, workdir=workdir)],
+             ["scenarios_offload:roundtrip", dict(fsdp=False, workdir=workdir)],
+             ["scenarios_offload:losses", dict(fsdp=True, workdir=workdir, steps=6)],
+             ["scenarios_offload:grpo_offload", dict(workdir=workdir)]]
+    return dict(zip([True, False, "losses", "grpo"], launch.run("sequence", calls=calls)))
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp"])
-def test_roundtrip_is_bitwise_and_frees_the_storages(workdir, fsdp):
-    r = launch.run("scenarios_offload:roundtrip", fsdp=fsdp, workdir=workdir)
+def test_roundtrip_is_bitwise_and_frees_the_storages(runs, fsdp):
+    r = runs[fsdp]
     print(r)
     assert r["mismatched"] == []
     assert all(r["counts"][k] > 0 for k in ("model_weights", "main_grads", "optimizer_states"))
@@ -29,8 +35,8 @@ def test_roundtrip_is_bitwise_and_frees_the_storages(workdir, fsdp):
         assert r[key].startswith("NotOffloadedError: reload: not offloaded"), key
 
 
-def test_training_continues_with_identical_losses(workdir):
-    r = launch.run("scenarios_offload:losses", fsdp=True, workdir=workdir, steps=6)
+def test_training_continues_with_identical_losses(runs):
+    r = runs["losses"]
     print(r)
     assert r["plain"] == r["between"]  # bitwise: offload + reload between every step
     assert r["plain"] == r["stream"]  # optimizer state streamed to the device for each step
@@ -38,8 +44,8 @@ def test_training_continues_with_identical_losses(workdir):
     assert len(r["plain"]) == 6 and all(b > 0 for b in r["streamed_bytes"])
 
 
-def test_grpo_offload_during_rollout_changes_nothing(workdir):
-    r = launch.run("scenarios_offload:grpo_offload", workdir=workdir)
+def test_grpo_offload_during_rollout_changes_nothing(runs):
+    r = runs["grpo"]
     print(r)
     assert r["False"] == r["True"]
     assert r["weights_equal"] and r["resident_after_True"]
