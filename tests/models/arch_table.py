@@ -45,7 +45,7 @@ def refusal(arch: str, workdir: Path, tp: int = 1) -> str | None:
 def collect(workdir, *, archs_to_run=None) -> list[dict]:
     """One row per listed architecture: {arch, outcome: works | refused | not tested, tp: {..}, reason}.
 
-    The architectures that run go through one 2-rank job per TP (scenarios_arch.arch_roundtrips),
+    The architectures that run go through one 2-rank job (scenarios_arch.arch_roundtrips per TP),
     one after another in the same world as a notebook loads several models: not a job each."""
     from tests.dist import launch
     workdir = Path(workdir)
@@ -59,13 +59,16 @@ def collect(workdir, *, archs_to_run=None) -> list[dict]:
         else:
             rows.append(dict(arch=arch, outcome="works", tp={}))
             runnable.append(rows[-1])
+    refused = {tp: {r["arch"]: refusal(r["arch"], workdir, tp) for r in runnable} for tp in TPS}
+    to_run = {tp: [a for a, why in refused[tp].items() if why is None] for tp in TPS}
+    calls = [["scenarios_arch:arch_roundtrips", dict(archs=to_run[tp], tp=tp, fsdp=True, workdir=str(workdir))]
+             for tp in TPS if to_run[tp]]
+    n = sum(map(len, to_run.values()))
+    done = iter(launch.run("sequence", calls=calls, timeout_s=300 * max(n, 1)) if calls else [])
+    results = {tp: next(done) if to_run[tp] else {} for tp in TPS}
     for tp in TPS:
-        refused = {r["arch"]: refusal(r["arch"], workdir, tp) for r in runnable}
-        to_run = [a for a, why in refused.items() if why is None]
-        results = launch.run("scenarios_arch:arch_roundtrips", archs=to_run, tp=tp, fsdp=True,
-                             workdir=str(workdir), timeout_s=300 * max(len(to_run), 1)) if to_run else {}
         for r in runnable:
-            r["tp"][tp] = results[r["arch"]] if refused[r["arch"]] is None else dict(refused=refused[r["arch"]])
+            r["tp"][tp] = results[tp][r["arch"]] if refused[tp][r["arch"]] is None else dict(refused=refused[tp][r["arch"]])
     return rows
 
 
