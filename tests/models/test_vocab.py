@@ -17,9 +17,13 @@ def test_padded_size_is_megatrons_rule():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("vocab")
+    (work / "tied").mkdir()
     calls = [["scenarios_arch:arch_roundtrip", dict(arch="Qwen2ForCausalLM", tp=2, fsdp=fsdp, vocab_size=1003,
                                                      workdir=str(work))] for fsdp in (True, False)]
-    return dict(zip((True, False), launch.run("sequence", calls=calls)))
+    calls.append(["scenarios_arch:arch_roundtrip", dict(arch="Qwen2ForCausalLM", tp=2, fsdp=True, vocab_size=1003,
+                                                        workdir=str(work / "tied"),   # a folder of its own
+                                                        overrides=dict(tie_word_embeddings=True))])
+    return dict(zip((True, False, "tied"), launch.run("sequence", calls=calls)))
 
 
 @pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp", "ddp"])
@@ -38,11 +42,10 @@ def test_fsdp_and_ddp_agree(runs):
     assert abs(runs[True]["loss"] - runs[False]["loss"]) < 1e-6
 
 
-def test_tied_embeddings_with_an_odd_vocabulary(tmp_path):
+def test_tied_embeddings_with_an_odd_vocabulary(runs):
     """Qwen2.5-0.5B / Llama-3.2-1B style: one matrix is the embedding and the output layer; padded
     rows are zero for both uses, padded logits masked, export has the HF shape (no lm_head.weight)."""
-    r = launch.run("scenarios_arch:arch_roundtrip", arch="Qwen2ForCausalLM", tp=2, fsdp=True, vocab_size=1003,
-                   workdir=str(tmp_path), overrides=dict(tie_word_embeddings=True))
+    r = runs["tied"]
     print(r["verify"], "loss", r["megatron_loss"], "HF", r["hf_loss"], "reload", r["reload_relative"])
     assert r["megatron_vocab"] == 1024 and r["verify"]["relative"] < 1e-5
     assert abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5
