@@ -9,10 +9,11 @@ def _bench(*flags: str, out) -> dict:
 
 def test_sft_grpo_bench(tmp_path):
     start = tmp_path / "start"
-    res = _bench("--sft-steps", "60", "--rl-sft-steps", "20", "--rl-sft-max-steps", "20",
+    # step counts only as large as the checks need: each stage runs and reports its own count
+    res = _bench("--sft-steps", "10", "--rl-sft-steps", "10", "--rl-sft-max-steps", "10",
                  "--save-rl-start", str(start), "--ceiling-sft-steps", "3", "--grpo-iterations", "2",
                  "--grpo-eval-every", "1", "--grpo-eval-samples", "2", out=tmp_path / "a.json")
-    assert res["sft"]["steps"] == 60 and res["rl_sft"]["steps"] == 20 and res["ceiling_sft"]["steps"] == 3
+    assert res["sft"]["steps"] == 10 and res["rl_sft"]["steps"] == 10 and res["ceiling_sft"]["steps"] == 3
     assert res["ceiling_sft"]["accuracy_before"] == res["rl_sft"]["accuracy_after"]  # the copy is the start
     assert [it for it, _, _ in res["heldout_curve"]] == [0, 1, 2]
     assert all(0 <= g <= 1 and 0 <= s <= 1 for _, g, s in res["heldout_curve"])
