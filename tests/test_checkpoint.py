@@ -24,15 +24,28 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved(work):
-    """Per wrapper: 10 straight steps saving at 5 (+ round trip) and 10; FSDP also an HF-sourced checkpoint."""
-    return {w: launch.run("scenarios_ckpt:train_save", nproc=2, fsdp=w == "fsdp", root=str(work / w),
-                          hf_workdir=str(work / "hf") if w == "fsdp" else None) for w in WRAPPERS}
+    """Per wrapper: 10 straight steps saving at 5 (+ round trip) and 10; FSDP also an HF-sourced checkpoint.
+    Both wrappers in one 2-rank job (each run inits, seeds and shuts down its own layout)."""
+    calls = [["scenarios_ckpt:train_save", dict(fsdp=w == "fsdp", root=str(work / w),
+                                                hf_workdir=str(work / "hf") if w == "fsdp" else None)] for w in WRAPPERS]
+    return dict(zip(WRAPPERS, launch.run("sequence", nproc=2, calls=calls)))
 
 
 @pytest.fixture(scope="module")
 def resumed(work, saved):
-    """A FRESH launch per wrapper: another init seed, load step 5, train steps 5..9."""
-    return {w: launch.run("scenarios_ckpt:resume", nproc=2, fsdp=w == "fsdp", root=str(work / w)) for w in WRAPPERS}
+    """A FRESH launch (not the one that saved), both wrappers in it: another init seed, load step 5, train steps 5..9."""
+    calls = [["scenarios_ckpt:resume", dict(fsdp=w == "fsdp", root=str(work / w))] for w in WRAPPERS]
+    return dict(zip(WRAPPERS, launch.run("sequence", nproc=2, calls=calls)))
+
+
+@pytest.fixture(scope="module")
+def more(work):
+    """async_save and io_options per wrapper, then custom_stateful: one 2-rank job, a root each."""
+    calls = [[f"scenarios_ckpt:{s}", dict(fsdp=w == "fsdp", root=str(work / f"{prefix}_{w}"))]
+             for s, prefix in (("async_save", "async"), ("io_options", "io")) for w in WRAPPERS]
+    calls.append(["scenarios_ckpt:custom_stateful", dict(root=str(work / "custom"))])
+    keys = [(s, w) for s in ("async", "io") for w in WRAPPERS] + ["custom"]
+    return dict(zip(keys, launch.run("sequence", nproc=2, calls=calls)))
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +179,8 @@ def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_async_save_writes_the_staged_step(work, wrapper):
-    r = launch.run("scenarios_ckpt:async_save", nproc=2, fsdp=wrapper == "fsdp", root=str(work / f"async_{wrapper}"))
+def test_async_save_writes_the_staged_step(more, wrapper):
+    r = more[("async", wrapper)]
     assert r["pending_after_save"] and r["changed"]  # the write overlapped training that changed every rank
     assert r["listed_after_second"] == [3] and r["listed"] == [3, 5] and r["latest"] == 5
     assert r["roundtrip"]["all_equal"], r["roundtrip"]
@@ -175,10 +188,10 @@ def test_async_save_writes_the_staged_step(work, wrapper):
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_io_options_round_trip_bitwise(work, wrapper):
+def test_io_options_round_trip_bitwise(more, wrapper):
     """write_threads=3, read_threads=3 and 1, host_staging=True; a load into the optimizer that
     already has Adam state; the checksums the writer threads recorded are the files' crc32."""
-    r = launch.run("scenarios_ckpt:io_options", nproc=2, fsdp=wrapper == "fsdp", root=str(work / f"io_{wrapper}"))
+    r = more[("io", wrapper)]
     print(wrapper, "save phases", {k: round(v, 4) for k, v in r["phases"].items()},
           "load phases", {k: round(v, 4) for k, v in r["load_phases"].items()})
     assert r["changed"]
@@ -247,8 +260,8 @@ def test_call_form_with_chunks_is_the_standard_dict():
 
 
 @pytest.fixture(scope="module")
-def custom(work):
-    return launch.run("scenarios_ckpt:custom_stateful", nproc=2, root=str(work / "custom"))
+def custom(more):
+    return more["custom"]
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
