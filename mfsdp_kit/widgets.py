@@ -21,13 +21,16 @@ import html
 import json
 from typing import Any
 
-from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
+from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig, field_types
 
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool))
 """Every on/off switch of EngineConfig, found from its defaults (so a new switch gets a checkbox)."""
 INT_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig)
                    if isinstance(f.default, int) and f.name not in BOOL_FIELDS)
 """Every integer field (parallel sizes, seed), found the same way: a new size is never a text box."""
+OPTIONAL_INT_FIELDS = tuple(name for name, (hint, default) in field_types(EngineConfig).items()
+                            if default is None and hint == (int | None))
+"""Integer-or-None fields (virtual_pipeline_model_parallel_size, nccl_max_ctas): a text box where "" means None."""
 CHOICE_FIELDS = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "recompute": RECOMPUTE}
 DICT_FIELDS = ("override_ddp_config", "override_transformer_config")
 """Edited as JSON text, e.g. {"data_parallel_sharding_strategy": "optim_grads"}."""
@@ -46,7 +49,7 @@ def _field_widget(name: str, value: Any):
         return w.Dropdown(options=CHOICE_FIELDS[name], value=value, description=name, style=style, layout=layout)
     if name in DICT_FIELDS:
         return w.Text(value=json.dumps(value), description=name, style=style, layout=w.Layout(width="620px"))
-    # virtual_pipeline_model_parallel_size: "" means None
+    # OPTIONAL_INT_FIELDS: "" means None
     return w.Text(value="" if value is None else str(value), description=name, style=style, layout=layout,
                   placeholder="None")
 
@@ -57,12 +60,12 @@ def _parse(name: str, raw: Any) -> Any:
             return json.loads(raw or "{}")
         except json.JSONDecodeError as e:
             raise ConfigError(f"{name}={raw!r} is not allowed; allowed: a JSON object ({e.msg})") from None
-    if name == "virtual_pipeline_model_parallel_size":
+    if name in OPTIONAL_INT_FIELDS:
         text = str(raw).strip()
         if text in ("", "None"):
             return None
         if not text.lstrip("-").isdigit():
-            raise ConfigError(f"{name}={text!r} is not allowed; allowed: None or a positive integer")
+            raise ConfigError(f"{name}={text!r} is not allowed; allowed: None or an integer")
         return int(text)
     return raw
 

@@ -61,13 +61,14 @@ def test_config_form_shows_the_error_and_recovers():
     ("override_ddp_config", '{"bucket_sizee": 1}', "bucket_sizee"),
     ("override_ddp_config", "{not json", "JSON object"),
     ("virtual_pipeline_model_parallel_size", "2", "virtual_pipeline_model_parallel_size=2"),
+    ("nccl_max_ctas", "eight", "nccl_max_ctas='eight'"),   # an integer-or-None field: a text box, "" = None
 ])
 def test_config_form_names_the_field(field, value, needle):
     form = widgets.config_form(EngineConfig(use_megatron_fsdp=True))
     form.set(**{field: value})
     assert needle in form.error
     form.set(**{field: {"use_distributed_optimizer": True, "override_ddp_config": "{}",
-                        "virtual_pipeline_model_parallel_size": ""}[field]})
+                        "virtual_pipeline_model_parallel_size": "", "nccl_max_ctas": ""}[field]})
     assert form.error is None
 
 
