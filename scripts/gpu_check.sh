@@ -75,8 +75,10 @@ json.dump(dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.g
                total_s=round(wall, 1), cells_s=round(sum(per_nb.values()), 1), pytest=last, notebooks=rows),
           open(sys.argv[1], "w"), indent=1)
 print(f"{'total (one pytest)':<22} {wall:8.1f} s   {last}")
-if p.returncode:
-    print(p.stdout[-8000:], p.stderr[-3000:])
+if p.returncode:   # the failures, not the durations table that follows them
+    out = p.stdout
+    start, end = out.find("= FAILURES ="), out.find("slowest durations")
+    print(out[start if start >= 0 else 0:end if end > start else None][-8000:], p.stderr[-3000:])
 sys.exit(p.returncode)
 PY
 }
