@@ -176,8 +176,12 @@ def cached(*, arch: str = "qwen2", size: str = "xs", seed: int = 0, root=None) -
     final = root / cache_key(arch=arch, size=size, seed=seed)
     if (final / "model.safetensors").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    except OSError as e:
+        raise OSError(f"cannot write tiny models under {root} ({e.strerror}); set ${cache.CACHE_ENV} to a writable "
+                      "folder") from e
     try:
         tiny(tmp, arch=arch, size=size, seed=seed)
         os.replace(tmp, final)          # atomic; fails if another process put a (non-empty) one there first

@@ -70,6 +70,13 @@ def test_bad_args_name_the_field(tmp_path, field, kwargs):
     assert not (tmp_path / "cache").exists()
 
 
+def test_cached_names_the_knob_when_it_cannot_write(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="MFSDP_KIT_CACHE"):
+        cached(size="xs", root=blocker / "cache")
+
+
 def test_cached_is_written_once_whole_and_equal(tmp_path, xs_path):
     path = cached(size="xs", seed=0, root=tmp_path)
     assert path.parent == tmp_path and path.name.startswith("tiny-qwen2-xs-seed0-")
