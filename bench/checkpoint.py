@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import collective
-from mfsdp_kit import engine, runtime
+from mfsdp_kit import engine, introspect, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
@@ -65,6 +65,34 @@ def phase_rows(phases: dict) -> list:
     if any(k in phases for k in PER_FILE):
         rows.append(("    per file", "  ".join(f"{k} {phases[k]:.3f}" for k in PER_FILE if k in phases)))
     return rows
+
+
+def optimizer_tensors(opt) -> list[torch.Tensor]:
+    """Every inner torch optimizer's params (the fp32 main weights) and their Adam state: what a load must bring
+    back, in a fixed order."""
+    out = []
+    for inner in introspect.inner_optimizers(opt):
+        torch_opt = inner.optimizer
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                out += [p, *(v for v in torch_opt.state.get(p, {}).values() if torch.is_tensor(v))]
+    return [introspect.local(t) for t in out]   # this rank's shard of a DTensor (Megatron-FSDP's main weights)
+
+
+def round_trip_is_bitwise(mgr, chunks, opt, *, step_no: int) -> bool:
+    """Save, scribble over the optimizer's tensors (+1), load: every tensor equal to before, bit for bit (all ranks)."""
+    before = [t.detach().clone() for t in optimizer_tensors(opt)]
+    mgr.save(step_no, chunks, opt)
+    mgr.wait()
+    with torch.no_grad():
+        for t in optimizer_tensors(opt):
+            t.add_(1)
+    mgr.load(chunks, opt)
+    after = optimizer_tensors(opt)
+    ok = torch.tensor(int(len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))),
+                      device=before[0].device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def main() -> None:
@@ -125,6 +153,7 @@ def main() -> None:
         load_cpu_s.append(time.process_time() - c0)
         load_phases.append(dict(mgr.last_load_phases_s))
         nbytes = meta["bytes"]
+    bitwise = round_trip_is_bitwise(mgr, chunks, opt, step_no=args.repeats + 1)
     mgr.close()
     disk = disk_write_gb_per_s(root, args.probe_mb * 2**20) if args.probe_mb else None
     save, load = statistics.median(save_s), statistics.median(load_s)
@@ -136,7 +165,7 @@ def main() -> None:
                   host_staging=mgr.stages(), tensor_format=args.tensor_format,
                   save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=mgr.write_threads,
                   load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=mgr.read_threads,
-                  load_phases_s=load_phase,
+                  load_phases_s=load_phase, round_trip_bitwise=bitwise,
                   blocking_s=statistics.median(blocking_s), disk_write_gb_per_s=disk, save_phases_s=phase,
                   save_cpu_s=statistics.median(save_cpu_s), load_cpu_s=statistics.median(load_cpu_s),
                   save_s_all=save_s, load_s_all=load_s, save_phases_s_all=phases, load_phases_s_all=load_phases,
@@ -153,7 +182,8 @@ def main() -> None:
                          "GB/s per rank; page cache warm)"),
                 *phase_rows(load_phase),
                 ("  cpu", f"{result['load_cpu_s']:.3f} s of rank 0's CPU time (all threads)"),
-                ("disk", "-" if disk is None else f"{disk:.3f} GB/s raw write + fsync, all ranks at once")]
+                ("disk", "-" if disk is None else f"{disk:.3f} GB/s raw write + fsync, all ranks at once"),
+                ("round trip", "bitwise" if bitwise else "NOT BITWISE: a load brought back other optimizer state")]
         print("\n".join(f"{k:<13} {v}" for k, v in rows))
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -161,6 +191,8 @@ def main() -> None:
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
     runtime.shutdown(destroy_process_group=True)
+    if not bitwise:
+        raise SystemExit("checkpoint round trip is not bitwise")
 
 
 if __name__ == "__main__":
