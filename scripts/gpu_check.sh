@@ -122,12 +122,12 @@ for s in $SECTIONS; do
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_ddp  trun bench/checkpoint.py $CK --probe-mb 0 --out "$RESULTS/checkpoint_ddp.json" ;;
     # memory-backed storage only: the kit's own save/load path, every phase in the JSON (save_phases_s, load_phases_s);
-    # default (pinned host staging on CUDA, background prune), unstaged (the A/B), 16 writer/reader threads (default 8 on GPU nodes), async
+    # default (no host staging, background prune, 8 writer/reader threads on GPU nodes), staged (the A/B), 16 threads, async
     checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16 --repeats 5"
                 section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 1024 \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
-                section checkpoint_fsdp_shm_unstaged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
-                  --host-staging off --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_unstaged.json"; rm -rf /dev/shm/mfsdp_ckpt
+                section checkpoint_fsdp_shm_staged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --host-staging on --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm_t16 trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --threads 16 --read-threads 16 --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_t16.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_async trun bench/checkpoint.py --fsdp $CK --async-save --probe-mb 0 \

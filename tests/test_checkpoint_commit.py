@@ -61,8 +61,8 @@ def test_phases_add_up_to_the_save_and_the_load(tmp_path):
     assert abs(sum(load[k] for k in read_parts) - load["read"]) < 1e-6
 
 
-def test_host_staging_defaults_to_on_with_cuda_only(tmp_path):
-    assert ckpt.CheckpointManager(tmp_path).stages() is torch.cuda.is_available()
+def test_host_staging_is_opt_in(tmp_path):
+    assert ckpt.CheckpointManager(tmp_path).stages() is False
     assert ckpt.CheckpointManager(tmp_path, host_staging=True).stages() is True
     assert ckpt.CheckpointManager(tmp_path, host_staging=False).stages() is False
 

@@ -66,8 +66,9 @@ class CheckpointManager:
         do (training must not change what is written). Without it the writer threads copy each GPU
         tensor through a 64 MiB pinned buffer, one blocking copy at a time. The cost: the host holds
         one more copy of this rank's checkpoint bytes for the manager's life (pinned on CUDA).
-        None (default): on when CUDA is available (2 x H200, 2 GB per rank: save 1.85 GB/s per rank
-        staged, 1.31 without), off on CPU (there it only adds a copy).
+        None (default): off. On 1 H200 (4.03 GB, one rank, the prune out of the commit) the staged sync save
+        was the slower one: 2.64 vs 5.27 GB/s with 8 threads, 2.60 vs 3.28 with 4 (an earlier 2-GPU run, with
+        the prune inside the commit, had favoured staging: 1.85 vs 1.31); on CPU it only adds a copy.
         `tensor_format`: "raw" (each tensor's bytes, `rawio`) or "torch_save" (DCP's torch.save per
         tensor, the format before, which DCP's stock reader reads too); loads read either."""
         if keep_last is not None and keep_last < 1:
@@ -226,8 +227,8 @@ class CheckpointManager:
         return future
 
     def stages(self) -> bool:
-        """Does a synchronous save copy into host buffers first (`host_staging`; None: on CUDA)?"""
-        return torch.cuda.is_available() if self.host_staging is None else self.host_staging
+        """Does a synchronous save copy into host buffers first (`host_staging`; None: no)?"""
+        return bool(self.host_staging)
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
         """meta.json's fields; `fsdp` and `num_chunks` describe the model component (`components.model`)."""
