@@ -108,9 +108,9 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true", help="torch DCP async_save (time to commit)")
     ap.add_argument("--threads", type=int, default=None, help="file-writing threads per rank (default: the manager's)")
     ap.add_argument("--read-threads", type=int, default=None, help="file-reading threads per rank (default: the manager's)")
-    ap.add_argument("--host-staging", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
-                    help="CheckpointManager(host_staging=None/True/False): sync saves copy into reused (pinned) host "
-                         "buffers first; auto: on CUDA only")
+    ap.add_argument("--host-staging", nargs="?", const="on", default="off", choices=("on", "off"),
+                    help="CheckpointManager(host_staging=True/False): sync saves copy into reused (pinned) host "
+                         "buffers first (default off, the manager's)")
     ap.add_argument("--tensor-format", default="raw", choices=("raw", "torch_save"),
                     help="CheckpointManager(tensor_format=...): raw tensor bytes, or DCP's torch.save per tensor (before)")
     ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
@@ -132,7 +132,7 @@ def main() -> None:
     root = Path(collective.broadcast(root))
     mgr = ckpt.CheckpointManager(root, keep_last=1, async_save=args.async_save, write_threads=args.threads,
                                  read_threads=args.read_threads,
-                                 host_staging={"auto": None, "on": True, "off": False}[args.host_staging],
+                                 host_staging=args.host_staging == "on",
                                  tensor_format=args.tensor_format)
     save_s, load_s, blocking_s, phases, load_phases, nbytes = [], [], [], [], [], 0
     save_cpu_s, load_cpu_s = [], []  # this process's CPU seconds, all its threads: the work, whatever the wall
@@ -162,7 +162,7 @@ def main() -> None:
     result = dict(wrapper=type(chunks[0]).__name__, world_size=rt.world_size, dtype=args.dtype,
                   params=spec.param_count(), checkpoint_bytes=nbytes, save_s=save, load_s=load,
                   save_gb_per_s=nbytes / save / 1e9, load_gb_per_s=nbytes / load / 1e9, async_save=args.async_save,
-                  host_staging=mgr.stages(), tensor_format=args.tensor_format,
+                  host_staging=mgr.host_staging, tensor_format=args.tensor_format,
                   save_gb_per_s_per_gpu=nbytes / save / 1e9 / rt.world_size, threads=mgr.write_threads,
                   load_gb_per_s_per_gpu=nbytes / load / 1e9 / rt.world_size, read_threads=mgr.read_threads,
                   load_phases_s=load_phase, round_trip_bitwise=bitwise,

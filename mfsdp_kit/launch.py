@@ -27,8 +27,6 @@ ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
 """The kit's engine (ipengine.py): ipyparallel's engine that may start before the controller and imports torch
 and megatron at boot (unless `ipengine.PRELOAD_ENV` is '0'). The default `engine_cmd` of local engines, and of
 MPI engines where this machine has PRELOAD_MIN_CORES_PER_ENGINE cores per engine or more."""
-PRELOAD_ENGINE_CMD = ENGINE_CMD
-"""The same command; with no `ipengine.PRELOAD_ENV` set it always imports at boot (a caller's config naming it)."""
 PRELOAD_MIN_CORES_PER_ENGINE = 4
 """bench/cluster_start.py, start() to ready on 2 engines: a 32-core GPU node 12.3 -> 10.8 s and, on a slower
 one, 17.3 -> 14.7 s with the imports at boot; 2 busy CPU cores were slower with them (the import thread and

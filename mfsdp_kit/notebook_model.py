@@ -10,9 +10,9 @@
 Why "m" on GPUs: every notebook passes with it and runs in about a minute on 2 H200 (all 8: 528 s,
 docs/benchmarks.md), with real bf16 numbers in 06_memory (139k / 89k tokens/s per GPU for DDP / FSDP,
 10-16 % MFU, 15 of 140 GiB); `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its
-folder, once per machine (`models.tiny.cached`). The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales
-them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4 on l; bench/sft_grpo.py
-trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
+folder, once per machine (`models.tiny.cached`). The notebooks' learning rates were tuned on xs;
+`NotebookModel.lr` scales them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4
+on l; bench/sft_grpo.py trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
 
 `prepare()` is what a notebook's first cell calls; `throughput()` is the GPU report (tokens/s per GPU,
 MFU, peak memory and model state against the ZeRO formula) that 06_memory prints.

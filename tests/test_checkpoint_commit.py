@@ -62,9 +62,9 @@ def test_phases_add_up_to_the_save_and_the_load(tmp_path):
 
 
 def test_host_staging_is_opt_in(tmp_path):
-    assert ckpt.CheckpointManager(tmp_path).stages() is False
-    assert ckpt.CheckpointManager(tmp_path, host_staging=True).stages() is True
-    assert ckpt.CheckpointManager(tmp_path, host_staging=False).stages() is False
+    assert ckpt.CheckpointManager(tmp_path).host_staging is False
+    assert ckpt.CheckpointManager(tmp_path, host_staging=True).host_staging is True
+    assert ckpt.CheckpointManager(tmp_path, host_staging=False).host_staging is False
 
 
 class _Tensor:

@@ -136,7 +136,7 @@ def test_engines_preload_where_there_are_cores_for_it():
     launcher = {}
     launch.set_default_engine_cmd(launcher)
     local = launcher["config"].LocalEngineSetLauncher
-    assert local.engine_cmd == launch.PRELOAD_ENGINE_CMD and local.delay == 0
+    assert local.engine_cmd == launch.ENGINE_CMD and local.delay == 0
     assert ipengine.PRELOAD_ENV not in local.environment and local.environment[ipengine.WAIT_ENV] == "120"
     few_cores = {}
     launch.set_default_engine_cmd(few_cores, preload=False, connection_wait_s=30)

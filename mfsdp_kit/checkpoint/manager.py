@@ -58,7 +58,7 @@ class CheckpointManager:
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
                  hf_source: str | None = None, write_threads: int | None = None, read_threads: int | None = None,
-                 host_staging: bool | None = None, tensor_format: str = "raw"):
+                 host_staging: bool = False, tensor_format: str = "raw"):
         """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count), each
         writing its own file; `read_threads`: threads per rank reading those files at load. None: `io_threads()`.
         `host_staging`: a synchronous save first copies the state into host buffers kept for the
@@ -66,7 +66,7 @@ class CheckpointManager:
         do (training must not change what is written). Without it the writer threads copy each GPU
         tensor through a 64 MiB pinned buffer, one blocking copy at a time. The cost: the host holds
         one more copy of this rank's checkpoint bytes for the manager's life (pinned on CUDA).
-        None (default): off. On 1 H200 (4.03 GB, one rank, the prune out of the commit) the staged sync save
+        Off by default: on 1 H200 (4.03 GB, one rank, the prune out of the commit) the staged sync save
         was the slower one: 2.64 vs 5.27 GB/s with 8 threads, 2.60 vs 3.28 with 4 (an earlier 2-GPU run, with
         the prune inside the commit, had favoured staging: 1.85 vs 1.31); on CPU it only adds a copy.
         `tensor_format`: "raw" (each tensor's bytes, `rawio`) or "torch_save" (DCP's torch.save per
@@ -211,7 +211,7 @@ class CheckpointManager:
         write.submit_wait_peers (the slowest rank's staging)."""
         phases, t0 = self.last_save_phases_s, time.perf_counter()
         with agreed("writing checkpoint", tmp):
-            if self.async_save or self.stages():
+            if self.async_save or self.host_staging:
                 to_save = storage.stage(to_save, self._pinned)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the host copies are complete before training goes on
@@ -225,10 +225,6 @@ class CheckpointManager:
             phases["write.submit"] = submitted - self._write_start
             phases["write.submit_wait_peers"] = time.perf_counter() - submitted
         return future
-
-    def stages(self) -> bool:
-        """Does a synchronous save copy into host buffers first (`host_staging`; None: no)?"""
-        return bool(self.host_staging)
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
         """meta.json's fields; `fsdp` and `num_chunks` describe the model component (`components.model`)."""
