@@ -83,9 +83,10 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     _check_world(backend=backend, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s)
     on_gpu = torch.cuda.is_available()
     cfg.validate(world_size=world_size, on_gpu=on_gpu)
-    from .compat import fsdp_grads, no_te
+    from .compat import fsdp_grads, grad_norm, no_te
     no_te.enable()
     fsdp_grads.enable()   # one-rank FSDP groups (expert-data-parallel size 1) would get 2x gradients
+    grad_norm.enable()    # without TE/Apex, megatron's grad norm syncs with the GPU once per tensor
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

@@ -210,47 +210,11 @@ for s in $SECTIONS; do
     # the largest 7b-width model, Megatron-FSDP vs FSDP2 (issue 22 item 2)
     max_model_fsdp2) section max_model_fsdp2 trun bench/max_model.py --spec 7b --modes fsdp,fsdp2 --layer-step 4 --max-trials 8 \
                   --out "$RESULTS/max_model_fsdp2.json" ;;
-    # where 02_sft's GPU step goes (0.19 s for 32 sequences of 16 tokens on the 180.7 M model in fp32): the notebook's
-    # recipe under torchrun, 20 timed steps per wrapper, then torch.profiler over 3: GPU busy vs step, kernels per
-    # step, the top CPU ops (2026-12-01)
-    sft_step)   cat > "$RESULTS/sft_step.py" <<'PY'
-import time, torch
-from torch.profiler import ProfilerActivity, profile
-from transformers import AutoTokenizer
-from mfsdp_kit import data, engine, notebook_model, runtime
-from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.models.hf import load
-from mfsdp_kit.train import step
-nbm = notebook_model.prepare()
-tok = AutoTokenizer.from_pretrained(nbm.path)
-sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-for fsdp in (False, True):
-    cfg = nbm.engine_config(use_megatron_fsdp=fsdp, dtype="fp32")
-    runtime.init(cfg)
-    model = load(nbm.path, cfg)
-    ocfg = OptimConfig(lr=1e-3, warmup_steps=10)
-    opt = engine.build_optimizer(model.chunks, ocfg, cfg)
-    batches = iter(data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16, global_batch=32, seed=0))
-    run = lambda: step(model.chunks, opt, next(batches), micro_batch_size=16)
-    for _ in range(5):
-        run()
-    sync(); t0 = time.perf_counter()
-    for _ in range(20):
-        run()
-    sync(); per_step = (time.perf_counter() - t0) / 20
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            run()
-        sync()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if runtime.current().rank == 0:
-        print(f"\n{'FSDP' if fsdp else 'DDP'}: {per_step * 1e3:.1f} ms/step, GPU kernels {sum(e.device_time for e in kernels) / 3e3:.1f} ms/step, "
-              f"{len(kernels) / 3:.0f} kernels/step")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-    del model, opt
-    runtime.shutdown()
-PY
-                section sft_step trun "$RESULTS/sft_step.py" ;;
+    # where 02_sft's GPU step goes (0.14-0.25 s for 32 sequences of 16 tokens on the 180.7 M model in fp32): the
+    # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step,
+    # and the Python stacks behind the copies
+    sft_step)   section sft_step trun bench/sft_step.py --stacks --out "$RESULTS/sft_step.json" \
+                  --variants "${SFT_VARIANTS:-ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused}" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     notebooks)  section notebooks run_notebooks ;;
     # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
