@@ -6,6 +6,14 @@
                            from a seed, no download), fp32 on CPU and bf16 on GPUs
         a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
     MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
+    MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.attention_backend`): "sdpa" on GPUs
+                           (unless the folder's config has an active sliding window, which only "local" maps),
+                           "local" on CPU.
+
+Why SDPA on GPUs: a notebook step of the m model (32 sequences x 16 tokens) is bound by the host, not the GPU
+(25-28 ms of kernels in a 121-273 ms step, 1 H200, bench/sft_step.py). megatron's local attention builds its
+causal mask and issues host-to-device copies in every layer; SDPA is one kernel and no copies: 144 -> 121 ms
+per DDP step, 273 -> 204 ms per Megatron-FSDP step. The CPU notebooks keep megatron's own attention.
 
 Why "m" on GPUs: every notebook passes with it and runs in about a minute on 2 H200 (all 8: 528 s,
 docs/benchmarks.md), with real bf16 numbers in 06_memory (139k / 89k tokens/s per GPU for DDP / FSDP,
@@ -30,7 +38,7 @@ import torch
 
 from .config import DTYPES, EngineConfig, bad_value
 
-ENV_MODEL, ENV_DTYPE = "MFSDP_MODEL", "MFSDP_DTYPE"
+ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
 TINY_SIZES = ("xs", "s", "m", "l")
 DEFAULT_SIZE = {False: "xs", True: "m"}
 """by `on_gpu`"""
@@ -54,14 +62,16 @@ class NotebookModel:
     workdir: str
     """A fresh directory for what the notebook writes (exports, checkpoints): never beside a user's folder."""
     lr_scale: float = 1.0
+    attention_backend: str = "local"
+    """`EngineConfig.attention_backend` for this model on this hardware (`attention_backend()`)."""
 
     @property
     def size(self) -> str | None:
         return self.choice if self.choice in TINY_SIZES else None
 
     def engine_config(self, **overrides) -> EngineConfig:
-        """EngineConfig in this model's dtype; `overrides` win (a parity check passes dtype="fp32")."""
-        return EngineConfig(**{"dtype": self.dtype, **overrides})
+        """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32")."""
+        return EngineConfig(**{"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides})
 
     def lr(self, xs_lr: float) -> float:
         """A learning rate tuned on the tiny xs model, scaled for this one."""
@@ -73,7 +83,8 @@ class NotebookModel:
 
     def __str__(self) -> str:
         where = "GPU" if self.on_gpu else "CPU"
-        return f"{self.choice} ({self.path}), {self.dtype} on {where}, lr x {self.lr_scale:g}"
+        return f"{self.choice} ({self.path}), {self.dtype} on {where}, {self.attention_backend} attention, " \
+               f"lr x {self.lr_scale:g}"
 
 
 def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) -> tuple[str, str]:
@@ -94,6 +105,22 @@ def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) 
     return choice, dtype
 
 
+def attention_backend(path: str, *, on_gpu: bool, env: dict | None = None) -> str:
+    """MFSDP_ATTENTION if set, else "sdpa" on GPUs (host-bound small steps: module docstring) unless the HF
+    folder at `path` has an active sliding window, which only megatron's "local" attention reproduces."""
+    from .config import ATTENTION_BACKENDS
+    from .models.support import active_window
+    env = os.environ if env is None else env
+    chosen = env.get(ENV_ATTENTION, "")
+    if chosen:
+        if chosen not in ATTENTION_BACKENDS:
+            raise bad_value(ENV_ATTENTION, chosen, " | ".join(ATTENTION_BACKENDS))
+        return chosen
+    file = Path(path) / "config.json"   # a folder without one fails in models.hf.load, naming the file
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    return "sdpa" if on_gpu and active_window(config.get("text_config", config)) is None else "local"
+
+
 def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: str | None = None,
             seed: int = 0) -> NotebookModel:
     """Resolve the knob and find the model's folder: a tiny size is written (seeded) once per machine and
@@ -107,7 +134,8 @@ def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: st
         scale = LR_SCALE[choice]
     else:
         path, scale = choice, USER_LR_SCALE
-    return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu, workdir=workdir, lr_scale=scale)
+    return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu, workdir=workdir, lr_scale=scale,
+                         attention_backend=attention_backend(path, on_gpu=on_gpu))
 
 
 def gpt_spec(hf_path, *, seq_len_tokens: int):

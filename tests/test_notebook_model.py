@@ -1,5 +1,6 @@
 """notebook_model: the one knob (MFSDP_MODEL / MFSDP_DTYPE or a first-cell argument) that picks the
 notebooks' model. throughput() itself runs in notebooks/06_memory (nbval)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,25 @@ def test_prepare_writes_the_tiny_folder_once(tmp_path, monkeypatch):
     cfg = m.engine_config(use_megatron_fsdp=True)
     assert cfg.dtype == "fp32" and cfg.use_megatron_fsdp
     assert m.engine_config(dtype="bf16").dtype == "bf16"                   # an override wins
+
+
+def test_attention_is_sdpa_on_gpus_unless_a_sliding_window_needs_local(tmp_path):
+    path = tiny(tmp_path / "xs", size="xs")
+    assert nm.attention_backend(path, on_gpu=True, env={}) == "sdpa"
+    assert nm.attention_backend(path, on_gpu=False, env={}) == "local"
+    assert nm.attention_backend(path, on_gpu=False, env={nm.ENV_ATTENTION: "sdpa"}) == "sdpa"
+    with pytest.raises(ConfigError, match=nm.ENV_ATTENTION):
+        nm.attention_backend(path, on_gpu=True, env={nm.ENV_ATTENTION: "flash"})
+    # a Qwen2 config whose sliding window is on in every layer, as transformers writes it: only "local" maps it
+    from transformers import Qwen2Config
+    config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "layer_types"}
+    windowed = tmp_path / "windowed"
+    Qwen2Config.from_dict({**config, "use_sliding_window": True, "sliding_window": 4,
+                           "max_window_layers": 0}).save_pretrained(windowed)
+    assert nm.attention_backend(windowed, on_gpu=True, env={}) == "local"
+    m = nm.NotebookModel(choice="xs", path=str(path), dtype="fp32", on_gpu=True, workdir=str(tmp_path),
+                         attention_backend="sdpa")
+    assert m.engine_config().attention_backend == "sdpa" and "sdpa attention" in str(m)
 
 
 def test_a_user_folder_is_used_in_place(tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def _rope(arch: str, config: dict, cfg) -> None:
                   "partly mapped): the model would use different position frequencies than HF")
 
 
-def _window_active(config: dict) -> int | None:
+def active_window(config: dict) -> int | None:
     """The sliding window HF applies to some layer, or None when attention is full everywhere."""
     window = config.get("sliding_window")
     if window is None:
@@ -128,7 +128,7 @@ def _window_active(config: dict) -> int | None:
 
 
 def _sliding_window(arch: str, config: dict, cfg) -> None:
-    window = _window_active(config)
+    window = active_window(config)
     if window is None:
         return
     if arch != "MistralForCausalLM":
@@ -152,7 +152,7 @@ def megatron_window(config: dict, bridge_window):
     A window no shorter than the context is full attention: None (SDPA has no window mask)."""
     if bridge_window is None:
         return None
-    window = _window_active(config)
+    window = active_window(config)
     if window is None:
         return None
     return (window - 1, 0)
