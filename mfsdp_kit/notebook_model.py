@@ -1,26 +1,27 @@
 """Which model the notebooks train: one knob, read here and nowhere else.
 
     MFSDP_MODEL=<choice>   (environment variable; a notebook's first cell may set MODEL = <choice> instead)
-        unset | "auto"     "xs" on CPU (the tiny model, fp32); "m" (180.7 M params, bf16) when CUDA is visible
-        "xs" | "s" | "m" | "l"   that size of `models.tiny` (~0.1 M, ~3 M, 180.7 M, 1.70 B; written locally
-                           from a seed, no download), fp32 on CPU and bf16 on GPUs
+        unset | "auto"     "xs" on CPU (the tiny model, fp32); "mw" (180.9 M params in 4 wide layers, bf16) when
+                           CUDA is visible
+        "xs" | "s" | "m" | "mw" | "l"   that size of `models.tiny` (~0.1 M, ~3 M, 180.7 M in 16 layers, 180.9 M
+                           in 4, 1.70 B; written locally from a seed, no download), fp32 on CPU and bf16 on GPUs
         a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
     MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
     MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.attention_backend`): "sdpa" on GPUs
                            (unless the folder's config has an active sliding window, which only "local" maps),
                            "local" on CPU.
 
-Why SDPA on GPUs: a notebook step of the m model (32 sequences x 16 tokens) is bound by the host, not the GPU
-(25-28 ms of kernels in a 121-273 ms step, 1 H200, bench/sft_step.py). megatron's local attention builds its
-causal mask and issues host-to-device copies in every layer; SDPA is one kernel and no copies: 144 -> 121 ms
-per DDP step, 273 -> 204 ms per Megatron-FSDP step. The CPU notebooks keep megatron's own attention.
-
-Why "m" on GPUs: every notebook passes with it and runs in about a minute on 2 H200 (all 8: 528 s,
-docs/benchmarks.md), with real bf16 numbers in 06_memory (139k / 89k tokens/s per GPU for DDP / FSDP,
-10-16 % MFU, 15 of 140 GiB); `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its
-folder, once per machine (`models.tiny.cached`). The notebooks' learning rates were tuned on xs;
-`NotebookModel.lr` scales them down for larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 3e-4
-on l; bench/sft_grpo.py trains m at 3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
+Why these GPU defaults: a notebook step (32 sequences x 16 tokens) is bound by the host, not the GPU: megatron
+runs Python and launches kernels per layer, per micro-batch. Measured on 1 H200 (bench/sft_step.py, 02_sft's
+step in fp32, ms per step DDP / Megatron-FSDP; `docs/benchmarks.md`):
+- m, megatron's local attention: 144 / 273 (its 16 layers build a causal mask and copy host-to-device each);
+- m, SDPA: 121 / 204 (GPU busy 26-28 ms of it);
+- mw, SDPA: 43 / 70 -- the same parameters in a quarter of the layers, a quarter of the host work.
+All 8 notebooks a single GPU can run took 248 s with m + SDPA and 173 s with mw + SDPA (58 of 58 cells passed).
+`MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its folder, once per machine
+(`models.tiny.cached`). The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales them down for
+larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 6e-4 on mw, 3e-4 on l; bench/sft_grpo.py trains m at
+3e-4 for 600 steps; 1e-2 of the xs rate for a user's folder).
 
 `prepare()` is what a notebook's first cell calls; `throughput()` is the GPU report (tokens/s per GPU,
 MFU, peak memory and model state against the ZeRO formula) that 06_memory prints.
@@ -39,10 +40,10 @@ import torch
 from .config import DTYPES, EngineConfig, bad_value
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
-TINY_SIZES = ("xs", "s", "m", "l")
-DEFAULT_SIZE = {False: "xs", True: "m"}
+TINY_SIZES = ("xs", "s", "m", "mw", "l")
+DEFAULT_SIZE = {False: "xs", True: "mw"}
 """by `on_gpu`"""
-LR_SCALE = {"xs": 1.0, "s": 0.5, "m": 0.3, "l": 0.1}
+LR_SCALE = {"xs": 1.0, "s": 0.5, "m": 0.3, "mw": 0.2, "l": 0.1}
 """Factor on the notebooks' xs learning rates; a user's folder gets USER_LR_SCALE."""
 USER_LR_SCALE = 0.01
 BENCH_SEQ_LEN = 256

@@ -26,9 +26,9 @@ def code(text: str):
 
 
 # The model knob (mfsdp_kit.notebook_model): MODEL here, else $MFSDP_MODEL, else tiny xs (fp32) on CPU and
-# tiny m (180.7 M, bf16) on GPUs; "xs" | "s" | "m" | "l" or the path of your own HF folder.
+# tiny mw (180.9 M in 4 wide layers, bf16) on GPUs; "xs" | "s" | "m" | "mw" | "l" or the path of your own HF folder.
 KNOB = '''
-MODEL = None   # None: $MFSDP_MODEL or the hardware's default; "xs" | "s" | "m" | "l" | "/path/to/your/hf/folder"
+MODEL = None   # None: $MFSDP_MODEL or the hardware's default; "xs" | "s" | "m" | "mw" | "l" | "/path/to/your/hf/folder"
 '''
 
 START = KNOB + '''
@@ -381,7 +381,7 @@ With Adam in fp32 every parameter costs 4 B weights + 4 B grads + 8 B moments = 
 `memory.memory_report(chunks, optimizer)` measures the buffers each rank really holds. We measure
 both wrappers on 1 rank and on 2 ranks (restarting the engines with `n=1`), then draw the bytes
 with the formula's prediction beside them. The model and dtype are the knob's (`MODEL` below, else
-`$MFSDP_MODEL`): the tiny xs model in fp32 on CPU, the 180.7 M tiny m in bf16 on GPUs.
+`$MFSDP_MODEL`): the tiny xs model in fp32 on CPU, the 180.9 M tiny mw in bf16 on GPUs.
 
 Each measurement also times a few steps on full-length (256-token) random sequences,
 `notebook_model.throughput`: tokens/s per GPU, MFU (`perf.flops`: 6 N + 12 L H S FLOP per token over

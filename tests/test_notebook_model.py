@@ -13,8 +13,8 @@ from mfsdp_kit.models.tiny import SIZES, param_count, tiny
 
 def test_defaults_follow_the_hardware():
     assert nm.resolve(on_gpu=False, env={}) == ("xs", "fp32")
-    assert nm.resolve(on_gpu=True, env={}) == ("m", "bf16")
-    assert nm.resolve("auto", on_gpu=True, env={}) == ("m", "bf16")
+    assert nm.resolve(on_gpu=True, env={}) == ("mw", "bf16")
+    assert nm.resolve("auto", on_gpu=True, env={}) == ("mw", "bf16")
 
 
 def test_environment_then_argument(tmp_path):
@@ -22,7 +22,7 @@ def test_environment_then_argument(tmp_path):
     assert nm.resolve(on_gpu=True, env=env) == ("l", "fp32")
     assert nm.resolve("s", on_gpu=True, env=env) == ("s", "fp32")          # the first cell's MODEL wins
     assert nm.resolve(str(tmp_path), on_gpu=False, env={}) == (str(tmp_path.resolve()), "fp32")
-    assert nm.resolve(on_gpu=True, env={nm.ENV_MODEL: ""}) == ("m", "bf16")  # empty = unset
+    assert nm.resolve(on_gpu=True, env={nm.ENV_MODEL: ""}) == ("mw", "bf16")  # empty = unset
 
 
 @pytest.mark.parametrize("env, field", [({nm.ENV_MODEL: "xxl"}, nm.ENV_MODEL),

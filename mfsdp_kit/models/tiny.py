@@ -35,6 +35,12 @@ SIZES: dict[str, dict[str, int]] = {
     # MLP 3 * 1024 * 2816 = 8.65 M -> 11.3 M * 16 layers = 180 M (+0.26 M embeddings).
     "m": dict(num_hidden_layers=16, hidden_size=1024, num_attention_heads=16,
               num_key_value_heads=4, intermediate_size=2816),
+    # mw: m's parameters in 4 wide layers (the notebooks' GPU default). per layer: attention 2048*(2048+2*512)
+    # + 2048*2048 = 10.5 M, MLP 3 * 2048 * 5632 = 34.6 M -> 45.1 M * 4 = 180.4 M (+0.52 M embeddings). A
+    # notebook's 512-token step waits on megatron's per-layer host work, not on the GPU: a quarter of the
+    # layers is a quarter of that work for the same FLOPs.
+    "mw": dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16,
+               num_key_value_heads=4, intermediate_size=5632),
     # l: the ~1.7 B model of the GPU benchmarks (offload, sync). per layer: attention
     # 2048*(2048+2*512) + 2048*2048 = 10.5 M, MLP 3 * 2048 * 8192 = 50.3 M -> 60.8 M * 28 = 1.70 B.
     "l": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16,

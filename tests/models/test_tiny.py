@@ -46,17 +46,19 @@ def test_init_values(xs_path):
     assert abs(emb.std().item() - 0.02) < 0.003 and not torch.equal(emb, sd["lm_head.weight"])
 
 
-def test_size_m_param_count():
-    n = param_count("m")
+@pytest.mark.parametrize("size", ["m", "mw"])
+def test_gpu_sizes_param_count(size):
+    n = param_count(size)
     assert 100e6 <= n <= 300e6, n
-    heads = SIZES["m"]
+    heads = SIZES[size]
     assert heads["num_attention_heads"] % 2 == 0 and heads["num_key_value_heads"] % 2 == 0
 
 
-def test_size_m_writes_and_loads(tmp_path):
-    path = tiny(tmp_path, size="m", seed=0)
+@pytest.mark.parametrize("size", ["m", "mw"])
+def test_gpu_sizes_write_and_load(tmp_path, size):
+    path = tiny(tmp_path, size=size, seed=0)
     model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.num_parameters() == param_count("m")
+    assert model.num_parameters() == param_count(size)
 
 
 @pytest.mark.parametrize("field, kwargs", [("arch", dict(arch="gpt2")), ("size", dict(size="xl"))])
