@@ -165,10 +165,19 @@ def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> pathl
 def cache_key(*, arch: str, size: str, seed: int) -> str:
     """Folder name of one tiny model: what it is, plus a digest of everything its bytes depend on (this module's
     source: shapes, init, tokenizer; torch's RNG; transformers' file formats), so a change writes a new one."""
-    import transformers
     digest = zlib.crc32(pathlib.Path(__file__).read_bytes())
-    digest = zlib.crc32(f"{torch.__version__} {transformers.__version__}".encode(), digest)
+    digest = zlib.crc32(f"{torch.__version__} {_version('transformers')}".encode(), digest)
     return f"tiny-{arch}-{size}-seed{seed}-{digest:08x}"
+
+
+def _version(package: str) -> str:
+    """An installed package's version from its metadata: importing transformers to read `__version__` costs
+    ~1.2 s, and every notebook's first cell looks its model up here."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:   # importable without metadata (a source checkout on sys.path)
+        return __import__(package).__version__
 
 
 def cached(*, arch: str = "qwen2", size: str = "xs", seed: int = 0, root=None) -> pathlib.Path:
