@@ -33,6 +33,14 @@ FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
 """Fused kernels that need Transformer Engine or Apex; off on the local spec."""
 
+NATIVE_CE_FUSION_OFF = dict(cross_entropy_loss_fusion=False)
+"""The bridge's providers switch on megatron's "native" fused cross-entropy, which without TE is torch.compile of
+four functions (fusions/fused_cross_entropy.py). Measured: no faster at vocabulary 32768 and 2 GiB more peak on
+2 H200 (docs/benchmarks.md, levers2), and its compile costs each process 2.2 s at its first step (CPU, warm
+compile cache), i.e. in every notebook. Off, megatron's unfused vocab-parallel cross entropy computes the same
+fp32 loss, as megatron-core's own default; `override_transformer_config={"cross_entropy_loss_fusion": True}`
+turns it back on."""
+
 MOE_TE_ONLY = dict(moe_permute_fusion=False, moe_grouped_gemm=False, moe_router_fusion=False)
 """MoE fusions the Qwen3-MoE and OLMoE bridges switch on that exist only with Transformer Engine:
 `moe_permute_fusion` imports TE's fused_permute (megatron-core 0.16.1 transformer_config.py:1834,
@@ -211,7 +219,7 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not torch.cuda.is_available(),
     )
     if not HAVE_TE:
-        settings.update(FUSIONS_OFF)
+        settings.update(FUSIONS_OFF, **NATIVE_CE_FUSION_OFF)
         if getattr(p, "num_moe_experts", None):
             settings.update(MOE_TE_ONLY)
     if cfg.recompute != "none":
