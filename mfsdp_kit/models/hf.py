@@ -12,9 +12,10 @@ a loaded checkpoint without effect until the first step - cannot happen). The co
 holds one full unsharded copy of its TP slice while loading.
 
 Without Transformer Engine, what the bridge's providers switch on but only TE has is switched off
-(FUSIONS_OFF, MOE_TE_ONLY), architecture-specific attention modules are kept on the local spec
-(OLMoE), a vocabulary TP does not divide is padded (`models.vocab`), and `load(..., verify=True)`
-compares the result with transformers' logits (`models.verify`).
+(FUSIONS_OFF, MOE_TE_ONLY), and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF);
+architecture-specific attention modules are kept on the local spec (OLMoE), a vocabulary TP does
+not divide is padded (`models.vocab`), and `load(..., verify=True)` compares the result with
+transformers' logits (`models.verify`).
 """
 from __future__ import annotations
 
