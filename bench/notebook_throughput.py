@@ -1,5 +1,5 @@
 """06_memory's speed cell as a script: `notebook_model.throughput` for DDP and Megatron-FSDP on every GPU,
-with the model the notebooks' knob picks (MFSDP_MODEL; default tiny m in bf16 on GPUs, xs in fp32 on CPU).
+with the model the notebooks' knob picks (MFSDP_MODEL; default tiny mw in bf16 on GPUs, xs in fp32 on CPU).
 
     torchrun --nproc_per_node 2 bench/notebook_throughput.py --out runs/bench/notebook_throughput.json
     MFSDP_MODEL=l torchrun --nproc_per_node 2 bench/notebook_throughput.py            # the 1.70 B tiny model

@@ -43,7 +43,7 @@ section() {  # section NAME command...: run, keep the log, remember failures
 }
 trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
 # nbval over every notebook in ONE pytest, as `make test` runs them on CPU (NOTEBOOKS: a subset; the knob
-# MFSDP_MODEL picks the model, default tiny m in bf16 on GPUs); each notebook's time is the sum of its cells'
+# MFSDP_MODEL picks the model, default tiny mw in bf16 on GPUs); each notebook's time is the sum of its cells'
 # setup/call/teardown (pytest --durations=0), its slowest cells beside it; prints a table, writes
 # $RESULTS/notebooks.json, fails if any cell failed.
 run_notebooks() {
@@ -210,7 +210,7 @@ for s in $SECTIONS; do
     # the largest 7b-width model, Megatron-FSDP vs FSDP2 (issue 22 item 2)
     max_model_fsdp2) section max_model_fsdp2 trun bench/max_model.py --spec 7b --modes fsdp,fsdp2 --layer-step 4 --max-trials 8 \
                   --out "$RESULTS/max_model_fsdp2.json" ;;
-    # where 02_sft's GPU step goes (0.14-0.25 s for 32 sequences of 16 tokens on the 180.7 M model in fp32): the
+    # where 02_sft's GPU step goes (32 sequences of 16 tokens in fp32, the notebooks' GPU model by default): the
     # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step,
     # and the Python stacks behind the copies
     sft_step)   section sft_step trun bench/sft_step.py --stacks --out "$RESULTS/sft_step.json" \
