@@ -2,7 +2,6 @@
 the notebooks' model in fp32), timed and profiled per variant.
 
     torchrun --nproc_per_node 1 bench/sft_step.py --variants ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa
-    torchrun --nproc_per_node 2 bench/sft_step.py --stacks        # + the Python stacks behind host<->device copies
 
 A variant is `<ddp|fsdp>-<local|sdpa>[-fused]`: the wrapper, `EngineConfig.attention_backend`, and
 `fused_kernels`. At 512 tokens a step the GPU waits for the host (megatron's per-module Python and thousands
@@ -40,11 +39,11 @@ def parse_variant(name: str) -> dict:
     return dict(use_megatron_fsdp=parts[0] == "fsdp", attention_backend=parts[1], fused_kernels=parts[2:] == ["fused"])
 
 
-def profile_steps(run, *, steps: int, stacks: bool) -> dict:
+def profile_steps(run, *, steps: int) -> dict:
     """torch.profiler over `steps` steps: per-step kernel count and GPU busy time, host copies and syncs."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, with_stack=stacks) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             run()
     events = prof.events()
@@ -57,14 +56,10 @@ def profile_steps(run, *, steps: int, stacks: bool) -> dict:
                top_kernels_ms_per_step=dict(busy.most_common(5)))
     for what, names in HOST_CALLS.items():
         out[f"{what}_per_step"] = sum(e.name in names for e in events) / steps
-    if stacks:
-        rows = [r for r in prof.key_averages(group_by_stack_n=6) if r.key in sum(HOST_CALLS.values(), ())]
-        out["stacks"] = [dict(call=r.key, count_per_step=r.count / steps, stack=list(r.stack))
-                         for r in sorted(rows, key=lambda r: -r.count)[:8]]
     return out
 
 
-def measure(nbm, overrides: dict, *, steps: int, warmup: int, profiled: int, stacks: bool) -> dict:
+def measure(nbm, overrides: dict, *, steps: int, warmup: int, profiled: int) -> dict:
     cfg = nbm.engine_config(dtype="fp32", seed=0, **overrides)   # fp32: 02_sft's parity check needs it
     runtime.init(cfg)
     model = load(nbm.path, cfg)
@@ -84,7 +79,7 @@ def measure(nbm, overrides: dict, *, steps: int, warmup: int, profiled: int, sta
         t0 = time.perf_counter()
         run()   # ends in .item(): the step's time includes its GPU work
         times.append(time.perf_counter() - t0)
-    res = dict(step_ms=statistics.median(times) * 1e3, **profile_steps(run, steps=profiled, stacks=stacks))
+    res = dict(step_ms=statistics.median(times) * 1e3, **profile_steps(run, steps=profiled))
     res["losses"] = losses
     engine.release(model.chunks)
     del model, opt
@@ -109,20 +104,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles, allocator warm-up)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler, after the timed ones")
-    ap.add_argument("--stacks", action="store_true", help="record the Python stacks behind host copies and syncs")
     ap.add_argument("--out", default="runs/bench/sft_step.json")
     args = ap.parse_args()
     variants = {v: parse_variant(v) for v in args.variants.split(",")}
     runtime.init(EngineConfig())
     nbm = notebook_model.prepare(workdir=f"/tmp/mfsdp_sft_step_{os.getpid()}")
-    results = {name: measure(nbm, o, steps=args.steps, warmup=args.warmup, profiled=args.profile_steps,
-                             stacks=args.stacks) for name, o in variants.items()}
+    results = {name: measure(nbm, o, steps=args.steps, warmup=args.warmup, profiled=args.profile_steps)
+               for name, o in variants.items()}
     if dist.get_rank() == 0:
         print(f"{nbm}; {dist.get_world_size()} rank(s)")
         print(table(results))
-        for name, r in results.items():
-            for s in r.get("stacks", []):
-                print(f"\n{name}: {s['call']} x {s['count_per_step']:.0f}/step\n  " + "\n  ".join(s["stack"]))
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(model=str(nbm), world=dist.get_world_size(), results=results), f, indent=1)

@@ -211,9 +211,8 @@ for s in $SECTIONS; do
     max_model_fsdp2) section max_model_fsdp2 trun bench/max_model.py --spec 7b --modes fsdp,fsdp2 --layer-step 4 --max-trials 8 \
                   --out "$RESULTS/max_model_fsdp2.json" ;;
     # where 02_sft's GPU step goes (32 sequences of 16 tokens in fp32, the notebooks' GPU model by default): the
-    # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step,
-    # and the Python stacks behind the copies
-    sft_step)   section sft_step trun bench/sft_step.py --stacks --out "$RESULTS/sft_step.json" \
+    # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step
+    sft_step)   section sft_step trun bench/sft_step.py --out "$RESULTS/sft_step.json" \
                   --variants "${SFT_VARIANTS:-ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused}" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     notebooks)  section notebooks run_notebooks ;;
