@@ -17,7 +17,8 @@ step in fp32, ms per step DDP / Megatron-FSDP; `docs/benchmarks.md`):
 - m, megatron's local attention: 144 / 273 (its 16 layers build a causal mask and copy host-to-device each);
 - m, SDPA: 121 / 204 (GPU busy 26-28 ms of it);
 - mw, SDPA: 43 / 70 -- the same parameters in a quarter of the layers, a quarter of the host work.
-All 8 notebooks a single GPU can run took 248 s with m + SDPA and 173 s with mw + SDPA (58 of 58 cells passed).
+All 8 notebooks a single GPU can run took 248 s with m + SDPA and 173 s with mw + SDPA (58 of 58 cells passed);
+on 2 H200 all 9 pass with mw in 169 s (581 s with m and megatron's attention the day before).
 `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its folder, once per machine
 (`models.tiny.cached`). The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales them down for
 larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 6e-4 on mw, 3e-4 on l; bench/sft_grpo.py trains m at
