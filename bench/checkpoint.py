@@ -14,7 +14,6 @@ Rank 0 prints a table and writes JSON (with every repeat's phases).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +30,7 @@ from mfsdp_kit import engine, introspect, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
+from mfsdp_kit.perf.report import write_json
 
 
 def disk_write_gb_per_s(root: Path, nbytes: int) -> float:
@@ -186,8 +186,7 @@ def main() -> None:
                 ("round trip", "bitwise" if bitwise else "NOT BITWISE: a load brought back other optimizer state")]
         print("\n".join(f"{k:<13} {v}" for k, v in rows))
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_json(args.out, result)
         if not args.root:
             shutil.rmtree(root, ignore_errors=True)
     runtime.shutdown(destroy_process_group=True)

@@ -15,7 +15,6 @@ engines) and on GPUs (nccl, one engine per GPU) alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -132,11 +131,10 @@ def main() -> None:
         results[v] = dict(summary=summarize(runs[v]), runs=runs[v])
         print(f"\n[{v}]")
         print_table(results[v]["summary"])
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(n_engines=args.n, repeats=args.repeats, engines=args.engines or "local", cpus=os.cpu_count(),
-                       host=platform.node(), load_before=load_before, load_after=load(), import_floor_s=floor,
-                       variants=results), f, indent=2)
+    from mfsdp_kit.perf.report import write_json   # here, not at the top: the parent measures import floors
+    write_json(args.out, dict(n_engines=args.n, repeats=args.repeats, engines=args.engines or "local",
+                              cpus=os.cpu_count(), host=platform.node(), load_before=load_before, load_after=load(),
+                              import_floor_s=floor, variants=results), indent=2)
     print(f"wrote {args.out}")
 
 

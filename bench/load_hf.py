@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import resource
 import shutil
 import time
@@ -39,6 +37,7 @@ from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
+from mfsdp_kit.perf.report import write_json
 
 class Phases:
     """Times phases on this rank, with host and GPU memory at each end (synchronized first)."""
@@ -150,9 +149,7 @@ def main() -> None:
                    params=params, folder=str(path), write=write, ranks=gathered,
                    peak_rss_bytes=max(r["peak_rss_bytes"] for g in gathered for r in g["phases"]),
                    gpu_peak_bytes=max(r["gpu_peak_bytes"] for g in gathered for r in g["phases"]))
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))
-        print("wrote", args.out)
+        write_json(args.out, res)
         if not args.keep:
             shutil.rmtree(path, ignore_errors=True)
     dist.barrier()

@@ -32,7 +32,6 @@ train, without OOM search.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import threading
 import time
@@ -50,6 +49,7 @@ from mfsdp_kit.perf.flops import layer_params
 from mfsdp_kit.perf.peaks import free_memory
 from mfsdp_kit.perf.trainers import batches, build_trainer
 from mfsdp_kit.perf.variants import VARIANTS, add_engine_args, engine_config_from_args, parse_modes, trainer_of
+from mfsdp_kit.perf.report import write_json
 
 
 # ---- one trial: build + --steps full training steps -------------------------------------------
@@ -201,10 +201,8 @@ def main() -> None:
     def save() -> None:
         if rank != 0:
             return
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), spec=vars(base), world=world, cap=state.get("cap"), trials=all_trials,
-                           summaries=summaries, fsdp_over_ddp_params=capacity.params_ratio(summaries)), f, indent=1)
+        write_json(args.out, dict(args=vars(args), spec=vars(base), world=world, cap=state.get("cap"), trials=all_trials,
+                                  summaries=summaries, fsdp_over_ddp_params=capacity.params_ratio(summaries)))
 
     def record(t: dict) -> None:
         all_trials.append(t)
@@ -225,7 +223,6 @@ def main() -> None:
               f"attention={args.attention}, {world} ranks, {args.steps} steps per trial")
         print_trials(all_trials)
         print_summary(summaries, base, state, args, world)
-        print("wrote", args.out)
     if on_gpu:
         torch.cuda.set_per_process_memory_fraction(1.0)
     runtime.shutdown(destroy_process_group=True)

@@ -10,9 +10,9 @@ fragments) comes on top, so a cap is a budget for allocated bytes, not the GPU's
 from __future__ import annotations
 
 import argparse
-import json
 
 from mfsdp_kit.perf.capacity import best_under, candidates
+from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.perf.variants import TRAINERS
 
 
@@ -33,9 +33,7 @@ def main() -> None:
         cells = [f"{b['tokens_per_s_per_gpu'] / 1e3:.1f}k (mb {b['micro_batch_size']}, {b['recompute']}, "
                  f"{b['peak_gib']:.1f} GiB)" if b else "nothing fits" for b in table[cap].values()]
         print(f"cap {cap:g} GiB: " + " | ".join(f"{s}: {c}" for s, c in zip(TRAINERS, cells)))
-    with open(args.out, "w") as f:
-        json.dump(dict(rows=rows, caps={str(c): t for c, t in table.items()}), f, indent=1)
-    print("wrote", args.out)
+    write_json(args.out, dict(rows=rows, caps={str(c): t for c, t in table.items()}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -37,6 +36,7 @@ from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches
 from mfsdp_kit.perf.variants import add_engine_args, add_step_args, engine_config_from_args
 from mfsdp_kit.train import step
+from mfsdp_kit.perf.report import write_json
 
 MODES = ("ddp", "fsdp")
 
@@ -158,12 +158,9 @@ def main() -> None:
     results = {f"{m}-ep{e}": run(m, e, spec, data, args) for e in eps for m in modes}
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         print_report(results, spec, args, world)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
-                           active_params=spec.active_param_count(), flops_per_token=flops_per_token(spec),
-                           peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results), f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
+                                  active_params=spec.active_param_count(), flops_per_token=flops_per_token(spec),
+                                  peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results))
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -10,7 +10,6 @@ step time, peak memory, model state against the ZeRO formula) and writes it as J
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch.distributed as dist
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from mfsdp_kit import engine, notebook_model, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
+from mfsdp_kit.perf.report import write_json
 
 
 def main() -> None:
@@ -41,10 +41,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(nbm)
         print(notebook_model.format_throughput(results))
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, results)
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step
+from mfsdp_kit.perf.report import write_json
 
 
 def _sync() -> None:
@@ -184,10 +183,7 @@ def main() -> None:
                                                           f"{twin['offloaded']} vs {twin['plain']}")]
         for name, value in rows:
             print(f"  {name:<42}{value}")
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), world=dist.get_world_size(), result=r), f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, dict(args=vars(args), world=dist.get_world_size(), result=r))
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -8,7 +8,6 @@ between), prints a table on rank 0 and writes JSON. On CPU it runs the tiny mode
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -21,6 +20,7 @@ from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.memory import format_table, memory_report, zero_formula_bytes
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
+from mfsdp_kit.perf.report import write_json
 
 GPU_SPEC = GPTSpec(num_layers=12, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
                    ffn_hidden_size=2816, vocab_size=32768, seq_len_tokens=1024)
@@ -91,10 +91,7 @@ def main() -> None:
         print(f"rank {r}: peak GiB {d['peak_bytes'] / 2**30:.2f} vs {f['peak_bytes'] / 2**30:.2f}; "
               f"model state GiB {d['model_state_bytes'] / 2**30:.3f} vs {f['model_state_bytes'] / 2**30:.3f}")
     print(format_table({"DDP": ddp.pop("report"), "FSDP": fsdp.pop("report")}, dtype=args.dtype))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), params=spec.param_count(), ddp=ddp, fsdp=fsdp), f, indent=1)
-    print("wrote", args.out)
+    write_json(args.out, dict(args=vars(args), params=spec.param_count(), ddp=ddp, fsdp=fsdp))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ this script runs it for DDP and FSDP and compares their exports after the step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 import torch.distributed as dist
 
 from mfsdp_kit.perf.roundtrip import roundtrip
+from mfsdp_kit.perf.report import write_json
 
 
 def _fmt(value) -> str:
@@ -46,10 +45,7 @@ def main() -> None:
     for k in keys:
         print(f"{k:<28}" + "".join(f"{_fmt(runs[m][k]):>16}" for m in ("ddp", "fsdp")))
     print(f"FSDP vs DDP export after one step: max|diff| {fsdp_vs_ddp:.3e}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), runs=runs, fsdp_vs_ddp_after_step=fsdp_vs_ddp), f, indent=1)
-    print("wrote", args.out)
+    write_json(args.out, dict(args=vars(args), runs=runs, fsdp_vs_ddp_after_step=fsdp_vs_ddp))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ GRPO target needs a start where that ceiling is well above +10).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -41,6 +39,7 @@ from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.train import fit
 from mfsdp_kit.train import step as train_step
+from mfsdp_kit.perf.report import write_json
 
 
 def sft_pairs(task) -> list:
@@ -309,11 +308,8 @@ def main() -> None:
     if rt.rank == 0:
         report(args, rt, res)
         print(f"  total wall time {time.perf_counter() - t_start:.1f} s")
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         saved = {k: v for k, v in vars(args).items() if k not in ("task2", "held2")}
-        with open(args.out, "w") as f:
-            json.dump(dict(args=saved, **res), f, indent=1, default=lambda report: report.as_dict())
-        print("wrote", args.out)
+        write_json(args.out, dict(args=saved, **res), default=lambda report: report.as_dict())
     runtime.shutdown(destroy_process_group=True)
 
 

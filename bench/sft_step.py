@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import time
@@ -26,6 +25,7 @@ from mfsdp_kit import data, engine, notebook_model, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import step
+from mfsdp_kit.perf.report import write_json
 
 HOST_CALLS = {"copies": ("cudaMemcpyAsync", "cudaMemcpy"), "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize")}
 
@@ -114,10 +114,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{nbm}; {dist.get_world_size()} rank(s)")
         print(table(results))
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(model=str(nbm), world=dist.get_world_size(), results=results), f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, dict(model=str(nbm), world=dist.get_world_size(), results=results))
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
@@ -44,6 +43,7 @@ from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
 from mfsdp_kit.sync import export_hf_weights, load_into
+from mfsdp_kit.perf.report import write_json
 
 
 def _sync() -> None:
@@ -211,10 +211,7 @@ def main() -> None:
         print("\n" + table(results, ceil, f"weight sync into a rollout {name} model ({args.dtype}), world "
                                           f"{dist.get_world_size()}, median of {args.repeats} (+{args.warmup} warm-up: "
                                           f"'first s', which builds the plan)"))
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), world=dist.get_world_size(), results=results, ceiling=ceil), f, indent=1)
-        print("wrote", args.out)
+        write_json(args.out, dict(args=vars(args), world=dist.get_world_size(), results=results, ceiling=ceil))
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -36,7 +36,6 @@ profiler's own overhead: compare their shares, not their wall time, with the tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -55,6 +54,7 @@ from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
 from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer
 from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
                                      parse_modes, trainer_of, variant_overrides)
+from mfsdp_kit.perf.report import write_json
 
 PROFILE_STEPS = 2
 
@@ -268,13 +268,12 @@ def targets(results: dict) -> list[str]:
     return lines
 
 
-def write_json(results: dict, spec: GPTSpec, args, world: int) -> None:
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
-                       matmul_params=matmul_params(spec), flops_per_token=flops_per_token(spec),
-                       peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results,
-                       targets=targets(results)), f, indent=1)
+def save(results: dict, spec: GPTSpec, args, world: int) -> None:
+    """The run as JSON at --out (rewritten after every mode, so a run cut short keeps what it measured)."""
+    write_json(args.out, dict(args=vars(args), spec=vars(spec), params=spec.param_count(),
+                              matmul_params=matmul_params(spec), flops_per_token=flops_per_token(spec),
+                              peak_flops_per_gpu=PEAK_FLOPS_PER_GPU, world=world, results=results,
+                              targets=targets(results)))
 
 
 def main() -> None:
@@ -306,10 +305,9 @@ def main() -> None:
             runs[m].append(run_mode(m, spec, data, args, profile=args.profile and i == 0 and m in args.profile_modes))
             results = {m: combine_runs(r, spec) for m, r in runs.items() if r}
             if rank == 0:
-                write_json(results, spec, args, world)
+                save(results, spec, args, world)
     if rank == 0:
         print_report(results, spec, args, world)
-        print("wrote", args.out)
     runtime.shutdown(destroy_process_group=True)
 
 

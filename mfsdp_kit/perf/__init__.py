@@ -7,5 +7,6 @@
 - `trainers`: one training step of each variant behind one interface (megatron's, torch FSDP2's);
 - `capacity`: the search for the largest model that trains (calibrate, predict, verify);
 - `roundtrip`: HF -> Megatron -> HF, checked and timed;
-- `hf_folder`: HF folders of a named real shape (Qwen2.5-7B) written by transformers, or only their config and tensor names.
+- `hf_folder`: HF folders of a named real shape (Qwen2.5-7B) written by transformers, or only their config and tensor names;
+- `report`: a run's JSON, written where --out says.
 """
