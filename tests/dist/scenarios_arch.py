@@ -6,6 +6,7 @@ exact -> one training step (the loss is finite, the weights move, no padded id r
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -58,7 +59,10 @@ def greedy_vs_hf(model, src: str, *, vocab_size: int) -> dict:
 
 
 def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, vocab_size: int = 256,
-                   overrides: dict | None = None, transformer: dict | None = None, train: bool = True) -> dict:
+                   overrides: dict | None = None, transformer: dict | None = None, train: bool = True,
+                   attention: str = "local") -> dict:
+    """`attention`: an `EngineConfig.attention_backend`, or "gpu-default": what the notebooks pick on a GPU for
+    this folder (`notebook_model.attention_backend`)."""
     cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, dtype="fp32", seed=3,
                        override_transformer_config=transformer or {})
     rt = runtime.init(cfg)
@@ -66,10 +70,16 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
     if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):
         archs.write_tiny(arch, src, vocab_size=vocab_size, **(overrides or {}))
     dist.barrier()
+    if attention == "gpu-default":
+        from mfsdp_kit.notebook_model import attention_backend
+        attention = attention_backend(src, on_gpu=True, env={})
+    if attention != cfg.attention_backend:
+        cfg = dataclasses.replace(cfg, attention_backend=attention)
+        runtime.init(cfg)
     model = hf_models.load(src, cfg)
     v = verify(model)
     greedy = greedy_vs_hf(model, src, vocab_size=vocab_size)
-    result = dict(greedy=greedy, wrapper=type(model.chunks[0]).__name__, verify=v.as_dict(),
+    result = dict(greedy=greedy, wrapper=type(model.chunks[0]).__name__, verify=v.as_dict(), attention=attention,
                   padded_vocab=model.config.vocab_size if hasattr(model.config, "vocab_size") else None,
                   megatron_vocab=engine.unwrap_model(model.chunks[0]).vocab_size)
     from safetensors.torch import load_file

@@ -129,3 +129,18 @@ def test_whole_gpt_loss_matches_local(heads):
     print("losses", losses, "grad max|diff|", (grads["local"] - grads["sdpa"]).abs().max().item())
     assert abs(losses["local"] - losses["sdpa"]) < TOL
     assert (grads["local"] - grads["sdpa"]).abs().max().item() < TOL
+
+
+def test_the_notebooks_gpu_attention_reproduces_hf_for_every_verified_architecture(tmp_path):
+    """On GPUs the notebooks load a folder with SDPA unless its sliding window needs megatron's own attention
+    (notebook_model.attention_backend). Each verified architecture's tiny transformers-made model, loaded the way
+    that rule says (2 gloo ranks, Megatron-FSDP, fp32), gives transformers' logits and its greedy tokens."""
+    from mfsdp_kit.models import support
+    from tests.dist import launch
+    res, = launch.run("sequence", calls=[["scenarios_arch:arch_roundtrips", dict(
+        archs=list(support.VERIFIED), tp=1, fsdp=True, workdir=str(tmp_path), attention="gpu-default", train=False)]])
+    for arch, r in res.items():
+        print(arch, r["attention"], r["verify"]["relative"], r["greedy"]["ok"])
+        assert r["verify"]["relative"] < TOL and r["greedy"]["ok"], (arch, r)
+    assert {a for a, r in res.items() if r["attention"] == "sdpa"} >= {"Qwen2ForCausalLM", "LlamaForCausalLM",
+                                                                      "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}
