@@ -59,12 +59,11 @@ def profile_steps(run, *, steps: int) -> dict:
     return out
 
 
-def measure(nbm, overrides: dict, *, steps: int, warmup: int, profiled: int) -> dict:
+def measure(nbm, tok, overrides: dict, *, steps: int, warmup: int, profiled: int) -> dict:
     cfg = nbm.engine_config(dtype="fp32", seed=0, **overrides)   # fp32: 02_sft's parity check needs it
     runtime.init(cfg)
     model = load(nbm.path, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10), cfg)
-    tok = AutoTokenizer.from_pretrained(nbm.path)
     batches = data.batches(data.ArithmeticTask(digits=1).train_pairs(90), tok, seq_len_tokens=16, global_batch=32,
                            seed=0)
     losses = []
@@ -109,7 +108,8 @@ def main() -> None:
     variants = {v: parse_variant(v) for v in args.variants.split(",")}
     runtime.init(EngineConfig())
     nbm = notebook_model.prepare(workdir=f"/tmp/mfsdp_sft_step_{os.getpid()}")
-    results = {name: measure(nbm, o, steps=args.steps, warmup=args.warmup, profiled=args.profile_steps)
+    tok = AutoTokenizer.from_pretrained(nbm.path)
+    results = {name: measure(nbm, tok, o, steps=args.steps, warmup=args.warmup, profiled=args.profile_steps)
                for name, o in variants.items()}
     if dist.get_rank() == 0:
         print(f"{nbm}; {dist.get_world_size()} rank(s)")
