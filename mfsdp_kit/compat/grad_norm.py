@@ -26,8 +26,7 @@ UPSTREAM = "megatron/core/optimizer/clip_grads.py:35-43 + utils.py:1200-1215 (a 
 def multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """amp_C.multi_tensor_l2norm's contract: (the l2 norm of all of `tensor_lists[0]` as a [1] float32 tensor
     on their device, None). `chunk_size`, `noop_flag` and `per_tensor=False` are accepted and unused."""
-    tensors = tensor_lists[0]
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    norms = torch._foreach_norm([t.float() for t in tensor_lists[0]])   # .float() of an fp32 tensor is the tensor
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
