@@ -120,7 +120,9 @@ def attention_backend(path: str, *, on_gpu: bool, env: dict | None = None) -> st
         return chosen
     file = Path(path) / "config.json"   # a folder without one fails in models.hf.load, naming the file
     config = json.loads(file.read_text()) if file.is_file() else {}
-    return "sdpa" if on_gpu and active_window(config.get("text_config", config)) is None else "local"
+    # the same reading of config.json as the load's own window check (support.check_config), so the choice made
+    # here is never one that load refuses
+    return "sdpa" if on_gpu and active_window(config) is None else "local"
 
 
 def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: str | None = None,
