@@ -24,10 +24,7 @@ counts the mmapped shard pages a rank touched), peak and end GPU memory allocate
 from __future__ import annotations
 
 import argparse
-import gc
-import resource
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -37,36 +34,8 @@ from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
+from mfsdp_kit.perf.phases import Phases, settle
 from mfsdp_kit.perf.report import write_json
-
-class Phases:
-    """Times phases on this rank, with host and GPU memory at each end (synchronized first)."""
-
-    def __init__(self):
-        import psutil
-        self.proc, self.rows, self.gpu = psutil.Process(), [], torch.cuda.is_available()
-
-    def run(self, name: str, fn, *args, **kwargs):
-        if self.gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if self.gpu:
-            torch.cuda.synchronize()
-        self.rows.append(dict(
-            phase=name, seconds=time.perf_counter() - t0, rss_bytes=self.proc.memory_info().rss,
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            gpu_peak_bytes=torch.cuda.max_memory_allocated() if self.gpu else 0,
-            gpu_end_bytes=torch.cuda.memory_allocated() if self.gpu else 0))
-        return out
-
-
-def settle():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
 
 def train_steps(chunks, cfg: EngineConfig, *, steps: int, seq_len: int, vocab_size: int) -> list[float]:
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)

@@ -214,6 +214,10 @@ for s in $SECTIONS; do
     # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step
     sft_step)   section sft_step trun bench/sft_step.py --out "$RESULTS/sft_step.json" \
                   --variants "${SFT_VARIANTS:-ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused}" ;;
+    # where a notebook's set-up goes on the node: the one-time tiny model write (draw, write), then models.hf.load's
+    # phases per wrapper in the notebooks' GPU dtype, the first steps, and cProfile's top functions of the loads
+    nb_setup)   section nb_setup trun bench/notebook_setup.py --profile "${NB_SETUP_PROFILE:-40}" \
+                  --out "$RESULTS/notebook_setup.json" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     notebooks)  section notebooks run_notebooks ;;
     # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
