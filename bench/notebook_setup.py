@@ -9,8 +9,7 @@ one or more times (01_wrap twice, 06_memory four times), so on a GPU node these 
 most of the suite's time. Rank 0 writes the model into a fresh folder (timed: drawing the weights, then the
 whole `tiny.tiny`), then every rank runs, per wrapper, `runtime.init` and `load`'s phases one by one (the same
 calls, in its order: mfsdp_kit/models/hf.py `load`), then 3 steps of 02_sft's shape (32 sequences x 16 tokens).
-`--profile N` adds the N functions with the most cumulative time over rank 0's loads, up to and including the
-optimizer (cProfile).
+`--profile N` adds the N functions with the most cumulative time over rank 0's loads and steps (cProfile).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from mfsdp_kit import cache, data, engine, notebook_model, runtime, train
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.models.tiny import state_dict, tiny
+from mfsdp_kit.models.tiny import param_count, state_dict, tiny
 from mfsdp_kit.perf.phases import Phases, settle
 from mfsdp_kit.perf.report import write_json
 
@@ -35,16 +34,18 @@ LOAD_PHASES = ("check", "provider", "build", "weights", "wrap")
 
 
 def write_model(phases: Phases, *, size: str, root) -> str:
-    """Rank 0 writes the tiny model into a fresh folder under `root` (where the real cache lives)."""
+    """Rank 0 writes the tiny model into a fresh folder under `root` (where the real cache lives): first the
+    imports it needs (transformers' model class, built on the meta device), then the draw alone, then all of it."""
     path = tempfile.mkdtemp(prefix=f".bench-{size}-", dir=root)
+    phases.run("imports", param_count, size)
     phases.run("draw", state_dict, size=size)
     phases.run("tiny", tiny, path, size=size)
     return path
 
 
 def load_and_step(phases: Phases, nbm, path: str, *, fsdp: bool, steps: int, profile=None) -> None:
-    """`models.hf.load`'s phases under the notebook's config (under `profile` if given), then `steps` steps of
-    02_sft's shape."""
+    """`models.hf.load`'s phases under the notebook's config, then `steps` steps of 02_sft's shape (all under
+    `profile` if given)."""
     name = "fsdp" if fsdp else "ddp"
     if profile:
         profile.enable()
@@ -56,13 +57,13 @@ def load_and_step(phases: Phases, nbm, path: str, *, fsdp: bool, steps: int, pro
     phases.run(f"{name}.weights", hf_models.load_weights, bridge, chunks, path, cfg)
     chunks = phases.run(f"{name}.wrap", engine.wrap_chunks, cfg, chunks)
     opt = phases.run(f"{name}.optimizer", engine.build_optimizer, chunks, OptimConfig(lr=1e-5), cfg)
-    if profile:
-        profile.disable()
     batches = data.random_token_batches(steps=steps, global_batch=32, seq_len_tokens=16,
                                         vocab_size=bridge.hf_pretrained.config.vocab_size)
     for i, batch in enumerate(batches):
         phases.run(f"{name}.step{i}", train.step, chunks, opt, batch, micro_batch_size=16 // dist.get_world_size(),
                    step_index=i)
+    if profile:
+        profile.disable()
     del chunks, opt
     phases.run(f"{name}.settle", settle)
 
@@ -108,11 +109,13 @@ def main() -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, phases.rows)
     if rank == 0:
-        write_s = {"draw": phases.seconds("draw"), "write": phases.seconds("tiny") - phases.seconds("draw")}
+        write_s = {"imports": phases.seconds("imports"), "draw": phases.seconds("draw"),
+                   "write": phases.seconds("tiny") - phases.seconds("draw")}
         loads = {w: phases.seconds(*(f"{w}.{p}" for p in ("init",) + LOAD_PHASES)) for w in ("ddp", "fsdp")}
         print(f"{args.size} ({nbm.dtype}, attention {nbm.attention_backend}), {world} rank(s) on "
               f"{torch.cuda.get_device_name(0) if on_gpu else 'cpu'}: model write {sum(write_s.values()):.2f} s "
-              f"(draw {write_s['draw']:.2f}), load DDP {loads['ddp']:.2f} s, Megatron-FSDP {loads['fsdp']:.2f} s")
+              f"(imports {write_s['imports']:.2f}, draw {write_s['draw']:.2f}), load DDP {loads['ddp']:.2f} s, "
+              f"Megatron-FSDP {loads['fsdp']:.2f} s")
         print(table(gathered))
         res = dict(args=vars(args), world=world, device=torch.cuda.get_device_name(0) if on_gpu else "cpu",
                    dtype=nbm.dtype, attention=nbm.attention_backend, model_write_s=write_s, load_s=loads,
