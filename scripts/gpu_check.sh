@@ -16,8 +16,13 @@ RESULTS=${RESULTS:-runs/gpu}
 SECTIONS=${SECTIONS:-parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo}
 mkdir -p "$RESULTS"
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
+  # once per machine for a given set of wheels (a second gpu_check in the same call keeps the files, so their bytecode)
+  stamp=$(ls .whl/*.whl | md5sum | cut -c1-32)
+  if [ "$(cat /tmp/mfsdp_site/.wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mfsdp_site .whl/*.whl \
+      || { echo "wheel install failed"; exit 1; }
+    echo "$stamp" > /tmp/mfsdp_site/.wheels
+  fi
   export PYTHONPATH=/tmp/mfsdp_site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -26,6 +31,19 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 # for a section that measures what the kit itself does (cluster_start).
 IMAGE_ENV="env PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-} PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-}"
 eval "$(python3 -c 'from mfsdp_kit.cache import bytecode_env; print("".join(f"export {k}={v!r};" for k, v in bytecode_env().items()))')"
+# The bytecode of every importable module, compiled here as `pip install` compiles it on a user's machine (the
+# wheels above go in with --no-compile and the image keeps none): without this, each module's first importer pays
+# its compile inside whatever section runs first (PRECOMPILE=0 leaves that as it is, to measure it).
+if [ "${PRECOMPILE:-1}" = 1 ]; then
+  python3 - "$PWD/mfsdp_kit" <<'PY' 2>&1 | tee "$RESULTS/bytecode.log"
+import compileall, os, site, sys, time
+t0 = time.perf_counter()
+dirs = [d for d in [*sys.argv[1:], "/tmp/mfsdp_site", *site.getsitepackages()] if os.path.isdir(d)]
+ok = all([compileall.compile_dir(d, quiet=2, workers=0) for d in dirs])
+print(f"bytecode: {', '.join(dirs)} compiled in {time.perf_counter() - t0:.1f} s into {sys.pycache_prefix or '__pycache__'}"
+      + ("" if ok else " (some files did not compile: kept as source)"))
+PY
+fi
 python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "transformers", transformers.__version__, "mcore", m.__version__, "gpus", torch.cuda.device_count())'
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
@@ -42,46 +60,6 @@ section() {  # section NAME command...: run, keep the log, remember failures
   return 0
 }
 trun() { torchrun --nproc_per_node "$NGPU" --master_port $((29400 + RANDOM % 1000)) "$@"; }
-# nbval over every notebook in ONE pytest, as `make test` runs them on CPU (NOTEBOOKS: a subset; the knob
-# MFSDP_MODEL picks the model, default tiny mw in bf16 on GPUs); each notebook's time is the sum of its cells'
-# setup/call/teardown (pytest --durations=0), its slowest cells beside it; prints a table, writes
-# $RESULTS/notebooks.json, fails if any cell failed.
-run_notebooks() {
-  NOTEBOOKS="${NOTEBOOKS:-$(ls notebooks/*.ipynb)}" python3 - "$RESULTS/notebooks.json" <<'PY'
-import collections, json, os, re, subprocess, sys, time
-import torch
-nbs = os.environ["NOTEBOOKS"].split()
-t0 = time.perf_counter()
-p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", "--nbval-cell-timeout=400",
-                    "--durations=0", "--durations-min=0", *nbs], capture_output=True, text=True)
-wall = time.perf_counter() - t0
-cells = [(float(m[1]), m[2], m[3], m[4]) for m in
-         re.finditer(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+?\.ipynb)::(.+)$", p.stdout, re.M)]
-per_nb = collections.defaultdict(float)
-for s, _, nb, _ in cells:
-    per_nb[os.path.basename(nb)] += s
-failed = [l for l in p.stdout.splitlines() if l.startswith("FAILED")]
-rows = []
-for nb in nbs:
-    name = os.path.basename(nb)
-    slowest = sorted(((s, c) for s, w, n, c in cells if os.path.basename(n) == name and w == "call"), reverse=True)[:4]
-    rows.append(dict(notebook=name, ok=not any(name in l for l in failed), cells_s=round(per_nb[name], 1),
-                     slowest_cells=[dict(cell=c, s=s) for s, c in slowest]))
-    print(f"{name:<22} {'ok' if rows[-1]['ok'] else 'FAILED':>6} {per_nb[name]:8.1f} s   "
-          + ", ".join(f"{c} {s:.1f} s" for s, c in slowest), flush=True)
-last = (p.stdout.strip().splitlines() or [""])[-1]
-json.dump(dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
-               gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-               total_s=round(wall, 1), cells_s=round(sum(per_nb.values()), 1), pytest=last, notebooks=rows),
-          open(sys.argv[1], "w"), indent=1)
-print(f"{'total (one pytest)':<22} {wall:8.1f} s   {last}")
-if p.returncode:   # the failures, not the durations table that follows them
-    out = p.stdout
-    start, end = out.find("= FAILURES ="), out.find("slowest durations")
-    print(out[start if start >= 0 else 0:end if end > start else None][-8000:], p.stderr[-3000:])
-sys.exit(p.returncode)
-PY
-}
 
 for s in $SECTIONS; do
   case $s in
@@ -219,7 +197,7 @@ for s in $SECTIONS; do
     nb_setup)   section nb_setup trun bench/notebook_setup.py --profile "${NB_SETUP_PROFILE:-40}" \
                   --out "$RESULTS/notebook_setup.json" ;;
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
-    notebooks)  section notebooks run_notebooks ;;
+    notebooks)  section notebooks python3 bench/notebook_suite.py --out "$RESULTS/notebooks.json" ${NOTEBOOKS:-} ;;
     # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
     nb_throughput) section nb_throughput trun bench/notebook_throughput.py --out "$RESULTS/notebook_throughput.json" ;;
     # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then

@@ -76,16 +76,18 @@ def placeholders():
     # megatron-core probes for TE first, so its HAVE_TE flags stay False.
     import megatron.core.extensions.transformer_engine  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    # transformers (imported by the bridge) imports torch's compiler (flex_attention's
-    # torch.compiler.disable), which probes for triton: it must see the real absence, not the
-    # placeholder (compat.lazy_compile leaves the compiler unimported until here).
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
     added = []
     if importlib.util.find_spec("transformer_engine") is None:
         _module("transformer_engine").pytorch = _module("transformer_engine.pytorch")
         added.append("transformer_engine")
     if importlib.util.find_spec("triton") is None:
+        # transformers (imported by the bridge) imports torch's compiler (flex_attention's
+        # torch.compiler.disable), which probes for triton: it must see the real absence, not the
+        # placeholder (compat.lazy_compile leaves the compiler unimported until here). Where triton is
+        # installed (GPU images) there is no placeholder to hide, and the compiler stays unimported:
+        # 1.2-1.5 s of every GPU process that loads a model, for a compiler nothing may call.
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
         _triton_placeholder()
         added.append("triton")
     try:
