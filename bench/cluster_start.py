@@ -27,6 +27,17 @@ IMPORTS = {"python": "pass", "ipyparallel engine": "import ipyparallel.engine.ap
            "mfsdp_kit + megatron.core": "import mfsdp_kit, megatron.core.parallel_state"}
 """The last is what an engine imports (the kit's compat rows change megatron's import); the one before is megatron
 as upstream ships it."""
+MODEL_WORK = """
+from mfsdp_kit import data, engine, runtime, train
+from mfsdp_kit.config import OptimConfig
+from mfsdp_kit.models.hf import load
+cfg = nbm.engine_config(use_megatron_fsdp=True)
+runtime.init(cfg)
+model = load(nbm.path, cfg)
+opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-5), cfg)
+for b in data.random_token_batches(steps=2, global_batch=32, seq_len_tokens=16, vocab_size=model.vocab_size):
+    train.step(model.chunks, opt, b, micro_batch_size=16 // world_size)
+"""
 ALL_REDUCE = ("import torch, torch.distributed as dist\nfrom mfsdp_kit import runtime\n"
               "x = torch.ones(1, device=runtime.current().device)\ndist.all_reduce(x)")
 
@@ -65,7 +76,9 @@ def variant_kwargs(variant: str, engines: str | None) -> dict:
     return kwargs
 
 
-def measure_once(*, n_engines: int, launcher: dict) -> dict:
+def measure_once(*, n_engines: int, launcher: dict, nbm=None) -> dict:
+    """One start, all-reduce, restart, stop. With `nbm` (a notebook model), the engines load it and train two
+    steps before the restart and again before the stop, so both tear down what a notebook's engines hold."""
     from mfsdp_kit import cluster
     t0 = time.perf_counter()
     handle = cluster.start(n_engines, **launcher)
@@ -75,15 +88,28 @@ def measure_once(*, n_engines: int, launcher: dict) -> dict:
         t1 = time.perf_counter()
         handle.run(ALL_REDUCE)
         out["first_all_reduce_s"] = time.perf_counter() - t1
+        if nbm is not None:
+            out["model_s"] = model_work(handle, nbm)
         t1 = time.perf_counter()
         handle.restart()
         out["restart_s"] = time.perf_counter() - t1
         out.update({f"restart.{k}": v for k, v in handle.startup_s.items()})
+        if nbm is not None:
+            out["model_after_restart_s"] = model_work(handle, nbm)
     finally:
         t1 = time.perf_counter()
         handle.stop()
         out["stop_s"] = time.perf_counter() - t1
+        out.update({f"stop.{k}": v for k, v in handle.stop_s.items()})
     return out
+
+
+def model_work(handle, nbm) -> float:
+    """Seconds for every engine to load `nbm` under Megatron-FSDP and train 2 steps of 02_sft's shape."""
+    t0 = time.perf_counter()
+    handle.view.push(dict(nbm=nbm))
+    handle.run(MODEL_WORK)
+    return time.perf_counter() - t0
 
 
 def load() -> str:
@@ -113,14 +139,21 @@ def main() -> None:
                              "noimport (the kit's engine, imports in runtime.init), nobytecode (preload, the "
                              "environment's bytecode policy), default (the kit picks); "
                              "run alternately, so all see the same load")
+    parser.add_argument("--model", default=None,
+                        help="a notebook model (tiny size or HF folder, as MFSDP_MODEL): the engines load it and train "
+                             "2 steps before restart and stop, so those tear down a notebook's state")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()
+    nbm = None
+    if args.model:
+        from mfsdp_kit import notebook_model
+        nbm = notebook_model.prepare(args.model)
     variants = args.variants.split(",")
     load_before, floor = load(), import_floor()
     runs = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
-            runs[v].append(measure_once(n_engines=args.n, launcher=variant_kwargs(v, args.engines)))
+            runs[v].append(measure_once(n_engines=args.n, launcher=variant_kwargs(v, args.engines), nbm=nbm))
     first = runs[variants[0]][0]
     print(f"cluster.start({args.n}{', engines=' + repr(args.engines) if args.engines else ''}) x {args.repeats}, "
           f"backend {first['backend']}, devices {first['devices']}, {os.cpu_count()} CPUs, "
@@ -133,6 +166,7 @@ def main() -> None:
         print_table(results[v]["summary"])
     from mfsdp_kit.perf.report import write_json   # here, not at the top: the parent measures import floors
     write_json(args.out, dict(n_engines=args.n, repeats=args.repeats, engines=args.engines or "local",
+                              model=args.model,
                               cpus=os.cpu_count(), host=platform.node(), load_before=load_before, load_after=load(),
                               import_floor_s=floor, variants=results), indent=2)
     print(f"wrote {args.out}")

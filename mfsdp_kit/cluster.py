@@ -138,6 +138,9 @@ class ClusterHandle:
     startup_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the last start / restart (bench/cluster_start.py prints them); the engine-side
     phases (`engine.import_torch`, ...) are the slowest rank's."""
+    stop_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of `stop()`: leave_world, kill_engines, stop_cluster (controller and engine processes
+    gone)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -223,15 +226,20 @@ class ClusterHandle:
         """Leave the process group on every engine (best effort), then stop engines and controller."""
         if self.view is None:   # already stopped
             return
+        watch = Stopwatch()
         try:
             if not self.dead_ranks():
                 self.view.apply_async(_engine_shutdown).get(timeout=10)
         except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
             pass
+        watch.lap("leave_world")
         # Nothing is left to save once the world is left; an engine with torch loaded takes 4-5 s to finish
         # after SIGTERM (ipyparallel then SIGKILLs it anyway), so SIGKILL now.
         launch.kill_engines(self.cluster, self.client)
+        watch.lap("kill_engines")
         launch.stop(self.cluster, self.client)
+        watch.lap("stop_cluster")
+        self.stop_s = dict(watch.phases, total=watch.total())
         self.view = None
 
 

@@ -35,14 +35,12 @@ eval "$(python3 -c 'from mfsdp_kit.cache import bytecode_env; print("".join(f"ex
 # wheels above go in with --no-compile and the image keeps none): without this, each module's first importer pays
 # its compile inside whatever section runs first (PRECOMPILE=0 leaves that as it is, to measure it).
 if [ "${PRECOMPILE:-1}" = 1 ]; then
-  python3 - "$PWD/mfsdp_kit" <<'PY' 2>&1 | tee "$RESULTS/bytecode.log"
-import compileall, os, site, sys, time
-t0 = time.perf_counter()
-dirs = [d for d in [*sys.argv[1:], "/tmp/mfsdp_site", *site.getsitepackages()] if os.path.isdir(d)]
-ok = all([compileall.compile_dir(d, quiet=2, workers=0) for d in dirs])
-print(f"bytecode: {', '.join(dirs)} compiled in {time.perf_counter() - t0:.1f} s into {sys.pycache_prefix or '__pycache__'}"
-      + ("" if ok else " (some files did not compile: kept as source)"))
-PY
+  t0=$SECONDS
+  dirs=$(python3 -c 'import os, site, sys; print(*[d for d in sys.argv[1:] + site.getsitepackages() if os.path.isdir(d)])' \
+         "$PWD/mfsdp_kit" /tmp/mfsdp_site)
+  python3 -m compileall -q -j 0 $dirs >/dev/null 2>&1; rc=$?
+  echo "bytecode: $dirs compiled in $((SECONDS - t0)) s into ${PYTHONPYCACHEPREFIX:-__pycache__}" \
+       "(compileall rc $rc: 1 = some files are not valid Python, kept as source)" | tee "$RESULTS/bytecode.log"
 fi
 python3 -c 'import torch, transformers, megatron.core as m; print("torch", torch.__version__, "transformers", transformers.__version__, "mcore", m.__version__, "gpus", torch.cuda.device_count())'
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -206,7 +204,9 @@ for s in $SECTIONS; do
     moe)        section moe trun bench/moe_throughput.py --spec moe-1.3b --micro-batch-size 4 --steps 8 --warmup 2 \
                   --out "$RESULTS/moe_throughput.json" ;;
     # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
-    cluster_start) section cluster_start $IMAGE_ENV python3 bench/cluster_start.py --n "$NGPU" --repeats 3 --variants "${CS_VARIANTS:-plain,preload,noimport}" \
+    # CS_MODEL (a tiny size): the engines load and train it before restart and stop, as a notebook's do
+    cluster_start) section cluster_start $IMAGE_ENV python3 bench/cluster_start.py --n "$NGPU" --repeats "${CS_REPEATS:-3}" \
+                  --variants "${CS_VARIANTS:-plain,preload,noimport}" ${CS_MODEL:+--model "$CS_MODEL"} \
                   --out "$RESULTS/cluster_start.json" ;;
     # where an engine's imports go (issue 21: engines up fast): -X importtime of the kit + megatron, twice
     # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries
