@@ -139,8 +139,7 @@ class ClusterHandle:
     """Seconds per phase of the last start / restart (bench/cluster_start.py prints them); the engine-side
     phases (`engine.import_torch`, ...) are the slowest rank's."""
     stop_s: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase of `stop()`: leave_world, kill_engines, stop_cluster (controller and engine processes
-    gone)."""
+    """Seconds per phase of `stop()`: kill_engines, stop_cluster (controller and engine processes gone)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -223,18 +222,13 @@ class ClusterHandle:
         return self
 
     def stop(self) -> None:
-        """Leave the process group on every engine (best effort), then stop engines and controller."""
+        """Stop engines and controller. The engines are SIGKILLed, as `restart()` does, without first leaving the
+        process group: nothing is left to save, an engine with torch loaded takes 4-5 s to finish after SIGTERM
+        (ipyparallel then SIGKILLs it anyway), and a graceful NCCL teardown of a notebook's world (megatron's
+        groups, a model's memory) took 1.6 s of a 1.8 s stop on an H200 (bench/cluster_start.py --model)."""
         if self.view is None:   # already stopped
             return
         watch = Stopwatch()
-        try:
-            if not self.dead_ranks():
-                self.view.apply_async(_engine_shutdown).get(timeout=10)
-        except Exception:  # noqa: BLE001 -- stopping must not fail because an engine is already gone
-            pass
-        watch.lap("leave_world")
-        # Nothing is left to save once the world is left; an engine with torch loaded takes 4-5 s to finish
-        # after SIGTERM (ipyparallel then SIGKILLs it anyway), so SIGKILL now.
         launch.kill_engines(self.cluster, self.client)
         watch.lap("kill_engines")
         launch.stop(self.cluster, self.client)
