@@ -7,8 +7,9 @@ through an SSH tunnel from their laptop, which this prints ready to paste:
 
     ssh -N -L 8888:127.0.0.1:8888 you@gpu-node      # then open the printed URL locally
 
-`python -m mfsdp_kit.lab [--port P] [--root DIR]` runs it in the foreground (Ctrl-C stops it);
-`start(...)` / `LabServer.stop()` do the same from Python (the tests use them).
+`python -m mfsdp_kit.lab [--port P] [--root DIR]` runs it in the foreground (Ctrl-C stops it), and writes the
+notebooks' model meanwhile (once per machine);
+`start(...)` / `LabServer.stop()` start and stop the server from Python (the tests use them).
 """
 from __future__ import annotations
 
@@ -126,12 +127,21 @@ def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float 
     raise TimeoutError(f"jupyter lab did not answer on {HOST}:{port} within timeout_s={timeout_s}")
 
 
+def write_model_in_background() -> subprocess.Popen:
+    """The notebooks' model (`notebook_model.main`: the knob's choice, a tiny size written once per machine) in
+    its own process while the user opens the URL, so the first notebook's first cell finds it written. Its one
+    line of output (folder, or the error) lands in this terminal; the notebook reports the same error if any."""
+    return subprocess.Popen([sys.executable, "-m", "mfsdp_kit.notebook_model"], start_new_session=True,
+                            env={**os.environ, **cache.bytecode_env()})
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--root", default=str(ROOT), help="folder the file browser opens (default: notebooks/)")
     args = parser.parse_args(argv)
     server = start(port=args.port, root=args.root, quiet=False)
+    write_model_in_background()
     print(f"\nJupyterLab on {server.root}:\n  {server.url}\n"
           f"From another machine, first run there:\n  {tunnel_command(server.port)}\n"
           "then open the URL above. Ctrl-C stops the server.\n", flush=True)

@@ -131,15 +131,32 @@ def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: st
     reused (`models.tiny.cached`, under $MFSDP_KIT_CACHE or ~/.cache/mfsdp_kit); outputs go to `workdir`."""
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     choice, dtype = resolve(model, on_gpu=on_gpu)
-    workdir = workdir or tempfile.mkdtemp(prefix="mfsdp_nb_")
-    if choice in TINY_SIZES:
-        from .models.tiny import cached
-        path = str(cached(size=choice, seed=seed))
-        scale = LR_SCALE[choice]
-    else:
-        path, scale = choice, USER_LR_SCALE
-    return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu, workdir=workdir, lr_scale=scale,
+    path = folder(choice, seed=seed)
+    return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu,
+                         workdir=workdir or tempfile.mkdtemp(prefix="mfsdp_nb_"),
+                         lr_scale=LR_SCALE.get(choice, USER_LR_SCALE),
                          attention_backend=attention_backend(path, on_gpu=on_gpu))
+
+
+def folder(choice: str, *, seed: int = 0) -> str:
+    """The HF folder of a resolved choice: a tiny size's cached folder (written now if missing), else the choice."""
+    if choice not in TINY_SIZES:
+        return choice
+    from .models.tiny import cached
+    return str(cached(size=choice, seed=seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m mfsdp_kit.notebook_model [MODEL]`: find or write the notebooks' model now and print its folder.
+    `make lab` runs it in the background while JupyterLab starts, so the first notebook finds the model written
+    (tiny mw: 180.9 M params, 4-7 s on a GPU node, most of it importing transformers)."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=None, help="as MFSDP_MODEL (default: the knob, else the hardware's)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    choice, _ = resolve(args.model, on_gpu=torch.cuda.is_available())
+    print(f"notebook model {choice}: {folder(choice)} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def gpt_spec(hf_path, *, seq_len_tokens: int):
@@ -214,3 +231,7 @@ def format_throughput(results: dict[str, dict]) -> str:
     lines = [f"{'':<20}" + "".join(f"{n:>18}" for n in names)]
     lines += [f"{label:<20}" + "".join(f"{fmt(results[n]):>18}" for n in names) for label, fmt in rows]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

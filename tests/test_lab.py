@@ -40,3 +40,11 @@ def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
     assert not [p for p in psutil.process_iter(["pid"]) if p.info["pid"] == pid and p.status() != psutil.STATUS_ZOMBIE]
     with pytest.raises(OSError):
         server.api(token=server.token, timeout_s=2)
+
+
+def test_the_notebooks_model_is_written_in_the_background(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFSDP_KIT_CACHE", str(tmp_path))
+    monkeypatch.setenv("MFSDP_MODEL", "xs")
+    writer = lab.write_model_in_background()
+    assert writer.wait(timeout=300) == 0
+    assert [p.name for p in tmp_path.glob("tiny-qwen2-xs-*/model.safetensors")] == ["model.safetensors"]

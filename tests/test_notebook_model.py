@@ -91,3 +91,12 @@ def test_format_throughput_table():
              peak_bytes=0, model_state_bytes=2**30, formula_bytes=2**29)
     table = nm.format_throughput({"FSDP N=2": r, "DDP N=2": {**r, "mfu": 0.4123}})
     assert "12,346" in table and "41.2%" in table and "1.000" in table and "0.500" in table
+
+
+def test_main_writes_the_knobs_model_and_prints_its_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    nm.main(["xs"])
+    line = capsys.readouterr().out.strip()
+    folder = Path(line.split(": ", 1)[1].rsplit(" (", 1)[0])
+    assert line.startswith("notebook model xs: ") and (folder / "model.safetensors").is_file()
+    assert folder.parent == tmp_path / "cache"
