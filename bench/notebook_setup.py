@@ -60,7 +60,7 @@ def load_and_step(phases: Phases, nbm, path: str, *, fsdp: bool, steps: int, pro
     batches = data.random_token_batches(steps=steps, global_batch=32, seq_len_tokens=16,
                                         vocab_size=bridge.hf_pretrained.config.vocab_size)
     for i, batch in enumerate(batches):
-        phases.run(f"{name}.step{i}", train.step, chunks, opt, batch, micro_batch_size=16 // dist.get_world_size(),
+        phases.run(f"{name}.step{i}", train.step, chunks, opt, batch, micro_batch_size=32 // dist.get_world_size(),
                    step_index=i)
     if profile:
         profile.disable()

@@ -1,4 +1,4 @@
-"""Where a notebook SFT step goes: 02_sft's recipe (32 sequences x 16 tokens per step, micro-batch 16 per rank,
+"""Where a notebook SFT step goes: 02_sft's recipe (32 sequences x 16 tokens per step, one micro-batch per rank,
 the notebooks' model in fp32), timed and profiled per variant.
 
     torchrun --nproc_per_node 1 bench/sft_step.py --variants ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa
@@ -69,7 +69,7 @@ def measure(nbm, tok, overrides: dict, *, steps: int, warmup: int, profiled: int
     losses = []
 
     def run():
-        losses.append(step(model.chunks, opt, next(batches), micro_batch_size=16).loss)
+        losses.append(step(model.chunks, opt, next(batches), micro_batch_size=32 // dist.get_world_size()).loss)
 
     for _ in range(warmup):
         run()

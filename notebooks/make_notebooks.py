@@ -135,8 +135,9 @@ from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import fit
 
-# 1-digit addition: 150 steps x 32 sequences (16 per rank, one micro-batch each) -- ~15 s on 2 CPU cores
-steps, global_batch, micro_batch_size = 150, 32, 16
+# 1-digit addition: 150 steps x 32 sequences, one micro-batch per rank (16 on 2 ranks) -- ~15 s on 2 CPU cores
+steps, global_batch = 150, 32
+micro_batch_size = global_batch // world_size
 tok = AutoTokenizer.from_pretrained(src)
 task = data.ArithmeticTask(digits=1)
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
@@ -274,7 +275,7 @@ task = data.ArithmeticTask(digits=1)
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10), cfg)
 batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32, seed=0)
-history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=16, progress=False)
+history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=32 // world_size, progress=False)  # 1 per rank
 '''),
     md("Load the trained weights into a `transformers` model on every rank:"),
     code('''
@@ -520,6 +521,7 @@ tok = AutoTokenizer.from_pretrained(src)
 task = data.ArithmeticTask(digits=1)
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)
 total, save_at = 30, 20
+mbs = 32 // world_size   # one micro-batch per rank per step
 
 def build():
     """What a (re)started job builds before it loads anything."""
@@ -539,9 +541,9 @@ def stream(skip=0):
 ckpt = CheckpointManager(nbm.out("ckpt"), keep_last=2)
 model, opt, sched = build()
 batches = stream()
-first = fit(model.chunks, opt, batches, steps=save_at, micro_batch_size=16, scheduler=sched, progress=False)
+first = fit(model.chunks, opt, batches, steps=save_at, micro_batch_size=mbs, scheduler=sched, progress=False)
 saved = ckpt.save(save_at, model.chunks, opt, sched, extra={"data_position": save_at})
-uninterrupted = fit(model.chunks, opt, batches, steps=total - save_at, start_step=save_at, micro_batch_size=16,
+uninterrupted = fit(model.chunks, opt, batches, steps=total - save_at, start_step=save_at, micro_batch_size=mbs,
                     scheduler=sched, progress=False).loss
 print(f"rank {rank}: saved {saved.name} in {ckpt.last_save_s:.2f} s; latest = {ckpt.latest()}")
 '''),
@@ -551,7 +553,7 @@ print(f"rank {rank}: saved {saved.name} in {ckpt.last_save_s:.2f} s; latest = {c
 model, opt, sched = build()
 meta = ckpt.load(model.chunks, opt, sched)
 resumed = fit(model.chunks, opt, stream(skip=meta["extra"]["data_position"]), steps=total - meta["step"],
-              start_step=meta["step"], micro_batch_size=16, scheduler=sched, progress=False).loss
+              start_step=meta["step"], micro_batch_size=mbs, scheduler=sched, progress=False).loss
 print(f"rank {rank}: loaded step {meta['step']} (rng restored: {meta['rng_restored']}) in {ckpt.last_load_s:.2f} s")
 '''),
     md("The check: the resumed run's losses equal the uninterrupted run's, step for step."),
@@ -596,7 +598,7 @@ task = data.ArithmeticTask(digits=1)
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=5), cfg)
 sft = fit(model.chunks, opt, data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32),
-          steps=40, micro_batch_size=16, progress=False)
+          steps=40, micro_batch_size=32 // world_size, progress=False)
 '''),
     md("The reference (frozen, unwrapped) is the SFT policy; the rollout model is a `transformers` model:"),
     code('''
