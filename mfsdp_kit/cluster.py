@@ -17,17 +17,20 @@ points GLOO_SOCKET_IFNAME at the loopback interface): see docs/cluster.md for wh
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import socket
 import stat
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from . import launch, watchdog
-from .config import EngineConfig, bad_value
+from . import gpus, launch, watchdog
+from .config import BACKENDS, EngineConfig, bad_value
 from .fieldtypes import is_int
 from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
@@ -302,11 +305,6 @@ def _activate(handle: ClusterHandle) -> None:
     shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), explain)
 
 
-def _visible_gpus() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
           master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
           **launcher: Any) -> ClusterHandle:
@@ -321,7 +319,6 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
       running as root (launch.openmpi_env; docs/cluster.md says how to override).
     """
     watch = Stopwatch()
-    from .runtime import BACKENDS   # imports torch in the notebook: the first start pays it ("checks" phase)
     if backend not in BACKENDS:   # fail here, not after engines have started
         raise _bad_start("backend", backend, " | ".join(BACKENDS))
     if device_count is not None and (not is_int(device_count) or device_count < 0):
@@ -330,7 +327,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         raise _bad_start("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
         raise _bad_start("timeout_s", timeout_s, "a finite number of seconds > 0")
-    device_count = _visible_gpus() if device_count is None else device_count
+    device_count = gpus.visible() if device_count is None else device_count   # the driver's count: no torch yet
     n = n if n is not None else (device_count or 2)
     if cfg is not None:   # a bad cfg fails here, not on every engine after launch (engines check CUDA rules)
         cfg.validate(world_size=n, on_gpu=False)
@@ -344,6 +341,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     client = None
     try:
         client = launch.start_processes(cluster, n, watch)
+        _import_in_background("torch")   # what the notebook's next lines need, while the engines boot
         engine_ids = launch.wait_for_new_engines(cluster, client, set(), n, timeout_s)
         watch.lap("register")
         handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
@@ -355,6 +353,14 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     except BaseException:
         launch.stop(cluster, client)
         raise
+
+
+def _import_in_background(module: str) -> None:
+    """Import `module` in a daemon thread unless it is imported already. A notebook imports torch right after
+    `start()` (its model, its plots): in the kernel that is 1-2 s on a GPU node, spent here while the engines boot
+    instead of after. Python's per-module import locks make a main-thread import of it wait for this one."""
+    if module not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=(module,), name=f"import-{module}", daemon=True).start()
 
 
 def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:

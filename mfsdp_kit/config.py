@@ -20,6 +20,8 @@ from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("local", "sdpa")
+BACKENDS = ("auto", "nccl", "gloo")
+"""torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")
 ADAM_IMPLEMENTATIONS, GPU_ONLY_DDP_KEYS = ("auto", "foreach", "fused"), ("fsdp_double_buffer", "nccl_ub")
 NCCL_MAX_CTAS = 32

@@ -36,8 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from . import gpus
 from .config import DTYPES, EngineConfig, bad_value
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
@@ -129,7 +128,7 @@ def prepare(model: str | None = None, *, on_gpu: bool | None = None, workdir: st
             seed: int = 0) -> NotebookModel:
     """Resolve the knob and find the model's folder: a tiny size is written (seeded) once per machine and
     reused (`models.tiny.cached`, under $MFSDP_KIT_CACHE or ~/.cache/mfsdp_kit); outputs go to `workdir`."""
-    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    on_gpu = gpus.visible() > 0 if on_gpu is None else on_gpu
     choice, dtype = resolve(model, on_gpu=on_gpu)
     path = folder(choice, seed=seed)
     return NotebookModel(choice=choice, path=path, dtype=dtype, on_gpu=on_gpu,
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", nargs="?", default=None, help="as MFSDP_MODEL (default: the knob, else the hardware's)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    choice, _ = resolve(args.model, on_gpu=torch.cuda.is_available())
+    choice, _ = resolve(args.model, on_gpu=gpus.visible() > 0)
     print(f"notebook model {choice}: {folder(choice)} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
@@ -177,6 +176,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     Returns this rank's tokens/s (every position, not only loss tokens), MFU (bf16/fp16 on GPU only:
     `perf.flops`' peak is dense bf16), step time, peak memory and model state next to the ZeRO formula.
     Defaults: on GPU micro-batch 64 (8 for a user's folder) and 5 steps, on CPU 4 and 2."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from . import data, runtime, train

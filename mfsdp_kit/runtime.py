@@ -19,10 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
+from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
 from .fieldtypes import is_int
-
-BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass(frozen=True)
