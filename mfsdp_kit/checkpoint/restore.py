@@ -14,6 +14,10 @@ same CheckpointError everywhere):
    (`rawio`; a damaged file fails the load here, before any `load_state_dict`; with nothing to read,
    the shard files are hashed on their own), then each component's `load_state_dict`, in the
    dict's order (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
+   DCP reads into the model's own tensors, so a file found damaged in this phase may leave the
+   files read before it in the model: the error says so (`PARTLY_READ`), and `fallback=True`
+   loads the next older checkpoint over all of it. Reading into spare buffers first would keep
+   the model untouched at the cost of a second copy of the state in memory.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from .collective import agreed
 from .errors import CheckpointCorruptError, CheckpointError
 
 DCP_METADATA = ".metadata"
+PARTLY_READ = ("The model's tensors may already hold what was read before the damage was found: load an intact "
+               "checkpoint over them (fallback=True loads the next older one) or rebuild the model before training")
 
 
 def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1, threads: int = 4,
@@ -95,11 +101,16 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
             raise
     lap("match")
     reading: dict = {}
-    with agreed("loading checkpoint", path):
-        if into:
-            storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading)
-        else:  # nothing to read: the shard files' checksums on their own
-            integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads)
+    try:
+        with agreed("loading checkpoint", path):
+            if into:
+                storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading)
+            else:  # nothing to read: the shard files' checksums on their own
+                integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads)
+    except CheckpointCorruptError as e:
+        if into:   # DCP reads straight into the live tensors; a file's crc32 is known only once it is read
+            raise CheckpointCorruptError(f"{e}. {PARTLY_READ}") from e
+        raise
     lap("read")
     if reading:
         reading["wait_peers"] = phases["read"] - reading["plan"] - reading["data"] - reading["finish"]
