@@ -41,7 +41,8 @@ def per_notebook(stdout: str, notebooks: list[str]) -> list[dict]:
     failed = [line for line in stdout.splitlines() if line.startswith("FAILED")]
     rows = []
     for nb in map(os.path.basename, notebooks):
-        calls = sorted(((c, s) for s, when, n, c in cells if n == nb and when == "call"), key=lambda cs: int(cs[0].split()[-1]))
+        calls = sorted(((c, s) for s, when, n, c in cells if n == nb and when == "call"),
+                       key=lambda cs: int(cs[0].split()[-1]))   # "Cell 10" after "Cell 9"
         rows.append(dict(notebook=nb, ok=not any(nb in line for line in failed),
                          cells_s=round(sum(s for s, _, n, _ in cells if n == nb), 1),
                          slowest_cells=[dict(cell=c, s=s) for c, s in sorted(calls, key=lambda cs: -cs[1])[:4]],
@@ -63,10 +64,10 @@ def main() -> None:
               + ", ".join(f"{c['cell']} {c['s']:.1f} s" for c in r["slowest_cells"]), flush=True)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     on_gpu = torch.cuda.is_available()
-    write_json(args.out, dict(model=os.environ.get("MFSDP_MODEL") or "auto", dtype=os.environ.get("MFSDP_DTYPE") or "auto",
-                              gpus=torch.cuda.device_count(), device=torch.cuda.get_device_name(0) if on_gpu else "cpu",
-                              total_s=round(wall_s, 1), cells_s=round(sum(r["cells_s"] for r in rows), 1), pytest=last,
-                              notebooks=rows))
+    write_json(args.out, dict(model=os.environ.get("MFSDP_MODEL") or "auto",
+                              dtype=os.environ.get("MFSDP_DTYPE") or "auto", gpus=torch.cuda.device_count(),
+                              device=torch.cuda.get_device_name(0) if on_gpu else "cpu", total_s=round(wall_s, 1),
+                              cells_s=round(sum(r["cells_s"] for r in rows), 1), pytest=last, notebooks=rows))
     print(f"{'total (one pytest)':<22} {wall_s:8.1f} s   {last}")
     if proc.returncode:   # the failures, not the durations table that follows them
         out = proc.stdout
