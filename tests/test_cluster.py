@@ -186,3 +186,28 @@ def test_engine_reads_the_connection_file_only_once_it_is_whole(tmp_path):
     timer.join()
     with pytest.raises(TimeoutError, match="did not arrive"):
         ipengine.wait_for_connection_info(str(tmp_path / "missing.json"), timeout_s=0.05)
+
+
+def test_a_kernel_without_torch_starts_engines_then_imports_it_meanwhile(tmp_path):
+    """As on a GPU node, where the driver answers the GPU count: the notebook's kernel has not imported torch when
+    `start()` spawns the engines, and has it (from the background import) by the time `start()` returns."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import sys
+        from mfsdp_kit import cluster, gpus
+        gpus.driver_count = lambda lib="libcuda.so.1": 0    # a driver that sees no GPU: no torch needed to say so
+        assert gpus.visible() == 0 and "torch" not in sys.modules
+        handle = cluster.start(2)
+        try:
+            assert "torch" in sys.modules     # begun during start(), which the kernel did not ask for
+            import torch   # waits for the background import if it is still running
+            handle.run("import torch, torch.distributed as dist\\nx = torch.tensor([rank + 1.0])\\ndist.all_reduce(x)")
+            assert [float(x) for x in handle.view["x"]] == [3.0, 3.0] and handle.backend == "gloo"
+        finally:
+            handle.stop()
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
