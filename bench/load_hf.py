@@ -6,9 +6,8 @@ phases on every rank, with time, host RSS and GPU memory per phase and rank.
 
 Rank 0 writes the folder (`perf.hf_folder.write_folder`): the shape's config.json (Qwen2.5-7B or
 Llama-3-8B, as transformers writes it), random bf16 weights in safetensors shards of --shard-gb with a
-model.safetensors.index.json, and no tokenizer (loading needs none). Then every rank runs what
-`models.hf.load(path, cfg)` runs, one timed phase each, in its order (mfsdp_kit/models/hf.py `load`;
-this script must follow it if it changes):
+model.safetensors.index.json, and no tokenizer (loading needs none). Then every rank runs
+`models.hf.load(path, cfg, phases=...)`, which times each of its steps:
 
     check     check_folder: config support, heads, safetensors headers against the architecture
     provider  the Megatron-Bridge provider from config.json (no weights read)
@@ -95,11 +94,7 @@ def main() -> None:
     path, write = Path(box[0]["path"]), box[0]["write"]
     settle()
     phases = Phases()
-    phases.run("check", hf_models.check_folder, path, cfg)
-    bridge, provider = phases.run("provider", hf_models.provider, path, cfg)
-    chunks = phases.run("build", engine.build, cfg, provider, wrap=False)
-    phases.run("weights", hf_models.load_weights, bridge, chunks, path, cfg)
-    chunks = phases.run("wrap", engine.wrap_chunks, cfg, chunks)
+    chunks = hf_models.load(path, cfg, phases=phases).chunks
     phases.run("settle", settle)
     losses = []
     if args.train_steps:

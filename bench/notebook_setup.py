@@ -7,8 +7,8 @@ each phase of `models.hf.load` and the first training steps, in one process per 
 The notebooks' first cells write the model once per machine (`models.tiny.cached`) and every notebook loads it
 one or more times (01_wrap twice, 06_memory four times), so on a GPU node these phases, not the training, are
 most of the suite's time. Rank 0 writes the model into a fresh folder (timed: drawing the weights, then the
-whole `tiny.tiny`), then every rank runs, per wrapper, `runtime.init` and `load`'s phases one by one (the same
-calls, in its order: mfsdp_kit/models/hf.py `load`), then 3 steps of 02_sft's shape (32 sequences x 16 tokens).
+whole `tiny.tiny`), then every rank runs, per wrapper, `runtime.init` and `models.hf.load` (its `phases` hook
+times each of its steps), then 3 steps of 02_sft's shape (32 sequences x 16 tokens).
 `--profile N` adds the N functions with the most cumulative time over rank 0's loads and steps (cProfile).
 """
 from __future__ import annotations
@@ -44,28 +44,25 @@ def write_model(phases: Phases, *, size: str, root) -> str:
 
 
 def load_and_step(phases: Phases, nbm, path: str, *, fsdp: bool, steps: int, profile=None) -> None:
-    """`models.hf.load`'s phases under the notebook's config, then `steps` steps of 02_sft's shape (all under
-    `profile` if given)."""
-    name = "fsdp" if fsdp else "ddp"
+    """`runtime.init` and `models.hf.load` (timed per step by its `phases` hook) under the notebook's config, the
+    optimizer, then `steps` steps of 02_sft's shape (all under `profile` if given); rows named `<wrapper>.<phase>`."""
+    mine = Phases()
     if profile:
         profile.enable()
     cfg = nbm.engine_config(use_megatron_fsdp=fsdp)
-    phases.run(f"{name}.init", runtime.init, cfg)
-    phases.run(f"{name}.check", hf_models.check_folder, path, cfg)
-    bridge, provider = phases.run(f"{name}.provider", hf_models.provider, path, cfg)
-    chunks = phases.run(f"{name}.build", engine.build, cfg, provider, wrap=False)
-    phases.run(f"{name}.weights", hf_models.load_weights, bridge, chunks, path, cfg)
-    chunks = phases.run(f"{name}.wrap", engine.wrap_chunks, cfg, chunks)
-    opt = phases.run(f"{name}.optimizer", engine.build_optimizer, chunks, OptimConfig(lr=1e-5), cfg)
-    batches = data.random_token_batches(steps=steps, global_batch=32, seq_len_tokens=16,
-                                        vocab_size=bridge.hf_pretrained.config.vocab_size)
+    mine.run("init", runtime.init, cfg)
+    model = hf_models.load(path, cfg, phases=mine)
+    opt = mine.run("optimizer", engine.build_optimizer, model.chunks, OptimConfig(lr=1e-5), cfg)
+    batches = data.random_token_batches(steps=steps, global_batch=32, seq_len_tokens=16, vocab_size=model.vocab_size)
     for i, batch in enumerate(batches):
-        phases.run(f"{name}.step{i}", train.step, chunks, opt, batch, micro_batch_size=32 // dist.get_world_size(),
-                   step_index=i)
+        mine.run(f"step{i}", train.step, model.chunks, opt, batch, micro_batch_size=32 // dist.get_world_size(),
+                 step_index=i)
     if profile:
         profile.disable()
-    del chunks, opt
-    phases.run(f"{name}.settle", settle)
+    del model, opt
+    mine.run("settle", settle)
+    name = "fsdp" if fsdp else "ddp"
+    phases.rows += [dict(row, phase=f"{name}.{row['phase']}") for row in mine.rows]
 
 
 def top_functions(profile: cProfile.Profile, n: int) -> str:
@@ -92,7 +89,7 @@ def main() -> None:
     ap.add_argument("--size", choices=notebook_model.TINY_SIZES, default=notebook_model.DEFAULT_SIZE[on_gpu])
     ap.add_argument("--root", default=None, help="where rank 0 writes the model (default: the kit's cache root)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--profile", type=int, default=0, help="print the N functions with most cumulative load time")
+    ap.add_argument("--profile", type=int, default=0, help="the N functions with most cumulative time (loads, steps)")
     ap.add_argument("--out", default="runs/bench/notebook_setup.json")
     args = ap.parse_args()
     runtime.init()

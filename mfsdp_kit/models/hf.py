@@ -252,20 +252,26 @@ def load_weights(bridge, chunks, hf_path, cfg: EngineConfig) -> None:
         bridge.load_hf_weights(chunks, str(hf_path))
 
 
+def _untimed(name: str, fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
 def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = False,
-         trust_remote_code: bool = False, verify: bool = False) -> HFModel:
+         trust_remote_code: bool = False, verify: bool = False, phases=None) -> HFModel:
     """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`.
 
     A vocabulary TP does not divide is padded (models.vocab: zero rows, masked logits, trimmed
     exports). With `verify`, transformers' logits on the same folder are compared with the loaded
     model's on a few fixed sequences (models.verify) and a mismatch raises `VerificationError`;
-    the result is `HFModel.verification`."""
-    check_folder(hf_path, cfg, trust_pickle=trust_pickle)
-    bridge, p = provider(hf_path, cfg, trust_remote_code=trust_remote_code)
-    chunks = engine.build(cfg, p, wrap=False)
-    load_weights(bridge, chunks, hf_path, cfg)
+    the result is `HFModel.verification`. `phases` (`perf.phases.Phases`) times each step under its
+    name: check, provider, build, weights, wrap (what bench/load_hf.py and bench/notebook_setup.py print)."""
+    run = phases.run if phases is not None else _untimed
+    run("check", check_folder, hf_path, cfg, trust_pickle=trust_pickle)
+    bridge, p = run("provider", provider, hf_path, cfg, trust_remote_code=trust_remote_code)
+    chunks = run("build", engine.build, cfg, p, wrap=False)
+    run("weights", load_weights, bridge, chunks, hf_path, cfg)
     if wrap:
-        chunks = engine.wrap_chunks(cfg, chunks)
+        chunks = run("wrap", engine.wrap_chunks, cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)
     if verify:
         from .verify import verify as run_verify
