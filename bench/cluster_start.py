@@ -169,7 +169,6 @@ def main() -> None:
                               model=args.model,
                               cpus=os.cpu_count(), host=platform.node(), load_before=load_before, load_after=load(),
                               import_floor_s=floor, variants=results), indent=2)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

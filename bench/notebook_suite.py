@@ -12,7 +12,6 @@ mw in bf16 on GPUs, xs in fp32 on CPU); scripts/gpu_check.sh's `notebooks` secti
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import os
 import re
