@@ -36,7 +36,7 @@ runtime.init(cfg)
 model = load(nbm.path, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-5), cfg)
 for b in data.random_token_batches(steps=2, global_batch=32, seq_len_tokens=16, vocab_size=model.vocab_size):
-    train.step(model.chunks, opt, b, micro_batch_size=16 // world_size)
+    train.step(model.chunks, opt, b, micro_batch_size=32 // world_size)   # one micro-batch per rank, as 02_sft
 """
 ALL_REDUCE = ("import torch, torch.distributed as dist\nfrom mfsdp_kit import runtime\n"
               "x = torch.ones(1, device=runtime.current().device)\ndist.all_reduce(x)")
