@@ -71,6 +71,12 @@ class EngineConfig:
     fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`):
     their unfused kernels are ~20 % of a GPU step on the local spec. The first step compiles."""
+    fused_cross_entropy: bool = False
+    """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
+    (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
+    fp32 (2 GiB per micro-batch of 16 K tokens at vocabulary 32 K) and passes over the copy ~8 times.
+    Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
+    The first step compiles."""
     fsdp_all_gather_group: bool = False
     """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
     `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one

@@ -61,6 +61,9 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
     chunks = []
     for vp_stage in stages:
         module = _provide(model_fn, vp_stage)
+        if cfg.fused_cross_entropy:
+            from .models import cross_entropy
+            cross_entropy.install(module)
         for p in module.parameters():  # megatron's get_model: TP attributes on every param
             from megatron.core import tensor_parallel
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)

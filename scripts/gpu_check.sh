@@ -163,6 +163,15 @@ for s in $SECTIONS; do
     levers3)    section levers3 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp-ctas8 \
                   --modes ddp,fsdp,fsdp2,fsdp-ctas8,fsdp-ctas16,ddp-ctas8 --out "$RESULTS/levers3.json" ;;
+    # the fourth set, compute side (runs on 1 GPU too; global batch 16 per GPU = 2 micro-batches, as on 2 GPUs):
+    # the kit's cross-entropy on each system, 3 interleaved repeats; fsdp profiled with and without (2026-12-01)
+    levers4)    section levers4 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch $((16 * NGPU)) --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile \
+                  --profile-modes fsdp,fsdp-fused-ce --modes ddp,fsdp,fsdp2,ddp-fused-ce,fsdp-fused-ce,fsdp2-fused-ce \
+                  --out "$RESULTS/levers4.json" ;;
+    # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
+    fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
+                  --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;
     # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for
     headline)   section headline trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch 32 --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile --profile-modes fsdp,fsdp2 \

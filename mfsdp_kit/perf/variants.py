@@ -86,6 +86,10 @@ VARIANTS = {
     # megatron's native fused cross-entropy (jit_fuser = torch.compile) instead of its unfused
     # vocab-parallel one: fewer passes over the [tokens, vocab] logits
     "fsdp-ce-fusion": ("fsdp", dict(override_transformer_config=dict(cross_entropy_loss_fusion=True))),
+    # the kit's cross-entropy (models.cross_entropy): the bf16 logits read in compiled kernels, no fp32 copy
+    "ddp-fused-ce": ("ddp", dict(fused_cross_entropy=True)),
+    "fsdp-fused-ce": ("fsdp", dict(fused_cross_entropy=True)),
+    "fsdp2-fused-ce": ("fsdp2", dict(fused_cross_entropy=True)),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
 }

@@ -158,3 +158,30 @@ def listening_addresses() -> dict:
     dist.all_gather_object(everyone, mine)
     runtime.shutdown(destroy_process_group=True)
     return dict(listening=everyone, gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
+
+
+def cross_entropy_vocab_parallel() -> dict:
+    """TP = 2 over gloo: the same full logits on both ranks, each keeps its half of the vocabulary; the kit's
+    fused cross-entropy and megatron's vocab-parallel one, losses and slice gradients, max |diff| over ranks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from mfsdp_kit.models.cross_entropy import cross_entropy
+    rt = runtime.init(EngineConfig(tensor_model_parallel_size=2))
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(9, 2, 40, generator=g) * 3
+    target = torch.randint(0, 40, (9, 2), generator=g)
+    weights = torch.rand(9, 2, generator=g)
+    rank = ps.get_tensor_model_parallel_rank()
+    results = []
+    for fn in (vocab_parallel_cross_entropy,
+               lambda x, t: cross_entropy(x, t, group=ps.get_tensor_model_parallel_group())):
+        x = full[..., 20 * rank:20 * (rank + 1)].clone().requires_grad_()
+        loss = fn(x, target)
+        (loss * weights).sum().backward()
+        results.append((loss.detach(), x.grad))
+    diffs = torch.tensor([(results[0][0] - results[1][0]).abs().max().item(),
+                          (results[0][1] - results[1][1]).abs().max().item()])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    labels = [int(((target >= 20 * r) & (target < 20 * (r + 1))).sum()) for r in range(rt.world_size)]
+    runtime.shutdown()
+    return dict(loss_max_diff=diffs[0].item(), grad_max_diff=diffs[1].item(), labels_per_rank=labels)

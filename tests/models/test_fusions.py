@@ -38,6 +38,24 @@ def test_rope_matches_megatron_unfused(rot_dim):
         assert torch.equal(outs[1][..., rot_dim:], t[..., rot_dim:])
 
 
+def test_rope_takes_cos_sin_once_per_freqs_and_again_after_an_in_place_change():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    g = torch.Generator().manual_seed(2)
+    t, freqs = torch.randn(6, 1, 2, 8, generator=g), torch.rand(6, 1, 1, 8, generator=g) * 6.28
+    fusions.rope(t, freqs)
+    cos = freqs._mfsdp_cos_sin[1]
+    fusions.rope(t, freqs)
+    assert freqs._mfsdp_cos_sin[1] is cos   # the second call (another layer) reuses them
+    freqs.mul_(0.5)                         # a changed angle is never served from the cache
+    out = fusions.rope(t, freqs)
+    assert freqs._mfsdp_cos_sin[1] is not cos
+    assert (out - _apply_rotary_pos_emb_bshd(t, freqs)).abs().max().item() < TOL
+    with torch.inference_mode():            # no version counter: made per call, nothing kept
+        frozen = torch.rand(6, 1, 1, 8)
+        assert (fusions.rope(t, frozen) - _apply_rotary_pos_emb_bshd(t, frozen)).abs().max().item() < TOL
+    assert not hasattr(frozen, "_mfsdp_cos_sin")
+
+
 def test_install_fills_only_the_empty_slot():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.extensions.transformer_engine import HAVE_TE

@@ -51,12 +51,14 @@ def test_variant_configs():
     assert cfg["fsdp-ag-group-hp"].fsdp_all_gather_group and cfg["fsdp-ag-group-hp"].high_priority_comm
     assert cfg["fsdp-ce-fusion"].override_transformer_config["cross_entropy_loss_fusion"] is True
     assert cfg["fsdp-ctas8"].nccl_max_ctas == cfg["ddp-ctas8"].nccl_max_ctas == 8 and cfg["fsdp"].nccl_max_ctas is None
+    assert all(cfg[f"{t}-fused-ce"].fused_cross_entropy for t in ("ddp", "fsdp", "fsdp2"))
+    assert not cfg["fsdp"].fused_cross_entropy
     for m, c in cfg.items():  # each variant changes only what it names
         base = cfg[VARIANTS[m][0]]
         changed = {k for k, v in c.to_dict().items() if v != base.to_dict()[k]}
         assert changed <= {"override_ddp_config", "recompute", "optimizer_offload", "fused_kernels",
                            "fsdp_all_gather_group", "high_priority_comm", "override_transformer_config",
-                           "nccl_max_ctas"}, (m, changed)
+                           "nccl_max_ctas", "fused_cross_entropy"}, (m, changed)
         assert c.dtype == "bf16" and c.attention_backend == "sdpa" and not c.fused_kernels
     fused = {m: engine_config(m, spec, **{**SETTINGS, "fused_kernels": True}).fused_kernels for m in VARIANTS}
     assert fused == {m: m != "fsdp-unfused" for m in VARIANTS}

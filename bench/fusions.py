@@ -1,0 +1,151 @@
+"""The compute-side fusions one op at a time: megatron's kernels without Transformer Engine against the kit's.
+
+    torchrun --nproc_per_node 1 bench/fusions.py --spec 1.7b --micro-batch-size 8 --out fusions.json
+
+For each op of a training step that is neither a GEMM nor attention, at the shapes of `--spec` x micro-batch:
+forward + backward time per call (median of `--iters`, after `--warmup`), calls per step (per micro-batch x
+micro-batches), the memory the call holds above its inputs at its peak, and max |diff| of the output and the
+input gradient against megatron's own function run in fp32 on the same values.
+- rope (q of one layer; k is the same shape without GQA): megatron's `_apply_rotary_pos_emb_bshd` eager, that
+  function compiled whole (the kit's kernel until 2026-12-01), `models.fusions.rope`.
+- cross_entropy (the logits of one micro-batch): megatron's unfused vocab-parallel one, its 'native' fusion
+  (`cross_entropy_loss_fusion`), `models.cross_entropy` (`EngineConfig.fused_cross_entropy`).
+- rms_norm (one layer's input): torch's RMSNorm (megatron's local spec `WrappedTorchNorm`), and compiled.
+On CPU (`--spec tiny`) the same rows run at toy shapes, for the test; the times then mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mfsdp_kit import runtime
+from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.models import GPTSpec
+from mfsdp_kit.models.gpt import SPECS
+from mfsdp_kit.perf.report import write_json
+
+TINY = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+               seq_len_tokens=32)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rope_cases(spec: GPTSpec, mb: int, device, dtype):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from mfsdp_kit.models import fusions
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(spec.seq_len_tokens, mb, spec.num_attention_heads, head_dim, generator=g).to(device, dtype)
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(spec.seq_len_tokens).float(), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :].to(device)
+    whole = torch.compile(_apply_rotary_pos_emb_bshd)
+    cases = {"megatron eager": _apply_rotary_pos_emb_bshd, "megatron compiled whole": lambda x, f: whole(x, f),
+             "kit (fusions.rope)": fusions.rope}
+    return cases, (t, freqs), _apply_rotary_pos_emb_bshd, 2 * spec.num_layers  # q and k in every layer
+
+
+def _cross_entropy_cases(spec: GPTSpec, mb: int, device, dtype):
+    from megatron.core import parallel_state as ps
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from mfsdp_kit.models.cross_entropy import cross_entropy
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(spec.seq_len_tokens, mb, spec.vocab_size, generator=g) * 2).to(device, dtype)
+    target = torch.randint(0, spec.vocab_size, (spec.seq_len_tokens, mb), generator=g).to(device)
+    tp = ps.get_tensor_model_parallel_group()
+    cases = {"megatron unfused": vocab_parallel_cross_entropy,
+             "megatron native fusion": lambda x, t: fused_vocab_parallel_cross_entropy(x, t, tp),
+             "kit (cross_entropy)": lambda x, t: cross_entropy(x, t, group=tp)}
+    return cases, (logits, target), vocab_parallel_cross_entropy, 1
+
+
+def _rms_norm_cases(spec: GPTSpec, mb: int, device, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(spec.seq_len_tokens, mb, spec.hidden_size, generator=g).to(device, dtype)
+    norm = torch.nn.RMSNorm(spec.hidden_size, eps=1e-5).to(device, dtype)
+    compiled = torch.compile(torch.nn.functional.rms_norm)
+    reference = lambda x: torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight.to(x.dtype), 1e-5)  # noqa: E731
+    cases = {"torch RMSNorm": norm, "compiled": lambda x: compiled(x, (x.shape[-1],), norm.weight, 1e-5)}
+    return cases, (x,), reference, 2 * spec.num_layers + 1
+
+
+OPS = {"rope": _rope_cases, "cross_entropy": _cross_entropy_cases, "rms_norm": _rms_norm_cases}
+
+
+def _call(fn, inputs, weights):
+    """One forward + backward of `fn` on a fresh leaf copy of inputs[0]; (output, its input's gradient)."""
+    x = inputs[0].detach().clone().requires_grad_()
+    out = fn(x, *inputs[1:])
+    (out.float() * weights).sum().backward()
+    return out.detach(), x.grad
+
+
+def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
+    """ms per forward + backward, MiB held above the inputs at the peak, max |diff| against `reference` in fp32."""
+    ref_inputs = [i.float() if i.is_floating_point() else i for i in inputs]
+    with torch.no_grad():   # a loss that weighs every output differently, so every gradient entry is checked
+        shape = reference(ref_inputs[0].clone(), *ref_inputs[1:]).shape
+    weights = torch.rand(shape, generator=torch.Generator().manual_seed(9)).to(inputs[0].device)
+    ref_out, ref_grad = _call(reference, ref_inputs, weights)
+    for _ in range(warmup):
+        _call(fn, inputs, weights)
+    _sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        _call(fn, inputs, weights)
+        _sync()
+        times.append(time.perf_counter() - start)
+    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    out, grad = _call(fn, inputs, weights)
+    held = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
+    return dict(ms=1e3 * statistics.median(times), held_mib=held / 2**20,
+                out_max_diff=(out.float() - ref_out).abs().max().item(),
+                grad_max_diff=(grad.float() - ref_grad).abs().max().item())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="1.7b", help="gpt.SPECS name, or 'tiny' (CPU test shapes)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (for ms per step)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    ops = args.ops.split(",")
+    if not set(ops) <= set(OPS):
+        raise SystemExit(f"--ops: {args.ops!r} is not allowed; allowed: comma-separated of {', '.join(OPS)}")
+    spec = TINY if args.spec == "tiny" else SPECS[args.spec]
+    runtime.init(EngineConfig())
+    device = runtime.current().device
+    dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[args.dtype]
+    results = {}
+    print(f"{'op':<14} {'implementation':<26} {'ms/call':>8} {'calls/step':>10} {'ms/step':>8} {'held MiB':>9} "
+          f"{'max|out diff|':>13} {'max|grad diff|':>14}")
+    for op in ops:
+        cases, inputs, reference, per_mb = OPS[op](spec, args.micro_batch_size, device, dtype)
+        calls = per_mb * args.micro_batches
+        for name, fn in cases.items():
+            r = dict(measure(fn, inputs, reference, warmup=args.warmup, iters=args.iters), calls_per_step=calls)
+            r["ms_per_step"] = r["ms"] * calls
+            results.setdefault(op, {})[name] = r
+            print(f"{op:<14} {name:<26} {r['ms']:8.3f} {calls:10d} {r['ms_per_step']:8.2f} {r['held_mib']:9.1f} "
+                  f"{r['out_max_diff']:13.2e} {r['grad_max_diff']:14.2e}")
+    write_json(args.out, dict(args=vars(args), spec=vars(spec), device=str(device), results=results))
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main()
