@@ -2,10 +2,11 @@
 
     torchrun --nproc_per_node 1 bench/fusions.py --spec 1.7b --micro-batch-size 8 --out fusions.json
 
-For each op of a training step that is neither a GEMM nor attention, at the shapes of `--spec` x micro-batch:
-forward + backward time per call (median of `--iters`, after `--warmup`), calls per step (per micro-batch x
-micro-batches), the memory the call holds above its inputs at its peak, and max |diff| of the output and the
-input gradient against megatron's own function run in fp32 on the same values.
+For each op of a training step that is neither a GEMM nor attention, at the shapes of `--spec` x micro-batch, in
+bf16, per forward + backward: wall time of `--iters` calls back to back (host or GPU bound, whichever is slower),
+GPU kernel time (torch.profiler), kernel time per step (calls per micro-batch x `--micro-batches`), the memory the
+call holds above its inputs at its peak, and max |diff| of the output and the input gradient against megatron's
+own function in fp32 on the same values.
 - rope (q of one layer; k is the same shape without GQA): megatron's `_apply_rotary_pos_emb_bshd` eager, that
   function compiled whole (the kit's kernel until 2026-12-01), `models.fusions.rope`.
 - cross_entropy (the logits of one micro-batch): megatron's unfused vocab-parallel one, its 'native' fusion
@@ -16,7 +17,6 @@ On CPU (`--spec tiny`) the same rows run at toy shapes, for the test; the times 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -79,36 +79,53 @@ def _rms_norm_cases(spec: GPTSpec, mb: int, device, dtype):
 OPS = {"rope": _rope_cases, "cross_entropy": _cross_entropy_cases, "rms_norm": _rms_norm_cases}
 
 
-def _call(fn, inputs, weights):
-    """One forward + backward of `fn` on a fresh leaf copy of inputs[0]; (output, its input's gradient)."""
-    x = inputs[0].detach().clone().requires_grad_()
-    out = fn(x, *inputs[1:])
-    (out.float() * weights).sum().backward()
-    return out.detach(), x.grad
+def _call(fn, x: torch.Tensor, rest: tuple, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward of `fn` from the leaf `x`: (output, d(output . grad_out) / dx)."""
+    out = fn(x, *rest)
+    (grad,) = torch.autograd.grad(out, x, grad_outputs=grad_out)
+    return out.detach(), grad
+
+
+def _kernel_ms(run, *, calls: int) -> float | None:
+    """GPU kernel time per call of `run` under torch.profiler (None without CUDA): what the op costs a step
+    whose host keeps ahead of the GPU, which a back-to-back wall time of small kernels does not show."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        _sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    return sum(e.device_time for e in kernels) / calls / 1e3
 
 
 def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
-    """ms per forward + backward, MiB held above the inputs at the peak, max |diff| against `reference` in fp32."""
-    ref_inputs = [i.float() if i.is_floating_point() else i for i in inputs]
-    with torch.no_grad():   # a loss that weighs every output differently, so every gradient entry is checked
-        shape = reference(ref_inputs[0].clone(), *ref_inputs[1:]).shape
-    weights = torch.rand(shape, generator=torch.Generator().manual_seed(9)).to(inputs[0].device)
-    ref_out, ref_grad = _call(reference, ref_inputs, weights)
+    """Per forward + backward: wall ms (calls back to back), GPU kernel ms, MiB held above the inputs at the
+    peak; max |diff| of output and input gradient against `reference` on the same values in fp32."""
+    x, rest = inputs[0].detach().clone().requires_grad_(), inputs[1:]   # no case writes into its input in bf16
+    ref_x = inputs[0].detach().float().requires_grad_()
+    ref_rest = tuple(i.float() if i.is_floating_point() else i for i in rest)
+    with torch.no_grad():   # an output gradient that weighs every output differently: every entry is checked
+        shape = reference(ref_x.detach().clone(), *ref_rest).shape
+    grad_out = torch.rand(shape, generator=torch.Generator().manual_seed(9)).to(x.device)
+    ref_out, ref_grad = _call(reference, ref_x.detach().clone().requires_grad_(), ref_rest, grad_out)
+    grad_out = grad_out.to(fn(x.detach(), *rest).dtype)
+    run = lambda: _call(fn, x, rest, grad_out)  # noqa: E731
     for _ in range(warmup):
-        _call(fn, inputs, weights)
+        run()
     _sync()
-    times = []
+    start = time.perf_counter()
     for _ in range(iters):
-        start = time.perf_counter()
-        _call(fn, inputs, weights)
-        _sync()
-        times.append(time.perf_counter() - start)
+        run()
+    _sync()
+    wall_ms = 1e3 * (time.perf_counter() - start) / iters
     base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    out, grad = _call(fn, inputs, weights)
+    out, grad = run()
     held = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
-    return dict(ms=1e3 * statistics.median(times), held_mib=held / 2**20,
+    return dict(ms=wall_ms, kernel_ms=_kernel_ms(run, calls=3), held_mib=held / 2**20,
                 out_max_diff=(out.float() - ref_out).abs().max().item(),
                 grad_max_diff=(grad.float() - ref_grad).abs().max().item())
 
@@ -118,7 +135,6 @@ def main() -> None:
     ap.add_argument("--spec", default="1.7b", help="gpt.SPECS name, or 'tiny' (CPU test shapes)")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (for ms per step)")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -130,19 +146,21 @@ def main() -> None:
     spec = TINY if args.spec == "tiny" else SPECS[args.spec]
     runtime.init(EngineConfig())
     device = runtime.current().device
-    dtype = dict(bf16=torch.bfloat16, fp32=torch.float32)[args.dtype]
+    dtype = torch.bfloat16   # the training dtype these kernels are for; megatron's CE writes into fp32 inputs
     results = {}
-    print(f"{'op':<14} {'implementation':<26} {'ms/call':>8} {'calls/step':>10} {'ms/step':>8} {'held MiB':>9} "
-          f"{'max|out diff|':>13} {'max|grad diff|':>14}")
+    print(f"{'op':<14} {'implementation':<26} {'wall ms':>8} {'kernel ms':>9} {'calls/step':>10} {'kernel ms/step':>14} "
+          f"{'held MiB':>9} {'max|out diff|':>13} {'max|grad diff|':>14}")
     for op in ops:
         cases, inputs, reference, per_mb = OPS[op](spec, args.micro_batch_size, device, dtype)
         calls = per_mb * args.micro_batches
         for name, fn in cases.items():
             r = dict(measure(fn, inputs, reference, warmup=args.warmup, iters=args.iters), calls_per_step=calls)
-            r["ms_per_step"] = r["ms"] * calls
+            per_call = r["kernel_ms"] if r["kernel_ms"] is not None else r["ms"]   # CPU: wall time only
+            r["ms_per_step"] = per_call * calls
             results.setdefault(op, {})[name] = r
-            print(f"{op:<14} {name:<26} {r['ms']:8.3f} {calls:10d} {r['ms_per_step']:8.2f} {r['held_mib']:9.1f} "
-                  f"{r['out_max_diff']:13.2e} {r['grad_max_diff']:14.2e}")
+            kernel = f"{r['kernel_ms']:9.3f}" if r["kernel_ms"] is not None else f"{'-':>9}"
+            print(f"{op:<14} {name:<26} {r['ms']:8.3f} {kernel} {calls:10d} {r['ms_per_step']:14.2f} "
+                  f"{r['held_mib']:9.1f} {r['out_max_diff']:13.2e} {r['grad_max_diff']:14.2e}")
     write_json(args.out, dict(args=vars(args), spec=vars(spec), device=str(device), results=results))
     runtime.shutdown()
 

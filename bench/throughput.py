@@ -182,7 +182,7 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
     print(f"\n{args.spec}: {spec.param_count() / scale:.3f} {pu} params (N for FLOPs = {matmul_params(spec) / scale:.3f} {pu}, "
           f"input embedding excluded), L={spec.num_layers} H={spec.hidden_size} S={spec.seq_len_tokens}, "
           f"{args.dtype}, attention={args.attention}, recompute={args.recompute}, "
-          f"fused_kernels={args.fused_kernels}, world={world}, "
+          f"fused_kernels={args.fused_kernels}, fused_cross_entropy={args.fused_cross_entropy}, world={world}, "
           f"micro-batch {args.micro_batch_size}, global batch {args.global_batch} x {spec.seq_len_tokens} tokens")
     print(f"FLOPs/token = 6*N + 12*L*H*S = {flops_per_token(spec) / 1e9:.2f} GFLOP; "
           f"MFU peak {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s/GPU (bf16 dense H100/H200)")

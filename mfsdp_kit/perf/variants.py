@@ -112,8 +112,8 @@ def optim_overrides(mode: str, spec: GPTSpec) -> dict:
 
 
 def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recompute: str = "none",
-                  fused_kernels: bool = False, fsdp_overrides: dict | None = None,
-                  ddp_overrides: dict | None = None) -> EngineConfig:
+                  fused_kernels: bool = False, fused_cross_entropy: bool = False,
+                  fsdp_overrides: dict | None = None, ddp_overrides: dict | None = None) -> EngineConfig:
     """The EngineConfig of variant `mode`: the shared settings, then the variant's overrides.
     `fsdp_overrides` / `ddp_overrides` are the override_ddp_config of the fsdp / ddp trainers."""
     trainer = trainer_of(mode)
@@ -123,7 +123,8 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
     ddp_config.update(overrides.pop("override_ddp_config", {}))
     fields = dict(
         use_megatron_fsdp=trainer == "fsdp", dtype=dtype, attention_backend=attention,
-        recompute=recompute, fused_kernels=fused_kernels, seed=1234, override_ddp_config=ddp_config,
+        recompute=recompute, fused_kernels=fused_kernels, fused_cross_entropy=fused_cross_entropy, seed=1234,
+        override_ddp_config=ddp_config,
         # Initialise on the GPU: CPU init of billions of parameters takes minutes.
         override_transformer_config=dict(use_cpu_initialization=False) if torch.cuda.is_available() else {})
     fields["override_transformer_config"].update(overrides.pop("override_transformer_config", {}))
@@ -138,6 +139,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--fused-kernels", action="store_true", help="EngineConfig.fused_kernels: compiled RoPE + SwiGLU")
+    ap.add_argument("--fused-cross-entropy", action="store_true",
+                    help="EngineConfig.fused_cross_entropy: the loss from the bf16 logits in compiled kernels")
     ap.add_argument("--fsdp-overrides", default='{"overlap_param_gather": true}',
                     help="JSON for EngineConfig.override_ddp_config in the fsdp modes")
     ap.add_argument("--ddp-overrides", default='{"overlap_grad_reduce": true}',
@@ -157,7 +160,8 @@ def add_step_args(ap: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace, mode: str, spec: GPTSpec) -> EngineConfig:
     """`engine_config` with the settings of `add_engine_args`' options."""
     return engine_config(mode, spec, dtype=args.dtype, attention=args.attention, recompute=args.recompute,
-                         fused_kernels=args.fused_kernels, fsdp_overrides=json.loads(args.fsdp_overrides),
+                         fused_kernels=args.fused_kernels, fused_cross_entropy=args.fused_cross_entropy,
+                         fsdp_overrides=json.loads(args.fsdp_overrides),
                          ddp_overrides=json.loads(args.ddp_overrides))
 
 
