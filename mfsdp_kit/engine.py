@@ -85,11 +85,34 @@ def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.
     return chunks
 
 
-def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
-    """The hooks megatron's schedules call, as megatron's training.py sets them."""
+def finalize_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None, pg_collection=None,
+                   force_all_reduce: bool = False) -> None:
+    """megatron's `finalize_model_grads` (gradient sync, then the per-token scale), with the scale left on the
+    device. megatron 0.16.1 scales by `1 / num_tokens` only `if num_tokens > 0` (finalize_model_grads.py:495):
+    that test reads the GPU's token count on the host, so the host waits for backward to finish, and the GPU
+    then idles while the host issues the optimizer step (docs/benchmarks.md, levers4). `clamp(min=1)` gives
+    the same grads: the scale is the same tensor value, and with no token in the loss every grad is 0."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    pp_group = pg_collection.pp if pg_collection is not None else ps.get_pipeline_model_parallel_group()
+    dp_cp_group = (pg_collection.dp_cp if pg_collection is not None
+                   else ps.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)  # the last stage counts
+    torch.distributed.all_reduce(num_tokens, group=dp_cp_group)
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
+
+
+def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
+    """The hooks megatron's schedules call, as megatron's training.py sets them (`finalize_grads` for
+    megatron's `finalize_model_grads`: the same, without its host sync)."""
     config = unwrap_model(chunks[0]).config
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
 
 

@@ -169,6 +169,12 @@ for s in $SECTIONS; do
                   --global-batch $((16 * NGPU)) --steps 5 --warmup 2 --fused-kernels --repeats 3 --profile \
                   --profile-modes fsdp,fsdp-fused-ce --modes ddp,fsdp,fsdp2,ddp-fused-ce,fsdp-fused-ce,fsdp2-fused-ce \
                   --out "$RESULTS/levers4.json" ;;
+    # the fifth set: megatron's finalize_model_grads (a host sync on the token count after backward) against the
+    # kit's engine.finalize_grads, at the kit's GPU settings (fused RoPE/SwiGLU and cross-entropy); 1 GPU or more
+    levers5)    section levers5 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch $((16 * NGPU)) --steps 5 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
+                  --profile --profile-modes fsdp,fsdp-megatron-finalize \
+                  --modes ddp,fsdp,fsdp2,ddp-megatron-finalize,fsdp-megatron-finalize --out "$RESULTS/levers5.json" ;;
     # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
     fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
                   --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;

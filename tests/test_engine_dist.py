@@ -14,10 +14,18 @@ def same_training(a: dict, b: dict):
 
 
 @pytest.fixture(scope="module")
-def ddp_fsdp():
-    """DDP then FSDP in one 2-rank job (each run inits and shuts down its own layout, seeded alike)."""
-    return tuple(launch.run("sequence", nproc=2, calls=[["train_losses", dict(fsdp=False)],
-                                                        ["train_losses", dict(fsdp=True)]]))
+def runs():
+    """DDP then FSDP training, then the finalize check for each, in one 2-rank job (each run inits and shuts
+    down its own layout, seeded alike)."""
+    return launch.run("sequence", nproc=2, calls=[["train_losses", dict(fsdp=False)],
+                                                  ["train_losses", dict(fsdp=True)],
+                                                  ["finalize_grads_match", dict(fsdp=False)],
+                                                  ["finalize_grads_match", dict(fsdp=True)]])
+
+
+@pytest.fixture(scope="module")
+def ddp_fsdp(runs):
+    return tuple(runs[:2])
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +46,15 @@ def test_fsdp_matches_ddp_losses(ddp_fsdp):
     assert len(fsdp["losses"]) == 5
     same_training(ddp, fsdp)
     assert fsdp["losses"][-1] < fsdp["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("index", [2, 3], ids=["ddp", "fsdp"])
+def test_finalize_grads_is_megatrons_without_reading_the_token_count(runs, index):
+    """engine.finalize_grads leaves every grad bit-equal to megatron's finalize_model_grads, scales them (the
+    per-token mean), and never reads a GPU value on the host (megatron's `if num_tokens > 0` would)."""
+    r = runs[index]
+    assert r["max_diff"] == 0 and r["grad_abs_sum"] > 0 and r["tokens"] > 0, r
+    assert r["scaled"] == [True, True], r
 
 
 def test_fsdp_shards_parameters(ddp_fsdp):

@@ -21,7 +21,7 @@ from ..memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
 from ..train import Batch, step
 from .peaks import PhasePeaks, record_step_phases
-from .variants import optim_overrides, trainer_of
+from .variants import megatron_finalize, optim_overrides, trainer_of
 
 Trainer = namedtuple("Trainer", "step memory settle")
 """step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
@@ -36,10 +36,14 @@ def batches(spec: GPTSpec, *, n: int, global_batch: int, seed: int = 0) -> list[
 
 
 def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks,
-                   optim: dict | None = None) -> Trainer:
+                   optim: dict | None = None, megatron_finalize: bool = False) -> Trainer:
     """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam; `optim`:
-    OptimConfig fields over lr 1e-4, clip 1.0."""
+    OptimConfig fields over lr 1e-4, clip 1.0; `megatron_finalize`: megatron's finalize_model_grads
+    instead of the kit's `engine.finalize_grads`."""
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    if megatron_finalize:
+        from megatron.core.distributed import finalize_model_grads
+        engine.unwrap_model(chunks[0]).config.finalize_model_grads_func = finalize_model_grads
     opt = engine.build_optimizer(chunks, OptimConfig(**{"lr": 1e-4, "clip_grad": 1.0, **(optim or {})}), cfg)
     record_step_phases(opt, peaks)
 
@@ -90,7 +94,8 @@ def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_si
     peaks = peaks or PhasePeaks(record=False)
     if trainer_of(mode) == "fsdp2":
         return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks)
-    return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec))
+    return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec),
+                          megatron_finalize=megatron_finalize(mode, spec))
 
 
 def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> float:

@@ -6,7 +6,8 @@ Three trainers train the SAME megatron GPT (local spec, same attention backend, 
 - fsdp2: torch `fully_shard` per TransformerLayer then the root (perf.trainers.build_fsdp2).
 A variant is (trainer, EngineConfig overrides): fsdp-recompute is fsdp with recompute="full", so
 each knob is measured in the same run as the mode it changes. An "optim" entry of the overrides
-holds OptimConfig fields instead (fsdp-foreach-adam).
+holds OptimConfig fields instead (fsdp-foreach-adam); a "finalize" entry picks megatron's finalize_model_grads
+over the kit's (fsdp-megatron-finalize).
 """
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ VARIANTS = {
     "ddp-fused-ce": ("ddp", dict(fused_cross_entropy=True)),
     "fsdp-fused-ce": ("fsdp", dict(fused_cross_entropy=True)),
     "fsdp2-fused-ce": ("fsdp2", dict(fused_cross_entropy=True)),
+    # megatron's own finalize_model_grads (its `num_tokens > 0` host sync after backward) instead of the kit's
+    # engine.finalize_grads, which scales by the token count on the device
+    "ddp-megatron-finalize": ("ddp", dict(finalize="megatron")),
+    "fsdp-megatron-finalize": ("fsdp", dict(finalize="megatron")),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
 }
@@ -111,6 +116,11 @@ def optim_overrides(mode: str, spec: GPTSpec) -> dict:
     return dict(variant_overrides(mode, spec).get("optim", {}))
 
 
+def megatron_finalize(mode: str, spec: GPTSpec) -> bool:
+    """Whether variant `mode` finalizes grads with megatron's finalize_model_grads instead of the kit's."""
+    return variant_overrides(mode, spec).get("finalize") == "megatron"
+
+
 def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recompute: str = "none",
                   fused_kernels: bool = False, fused_cross_entropy: bool = False,
                   fsdp_overrides: dict | None = None, ddp_overrides: dict | None = None) -> EngineConfig:
@@ -119,6 +129,7 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
     trainer = trainer_of(mode)
     overrides = variant_overrides(mode, spec)
     overrides.pop("optim", None)
+    overrides.pop("finalize", None)
     ddp_config = dict((fsdp_overrides if trainer == "fsdp" else ddp_overrides) or {})
     ddp_config.update(overrides.pop("override_ddp_config", {}))
     fields = dict(

@@ -185,3 +185,45 @@ def cross_entropy_vocab_parallel() -> dict:
     labels = [int(((target >= 20 * r) & (target < 20 * (r + 1))).sum()) for r in range(rt.world_size)]
     runtime.shutdown()
     return dict(loss_max_diff=diffs[0].item(), grad_max_diff=diffs[1].item(), labels_per_rank=labels)
+
+
+def finalize_grads_match(*, fsdp: bool) -> dict:
+    """One backward, finalized once by megatron's `finalize_model_grads` and once by `engine.finalize_grads`
+    with a tensor's truth value and `.item()` forbidden (no host read of the token count): max |grad diff|."""
+    import contextlib
+    from megatron.core.distributed import finalize_model_grads
+    from mfsdp_kit.introspect import fsdp_buffers
+
+    @contextlib.contextmanager
+    def no_host_reads():
+        def refuse(*_):
+            raise AssertionError("finalize read a GPU value on the host")
+        saved = torch.Tensor.__bool__, torch.Tensor.item
+        torch.Tensor.__bool__, torch.Tensor.item = refuse, refuse
+        try:
+            yield
+        finally:
+            torch.Tensor.__bool__, torch.Tensor.item = saved
+
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    runtime.init(cfg)
+    batch = random_batches(steps=1, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
+    grads, scaled = [], []
+    for finalize in (finalize_model_grads, engine.finalize_grads):
+        runtime.set_seed(cfg.seed)
+        chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+        captured = {}
+        engine.unwrap_model(chunks[0]).config.finalize_model_grads_func = \
+            lambda model, num_tokens, **kw: captured.update(model=model, num_tokens=num_tokens, kw=kw)
+        forward_backward(chunks, batch, micro_batch_size=2)
+        buffers = list(fsdp_buffers(chunks, "main_grad_buffer")) if fsdp else [b.grad_data for b in chunks[0].buffers]
+        before = torch.cat([b.float().reshape(-1) for b in buffers]).clone()
+        with no_host_reads() if finalize is engine.finalize_grads else contextlib.nullcontext():
+            finalize(captured["model"], captured["num_tokens"], **captured["kw"])
+        grads.append(torch.cat([b.float().reshape(-1) for b in buffers]))
+        scaled.append(not torch.equal(before, grads[-1]))
+        engine.release(chunks)
+    result = dict(max_diff=(grads[0] - grads[1]).abs().max().item(), grad_abs_sum=grads[0].abs().sum().item(),
+                  scaled=scaled, tokens=int(captured["num_tokens"]))
+    runtime.shutdown()
+    return result
