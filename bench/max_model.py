@@ -47,7 +47,7 @@ from mfsdp_kit.models.gpt import SPECS, GPTSpec
 from mfsdp_kit.perf import capacity
 from mfsdp_kit.perf.flops import layer_params
 from mfsdp_kit.perf.peaks import free_memory
-from mfsdp_kit.perf.trainers import batches, build_trainer
+from mfsdp_kit.perf.trainers import batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import VARIANTS, add_engine_args, engine_config_from_args, parse_modes, trainer_of
 from mfsdp_kit.perf.report import write_json
 
@@ -59,7 +59,7 @@ def _train(mode: str, spec: GPTSpec, args) -> list[float]:
     trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size)
     world = dist.get_world_size()
     data = batches(spec, n=args.steps, global_batch=args.micro_batch_size * world)
-    losses = [trainer.step(b, i) for i, b in enumerate(data)]
+    losses = [run_step(trainer, b, i) for i, b in enumerate(data)]
     trainer.settle()
     return losses
 

@@ -51,7 +51,7 @@ from mfsdp_kit.models.gpt import SPECS, GPTSpec
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run
 from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
-from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer
+from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
                                      parse_modes, trainer_of, variant_overrides)
 from mfsdp_kit.perf.report import write_json
@@ -78,7 +78,7 @@ def profile_steps(trainer: Trainer, data: list[Batch], trace_path: str) -> dict:
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for i in range(PROFILE_STEPS):
-            trainer.step(data[i % len(data)], i)
+            run_step(trainer, data[i % len(data)], i)
         trainer.settle()
         _sync()
         wall_s = time.perf_counter() - start
@@ -97,19 +97,42 @@ def trace_path(out: str, mode: str) -> str:
     return f"{os.path.splitext(out)[0]}.{mode}.trace.json.gz"
 
 
+# ---- timing ------------------------------------------------------------------------------------
+def _one_by_one(trainer: Trainer, data: list[Batch]) -> tuple[list[float], list[float]]:
+    """(seconds, loss) per step, each step alone: the device synchronized before it starts and after it ends."""
+    times, losses = [], []
+    for i, b in enumerate(data):
+        _sync()
+        t0 = time.perf_counter()
+        losses.append(run_step(trainer, b, i))
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def _pipelined(trainer: Trainer, data: list[Batch]) -> tuple[list[float], list[float]]:
+    """(seconds, loss) per step of a loop that starts step i+1 before it reads step i's loss, as a training
+    loop that logs every step can: a step's time is from one loss read to the next (the first: from the start)."""
+    times, losses = [], []
+    _sync()
+    last = time.perf_counter()
+    pending = trainer.start(data[0], 0)
+    for i in range(1, len(data) + 1):
+        following = trainer.start(data[i], i) if i < len(data) else None
+        losses.append(pending())
+        now = time.perf_counter()
+        times.append(now - last)
+        last, pending = now, following
+    return times, losses
+
+
 # ---- one mode, guarded ----------------------------------------------------------------------
 def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args, peaks: PhasePeaks,
            profile: bool) -> dict:
     """Build, time every step of `data`, report memory, optionally profile. The model lives in
     this frame only, so it is freed when this returns or its exception is handled."""
     trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size, peaks=peaks)
-    times, losses = [], []
-    for i, b in enumerate(data):
-        _sync()
-        t0 = time.perf_counter()
-        losses.append(trainer.step(b, i))
-        _sync()
-        times.append(time.perf_counter() - t0)
+    times, losses = (_pipelined if args.pipelined else _one_by_one)(trainer, data)
     memory = trainer.memory()  # its activation peak: whole run, not since the last phase reset
     memory["activations_peak_bytes"] = max(peaks.overall() - memory["model_state_bytes"], 0)
     out = dict(times=times, losses=losses, memory=memory, phase_peaks=dict(peaks.peaks))
@@ -183,6 +206,7 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
           f"input embedding excluded), L={spec.num_layers} H={spec.hidden_size} S={spec.seq_len_tokens}, "
           f"{args.dtype}, attention={args.attention}, recompute={args.recompute}, "
           f"fused_kernels={args.fused_kernels}, fused_cross_entropy={args.fused_cross_entropy}, world={world}, "
+          f"{'pipelined steps (start_step)' if args.pipelined else 'each step timed alone'}, "
           f"micro-batch {args.micro_batch_size}, global batch {args.global_batch} x {spec.seq_len_tokens} tokens")
     print(f"FLOPs/token = 6*N + 12*L*H*S = {flops_per_token(spec) / 1e9:.2f} GFLOP; "
           f"MFU peak {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s/GPU (bf16 dense H100/H200)")
@@ -287,6 +311,9 @@ def main() -> None:
                     help=f"profile {PROFILE_STEPS} extra steps of the --profile-modes; traces next to --out")
     ap.add_argument("--profile-modes", default="ddp,fsdp,fsdp2", help="modes --profile covers ('all': every mode)")
     ap.add_argument("--repeats", type=int, default=1, help="run every mode this many times, interleaved")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="time a loop that starts each step before it reads the last one's loss (train.start_step) "
+                         "instead of each step alone between two device syncs")
     ap.add_argument("--out", default="runs/bench/throughput.json")
     args = ap.parse_args()
     modes = parse_modes(ap, args.modes)

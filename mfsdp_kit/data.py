@@ -71,8 +71,16 @@ class Batch:
                      {k: v[start:stop] for k, v in self.extras.items()})
 
     def to(self, device) -> "Batch":
-        return Batch(self.tokens.to(device), self.labels.to(device), self.loss_mask.to(device),
-                     {k: v.to(device) for k, v in self.extras.items()})
+        """The batch on `device`. Host tensors bound for a GPU go through pinned memory without blocking: a
+        copy from pageable memory waits for everything queued on the stream (a host sync every step)."""
+        device = torch.device(device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask),
+                     {k: move(v) for k, v in self.extras.items()})
 
 
 

@@ -85,6 +85,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     no_te.enable()
     fsdp_grads.enable()   # one-rank FSDP groups (expert-data-parallel size 1) would get 2x gradients
     grad_norm.enable()    # without TE/Apex, megatron's grad norm syncs with the GPU once per tensor
+    grad_norm.enable_on_device()   # and once more for the norm itself and the clip test: none left
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

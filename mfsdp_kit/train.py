@@ -95,6 +95,15 @@ def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch
 
     Returns (global per-token mean loss, global token count, {logged name: per-token mean}).
     `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract."""
+    means, tokens = _read_logged(*_forward_backward(chunks, batch, micro_batch_size=micro_batch_size,
+                                                    forward_only=forward_only, loss_fn=loss_fn))
+    return means.pop("lm loss"), tokens, means
+
+
+def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_only: bool = False,
+                      loss_fn=masked_token_loss) -> tuple[list[str], torch.Tensor]:
+    """`forward_backward` up to its numbers, which stay on the device: (logged names, [names, 2] float64
+    sums and counts over micro-batches and data-parallel ranks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     rt = runtime.current()
     local = data_parallel_slice(batch).to(rt.device)
@@ -104,12 +113,11 @@ def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch
         num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
         forward_only=forward_only)
     engine.settle_param_gathers(chunks)
-    means, tokens = _reduce_logged(logged, rt.device)
-    return means.pop("lm loss"), tokens, means
+    return _reduce_logged(logged, rt.device)
 
 
-def _reduce_logged(logged: list[dict], device) -> tuple[dict, int]:
-    """Sum each logged [sum, count] over micro-batches and data-parallel ranks -> per-token means."""
+def _reduce_logged(logged: list[dict], device) -> tuple[list[str], torch.Tensor]:
+    """Sum each logged [sum, count] over micro-batches and data-parallel ranks, on the device."""
     from megatron.core import parallel_state as ps
     names = sorted(logged[0]) if logged else ["lm loss"]
     total = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
@@ -118,31 +126,66 @@ def _reduce_logged(logged: list[dict], device) -> tuple[dict, int]:
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:  # the last stage holds the loss
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return names, total
+
+
+def _read_logged(names: list[str], total: torch.Tensor) -> tuple[dict, int]:
+    """The host read of `_reduce_logged`'s sums (one copy, so one sync): per-token means, loss token count."""
+    total = total.cpu()
     means = {n: (total[i, 0] / total[i, 1].clamp(min=1)).item() for i, n in enumerate(names)}
     return means, int(total[names.index("lm loss"), 1].item())
 
 
-def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
-    """One optimizer step over a global batch: zero grads, forward/backward, finalize, step."""
+@dataclass
+class PendingStep:
+    """A step whose work is issued but whose numbers are still on the device (`start_step`)."""
+    step_index: int
+    names: list[str]
+    totals: torch.Tensor
+    grad_norm: torch.Tensor | float | None
+    ok: bool
+    lr: float
+    start_s: float
+
+    def result(self) -> StepResult:
+        """Read the step's numbers (waits for its GPU work); NonFiniteLossError if loss or grad norm is NaN/inf."""
+        means, tokens = _read_logged(self.names, self.totals)
+        loss = means.pop("lm loss")
+        grad_norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
+        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+            raise NonFiniteLossError(f"step {self.step_index}: loss={loss} grad_norm={grad_norm} is not finite; "
+                                     "training stopped (the weights may hold this update, and those of any step "
+                                     "started after it: resume from the last checkpoint, lower the lr or check "
+                                     "the data)")
+        return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, lr=self.lr,
+                          step_time_s=time.perf_counter() - self.start_s, skipped=not self.ok, metrics=means)
+
+
+def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
+               scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> PendingStep:
+    """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
+    host: in bf16 on GPUs nothing in it waits for the GPU (`engine.finalize_grads`, `compat.grad_norm`, pinned
+    batch copies). So a loop that starts step i+1 before it reads step i (`.result()`) keeps the GPU fed
+    across the step boundary, where the first forward's host work would otherwise leave it idle."""
     start = time.perf_counter()
     check_batch(batch, step_index=step_index)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss, tokens, metrics = forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+    names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
     ok, grad_norm, _ = optimizer.step()
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
-    grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-    if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise NonFiniteLossError(f"step {step_index}: loss={loss} grad_norm={grad_norm} is not finite; training "
-                                 "stopped (the weights may hold this update: resume from the last checkpoint, "
-                                 "lower the lr or check the data)")
     if scheduler is not None:
         scheduler.step(increment=1)
-    lr = optimizer.param_groups[0]["lr"]
-    return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, lr=lr,
-                      step_time_s=time.perf_counter() - start, skipped=not ok, metrics=metrics)
+    return PendingStep(step_index=step_index, names=names, totals=totals, grad_norm=grad_norm, ok=ok,
+                       lr=optimizer.param_groups[0]["lr"], start_s=start)
+
+
+def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
+         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
+    """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read."""
+    return start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
+                      step_index=step_index, loss_fn=loss_fn).result()
 
 
 def check_batch(batch: Batch, *, step_index: int) -> None:

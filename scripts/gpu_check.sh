@@ -111,6 +111,9 @@ for s in $SECTIONS; do
     # the checkpoint tests that move tensors between GPU and host (raw items through pinned buffers), ~2 min
     gpu_tests_ckpt) section gpu_tests_ckpt python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_format.py \
                   tests/test_checkpoint.py -k "roundtrip or resume or async or io_options or reshard or format" ;;
+    # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call), ~1 min
+    gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
+                  -k "on_a_gpu or gpus" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
@@ -175,6 +178,12 @@ for s in $SECTIONS; do
                   --global-batch $((16 * NGPU)) --steps 5 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
                   --profile --profile-modes fsdp,fsdp-megatron-finalize \
                   --modes ddp,fsdp,fsdp2,ddp-megatron-finalize,fsdp-megatron-finalize --out "$RESULTS/levers5.json" ;;
+    # the sixth set: the same systems as levers5, each step timed alone (synchronized before and after) and as a
+    # loop that starts each step before it reads the last one's loss (--pipelined: train.start_step, no host sync)
+    levers6)    for how in alone pipelined; do section "levers6_$how" trun bench/throughput.py --spec 1.7b --attention sdpa \
+                  --micro-batch-size 8 --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels \
+                  --fused-cross-entropy --repeats 3 $([ $how = pipelined ] && echo --pipelined) --modes ddp,fsdp,fsdp2 \
+                  --out "$RESULTS/levers6_$how.json"; done ;;
     # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
     fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
                   --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;

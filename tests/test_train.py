@@ -1,5 +1,6 @@
 """SFT on the embedded task: it learns, FSDP == DDP per step, micro-batching is exact, memory."""
 import pytest
+import torch
 
 from mfsdp_kit.parity import compare_curves
 from tests.dist import launch
@@ -27,7 +28,49 @@ def runs(workdir):
     calls = [["scenarios_train:sft", dict(fsdp=True, workdir=workdir, steps=150, global_batch=32,
                                           micro_batch_size=16)]]
     calls += [["scenarios_train:nonfinite_stops", dict(fsdp=fsdp, workdir=workdir, bad_step=2)] for fsdp in (False, True)]
-    return dict(zip(["sft", False, True], launch.run("sequence", calls=calls)))
+    calls += [["scenarios_train:start_step_pipelined", dict(fsdp=fsdp, workdir=workdir)] for fsdp in (False, True)]
+    return dict(zip(["sft", False, True, "piped_ddp", "piped_fsdp"], launch.run("sequence", calls=calls)))
+
+
+@pytest.mark.parametrize("name", ["piped_ddp", "piped_fsdp"])
+def test_start_step_pipelined_equals_step(runs, name):
+    """Steps started before the last one is read (grads clipped at 0.05) give `step`'s losses and grad norms,
+    bit for bit. That start_step waits for nothing is a GPU question: test_start_step_syncs_nothing_on_a_gpu."""
+    r = runs[name]
+    assert len(r["piped"]) == 3 and r["piped"] == r["alone"], r
+    assert all(norm > 0.05 for _, norm in r["alone"]), r   # the clip scaled the grads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA sync exists only on a GPU")
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_start_step_syncs_nothing_on_a_gpu(fsdp):
+    """On a GPU in bf16, train.start_step (after 2 warm-up steps) makes no host-blocking CUDA call: no stream,
+    device or event synchronize, no blocking memcpy. One rank, NCCL, the kit's GPT with SDPA and fused Adam."""
+    from torch.profiler import ProfilerActivity, profile
+    from mfsdp_kit import engine, runtime
+    from mfsdp_kit.config import EngineConfig, OptimConfig
+    from mfsdp_kit.data import random_token_batches
+    from mfsdp_kit.models import GPTSpec, gpt_model_fn
+    from mfsdp_kit.train import start_step
+    from tests.dist.launch import free_port
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype="bf16", attention_backend="sdpa")
+    runtime.init(cfg, rank=0, world_size=1, master_port=free_port())
+    try:
+        spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=128)
+        chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+        opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4, clip_grad=1.0), cfg)
+        data = random_token_batches(steps=3, global_batch=4, seq_len_tokens=128, vocab_size=spec.vocab_size, seed=0)
+        for i in range(2):
+            start_step(chunks, opt, data[i], micro_batch_size=2, step_index=i).result()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            pending = start_step(chunks, opt, data[2], micro_batch_size=2, step_index=2)
+        blocking = [e.name for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                                "cudaEventSynchronize", "cudaMemcpy")]
+        assert blocking == [], blocking
+        assert pending.result().loss > 0
+    finally:
+        runtime.shutdown()
 
 
 def test_sft_learns_the_task(runs):

@@ -12,6 +12,16 @@ a few launches for all tensors and no sync; clip_grads' own `.item()` at the end
 The per-tensor norms are fp32 as before; only the last reduction moves from the CPU to the device, so the
 norm may differ in the last bit from the fallback's. Only the clip_grads module's fallbacks are swapped:
 TE's or Apex's kernels, where installed, are left alone.
+
+That `.item()` (clip_grads.py:133, `get_grad_norm_fp32`) and the host test of the clip factor
+(clip_grads.py:173, `if clip_coeff < 1.0`) are the optimizer step's last host syncs: after them the GPU
+drains and waits while the host issues the rest of the step and the next step's first forward. So the
+optimizer module's two names are bound to `grad_norm_fp32` and `clip_by_total_norm`: the L2 norm stays a
+0-dim float64 tensor on the device, computed as megatron computes it (fp32 squares all-reduced, then
+the square root in double, as `.item() ** 0.5` takes it), and the grads are always scaled by
+`where(coeff < 1, coeff, 1)`: the same bits (x * 1.0 == x; a NaN norm leaves them as megatron does).
+Only the optimizer module's copies are rebound, so compat.cpu's rewrite of clip_grads' own function
+stays what the fallback (a norm that is not a tensor, or not L2) calls.
 """
 from __future__ import annotations
 
@@ -34,6 +44,52 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
     src, dst = tensor_lists
     torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+    """clip_grads.get_grad_norm_fp32 for the L2 norm, returned as a 0-dim float64 tensor on the grads' device
+    instead of a Python float (no host sync); any other norm type goes to megatron's."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+    if float(norm_type) != 2.0:
+        return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    dp_group = None
+    for grad in grads_for_norm:
+        dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
+    grads = [to_local_if_dtensor(grad) for grad in grads_for_norm]
+    device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if grads:
+        overflow = torch.zeros(1, dtype=torch.int, device=device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+    else:
+        norm = torch.zeros(1, dtype=torch.float, device=device)
+    total = norm ** 2.0
+    if dp_group:
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=dp_group)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return total[0].double() ** 0.5
+
+
+def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
+    """clip_grads.clip_grad_by_total_norm_fp32 with the clip factor kept on the device: every fp32 grad
+    times where(max_norm / (norm + 1e-6) < 1, that, 1). A norm that is not a tensor goes to megatron's."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import to_local_if_dtensor
+    if not torch.is_tensor(total_norm):
+        return clip_grads.clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    name = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [to_local_if_dtensor(getattr(p, name)).detach() for p in parameters if getattr(p, name, None) is not None]
+    if not grads:
+        return
+    if any(g.dtype != torch.float32 for g in grads) and not use_decoupled_grad:   # megatron asserts fp32 grads
+        raise AssertionError("clip_by_total_norm: megatron clips fp32 main grads only")
+    coeff = max_norm / (total_norm + 1.0e-6)
+    coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).to(grads[0].dtype)
+    torch._foreach_mul_(grads, coeff)
 
 
 def still_needed() -> bool:
@@ -61,3 +117,17 @@ def enable() -> bool:
         module.multi_tensor_scale_impl = multi_tensor_scale
     registry.record(registry.Patch(target=f"{MODULE}:l2_norm_impl", upstream=UPSTREAM, needed_if=still_needed))
     return True
+
+
+OPTIMIZER = "megatron.core.optimizer.optimizer"
+
+
+def enable_on_device() -> None:
+    """Bind the optimizer module's grad norm and clip to `grad_norm_fp32` / `clip_by_total_norm` (idempotent)."""
+    import importlib
+    module = importlib.import_module(OPTIMIZER)
+    module.get_grad_norm_fp32, module.clip_grad_by_total_norm_fp32 = grad_norm_fp32, clip_by_total_norm
+    registry.record(registry.Patch(target=f"{MODULE}:get_grad_norm_fp32", needed_if="total_norm.item()",
+                                   upstream="megatron/core/optimizer/clip_grads.py:133 (.item() of the norm)"))
+    registry.record(registry.Patch(target=f"{MODULE}:clip_grad_by_total_norm_fp32", needed_if="if clip_coeff < 1.0",
+                                   upstream="megatron/core/optimizer/clip_grads.py:173 (clip factor tested on the host)"))

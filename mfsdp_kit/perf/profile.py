@@ -124,12 +124,13 @@ def profile_steps(trainer, batches, *, steps: int, first_step: int = 0) -> tuple
     settle INSIDE the profiled region: a gloo handle made under the profiler and freed after it
     stopped crashes the process at gc (torch 2.13 CPU, see bench/throughput.profile_steps)."""
     from torch.profiler import ProfilerActivity, profile, record_function
+    from .trainers import run_step
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for i in range(first_step, first_step + steps):
             with record_function(f"{STEP_MARK}{i - first_step}"):
-                trainer.step(batches[i % len(batches)], i)
+                run_step(trainer, batches[i % len(batches)], i)
                 if on_gpu:
                     torch.cuda.synchronize()
         trainer.settle()
@@ -185,7 +186,7 @@ def profile_mode(mode: str, spec, *, dtype: str, micro_batch_size: int, steps: i
     """Variant `mode` (perf.variants: "ddp", "fsdp", "fsdp2", ...) of the GPT `spec` on this world:
     `warmup` unprofiled steps, then `profile_steps` of `steps` steps, one micro-batch per rank each."""
     from .. import runtime
-    from .trainers import batches, build_trainer
+    from .trainers import batches, build_trainer, run_step
     from .variants import engine_config
     cfg = engine_config(mode, spec, dtype=dtype, attention=attention,
                         fsdp_overrides=dict(overlap_param_gather=True), ddp_overrides=dict(overlap_grad_reduce=True))
@@ -193,6 +194,6 @@ def profile_mode(mode: str, spec, *, dtype: str, micro_batch_size: int, steps: i
     trainer = build_trainer(mode, cfg, spec, micro_batch_size=micro_batch_size)
     data = batches(spec, n=warmup + steps, global_batch=micro_batch_size * rt.world_size)
     for i in range(warmup):
-        trainer.step(data[i], i)
+        run_step(trainer, data[i], i)
     trainer.settle()
     return profile_steps(trainer, data, steps=steps, first_step=warmup)

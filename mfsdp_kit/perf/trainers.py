@@ -1,6 +1,6 @@
 """One training step of each variant behind one interface: megatron's engine, or torch FSDP2.
 
-A `Trainer` hides how a variant steps, so a benchmark times `trainer.step(batch, i)` the same way
+A `Trainer` hides how a variant steps, so a benchmark times `trainer.start(batch, i)` the same way
 for all of them. The FSDP2 trainer is the reference Megatron-FSDP is measured against: the same
 megatron GPT module, sharded by torch's `fully_shard` per TransformerLayer and then the root, fp32
 sharded parameters cast to the compute dtype per unit (MixedPrecisionPolicy), fp32 gradient
@@ -19,14 +19,20 @@ from ..data import random_token_batches
 from ..introspect import local, torch_dtype
 from ..memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
-from ..train import Batch, step
+from ..train import Batch, start_step
 from .peaks import PhasePeaks, record_step_phases
 from .variants import megatron_finalize, optim_overrides, trainer_of
 
-Trainer = namedtuple("Trainer", "step memory settle")
-"""step(batch, step_index) -> loss of one global batch; memory() -> dict as memory.memory_report;
-settle() waits for the communication a step may leave in flight (Megatron-FSDP's prefetched
-all-gathers), so its handles are released now, not later by the garbage collector."""
+Trainer = namedtuple("Trainer", "start memory settle")
+"""start(batch, step_index) issues one step over a global batch and returns a function that reads its loss
+(waiting for the step's GPU work), so a loop may start the next step first; memory() -> dict as
+memory.memory_report; settle() waits for the communication a step may leave in flight (Megatron-FSDP's
+prefetched all-gathers), so its handles are released now, not later by the garbage collector."""
+
+
+def run_step(trainer: Trainer, batch: Batch, step_index: int) -> float:
+    """One step, its loss read before returning."""
+    return trainer.start(batch, step_index)()
 
 
 def batches(spec: GPTSpec, *, n: int, global_batch: int, seed: int = 0) -> list[Batch]:
@@ -47,13 +53,14 @@ def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, p
     opt = engine.build_optimizer(chunks, OptimConfig(**{"lr": 1e-4, "clip_grad": 1.0, **(optim or {})}), cfg)
     record_step_phases(opt, peaks)
 
-    def train_step(batch: Batch, i: int) -> float:
-        return step(chunks, opt, batch, micro_batch_size=micro_batch_size, step_index=i).loss
+    def start(batch: Batch, i: int):
+        pending = start_step(chunks, opt, batch, micro_batch_size=micro_batch_size, step_index=i)
+        return lambda: pending.result().loss
 
     def settle() -> None:
         engine.synchronize_fsdp_params(chunks)  # waits for and drops pending all-gathers
         engine.restore_fsdp_params(chunks)
-    return Trainer(train_step, lambda: memory_report(chunks, opt).as_dict(), settle)
+    return Trainer(start, lambda: memory_report(chunks, opt).as_dict(), settle)
 
 
 def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks) -> Trainer:
@@ -77,15 +84,15 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                             fused=rt.device.type == "cuda")
 
-    def train_step(batch: Batch, i: int) -> float:
+    def start(batch: Batch, i: int):
         opt.zero_grad(set_to_none=True)
         loss = fsdp2_forward_backward(model, batch, micro_batch_size=micro_batch_size)
         peaks.before_step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         peaks.after_step()
-        return loss
-    return Trainer(train_step, lambda: fsdp2_memory(model, opt, spec), lambda: None)
+        return lambda: loss.item()
+    return Trainer(start, lambda: fsdp2_memory(model, opt, spec), lambda: None)
 
 
 def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int,
@@ -98,9 +105,9 @@ def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_si
                           megatron_finalize=megatron_finalize(mode, spec))
 
 
-def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> float:
-    """Per-token mean over the global batch, as train.step: sum / global tokens, grads averaged
-    over ranks by FSDP2, hence the * world_size."""
+def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+    """Per-token mean over the global batch (a 0-dim tensor on the device, unread), as train.step: sum /
+    global tokens, grads averaged over ranks by FSDP2, hence the * world_size."""
     rt = runtime.current()
     n = batch.num_sequences // rt.world_size
     mine = batch.slice(rt.rank * n, (rt.rank + 1) * n).to(rt.device)
@@ -114,7 +121,7 @@ def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> flo
         (loss_sum * rt.world_size / global_tokens).backward()
         total += torch.stack([loss_sum.detach().double(), mb.loss_mask.sum().double()])
     dist.all_reduce(total)
-    return (total[0] / total[1]).item()
+    return total[0] / total[1]
 
 
 def fsdp2_memory(model, opt, spec: GPTSpec) -> dict:

@@ -45,3 +45,14 @@ def test_throughput_bench(tmp_path):
     from mfsdp_kit.perf.capacity import candidates   # bench/memory_cap reads these JSONs: one row per good mode
     rows = candidates([str(tmp_path / "t.json")])
     assert len(rows) == len(results) and {r["system"] for r in rows} == {"ddp", "fsdp", "fsdp2"}
+
+
+def test_pipelined_timing_reads_every_loss_in_order(tmp_path):
+    """--pipelined (train.start_step: step i+1 starts before step i's loss is read) trains the same steps:
+    megatron's and FSDP2's losses equal the steps timed alone, bit for bit, one per step, in step order."""
+    flags = ("--spec", "tiny", "--steps", "2", "--warmup", "1", "--modes", "ddp,fsdp,fsdp2")
+    alone = run("throughput.py", *flags, out=tmp_path / "a.json")["results"]
+    piped = run("throughput.py", *flags, "--pipelined", out=tmp_path / "p.json")["results"]
+    for m in ("ddp", "fsdp", "fsdp2"):
+        assert len(piped[m]["losses"]) == 3 and piped[m]["losses"] == alone[m]["losses"], (m, piped[m], alone[m])
+        assert len(piped[m]["step_times_s"]) == 3 and min(piped[m]["step_times_s"]) > 0

@@ -1,7 +1,19 @@
 """compat.grad_norm: the device-side grad norm and clip scale keep the contracts of megatron's fallbacks."""
+import pytest
 import torch
 
+from mfsdp_kit import runtime
 from mfsdp_kit.compat import cpu, grad_norm, registry
+from mfsdp_kit.config import EngineConfig
+from tests.dist.hostreads import no_host_reads
+
+
+@pytest.fixture
+def world():
+    from tests.dist.launch import free_port
+    runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())   # the norm is all-reduced
+    yield
+    runtime.shutdown()
 
 
 def _grads():
@@ -43,3 +55,36 @@ def test_enable_swaps_clip_grads_fallbacks_and_is_still_needed():
     assert clip_grads.multi_tensor_scale_impl is grad_norm.multi_tensor_scale
     patch = next(p for p in registry.ACTIVE if p.target == f"{grad_norm.MODULE}:l2_norm_impl")
     assert patch.still_needed()
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clips", "does-not-clip"])
+def test_norm_and_clip_on_the_device_equal_megatrons(world, max_norm):
+    """grad_norm_fp32 / clip_by_total_norm give megatron's norm (as a device tensor) and the same clipped grads,
+    bit for bit, whether the grads are clipped or not; neither reads a tensor on the host."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) for n in (7, 33, 128)]
+    params = [torch.nn.Parameter(torch.zeros_like(x)) for x in grads]
+    theirs_norm = clip_grads.get_grad_norm_fp32([x.clone() for x in grads])
+    for p, x in zip(params, grads):
+        p.grad = x.clone()
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, theirs_norm)
+    theirs = [p.grad.clone() for p in params]
+    for p, x in zip(params, grads):
+        p.grad = x.clone()
+    with no_host_reads():
+        ours_norm = grad_norm.grad_norm_fp32([x.clone() for x in grads])
+        grad_norm.clip_by_total_norm(params, max_norm, ours_norm)
+    assert torch.is_tensor(ours_norm) and ours_norm.dim() == 0 and float(ours_norm) == theirs_norm
+    assert all(torch.equal(p.grad, t) for p, t in zip(params, theirs))
+    assert (max_norm < theirs_norm) == (not torch.equal(params[0].grad, grads[0]))
+
+
+def test_enable_on_device_binds_the_optimizer_module_and_is_still_needed():
+    import megatron.core.optimizer.optimizer as optimizer
+    grad_norm.enable_on_device()
+    grad_norm.enable_on_device()
+    assert optimizer.get_grad_norm_fp32 is grad_norm.grad_norm_fp32
+    assert optimizer.clip_grad_by_total_norm_fp32 is grad_norm.clip_by_total_norm
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"):
+        assert next(p for p in registry.ACTIVE if p.target == f"{grad_norm.MODULE}:{name}").still_needed()

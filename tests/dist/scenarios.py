@@ -191,19 +191,9 @@ def finalize_grads_match(*, fsdp: bool) -> dict:
     """One backward, finalized once by megatron's `finalize_model_grads` and once by `engine.finalize_grads`
     with a tensor's truth value and `.item()` forbidden (no host read of the token count): max |grad diff|."""
     import contextlib
+    from hostreads import no_host_reads
     from megatron.core.distributed import finalize_model_grads
     from mfsdp_kit.introspect import fsdp_buffers
-
-    @contextlib.contextmanager
-    def no_host_reads():
-        def refuse(*_):
-            raise AssertionError("finalize read a GPU value on the host")
-        saved = torch.Tensor.__bool__, torch.Tensor.item
-        torch.Tensor.__bool__, torch.Tensor.item = refuse, refuse
-        try:
-            yield
-        finally:
-            torch.Tensor.__bool__, torch.Tensor.item = saved
 
     cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
     runtime.init(cfg)
