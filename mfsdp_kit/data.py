@@ -73,14 +73,9 @@ class Batch:
     def to(self, device) -> "Batch":
         """The batch on `device`. Host tensors bound for a GPU go through pinned memory without blocking: a
         copy from pageable memory waits for everything queued on the stream (a host sync every step)."""
-        device = torch.device(device)
-
-        def move(t: torch.Tensor) -> torch.Tensor:
-            if device.type == "cuda" and t.device.type == "cpu":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t.to(device)
-        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask),
-                     {k: move(v) for k, v in self.extras.items()})
+        pin = torch.device(device).type == "cuda"
+        move = lambda t: t.pin_memory().to(device, non_blocking=True) if pin and not t.is_cuda else t.to(device)  # noqa: E731
+        return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), {k: move(v) for k, v in self.extras.items()})
 
 
 

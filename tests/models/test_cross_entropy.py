@@ -4,10 +4,11 @@ rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it.
 import pytest
 import torch
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit import runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.models import GPTSpec, cross_entropy, gpt_model_fn
+from mfsdp_kit.models import cross_entropy
 from tests.dist.launch import run
+from tests.models.gpt_grads import SPEC, loss_and_grads
 
 TOL = 1e-5
 
@@ -49,23 +50,14 @@ def test_matches_megatron(world, dtype):
 def test_gpt_loss_and_grads_match_megatron(world):
     """A whole kit GPT, same seed and tokens: the fused loss and every param's grad equal megatron's, and
     the model really computes its loss with it."""
-    spec = GPTSpec(hidden_size=64, num_attention_heads=8, num_query_groups=2)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len_tokens + 1), generator=g)
-    pos = torch.arange(spec.seq_len_tokens).unsqueeze(0).expand(2, -1)
-    losses, grads = {}, {}
-    for fused in (False, True):
-        cfg = EngineConfig(fused_cross_entropy=fused)
-        runtime.set_seed(cfg.seed)
-        model = engine.build(cfg, gpt_model_fn(spec, cfg), wrap=False)[0]
+    def installed(model, fused):
         assert ("compute_language_model_loss" in vars(model)) is fused
-        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:])
-        assert loss.shape == (2, spec.seq_len_tokens)
-        loss.mean().backward()
-        losses[fused] = loss.mean().item()
-        grads[fused] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    assert abs(losses[False] - losses[True]) < TOL
-    assert (grads[False] - grads[True]).abs().max().item() < TOL
+    runs = {fused: loss_and_grads(EngineConfig(fused_cross_entropy=fused), check=lambda m, f=fused: installed(m, f))
+            for fused in (False, True)}
+    (loss, grads), (fused_loss, fused_grads) = runs[False], runs[True]
+    assert fused_loss.shape == loss.shape == (2, SPEC.seq_len_tokens)
+    assert (fused_loss - loss).abs().max().item() < TOL
+    assert (fused_grads - grads).abs().max().item() < TOL
 
 
 def test_vocab_parallel_over_two_ranks():

@@ -5,7 +5,8 @@ import torch
 
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.models import GPTSpec, fusions, gpt_model_fn
+from mfsdp_kit.models import GPTSpec, fusions
+from tests.models.gpt_grads import loss_and_grads
 
 TOL = 1e-5  # fp32: the compiled kernels round once where eager rounds after every op
 
@@ -87,23 +88,15 @@ def test_explicit_override_wins():
 def test_whole_gpt_loss_and_grads_match_unfused():
     """The kit's GPT, same seed and tokens: fused_kernels=True gives the unfused loss and grads, and
     really runs the fused paths (megatron's flags are set in the model's config)."""
-    spec = GPTSpec(hidden_size=64, num_attention_heads=8, num_query_groups=2)
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, spec.vocab_size, (2, spec.seq_len_tokens + 1), generator=g)
-    pos = torch.arange(spec.seq_len_tokens).unsqueeze(0).expand(2, -1)
-    losses, grads = {}, {}
-    for fused in (False, True):
-        cfg = EngineConfig(fused_kernels=fused)
-        runtime.set_seed(cfg.seed)
-        model = engine.build(cfg, gpt_model_fn(spec, cfg), wrap=False)[0]
+    def fused_paths(model, fused):
         assert model.config.apply_rope_fusion is fused and model.config.bias_activation_fusion is fused
-        loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean()
-        loss.backward()
-        losses[fused] = loss.item()
-        grads[fused] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    print("losses", losses, "grad max|diff|", (grads[False] - grads[True]).abs().max().item())
-    assert abs(losses[False] - losses[True]) < TOL
-    assert (grads[False] - grads[True]).abs().max().item() < TOL
+    runs = {fused: loss_and_grads(EngineConfig(fused_kernels=fused), check=lambda m, f=fused: fused_paths(m, f))
+            for fused in (False, True)}
+    (loss, grads), (fused_loss, fused_grads) = runs[False], runs[True]
+    print("loss |diff|", (fused_loss.mean() - loss.mean()).abs().item(), "grad max|diff|",
+          (grads - fused_grads).abs().max().item())
+    assert (fused_loss.mean() - loss.mean()).abs().item() < TOL
+    assert (grads - fused_grads).abs().max().item() < TOL
 
 
 def test_bad_value_is_named():
