@@ -22,9 +22,10 @@ from types import MethodType
 import torch
 import torch.distributed as dist
 
-_kernels = {}
+from ..compat.lazy_compile import lazy
 
 
+@lazy(torch.compile)   # compiled at the first call (Triton on GPU, C++ on CPU)
 def _stats(logits: torch.Tensor, row_max: torch.Tensor, label: torch.Tensor, in_slice: torch.Tensor):
     """Per token: sum of exp(logit - max) over this rank's vocabulary, and label logit - max (0 where the
     label is another rank's)."""
@@ -33,6 +34,7 @@ def _stats(logits: torch.Tensor, row_max: torch.Tensor, label: torch.Tensor, in_
     return torch.exp(x).sum(-1), torch.where(in_slice, picked, 0.0)
 
 
+@lazy(torch.compile)
 def _grad(logits: torch.Tensor, shift: torch.Tensor, label: torch.Tensor, in_slice: torch.Tensor,
           grad_loss: torch.Tensor) -> torch.Tensor:
     """d loss / d logits = (softmax - one_hot(label)) x grad_loss, in the logits' dtype; softmax =
@@ -41,13 +43,6 @@ def _grad(logits: torch.Tensor, shift: torch.Tensor, label: torch.Tensor, in_sli
     vocab = torch.arange(x.shape[-1], device=x.device)
     one_hot = ((vocab == label.unsqueeze(-1)) & in_slice.unsqueeze(-1)).float()
     return ((torch.exp(x - shift.unsqueeze(-1)) - one_hot) * grad_loss.unsqueeze(-1)).to(logits.dtype)
-
-
-def _kernel(fn):
-    """`fn` compiled once per process (Triton on GPU, C++ on CPU)."""
-    if fn not in _kernels:
-        _kernels[fn] = torch.compile(fn)
-    return _kernels[fn]
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:
@@ -65,7 +60,7 @@ class _CrossEntropy(torch.autograd.Function):
         label = torch.where(in_slice, label, 0)
         row_max = logits.amax(dim=-1).float()  # exact in the logits' dtype, so no fp32 copy is needed for it
         _all_reduce(row_max, dist.ReduceOp.MAX, group)
-        sum_exp, picked = _kernel(_stats)(logits, row_max, label, in_slice)
+        sum_exp, picked = _stats(logits, row_max, label, in_slice)
         _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
         _all_reduce(picked, dist.ReduceOp.SUM, group)
         log_sum = torch.log(sum_exp)
@@ -75,7 +70,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, shift, label, in_slice = ctx.saved_tensors
-        return _kernel(_grad)(logits, shift, label, in_slice, grad_loss.contiguous()), None, None
+        return _grad(logits, shift, label, in_slice, grad_loss.contiguous()), None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group=None) -> torch.Tensor:

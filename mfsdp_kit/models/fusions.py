@@ -12,8 +12,9 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
   taken once per freqs tensor (megatron's RotaryEmbedding caches freqs per sequence length) instead of
   once per element, and the rotation compiled. Compiling megatron's function whole made one kernel
   that took cos and sin of every element, batch x heads times over each angle: 19.8 ms of kernels per
-  step at 1.37 B on an H200, 6.7 ms this way (bench/fusions.py). The math is megatron's: cos and sin rounded to t's dtype as there,
-  then one rounding of the result where eager rounds after each op (equal in fp32).
+  step at 1.37 B on an H200, 6.7 ms this way (bench/fusions.py). The math is megatron's: cos and sin
+  rounded to t's dtype as there, then one rounding of the result where eager rounds after each op
+  (equal in fp32).
 Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-_compiled_rotate = None
+from ..compat.lazy_compile import lazy
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +42,7 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return cached[1], cached[2]
 
 
+@lazy(torch.compile)   # one kernel per direction, compiled at the first call
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The rotation of megatron's `_apply_rotary_pos_emb_bshd` given its cos and sin; dims of `t`
     past cos's last dim pass through."""
@@ -53,11 +55,8 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
 def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """RoPE on `t` [s, b, heads, head_dim] with `freqs` [s, 1, 1, rot_dim]: megatron's
     `_apply_rotary_pos_emb_bshd`, its rotation compiled into one kernel per direction."""
-    global _compiled_rotate
-    if _compiled_rotate is None:
-        _compiled_rotate = torch.compile(_rotate)
     cos, sin = _cos_sin(freqs, t.dtype)
-    return _compiled_rotate(t, cos, sin, interleaved)
+    return _rotate(t, cos, sin, interleaved)
 
 
 def install() -> bool:

@@ -21,7 +21,7 @@ from ..memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
 from ..train import Batch, start_step
 from .peaks import PhasePeaks, record_step_phases
-from .variants import megatron_finalize, optim_overrides, trainer_of
+from .variants import optim_overrides, trainer_of, uses_megatron_finalize
 
 Trainer = namedtuple("Trainer", "start memory settle")
 """start(batch, step_index) issues one step over a global batch and returns a function that reads its loss
@@ -102,7 +102,7 @@ def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_si
     if trainer_of(mode) == "fsdp2":
         return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks)
     return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec),
-                          megatron_finalize=megatron_finalize(mode, spec))
+                          megatron_finalize=uses_megatron_finalize(mode, spec))
 
 
 def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:

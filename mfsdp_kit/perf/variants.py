@@ -116,7 +116,7 @@ def optim_overrides(mode: str, spec: GPTSpec) -> dict:
     return dict(variant_overrides(mode, spec).get("optim", {}))
 
 
-def megatron_finalize(mode: str, spec: GPTSpec) -> bool:
+def uses_megatron_finalize(mode: str, spec: GPTSpec) -> bool:
     """Whether variant `mode` finalizes grads with megatron's finalize_model_grads instead of the kit's."""
     return variant_overrides(mode, spec).get("finalize") == "megatron"
 

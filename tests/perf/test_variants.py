@@ -10,7 +10,7 @@ from mfsdp_kit.models.gpt import SPECS
 from mfsdp_kit.perf.flops import flops_per_token, layer_params, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, record_step_phases
 from mfsdp_kit.perf.variants import (VARIANTS, add_engine_args, engine_config, engine_config_from_args,
-                                     megatron_default_unit_elements, megatron_finalize, optim_overrides,
+                                     megatron_default_unit_elements, optim_overrides, uses_megatron_finalize,
                                      parse_modes)
 
 
@@ -54,8 +54,8 @@ def test_variant_configs():
     assert cfg["fsdp-ctas8"].nccl_max_ctas == cfg["ddp-ctas8"].nccl_max_ctas == 8 and cfg["fsdp"].nccl_max_ctas is None
     assert all(cfg[f"{t}-fused-ce"].fused_cross_entropy for t in ("ddp", "fsdp", "fsdp2"))
     assert not cfg["fsdp"].fused_cross_entropy
-    assert megatron_finalize("fsdp-megatron-finalize", spec) and megatron_finalize("ddp-megatron-finalize", spec)
-    assert not megatron_finalize("fsdp", spec)
+    assert uses_megatron_finalize("fsdp-megatron-finalize", spec) and uses_megatron_finalize("ddp-megatron-finalize", spec)
+    assert not uses_megatron_finalize("fsdp", spec)
     for m, c in cfg.items():  # each variant changes only what it names
         base = cfg[VARIANTS[m][0]]
         changed = {k for k, v in c.to_dict().items() if v != base.to_dict()[k]}
