@@ -24,6 +24,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")
 ADAM_IMPLEMENTATIONS, GPU_ONLY_DDP_KEYS = ("auto", "foreach", "fused"), ("fsdp_double_buffer", "nccl_ub")
+GRAD_UPCASTS = ("by_part", "whole")
 NCCL_MAX_CTAS = 32
 """NCCL's MAXCHANNELS: the most CTAs one collective can use (ncclConfig_t.maxCTAs is checked against it)."""
 
@@ -221,6 +222,11 @@ class OptimConfig:
     """torch Adam(W)'s kernels (megatron-core 0.16.1 passes no `fused=`): "auto" = "fused" if every param is on a
     GPU, else torch's choice (CPU unchanged) | "foreach" | "fused". Fused on GPUs: optimizer-step peak -1.3 GiB
     (FSDP) / -2.4 GiB (DDP), +0.5 / +0.9 % tokens/s, 1.37 B on 2 H200 (docs/benchmarks.md, levers)."""
+    grad_upcast: str = "by_part"
+    """How Megatron-FSDP's step gets fp32 grads for Adam from its bf16 grad shard: "by_part" (`grad_upcast`: 256 MiB
+    of fp32 copies at a time inside the step; the same bits) | "whole" (megatron-core 0.16.1: the whole shard
+    copied when backward ends and held through the step, +4 B per local element at the step's peak). Nothing
+    changes under DDP or with fp32 grads."""
 
     def validate(self) -> "OptimConfig":
         """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.
@@ -239,7 +245,8 @@ class OptimConfig:
                 ("adam_eps", finite(self.adam_eps) and self.adam_eps > 0, "a finite number > 0"),
                 ("clip_grad", finite(self.clip_grad) and self.clip_grad >= 0, "a finite number >= 0 (0 = no clipping)"),
                 ("adam_implementation", self.adam_implementation in ADAM_IMPLEMENTATIONS,
-                 " | ".join(ADAM_IMPLEMENTATIONS))):
+                 " | ".join(ADAM_IMPLEMENTATIONS)),
+                ("grad_upcast", self.grad_upcast in GRAD_UPCASTS, " | ".join(GRAD_UPCASTS))):
             if not ok:
                 raise bad_value(name, getattr(self, name), allowed)
         return self

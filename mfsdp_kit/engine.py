@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import runtime
+from . import grad_upcast, runtime
 from .compat import fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
@@ -259,6 +259,8 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
     set_adam_implementation(optimizer, ocfg.adam_implementation)
+    if ocfg.grad_upcast == "by_part":
+        grad_upcast.install(chunks, optimizer)
     from .offload import apply_config  # optimizer_offload: states + main weights live on the host
     return apply_config(cfg, chunks, optimizer)
 

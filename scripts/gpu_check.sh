@@ -113,6 +113,7 @@ for s in $SECTIONS; do
                   tests/test_checkpoint.py -k "roundtrip or resume or async or io_options or reshard or format" ;;
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call), ~1 min
     gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
+                  tests/test_grad_upcast.py \
                   -k "on_a_gpu or gpus" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
@@ -184,6 +185,14 @@ for s in $SECTIONS; do
                   --micro-batch-size 8 --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels \
                   --fused-cross-entropy --repeats 3 $([ $how = pipelined ] && echo --pipelined) --modes ddp,fsdp,fsdp2 \
                   --out "$RESULTS/levers6_$how.json"; done ;;
+    # the seventh set: Megatron-FSDP's fp32 grads for Adam made a part at a time inside the step (grad_upcast, the
+    # default since 2026-12-01) vs megatron's whole-shard copy held through the step: tokens/s and the step's peak at
+    # 1.37 B; max_model_upcast: the largest 7b-width model of each beside FSDP2's (1 GPU or more)
+    levers7)    section levers7 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
+                  --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
+                  --modes fsdp,fsdp-upcast-whole,fsdp2 --out "$RESULTS/levers7.json" ;;
+    max_model_upcast) section max_model_upcast trun bench/max_model.py --spec 7b --modes fsdp,fsdp-upcast-whole,fsdp2 \
+                  --layer-step 2 --max-trials 8 --out "$RESULTS/max_model_upcast.json" ;;
     # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
     fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
                   --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;

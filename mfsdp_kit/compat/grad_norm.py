@@ -31,12 +31,16 @@ from . import registry
 
 MODULE = "megatron.core.optimizer.clip_grads"
 UPSTREAM = "megatron/core/optimizer/clip_grads.py:35-43 + utils.py:1200-1215 (a .item()-like sync per tensor)"
+# A param with this attribute gets its fp32 grad inside the optimizer step (mfsdp_kit.grad_upcast): the clip
+# stores its factor here (a 0-dim fp32 tensor) and the step multiplies that grad by it once it exists.
+LATER_SCALE = "_mfsdp_grad_scale"
 
 
 def multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """amp_C.multi_tensor_l2norm's contract: (the l2 norm of all of `tensor_lists[0]` as a [1] float32 tensor
     on their device, None). `chunk_size`, `noop_flag` and `per_tensor=False` are accepted and unused."""
-    norms = torch._foreach_norm([t.float() for t in tensor_lists[0]])   # .float() of an fp32 tensor is the tensor
+    # fp32 accumulation without fp32 copies: a bf16 grad shard's norm has the bits of its fp32 copy's
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
@@ -74,22 +78,35 @@ def grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
 
 def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad: bool = False) -> None:
     """clip_grads.clip_grad_by_total_norm_fp32 with the clip factor kept on the device: every fp32 grad
-    times where(max_norm / (norm + 1e-6) < 1, that, 1). A norm that is not a tensor goes to megatron's."""
+    times where(max_norm / (norm + 1e-6) < 1, that, 1). A param carrying `LATER_SCALE` has no fp32 grad yet
+    (`grad_upcast` makes it in the step): the factor is stored there, to be applied to that grad in fp32.
+    A norm that is not a tensor goes to megatron's for the other params."""
     from megatron.core.optimizer import clip_grads
     from megatron.core.utils import to_local_if_dtensor
-    if not torch.is_tensor(total_norm):
-        return clip_grads.clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad)
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    later = [p for p in parameters if hasattr(p, LATER_SCALE)]
+    if later:
+        norm = torch.as_tensor(total_norm, dtype=torch.float64, device=later[0].device)
+        factor = clip_factor(max_norm, norm).to(torch.float32)
+        for p in later:
+            setattr(p, LATER_SCALE, factor)
+        parameters = [p for p in parameters if not hasattr(p, LATER_SCALE)]
+    if not torch.is_tensor(total_norm):
+        return clip_grads.clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad)
     name = "decoupled_grad" if use_decoupled_grad else "grad"
     grads = [to_local_if_dtensor(getattr(p, name)).detach() for p in parameters if getattr(p, name, None) is not None]
     if not grads:
         return
     if any(g.dtype != torch.float32 for g in grads) and not use_decoupled_grad:   # megatron asserts fp32 grads
         raise AssertionError("clip_by_total_norm: megatron clips fp32 main grads only")
+    torch._foreach_mul_(grads, clip_factor(max_norm, total_norm).to(grads[0].dtype))
+
+
+def clip_factor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """megatron's clip factor on the device: max_norm / (norm + 1e-6) where that is < 1, else 1 (NaN -> 1)."""
     coeff = max_norm / (total_norm + 1.0e-6)
-    coeff = torch.where(coeff < 1.0, coeff, torch.ones_like(coeff)).to(grads[0].dtype)
-    torch._foreach_mul_(grads, coeff)
+    return torch.where(coeff < 1.0, coeff, torch.ones_like(coeff))
 
 
 def still_needed() -> bool:

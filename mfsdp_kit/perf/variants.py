@@ -95,6 +95,9 @@ VARIANTS = {
     # engine.finalize_grads, which scales by the token count on the device
     "ddp-megatron-finalize": ("ddp", dict(finalize="megatron")),
     "fsdp-megatron-finalize": ("fsdp", dict(finalize="megatron")),
+    # megatron's own fp32 grad copies (the whole shard when backward ends, held through the step) instead of the
+    # kit's default, grad_upcast's copies a part at a time inside the step
+    "fsdp-upcast-whole": ("fsdp", dict(optim=dict(grad_upcast="whole"))),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
 }

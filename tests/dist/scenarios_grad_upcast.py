@@ -1,0 +1,69 @@
+"""grad_upcast scenarios: Megatron-FSDP bf16 training with the fp32 grads made whole (megatron) or by part."""
+from __future__ import annotations
+
+import torch
+
+from mfsdp_kit import engine, grad_upcast, offload, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.introspect import local
+from mfsdp_kit.models import gpt_model_fn
+from mfsdp_kit.train import step
+from scenarios import SPEC, random_batches
+
+
+def train(*, upcast: str, part_bytes: int = grad_upcast.PART_BYTES, clip_grad: float = 1.0,
+          adam_implementation: str = "auto", optimizer_offload: bool = False, steps: int = 4) -> dict:
+    """`steps` bf16 steps of the scenarios' GPT under Megatron-FSDP; upcast="whole" | "by_part". Returns the
+    losses, grad norms, this rank's fp32 main weights after the last step (as lists of floats' bits: exact),
+    the most fp32 grad bytes alive at any Adam call, and the fp32 grad bytes alive right after backward."""
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", seed=7, optimizer_offload=optimizer_offload)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    ocfg = OptimConfig(lr=3e-3, clip_grad=clip_grad, adam_implementation=adam_implementation, grad_upcast="whole")
+    opt = engine.build_optimizer(chunks, ocfg, cfg)
+    installed = upcast == "by_part" and grad_upcast.install(chunks, opt, part_bytes=part_bytes)
+    torch_opt = opt.optimizer if hasattr(opt, "optimizer") else opt.chained_optimizers[0].optimizer
+    params = [p for g in torch_opt.param_groups for p in g["params"]]
+    seen = {"at_step": 0, "calls": 0}
+
+    def fp32_grad_bytes() -> int:
+        return sum(local(p.grad).numel() * 4 for p in params if p.grad is not None)
+
+    def before_adam(*_):
+        seen["at_step"] = max(seen["at_step"], fp32_grad_bytes())
+        seen["calls"] += 1
+    torch_opt.register_step_pre_hook(before_adam)
+    after_backward = []
+    finish = opt.step
+
+    def step_watched():
+        after_backward.append(fp32_grad_bytes())
+        return finish()
+    opt.step = step_watched
+    batches = random_batches(steps=2, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
+    losses, norms = [], []
+    for i in range(steps):
+        r = step(chunks, opt, batches[i % 2], micro_batch_size=2, step_index=i)
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    if optimizer_offload:   # the main weights live on the host between steps
+        offload.reload(chunks, opt)
+    weights = torch.cat([local(p).detach().float().reshape(-1) for p in params])
+    result = dict(installed=bool(installed), losses=losses, grad_norms=norms,
+                  weight_bits=weights.view(torch.int32).tolist(), max_fp32_grad_bytes=seen["at_step"],
+                  adam_calls=seen["calls"], fp32_grad_bytes_after_backward=max(after_backward),
+                  local_fp32_bytes=sum(local(p).numel() * 4 for p in params),
+                  largest_param_bytes=max(local(p).numel() * 4 for p in params))
+    runtime.shutdown()
+    return result
+
+
+def refused(*, fsdp: bool, dtype: str) -> bool:
+    """Whether install declines (and changes nothing) for a wrapper / dtype where megatron makes no copy."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype=dtype, seed=7)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(grad_upcast="whole"), cfg)
+    result = not grad_upcast.install(chunks, opt)
+    runtime.shutdown()
+    return result
