@@ -191,8 +191,10 @@ for s in $SECTIONS; do
     levers7)    section levers7 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
                   --modes fsdp,fsdp-upcast-whole,fsdp2 --out "$RESULTS/levers7.json" ;;
-    max_model_upcast) section max_model_upcast trun bench/max_model.py --spec 7b --modes fsdp,fsdp-upcast-whole,fsdp2 \
-                  --layer-step 2 --max-trials 8 --out "$RESULTS/max_model_upcast.json" ;;
+    # (without recompute, and with full recompute: activations then no longer hide the optimizer step's peak)
+    max_model_upcast) for rc in none full; do section "max_model_upcast_$rc" trun bench/max_model.py --spec 7b \
+                  --modes fsdp,fsdp-upcast-whole,fsdp2 --recompute $rc \
+                  --layer-step 2 --max-trials 8 --out "$RESULTS/max_model_upcast_$rc.json"; done ;;
     # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
     fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
                   --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;
