@@ -20,16 +20,19 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("moe"))
     calls = []
     for case in CASES.values():
         calls += [["scenarios_grad_upcast:train", dict(upcast="whole", **case)],
                   ["scenarios_grad_upcast:train", dict(upcast="by_part", part_bytes=PART, **case)]]
     calls += [["scenarios_grad_upcast:refused", dict(fsdp=False, dtype="bf16")],
-              ["scenarios_grad_upcast:refused", dict(fsdp=True, dtype="fp32")]]
+              ["scenarios_grad_upcast:refused", dict(fsdp=True, dtype="fp32")],
+              ["scenarios_grad_upcast:moe", dict(upcast="whole", workdir=work)],
+              ["scenarios_grad_upcast:moe", dict(upcast="by_part", workdir=work)]]
     results = launch.run("sequence", nproc=2, calls=calls)
     pairs = {name: tuple(results[2 * i:2 * i + 2]) for i, name in enumerate(CASES)}
-    return pairs, results[-2:]
+    return pairs, results[-4:-2], results[-2:]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -57,6 +60,15 @@ def test_by_part_holds_one_part_of_fp32_grads(runs, case):
 def test_declines_where_megatron_makes_no_copy(runs):
     ddp_bf16, fsdp_fp32 = runs[1]
     assert ddp_bf16 and fsdp_fp32
+
+
+def test_by_part_on_an_expert_parallel_moe(runs):
+    """Qwen3-MoE (written by transformers) at expert-parallel size 2 on 2 ranks, bf16, clip active, the upcast
+    chosen through OptimConfig (engine.build_optimizer installs it): megatron's bits."""
+    whole, by_part = runs[2]
+    assert by_part["installed"] and not whole["installed"]
+    assert (by_part["losses"], by_part["grad_norms"]) == (whole["losses"], whole["grad_norms"])
+    assert by_part["weight_bits"] == whole["weight_bits"]
 
 
 def test_parts_keep_order_and_bound():

@@ -67,3 +67,36 @@ def refused(*, fsdp: bool, dtype: str) -> bool:
     result = not grad_upcast.install(chunks, opt)
     runtime.shutdown()
     return result
+
+
+def moe(*, upcast: str, workdir: str, arch: str = "Qwen3MoeForCausalLM", ep: int = 2, steps: int = 3) -> dict:
+    """A tiny transformers-made MoE at expert-parallel size `ep` under Megatron-FSDP in bf16 (its expert params
+    get their own optimizer in megatron's chain), the grad upcast chosen through OptimConfig; clip active."""
+    import os
+    import torch.distributed as dist
+    from mfsdp_kit.data import random_token_batches
+    from mfsdp_kit.models import archs, hf
+    src = f"{workdir}/{arch}"
+    runtime.init(EngineConfig())
+    if dist.get_rank() == 0 and not os.path.exists(f"{src}/config.json"):
+        archs.write_tiny(arch, src, vocab_size=256)
+    dist.barrier()
+    runtime.shutdown()
+    cfg = EngineConfig(use_megatron_fsdp=True, expert_model_parallel_size=ep, dtype="bf16", seed=3)
+    runtime.init(cfg)
+    model = hf.load(src, cfg)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3, clip_grad=0.05, grad_upcast=upcast), cfg)
+    chain = getattr(opt, "chained_optimizers", [opt])
+    installed = all("update_main_grads" in vars(c.module.param_and_grad_buffer) for c in model.chunks)
+    data = random_token_batches(steps=steps, global_batch=4, seq_len_tokens=16, vocab_size=256, seed=9)
+    losses, norms = [], []
+    for i, b in enumerate(data):
+        r = step(model.chunks, opt, b, micro_batch_size=2, step_index=i)
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    params = [p for o in chain for g in o.optimizer.param_groups for p in g["params"]]
+    weights = torch.cat([local(p).detach().float().reshape(-1) for p in params])
+    result = dict(installed=installed, optimizers=len(chain), losses=losses, grad_norms=norms,
+                  weight_bits=weights.view(torch.int32).tolist())
+    runtime.shutdown()
+    return result
