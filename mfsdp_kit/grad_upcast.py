@@ -45,12 +45,15 @@ class Entry:
 def install(chunks: list[torch.nn.Module], optimizer, *, part_bytes: int = PART_BYTES) -> bool:
     """Make `optimizer`'s fp32 grads a part of at most `part_bytes` at a time inside its step (see the module
     docstring). Returns False and changes nothing where there is no copy to save: DDP chunks, fp32 grads
-    (`grad_reduce_in_fp32`, an fp32 model), an optimizer that is not torch's Adam over FSDP params only."""
+    (`grad_reduce_in_fp32`, an fp32 model), an optimizer that is not torch's Adam over FSDP params only; and
+    in fp16, whose loss scaler needs every fp32 grad before the step."""
     entries = _entries(chunks)
     by_param = {id(e.param): e for e in entries}
     torch_opts = [getattr(opt, "optimizer", None) for opt in inner_optimizers(optimizer)]
     if not entries or any(not isinstance(t, torch.optim.Adam) for t in torch_opts):
         return False
+    if any(getattr(opt, "grad_scaler", None) is not None for opt in inner_optimizers(optimizer)):
+        return False   # fp16: megatron unscales every fp32 grad, and tests them for inf, before the step
     params = [p for t in torch_opts for g in t.param_groups for p in g["params"]]
     if any(id(p) not in by_param for p in params) or len(params) != len(entries):
         return False

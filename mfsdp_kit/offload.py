@@ -203,7 +203,8 @@ def _drop_optimizer_grads(chunks, optimizer) -> None:
     """Free the fp32 grads of the last optimizer step. With bf16 grads Megatron-FSDP's
     `update_main_grads` hands the optimizer fp32 copies of this rank's grad shard and keeps them in
     `param_and_grad_buffer.dist_main_grad` (4 B x params / N: 3.4 GB per GPU for 1.7 B on 2
-    GPUs). They only feed the step that made them; the next step re-creates them."""
+    GPUs). They only feed the step that made them; the next step re-creates them. (With the default
+    `OptimConfig.grad_upcast="by_part"` the step drops them itself, part by part; this finds none.)"""
     for chunk in chunks:
         if is_fsdp(chunk):
             chunk.module.param_and_grad_buffer.dist_main_grad.clear()

@@ -86,11 +86,14 @@ def test_bad_grad_upcast_names_the_field():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (fused Adam, the bf16 norm) run only on a GPU")
 def test_by_part_is_megatrons_step_on_a_gpu():
-    """The same comparison on one GPU rank (NCCL, CUDA's fused Adam and foreach norm), clip active."""
+    """The same comparison on one GPU rank (NCCL, CUDA's fused Adam and foreach norm), clip active; and fp16
+    (a loss scaler) declined."""
     case = dict(clip_grad=0.05, adam_implementation="fused")
-    whole, by_part = launch.run("sequence", nproc=1, calls=[
+    whole, by_part, declined_fp16 = launch.run("sequence", nproc=1, calls=[
         ["scenarios_grad_upcast:train", dict(upcast="whole", **case)],
-        ["scenarios_grad_upcast:train", dict(upcast="by_part", part_bytes=PART, **case)]])
+        ["scenarios_grad_upcast:train", dict(upcast="by_part", part_bytes=PART, **case)],
+        ["scenarios_grad_upcast:refused", dict(fsdp=True, dtype="fp16")]])   # fp16's scaler needs a GPU
+    assert declined_fp16   # megatron's loss scaler unscales and inf-tests every fp32 grad before the step
     assert by_part["installed"] and by_part["fp32_grad_bytes_after_backward"] == 0
     assert (by_part["losses"], by_part["grad_norms"]) == (whole["losses"], whole["grad_norms"])
     assert by_part["weight_bits"] == whole["weight_bits"]
