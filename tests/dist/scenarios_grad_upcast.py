@@ -22,6 +22,8 @@ def train(*, upcast: str, part_bytes: int = grad_upcast.PART_BYTES, clip_grad: f
     ocfg = OptimConfig(lr=3e-3, clip_grad=clip_grad, adam_implementation=adam_implementation, grad_upcast="whole")
     opt = engine.build_optimizer(chunks, ocfg, cfg)
     installed = upcast == "by_part" and grad_upcast.install(chunks, opt, part_bytes=part_bytes)
+    if installed:   # a second install changes nothing (else every part would be stepped once per part)
+        installed = grad_upcast.install(chunks, opt, part_bytes=part_bytes) and grad_upcast.installed(chunks)
     torch_opt = opt.optimizer if hasattr(opt, "optimizer") else opt.chained_optimizers[0].optimizer
     params = [p for g in torch_opt.param_groups for p in g["params"]]
     seen = {"at_step": 0, "calls": 0}
@@ -87,7 +89,7 @@ def moe(*, upcast: str, workdir: str, arch: str = "Qwen3MoeForCausalLM", ep: int
     model = hf.load(src, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3, clip_grad=0.05, grad_upcast=upcast), cfg)
     chain = getattr(opt, "chained_optimizers", [opt])
-    installed = all("update_main_grads" in vars(c.module.param_and_grad_buffer) for c in model.chunks)
+    installed = grad_upcast.installed(model.chunks)
     data = random_token_batches(steps=steps, global_batch=4, seq_len_tokens=16, vocab_size=256, seed=9)
     losses, norms = [], []
     for i, b in enumerate(data):
