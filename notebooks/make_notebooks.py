@@ -379,6 +379,12 @@ With Adam in fp32 every parameter costs 4 B weights + 4 B grads + 8 B moments = 
     DDP + distributed optimizer (ZeRO-1):  weights + grads + optimizer / N   ->  fp32: 8 + 8/N  B/param
     Megatron-FSDP optim_grads_params:      (weights + grads + optimizer) / N ->  fp32: 16/N     B/param
 
+The formula is what lives between steps. Inside Megatron-FSDP's optimizer step, megatron-core 0.16.1 would
+add fp32 copies of the whole bf16 grad shard: +4 B/param / N, the step's peak for a large model. The kit's
+default, `OptimConfig.grad_upcast="by_part"` (`mfsdp_kit/grad_upcast.py`), makes them 256 MiB at a time, with
+the same bits. On one H200 at 1.37 B that is 4.85 GiB less at the step and 1.0 % faster
+(docs/benchmarks.md, levers7).
+
 `memory.memory_report(chunks, optimizer)` measures the buffers each rank really holds. We measure
 both wrappers on 1 rank and on 2 ranks (restarting the engines with `n=1`), then draw the bytes
 with the formula's prediction beside them. The model and dtype are the knob's (`MODEL` below, else
