@@ -58,7 +58,7 @@ def _train(mode: str, spec: GPTSpec, args) -> list[float]:
     cfg = engine_config_from_args(args, mode, spec)
     trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size)
     world = dist.get_world_size()
-    data = batches(spec, n=args.steps, global_batch=args.micro_batch_size * world)
+    data = batches(spec, n=args.steps, global_batch=args.micro_batch_size * args.micro_batches * world)
     losses = [run_step(trainer, b, i) for i, b in enumerate(data)]
     trainer.settle()
     return losses
@@ -178,7 +178,9 @@ def main() -> None:
                     help="width of the model; its num_layers is ignored")
     add_engine_args(ap)
     ap.add_argument("--modes", default="ddp,fsdp", help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per step")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per micro-batch")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation: the grads then live through later forwards)")
     ap.add_argument("--steps", type=int, default=2, help="training steps per trial (2: see the docstring)")
     ap.add_argument("--calib-layers", default="8,16" if on_gpu else "2,4")
     ap.add_argument("--layer-step", type=int, default=2, help="layers between the last OK and the first OOM")
@@ -219,7 +221,7 @@ def main() -> None:
         runtime.shutdown()
     if rank == 0:
         print(f"\n{args.spec} width (H={base.hidden_size}, ffn={base.ffn_hidden_size}, V={base.vocab_size}), "
-              f"seq {base.seq_len_tokens}, micro-batch {args.micro_batch_size}/rank, {args.dtype}, "
+              f"seq {base.seq_len_tokens}, micro-batch {args.micro_batch_size}/rank x {args.micro_batches}, {args.dtype}, "
               f"attention={args.attention}, {world} ranks, {args.steps} steps per trial")
         print_trials(all_trials)
         print_summary(summaries, base, state, args, world)

@@ -195,6 +195,9 @@ for s in $SECTIONS; do
     max_model_upcast) for rc in none full; do section "max_model_upcast_$rc" trun bench/max_model.py --spec 7b \
                   --modes fsdp,fsdp-upcast-whole,fsdp2 --recompute $rc \
                   --layer-step 2 --max-trials 8 --out "$RESULTS/max_model_upcast_$rc.json"; done ;;
+    # the same with two micro-batches a step: FSDP2's fp32 grads then also live through a forward
+    max_model_accum) section max_model_accum trun bench/max_model.py --spec 7b --modes fsdp,fsdp2 --micro-batches 2 \
+                  --layer-step 2 --max-trials 8 --out "$RESULTS/max_model_accum.json" ;;
     # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
     fusions)    section fusions torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) bench/fusions.py \
                   --spec 1.7b --micro-batch-size 8 --out "$RESULTS/fusions.json" ;;

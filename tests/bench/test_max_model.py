@@ -8,7 +8,8 @@ from tests.bench.cli import run
 
 
 def test_max_model_bench(tmp_path):
-    res = run("max_model.py", "--spec", "tiny", "--max-trials", "1", out=tmp_path / "m.json")
+    res = run("max_model.py", "--spec", "tiny", "--max-trials", "1", "--micro-batches", "2", out=tmp_path / "m.json")
+    assert res["args"]["micro_batches"] == 2   # two micro-batches a step: gradient accumulation
     trials = [(t["mode"], t["layers"], t["purpose"], t["trained"]) for t in res["trials"]]
     assert trials == [(m, n, p, True) for m in ("ddp", "fsdp") for n, p in ((2, "calibrate"), (4, "calibrate"),
                                                                             (6, "size"))]
