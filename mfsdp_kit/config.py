@@ -228,7 +228,8 @@ class OptimConfig:
     copied when backward ends and held through the step, +4 B per local element at the step's peak). Nothing
     changes under DDP or with fp32 grads. by_part is the default because it is bit-equal, and on 1 H200 at
     1.37 B it is +1.0 % tokens/s with an optimizer-step peak 4.85 GiB lower. Its largest 7b-width model is
-    7.96 B params instead of 6.95 B, and 8.77 B (= FSDP2's) with full recompute (docs/benchmarks.md, levers7)."""
+    7.96 B params instead of 6.95 B (FSDP2: 8.57 B; with 2 micro-batches a step FSDP2 fits 7.55 B), and 8.77 B
+    (= FSDP2's) with full recompute (docs/benchmarks.md, levers7)."""
 
     def validate(self) -> "OptimConfig":
         """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.
