@@ -80,6 +80,33 @@ def test_norm_and_clip_on_the_device_equal_megatrons(world, max_norm):
     assert (max_norm < theirs_norm) == (not torch.equal(params[0].grad, grads[0]))
 
 
+def test_bf16_norm_has_the_bits_of_its_fp32_copys():
+    """grad_upcast hands the norm bf16 grad shards instead of their fp32 copies: the same bits."""
+    bf16 = [t.bfloat16() for t in _grads()]
+    ours, _ = grad_norm.multi_tensor_l2_norm(0, None, [bf16], False)
+    copies, _ = grad_norm.multi_tensor_l2_norm(0, None, [[t.float() for t in bf16]], False)
+    assert torch.equal(ours, copies)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clips", "does-not-clip"])
+def test_clip_keeps_the_factor_for_grads_made_later(world, max_norm):
+    """A param carrying LATER_SCALE (its fp32 grad made later, in the step) gets the clip factor stored: the
+    factor that multiplies the other grads, as a 0-dim fp32 tensor; its own grad (none yet) is not touched."""
+    g = torch.Generator().manual_seed(4)
+    now = [torch.nn.Parameter(torch.zeros(9)) for _ in range(2)]
+    later = torch.nn.Parameter(torch.zeros(5))
+    for p in now:
+        p.grad = torch.randn(9, generator=g)
+    setattr(later, grad_norm.LATER_SCALE, None)
+    before = [p.grad.clone() for p in now]
+    norm = torch.tensor(3.0, dtype=torch.float64)
+    grad_norm.clip_by_total_norm([*now, later], max_norm, norm)
+    factor = getattr(later, grad_norm.LATER_SCALE)
+    assert later.grad is None and factor.dim() == 0 and factor.dtype == torch.float32
+    assert factor == torch.tensor(min(max_norm / (3.0 + 1e-6), 1.0), dtype=torch.float32)
+    assert all(torch.equal(p.grad, b * factor) for p, b in zip(now, before))
+
+
 def test_enable_on_device_binds_the_optimizer_module_and_is_still_needed():
     import megatron.core.optimizer.optimizer as optimizer
     grad_norm.enable_on_device()
