@@ -29,10 +29,11 @@ def runs(tmp_path_factory):
     calls += [["scenarios_grad_upcast:refused", dict(fsdp=False, dtype="bf16")],
               ["scenarios_grad_upcast:refused", dict(fsdp=True, dtype="fp32")],
               ["scenarios_grad_upcast:moe", dict(upcast="whole", workdir=work)],
-              ["scenarios_grad_upcast:moe", dict(upcast="by_part", workdir=work)]]
+              ["scenarios_grad_upcast:moe", dict(upcast="by_part", workdir=work)],
+              ["scenarios_grad_upcast:resume", dict(root=f"{work}/ckpt")]]
     results = launch.run("sequence", nproc=2, calls=calls)
     pairs = {name: tuple(results[2 * i:2 * i + 2]) for i, name in enumerate(CASES)}
-    return pairs, results[-4:-2], results[-2:]
+    return pairs, results[-5:-3], results[-3:-1], results[-1]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -69,6 +70,13 @@ def test_by_part_on_an_expert_parallel_moe(runs):
     assert by_part["installed"] and not whole["installed"]
     assert (by_part["losses"], by_part["grad_norms"]) == (whole["losses"], whole["grad_norms"])
     assert by_part["weight_bits"] == whole["weight_bits"]
+
+
+def test_resume_with_the_by_part_step_is_exact(runs):
+    """bf16 FSDP, clip active: a checkpoint loaded into a model built from another seed trains on with the
+    straight run's losses, bit for bit (Adam's state is per param, so the parts change nothing in it)."""
+    r = runs[3]
+    assert r["installed"] and len(r["resumed"]) == 2 and r["resumed"] == r["straight"], r
 
 
 def test_parts_keep_order_and_bound():

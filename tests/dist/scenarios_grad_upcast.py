@@ -102,3 +102,34 @@ def moe(*, upcast: str, workdir: str, arch: str = "Qwen3MoeForCausalLM", ep: int
                   weight_bits=weights.view(torch.int32).tolist())
     runtime.shutdown()
     return result
+
+
+def resume(*, root: str, steps: int = 4, save_at: int = 2) -> dict:
+    """bf16 Megatron-FSDP with the by-part step: `steps` straight (checkpoint at `save_at`), then a model built
+    from another seed loads that checkpoint and trains the rest. Both loss lists, to compare bitwise."""
+    from mfsdp_kit import checkpoint as ckpt
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", seed=7)
+    ocfg = OptimConfig(lr=3e-3, clip_grad=0.05, warmup_steps=1, decay_steps=steps)
+    batches = random_batches(steps=steps, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
+    runtime.init(cfg)
+
+    def build(seed: int):
+        runtime.set_seed(seed)
+        chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
+        opt = engine.build_optimizer(chunks, ocfg, cfg)
+        return chunks, opt, engine.build_scheduler(opt, ocfg)
+
+    def train(chunks, opt, sched, start: int, stop: int) -> list[float]:
+        return [step(chunks, opt, batches[i], micro_batch_size=2, scheduler=sched, step_index=i).loss
+                for i in range(start, stop)]
+    chunks, opt, sched = build(7)
+    straight = train(chunks, opt, sched, 0, save_at)
+    ckpt.CheckpointManager(root).save(save_at, chunks, opt, sched)
+    straight += train(chunks, opt, sched, save_at, steps)
+    installed = grad_upcast.installed(chunks)
+    engine.release(chunks)
+    chunks, opt, sched = build(1234)
+    ckpt.CheckpointManager(root).load(chunks, opt, sched, step=save_at)
+    resumed = train(chunks, opt, sched, save_at, steps)
+    runtime.shutdown()
+    return dict(installed=installed and grad_upcast.installed(chunks), straight=straight[save_at:], resumed=resumed)
