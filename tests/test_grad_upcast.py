@@ -16,6 +16,7 @@ CASES = {
     "unclipped": dict(clip_grad=0.0),         # no norm taken, no factor
     "fused-adam": dict(clip_grad=0.05, adam_implementation="fused"),
     "optimizer-offload": dict(clip_grad=0.05, optimizer_offload=True),
+    "tensor-parallel-2": dict(clip_grad=0.05, tp=2),   # the norm leaves out TP-duplicated params (norm weights)
 }
 
 

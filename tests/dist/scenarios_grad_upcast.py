@@ -12,11 +12,12 @@ from scenarios import SPEC, random_batches
 
 
 def train(*, upcast: str, part_bytes: int = grad_upcast.PART_BYTES, clip_grad: float = 1.0,
-          adam_implementation: str = "auto", optimizer_offload: bool = False, steps: int = 4) -> dict:
+          adam_implementation: str = "auto", optimizer_offload: bool = False, tp: int = 1, steps: int = 4) -> dict:
     """`steps` bf16 steps of the scenarios' GPT under Megatron-FSDP; upcast="whole" | "by_part". Returns the
     losses, grad norms, this rank's fp32 main weights after the last step (as lists of floats' bits: exact),
     the most fp32 grad bytes alive at any Adam call, and the fp32 grad bytes alive right after backward."""
-    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", seed=7, optimizer_offload=optimizer_offload)
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", seed=7, optimizer_offload=optimizer_offload,
+                       tensor_model_parallel_size=tp)
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
     ocfg = OptimConfig(lr=3e-3, clip_grad=clip_grad, adam_implementation=adam_implementation, grad_upcast="whole")
