@@ -31,10 +31,11 @@ def runs(tmp_path_factory):
               ["scenarios_grad_upcast:refused", dict(fsdp=True, dtype="fp32")],
               ["scenarios_grad_upcast:moe", dict(upcast="whole", workdir=work)],
               ["scenarios_grad_upcast:moe", dict(upcast="by_part", workdir=work)],
-              ["scenarios_grad_upcast:resume", dict(root=f"{work}/ckpt")]]
+              ["scenarios_grad_upcast:resume", dict(root=f"{work}/ckpt")],
+              ["release_frees", dict(release=True, dtype="bf16")]]
     results = launch.run("sequence", nproc=2, calls=calls)
     pairs = {name: tuple(results[2 * i:2 * i + 2]) for i, name in enumerate(CASES)}
-    return pairs, results[-5:-3], results[-3:-1], results[-1]
+    return pairs, results[-6:-4], results[-4:-2], results[-2], results[-1]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -78,6 +79,12 @@ def test_resume_with_the_by_part_step_is_exact(runs):
     straight run's losses, bit for bit (Adam's state is per param, so the parts change nothing in it)."""
     r = runs[3]
     assert r["installed"] and len(r["resumed"]) == 2 and r["resumed"] == r["straight"], r
+
+
+def test_a_released_model_with_the_by_part_step_is_freed(runs):
+    """The step wrapper refers to its optimizer (a cycle Python's gc collects): engine.release still frees a
+    dropped bf16 FSDP model, as tests/test_engine_dist.py checks for fp32."""
+    assert runs[4]["freed"], runs[4]
 
 
 def test_parts_keep_order_and_bound():

@@ -83,11 +83,11 @@ def hf_roundtrip(*, arch: str, tp: int, fsdp: bool, workdir: str) -> dict:
     return roundtrip(arch=arch, size="xs", tp=tp, fsdp=fsdp, dtype="fp32", workdir=workdir)
 
 
-def release_frees(*, release: bool) -> dict:
+def release_frees(*, release: bool, dtype: str = "fp32") -> dict:
     """Build + train an FSDP model, drop it (with or without engine.release): is it freed?"""
     import gc
     import weakref
-    cfg = EngineConfig(use_megatron_fsdp=True)
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype)
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
