@@ -37,11 +37,11 @@ def _batches():
     return random_batches(steps=STEPS, batch=GLOBAL_BATCH, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size, seed=4)
 
 
-def _build(cfg: EngineConfig, seed: int):
+def _build(cfg: EngineConfig, seed: int, ocfg: OptimConfig = OCFG):
     runtime.set_seed(seed)
     chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
-    opt = engine.build_optimizer(chunks, OCFG, cfg)
-    return chunks, opt, engine.build_scheduler(opt, OCFG)
+    opt = engine.build_optimizer(chunks, ocfg, cfg)
+    return chunks, opt, engine.build_scheduler(opt, ocfg)
 
 
 def _train(chunks, opt, sched, batches, start: int, stop: int) -> list[float]:

@@ -5,10 +5,20 @@ import torch
 
 from mfsdp_kit import engine, grad_upcast, offload, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import local
+from mfsdp_kit.introspect import inner_optimizers, local
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.train import step
 from scenarios import SPEC, random_batches
+
+
+def _losses_and_norms(chunks, opt, batches) -> tuple[list[float], list[float]]:
+    results = [step(chunks, opt, b, micro_batch_size=2, step_index=i) for i, b in enumerate(batches)]
+    return [r.loss for r in results], [r.grad_norm for r in results]
+
+
+def _weight_bits(params) -> list[int]:
+    """This rank's fp32 main weights as the bits of their floats: equal lists are bitwise-equal weights."""
+    return torch.cat([local(p).detach().float().reshape(-1) for p in params]).view(torch.int32).tolist()
 
 
 def train(*, upcast: str, part_bytes: int = grad_upcast.PART_BYTES, clip_grad: float = 1.0,
@@ -43,17 +53,12 @@ def train(*, upcast: str, part_bytes: int = grad_upcast.PART_BYTES, clip_grad: f
         after_backward.append(fp32_grad_bytes())
         return finish()
     opt.step = step_watched
-    batches = random_batches(steps=2, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
-    losses, norms = [], []
-    for i in range(steps):
-        r = step(chunks, opt, batches[i % 2], micro_batch_size=2, step_index=i)
-        losses.append(r.loss)
-        norms.append(r.grad_norm)
+    pool = random_batches(steps=2, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
+    losses, norms = _losses_and_norms(chunks, opt, [pool[i % 2] for i in range(steps)])
     if optimizer_offload:   # the main weights live on the host between steps
         offload.reload(chunks, opt)
-    weights = torch.cat([local(p).detach().float().reshape(-1) for p in params])
     result = dict(installed=bool(installed), losses=losses, grad_norms=norms,
-                  weight_bits=weights.view(torch.int32).tolist(), max_fp32_grad_bytes=seen["at_step"],
+                  weight_bits=_weight_bits(params), max_fp32_grad_bytes=seen["at_step"],
                   adam_calls=seen["calls"], fp32_grad_bytes_after_backward=max(after_backward),
                   local_fp32_bytes=sum(local(p).numel() * 4 for p in params),
                   largest_param_bytes=max(local(p).numel() * 4 for p in params))
@@ -72,35 +77,22 @@ def refused(*, fsdp: bool, dtype: str) -> bool:
     return result
 
 
-def moe(*, upcast: str, workdir: str, arch: str = "Qwen3MoeForCausalLM", ep: int = 2, steps: int = 3) -> dict:
+def moe(*, upcast: str, workdir: str, arch: str = "Qwen3MoeForCausalLM", ep: int = 2) -> dict:
     """A tiny transformers-made MoE at expert-parallel size `ep` under Megatron-FSDP in bf16 (its expert params
     get their own optimizer in megatron's chain), the grad upcast chosen through OptimConfig; clip active."""
-    import os
-    import torch.distributed as dist
-    from mfsdp_kit.data import random_token_batches
-    from mfsdp_kit.models import archs, hf
-    src = f"{workdir}/{arch}"
-    runtime.init(EngineConfig())
-    if dist.get_rank() == 0 and not os.path.exists(f"{src}/config.json"):
-        archs.write_tiny(arch, src, vocab_size=256)
-    dist.barrier()
+    from mfsdp_kit.models import hf
+    from scenarios_moe import _batches, _source
+    runtime.init(EngineConfig())   # rank 0 writes the source folder once
+    src, _ = _source(arch, workdir)
     runtime.shutdown()
     cfg = EngineConfig(use_megatron_fsdp=True, expert_model_parallel_size=ep, dtype="bf16", seed=3)
     runtime.init(cfg)
     model = hf.load(src, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3, clip_grad=0.05, grad_upcast=upcast), cfg)
-    chain = getattr(opt, "chained_optimizers", [opt])
-    installed = grad_upcast.installed(model.chunks)
-    data = random_token_batches(steps=steps, global_batch=4, seq_len_tokens=16, vocab_size=256, seed=9)
-    losses, norms = [], []
-    for i, b in enumerate(data):
-        r = step(model.chunks, opt, b, micro_batch_size=2, step_index=i)
-        losses.append(r.loss)
-        norms.append(r.grad_norm)
-    params = [p for o in chain for g in o.optimizer.param_groups for p in g["params"]]
-    weights = torch.cat([local(p).detach().float().reshape(-1) for p in params])
-    result = dict(installed=installed, optimizers=len(chain), losses=losses, grad_norms=norms,
-                  weight_bits=weights.view(torch.int32).tolist())
+    losses, norms = _losses_and_norms(model.chunks, opt, _batches())
+    params = [p for o in inner_optimizers(opt) for g in o.optimizer.param_groups for p in g["params"]]
+    result = dict(installed=grad_upcast.installed(model.chunks), optimizers=len(inner_optimizers(opt)),
+                  losses=losses, grad_norms=norms, weight_bits=_weight_bits(params))
     runtime.shutdown()
     return result
 
@@ -109,28 +101,19 @@ def resume(*, root: str, steps: int = 4, save_at: int = 2) -> dict:
     """bf16 Megatron-FSDP with the by-part step: `steps` straight (checkpoint at `save_at`), then a model built
     from another seed loads that checkpoint and trains the rest. Both loss lists, to compare bitwise."""
     from mfsdp_kit import checkpoint as ckpt
+    from scenarios_ckpt import _batches, _build, _train
     cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", seed=7)
     ocfg = OptimConfig(lr=3e-3, clip_grad=0.05, warmup_steps=1, decay_steps=steps)
-    batches = random_batches(steps=steps, batch=8, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)
     runtime.init(cfg)
-
-    def build(seed: int):
-        runtime.set_seed(seed)
-        chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
-        opt = engine.build_optimizer(chunks, ocfg, cfg)
-        return chunks, opt, engine.build_scheduler(opt, ocfg)
-
-    def train(chunks, opt, sched, start: int, stop: int) -> list[float]:
-        return [step(chunks, opt, batches[i], micro_batch_size=2, scheduler=sched, step_index=i).loss
-                for i in range(start, stop)]
-    chunks, opt, sched = build(7)
-    straight = train(chunks, opt, sched, 0, save_at)
+    batches = _batches()
+    chunks, opt, sched = _build(cfg, 7, ocfg)
+    straight = _train(chunks, opt, sched, batches, 0, save_at)
     ckpt.CheckpointManager(root).save(save_at, chunks, opt, sched)
-    straight += train(chunks, opt, sched, save_at, steps)
+    straight += _train(chunks, opt, sched, batches, save_at, steps)
     installed = grad_upcast.installed(chunks)
     engine.release(chunks)
-    chunks, opt, sched = build(1234)
+    chunks, opt, sched = _build(cfg, 1234, ocfg)
     ckpt.CheckpointManager(root).load(chunks, opt, sched, step=save_at)
-    resumed = train(chunks, opt, sched, save_at, steps)
+    resumed = _train(chunks, opt, sched, batches, save_at, steps)
     runtime.shutdown()
     return dict(installed=installed and grad_upcast.installed(chunks), straight=straight[save_at:], resumed=resumed)
