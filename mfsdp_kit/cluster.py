@@ -35,6 +35,9 @@ from .fieldtypes import is_int
 from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
+DEVICES = ("auto", "cpu")
+"""`start(device=)`: "auto" = one GPU per engine where this machine has GPUs, else the CPU; "cpu" = local engines
+that see no GPU (gloo, CPU tensors) on any machine: two ranks on a node with one GPU, say."""
 LOCALHOST = "127.0.0.1"
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
@@ -307,13 +310,15 @@ def _activate(handle: ClusterHandle) -> None:
 
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
           master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
-          **launcher: Any) -> ClusterHandle:
+          device: str = "auto", **launcher: Any) -> ClusterHandle:
     """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
     master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
     timeout_s: engines must register, and the process group form, within this many seconds (not collectives).
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
+    device: "auto" (one GPU per engine, else the CPU) | "cpu" (local engines that see no GPU, even on a GPU node:
+      gloo and CPU tensors; n=2 on a machine with one GPU).
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...).
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
       running as root (launch.openmpi_env; docs/cluster.md says how to override).
@@ -327,16 +332,21 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         raise _bad_start("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
         raise _bad_start("timeout_s", timeout_s, "a finite number of seconds > 0")
-    device_count = gpus.visible() if device_count is None else device_count   # the driver's count: no torch yet
+    local = launch.kind(launcher) == "local"
+    _check_device(device, backend=backend, local=local)
+    if device == "cpu":
+        device_count = 0
+    elif device_count is None:
+        device_count = gpus.visible()   # the driver's count: no torch yet
     n = n if n is not None else (device_count or 2)
     if cfg is not None:   # a bad cfg fails here, not on every engine after launch (engines check CUDA rules)
         cfg.validate(world_size=n, on_gpu=False)
-    local = launch.kind(launcher) == "local"
     if local and device_count and n > device_count:
         raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
-                                 f"engine); allowed: n <= {device_count}, or engines='slurm' / 'mpi' to span nodes")
+                                 f"engine); allowed: n <= {device_count}, device='cpu' for engines on the CPU, or "
+                                 "engines='slurm' / 'mpi' to span nodes")
     watch.lap("checks")
-    cluster = launch.make_cluster(n=n, ip=ip, timeout_s=timeout_s, launcher=launcher)
+    cluster = launch.make_cluster(n=n, ip=ip, timeout_s=timeout_s, launcher=launcher, see_gpus=device != "cpu")
     init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
     client = None
     try:
@@ -353,6 +363,16 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     except BaseException:
         launch.stop(cluster, client)
         raise
+
+
+def _check_device(device: str, *, backend: str, local: bool) -> None:
+    if device not in DEVICES:
+        raise _bad_start("device", device, " | ".join(DEVICES))
+    if device == "cpu" and backend == "nccl":
+        raise _bad_start("backend", backend, "auto | gloo with device='cpu' (NCCL needs a GPU per engine)")
+    if device == "cpu" and not local:   # the kit sets the environment of the engines it spawns itself only
+        raise _bad_start("device", device, "'auto' with engines= other than local; for CPU engines there, "
+                         "run them on CPU nodes or set CUDA_VISIBLE_DEVICES='' in that launcher's environment")
 
 
 def _import_in_background(module: str) -> None:

@@ -64,6 +64,10 @@ class Stopwatch:
         return time.perf_counter() - self._start
 
 
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+"""An engine with this environment sees no GPU: the CUDA driver reports none, torch's device is the CPU."""
+
+
 def kind(launcher: dict) -> str:
     """'local' | 'mpi' | 'other' for the `engines=` passed through to ipyparallel."""
     name = str(launcher.get("engines", "")).lower()
@@ -79,8 +83,9 @@ def openmpi_env() -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
-def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cluster:
-    """ipyparallel's `Cluster` with the kit's defaults; anything in `launcher` wins over them."""
+def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict, see_gpus: bool = True) -> ipp.Cluster:
+    """ipyparallel's `Cluster` with the kit's defaults; anything in `launcher` wins over them.
+    `see_gpus=False`: local engines get `CUDA_VISIBLE_DEVICES=""` (HIDE_GPUS), so torch runs them on the CPU."""
     if "config" in launcher:   # the kit adds to it below; the caller's object stays as it was
         launcher["config"] = copy.deepcopy(launcher["config"])
     # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
@@ -94,6 +99,10 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict) -> ipp.Cl
     # (bench/cluster_start.py: ready 3.9 -> 3.0 s); MPI engines (spawned after it) only with cores to spare.
     preload = kind(launcher) == "local" or preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0)))
     set_default_engine_cmd(launcher, preload=preload, connection_wait_s=timeout_s)
+    if not see_gpus:
+        from traitlets.config import Config
+        local = launcher.setdefault("config", Config())["LocalEngineSetLauncher"]
+        local.environment = {**local.get("environment", {}), **HIDE_GPUS}
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
         mpi = cluster.config.MPIEngineSetLauncher

@@ -415,10 +415,16 @@ reports.update(handle.view["reports"][0])
 speeds.update(handle.view["speeds"][0])
 handle.stop()
 '''),
-    md("**Two ranks**:"),
+    md('''
+**Two ranks**, one GPU each. On a machine with a single GPU they run on the CPU instead (`device="cpu"`: engines
+that see no GPU, gloo), with the same model and dtype: the bytes per rank are the same on either device.
+'''),
     code('''
-handle = cluster.start(n=2)
+from mfsdp_kit import gpus
+
+handle = cluster.start(n=2, device="cpu" if gpus.visible() == 1 else "auto")
 _ = handle.view.push(dict(src=src, nbm=nbm))
+print("two ranks on", handle.devices)
 '''),
     code(MEASURE),
     code('''
@@ -433,7 +439,8 @@ plots.memory_breakdown(reports, formula)
 '''),
     md('''
 Speed and memory per GPU (rank 0) of the same four runs, a few steps on full-length sequences. On CPU
-the numbers only show that the path works (gloo, 2 cores); on GPUs they are the real thing, in bf16:
+the numbers only show that the path works (gloo, 2 cores); on GPUs they are the real thing, in bf16 (on a
+machine with one GPU, the N=2 rows are CPU ranks):
 '''),
     code('''
 print(notebook_model.format_throughput(speeds))

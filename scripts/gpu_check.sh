@@ -112,9 +112,10 @@ for s in $SECTIONS; do
     gpu_tests_ckpt) section gpu_tests_ckpt python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_format.py \
                   tests/test_checkpoint.py -k "roundtrip or resume or async or io_options or reshard or format" ;;
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call), ~1 min
+    # (and that engines started with device="cpu" see none of the node's GPUs)
     gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
-                  tests/test_grad_upcast.py \
-                  -k "on_a_gpu or gpus" ;;
+                  tests/test_grad_upcast.py tests/test_cluster.py \
+                  -k "on_a_gpu or gpus or cpu_engines" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;

@@ -82,6 +82,40 @@ def test_more_engines_than_gpus_raises_before_starting_anything():
     assert {p.pid for p in _engine_processes()} == before
 
 
+def test_cpu_engines_see_no_gpu_on_any_machine_and_keep_it_across_restart():
+    """device="cpu": more engines than GPUs is allowed (a 2-rank world on a node with one GPU), each engine's CUDA
+    driver sees no device, so torch trains on the CPU over gloo; restart() spawns the same kind of engine."""
+    before = {p.pid for p in _engine_processes()}
+    h = cluster.start(2, device="cpu", device_count=1)
+    try:
+        check = "import os, torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)\n" \
+                "seen = (os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.is_available())"
+        for restarted in (False, True):
+            if restarted:
+                h.restart()
+            h.run(check)
+            assert [float(x) for x in h.view["x"]] == [3.0, 3.0]
+            assert h.view["seen"] == [("", False)] * 2 and h.devices == ["cpu", "cpu"] and h.backend == "gloo"
+    finally:
+        h.stop()
+    psutil.wait_procs([p for p in _engine_processes() if p.pid not in before], timeout=10)
+    assert {p.pid for p in _engine_processes() if p.is_running()} <= before
+
+
+def test_hiding_gpus_adds_to_the_callers_engine_environment_without_changing_it():
+    from traitlets.config import Config
+
+    from mfsdp_kit import launch
+    mine = Config()
+    mine.LocalEngineSetLauncher.environment = {"MY_VAR": "1"}
+    c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=dict(config=mine), see_gpus=False)
+    env = c.config.LocalEngineSetLauncher.environment
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and env["MY_VAR"] == "1"
+    assert mine.LocalEngineSetLauncher.environment == {"MY_VAR": "1"}
+    shown = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher={})
+    assert "CUDA_VISIBLE_DEVICES" not in shown.config.LocalEngineSetLauncher.get("environment", {})
+
+
 def test_engines_not_up_in_time_raise_and_leave_nothing():
     before = {p.pid for p in _engine_processes()}
     with pytest.raises(ClusterError, match="timeout_s"):
@@ -115,7 +149,9 @@ def test_zz_stop_leaves_no_engine_processes(handle):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(n=0), "n"), (dict(n=True), "n"), (dict(backend="mpi"), "backend"), (dict(timeout_s=-1), "timeout_s"),
-    (dict(device_count=-1), "device_count"), (dict(n=2, cfg=EngineConfig(seed="abc")), "seed"),
+    (dict(device_count=-1), "device_count"), (dict(device="gpu"), "device"),
+    (dict(device="cpu", backend="nccl"), "backend"), (dict(device="cpu", engines="slurm"), "device"),
+    (dict(n=2, cfg=EngineConfig(seed="abc")), "seed"),
     (dict(n=3, cfg=EngineConfig(tensor_model_parallel_size=2)), "world_size")])
 def test_bad_start_arguments_are_config_errors_before_anything_starts(kwargs, field):
     before = {p.pid for p in _engine_processes()}
