@@ -175,7 +175,8 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
 
     Returns this rank's tokens/s (every position, not only loss tokens), MFU (bf16/fp16 on GPU only:
     `perf.flops`' peak is dense bf16), step time, peak memory and model state next to the ZeRO formula.
-    Defaults: on GPU micro-batch 64 (8 for a user's folder) and 5 steps, on CPU 4 and 2."""
+    Defaults: on GPU micro-batch 64 (8 for a user's folder) and 5 steps; on CPU, where the numbers only show that
+    the path works, 2 and 1 (06_memory's CPU ranks on a one-GPU node train the GPUs' 180.9 M model in bf16)."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -183,8 +184,8 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     from .memory import memory_report, zero_formula_bytes
     from .perf.flops import flops_per_token, matmul_params, mfu
     gpu = torch.cuda.is_available()
-    steps = steps or (5 if gpu else 2)
-    mbs = micro_batch_size or ((64 if nbm.size else 8) if gpu else 4)
+    steps = steps or (5 if gpu else 1)
+    mbs = micro_batch_size or ((64 if nbm.size else 8) if gpu else 2)
     spec = gpt_spec(nbm.path, seq_len_tokens=seq_len_tokens)
     dp = ps.get_data_parallel_world_size()
     batches = data.random_token_batches(steps=steps + warmup, global_batch=mbs * dp, seq_len_tokens=seq_len_tokens,
