@@ -116,6 +116,9 @@ for s in $SECTIONS; do
     gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
                   tests/test_grad_upcast.py tests/test_cluster.py \
                   -k "on_a_gpu or gpus or cpu_engines" ;;
+    # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
+    # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
+    archs)      section archs python3 -m tests.models.arch_table --gpus "$NGPU" --out "$RESULTS/architectures_gpu.json" ;;
     gpu_tests)  section gpu_tests  python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint.py \
                   tests/test_checkpoint_hardening.py ;;  # NCCL, one GPU per rank
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;

@@ -103,7 +103,7 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
                       trained_shapes_match=all(trained[k].shape == original[k].shape for k in original))
         out = f"{workdir}/saved_{arch}_v{vocab_size}_tp{tp}_{'fsdp' if fsdp else 'ddp'}"
         sync.save_hf(model.chunks, model.bridge, out)
-        tokens = fixed_tokens(vocab_size)
+        tokens = fixed_tokens(vocab_size).to(rt.device)   # transformers reloads on the same device
         live = logits(model.chunks, tokens, vocab_size=vocab_size)
         if rt.rank == 0:  # transformers reloads the trained folder: its logits are Megatron's
             diff = (hf_logits(out, tokens) - live).abs().max().item()

@@ -42,11 +42,13 @@ def refusal(arch: str, workdir: Path, tp: int = 1) -> str | None:
     return None
 
 
-def collect(workdir, *, archs_to_run=None) -> list[dict]:
+def collect(workdir, *, archs_to_run=None, tps: tuple[int, ...] = TPS, nproc: int = 2,
+            attention: str = "local") -> list[dict]:
     """One row per listed architecture: {arch, outcome: works | refused | not tested, tp: {..}, reason}.
 
-    The architectures that run go through one 2-rank job (scenarios_arch.arch_roundtrips per TP),
-    one after another in the same world as a notebook loads several models: not a job each."""
+    The architectures that run go through one `nproc`-rank job (scenarios_arch.arch_roundtrips per TP),
+    one after another in the same world as a notebook loads several models: not a job each. `attention`:
+    scenarios_arch's (`"gpu-default"`: what the notebooks pick on a GPU)."""
     from tests.dist import launch
     workdir = Path(workdir)
     rows, runnable = [], []
@@ -59,17 +61,46 @@ def collect(workdir, *, archs_to_run=None) -> list[dict]:
         else:
             rows.append(dict(arch=arch, outcome="works", tp={}))
             runnable.append(rows[-1])
-    refused = {tp: {r["arch"]: refusal(r["arch"], workdir, tp) for r in runnable} for tp in TPS}
-    to_run = {tp: [a for a, why in refused[tp].items() if why is None] for tp in TPS}
-    calls = [["scenarios_arch:arch_roundtrips", dict(archs=to_run[tp], tp=tp, fsdp=True, workdir=str(workdir))]
-             for tp in TPS if to_run[tp]]
+    refused = {tp: {r["arch"]: refusal(r["arch"], workdir, tp) for r in runnable} for tp in tps}
+    to_run = {tp: [a for a, why in refused[tp].items() if why is None] for tp in tps}
+    calls = [["scenarios_arch:arch_roundtrips", dict(archs=to_run[tp], tp=tp, fsdp=True, workdir=str(workdir),
+                                                     attention=attention)]
+             for tp in tps if to_run[tp]]
     n = sum(map(len, to_run.values()))
-    done = iter(launch.run("sequence", calls=calls, timeout_s=300 * max(n, 1)) if calls else [])
-    results = {tp: next(done) if to_run[tp] else {} for tp in TPS}
-    for tp in TPS:
+    done = iter(launch.run("sequence", nproc=nproc, calls=calls, timeout_s=300 * max(n, 1)) if calls else [])
+    results = {tp: next(done) if to_run[tp] else {} for tp in tps}
+    for tp in tps:
         for r in runnable:
             r["tp"][tp] = results[tp][r["arch"]] if refused[tp][r["arch"]] is None else dict(refused=refused[tp][r["arch"]])
     return rows
+
+
+def problems(row: dict) -> list[str]:
+    """What is wrong with one row of `collect`, empty when it holds: a refusal names the architecture and is
+    listed in support.REFUSED; a working one is in support.VERIFIED and, at every TP it was not refused at,
+    matches transformers (logits and loss within 1e-5, 32 greedy tokens, exact export, save_hf reload)."""
+    arch, out = row["arch"], []
+    if row["outcome"] == "refused":
+        if arch not in row["reason"] or arch not in support.REFUSED:
+            out.append(f"{arch}: refusal does not name it or is not in support.REFUSED")
+    elif row["outcome"] == "works":
+        if arch not in support.VERIFIED:
+            out.append(f"{arch}: works but is not in support.VERIFIED")
+        for tp, r in row["tp"].items():
+            if "refused" in r:
+                if not (tp > 1 and "tensor_model_parallel_size" in r["refused"]):
+                    out.append(f"{arch} TP {tp}: refused for another reason: {r['refused']}")
+                continue
+            checks = {"logits": r["verify"]["relative"] < 1e-5,
+                      "export": r["export_names_match"] and r["export_shapes_match"] and r["export_maxdiff"] == 0.0,
+                      "loss": abs(r["megatron_loss"] - r["hf_loss"]) < 1e-5,
+                      "trained shapes": r["trained_shapes_match"], "save_hf reload": r["reload_relative"] < 1e-5,
+                      "greedy": r["greedy"]["ok"]}   # 32 greedy tokens == transformers'
+            out += [f"{arch} TP {tp}: {name} differs from transformers: {_cell(r)}" for name, ok in checks.items()
+                    if not ok]
+    elif not (row["outcome"] == "not tested" and row["reason"]):
+        out.append(f"{arch}: outcome {row['outcome']!r} without a reason")
+    return out
 
 
 def _untested_reason(arch: str) -> str:
@@ -124,12 +155,32 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    """No argument: the whole table on 2 gloo ranks, written to docs/architectures.md. `--gpus N --out F`: the
+    architectures that work, on N GPUs (TP 1, and 2 with two GPUs) with the notebooks' GPU attention; prints
+    each row, writes F, exits 1 when a row has a problem (scripts/gpu_check.sh's `archs` section)."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = collect(tmp)
-    DOC.write_text(render(rows))
-    (DOC.parent / "results").mkdir(exist_ok=True)
-    (DOC.parent / "results" / "architectures.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {DOC}")
+        if not args.gpus:
+            rows = collect(tmp)
+        else:
+            rows = collect(tmp, archs_to_run=list(support.VERIFIED), tps=TPS[:args.gpus], nproc=args.gpus,
+                           attention="gpu-default")
+    bad = [p for row in rows for p in problems(row)]
+    if not args.gpus:
+        DOC.write_text(render(rows))
+        print(f"wrote {DOC}")
+    for row in rows:
+        for tp, r in row.get("tp", {}).items():
+            print(f"{row['arch']:28s} TP {tp}  {_cell(r)}")
+    out = Path(args.out) if args.out else DOC.parent / "results" / "architectures.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print("\n".join(bad) or f"every row holds ({len(rows)} architectures)")
+    raise SystemExit(1 if bad else 0)
 
 
 if __name__ == "__main__":
