@@ -150,7 +150,10 @@ def render(rows: list[dict]) -> str:
               "soft-capping, MoE routing variants, unmapped biases, expert parallelism on a dense model or not dividing "
               "the experts) are listed in `mfsdp_kit/models/support.py` and tested in tests/models/test_support.py. "
               "Qwen3-MoE and OLMoE at expert-parallel size 1 and 2, under Megatron-FSDP and DDP (logits, export, "
-              "training parity, checkpoint round trip), are tested in tests/models/test_moe.py.", ""]
+              "training parity, checkpoint round trip), are tested in tests/models/test_moe.py.", "",
+              "On GPUs: `SECTIONS=archs bash scripts/gpu_check.sh` runs the architectures that work through the same "
+              "checks on NCCL with the notebooks' GPU attention (`python -m tests.models.arch_table --gpus N`); "
+              "docs/benchmarks.md has the run.", ""]
     return "\n".join(lines)
 
 
