@@ -30,23 +30,15 @@ from typing import Any, Callable
 import ipyparallel as ipp
 
 from . import gpus, launch, watchdog
-from .config import BACKENDS, EngineConfig, bad_value
-from .fieldtypes import is_int
+from .config import EngineConfig
 from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
-DEVICES = ("auto", "cpu")
-"""`start(device=)`: "auto" = one GPU per engine where this machine has GPUs, else the CPU; "cpu" = local engines
-that see no GPU (gloo, CPU tensors) on any machine: two ranks on a node with one GPU, say."""
 LOCALHOST = "127.0.0.1"
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
 LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 """Where they put its rank within the node."""
-
-
-def _bad_start(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
-    return ClusterConfigError(str(bad_value(field_name, value, allowed)))
 
 
 # ---- engine side: these run on the engines (pickled by reference, so importable there) ----------
@@ -324,16 +316,9 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
       running as root (launch.openmpi_env; docs/cluster.md says how to override).
     """
     watch = Stopwatch()
-    if backend not in BACKENDS:   # fail here, not after engines have started
-        raise _bad_start("backend", backend, " | ".join(BACKENDS))
-    if device_count is not None and (not is_int(device_count) or device_count < 0):
-        raise _bad_start("device_count", device_count, "None or an integer >= 0")
-    if n is not None and (not is_int(n) or n < 1):
-        raise _bad_start("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-        raise _bad_start("timeout_s", timeout_s, "a finite number of seconds > 0")
+    launch.check_start(n=n, backend=backend, timeout_s=timeout_s, device_count=device_count, device=device,
+                       launcher=launcher)   # fail here, not after engines have started
     local = launch.kind(launcher) == "local"
-    _check_device(device, backend=backend, local=local)
     if device == "cpu":
         device_count = 0
     elif device_count is None:
@@ -363,16 +348,6 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     except BaseException:
         launch.stop(cluster, client)
         raise
-
-
-def _check_device(device: str, *, backend: str, local: bool) -> None:
-    if device not in DEVICES:
-        raise _bad_start("device", device, " | ".join(DEVICES))
-    if device == "cpu" and backend == "nccl":
-        raise _bad_start("backend", backend, "auto | gloo with device='cpu' (NCCL needs a GPU per engine)")
-    if device == "cpu" and not local:   # the kit sets the environment of the engines it spawns itself only
-        raise _bad_start("device", device, "'auto' with engines= other than local; for CPU engines there, "
-                         "run them on CPU nodes or set CUDA_VISIBLE_DEVICES='' in that launcher's environment")
 
 
 def _import_in_background(module: str) -> None:

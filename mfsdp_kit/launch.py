@@ -1,7 +1,7 @@
 """Starting and stopping engines with ipyparallel's own launchers, and timing where the start goes.
 
 `cluster.start` owns the world (ranks, rendezvous, `runtime.init`); this module owns the processes:
-the kit's defaults for ipyparallel's `Cluster` (its own engine, ipengine.py, for local engines, spawned before
+the checks of `start`'s arguments before any process exists (`check_start`), the kit's defaults for ipyparallel's `Cluster` (its own engine, ipengine.py, for local engines, spawned before
 the controller so that their boot overlaps the controller's), OpenMPI's switches for `engines="mpi"`, waiting
 for engines to register (failing at once when the launcher itself exited, e.g. `mpiexec` refusing to run),
 killing engines stuck in a collective, and `Stopwatch`, the per-phase record behind `handle.startup_s`
@@ -19,7 +19,8 @@ from typing import Any
 import ipyparallel as ipp
 
 from . import cache
-from .config import ConfigError
+from .config import BACKENDS, ConfigError, bad_value
+from .fieldtypes import is_int
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
@@ -64,8 +65,32 @@ class Stopwatch:
         return time.perf_counter() - self._start
 
 
+DEVICES = ("auto", "cpu")
+"""`cluster.start(device=)`: "auto" = one GPU per engine where this machine has GPUs, else the CPU; "cpu" = local
+engines that see no GPU (gloo, CPU tensors) on any machine: two ranks on a node with one GPU, say."""
 HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 """An engine with this environment sees no GPU: the CUDA driver reports none, torch's device is the CPU."""
+
+
+def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, device: Any, launcher: dict) -> None:
+    """`cluster.start`'s arguments, checked before anything starts: a ClusterConfigError naming the bad one."""
+    def bad(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
+        return ClusterConfigError(str(bad_value(field_name, value, allowed)))
+    if backend not in BACKENDS:
+        raise bad("backend", backend, " | ".join(BACKENDS))
+    if device_count is not None and (not is_int(device_count) or device_count < 0):
+        raise bad("device_count", device_count, "None or an integer >= 0")
+    if n is not None and (not is_int(n) or n < 1):
+        raise bad("n", n, "None (one engine per GPU, else 2) or an integer >= 1")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise bad("timeout_s", timeout_s, "a finite number of seconds > 0")
+    if device not in DEVICES:
+        raise bad("device", device, " | ".join(DEVICES))
+    if device == "cpu" and backend == "nccl":
+        raise bad("backend", backend, "auto | gloo with device='cpu' (NCCL needs a GPU per engine)")
+    if device == "cpu" and kind(launcher) != "local":   # the kit sets the environment only of engines it spawns
+        raise bad("device", device, "'auto' with engines= other than local; for CPU engines there, run them on "
+                  "CPU nodes or set CUDA_VISIBLE_DEVICES='' in that launcher's environment")
 
 
 def kind(launcher: dict) -> str:
