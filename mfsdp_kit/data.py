@@ -257,6 +257,12 @@ def seq_len_needed(items: list, tokenizer) -> int:
     return max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items))
 
 
+def seq_len_for(items: list, tokenizer, *, multiple_of: int = 16) -> int:
+    """`seq_len_needed` rounded up to a multiple of `multiple_of` tokens: one length for a set of examples, whatever
+    the tokenizer (the notebooks' arithmetic fits 16 with the tiny model's; a chat template's system turn needs more)."""
+    return -(-seq_len_needed(items, tokenizer) // multiple_of) * multiple_of
+
+
 def tokenize_sft(items: list, tokenizer, *, seq_len_tokens: int) -> Batch:
     """Pairs, conversations (lists of messages) or Examples -> Batch[n, seq_len_tokens]:
     tokens = ids[:-1], labels = ids[1:] (next token).

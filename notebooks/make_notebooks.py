@@ -139,7 +139,8 @@ from mfsdp_kit.train import fit
 steps, global_batch = 150, 32
 micro_batch_size = global_batch // world_size
 tok = AutoTokenizer.from_pretrained(src)
-task = data.ArithmeticTask(digits=1)
+task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
+seq = data.seq_len_for(task.train_pairs(90), tok)     # 16 tokens for the tiny model; more for a long template
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)   # 3e-3 on xs, scaled down for larger models
 
@@ -150,7 +151,7 @@ def prepare(*, fsdp, seed):
     model = load(src, cfg)
     opt = engine.build_optimizer(model.chunks, ocfg, cfg)
     sched = engine.build_scheduler(opt, ocfg, total_steps=steps)
-    batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=global_batch, seed=seed)
+    batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=seq, global_batch=global_batch, seed=seed)
     return model, opt, sched, batches
 
 def accuracy(model):
@@ -169,7 +170,8 @@ DDP and once in Megatron-FSDP, from the same seed: same weights, same batches. T
 per-token mean over the whole global batch (megatron's `calculate_per_token_loss`), so both
 wrappers compute the same gradients and their loss curves must agree to float rounding.
 Held-out accuracy (greedy decoding with the Megatron model, problems never trained on) is
-measured before and after.
+measured before and after. With your own folder (`MODEL` below) the prompts are in its chat template,
+the sequence length is what that template needs, and the last check asks only that both runs learn.
 '''),
     code(START + "\nfrom mfsdp_kit import plots, widgets"),
     FP32_NOTE,
@@ -238,8 +240,11 @@ report = compare_curves(ddp.loss, fsdp.loss, exact_steps=10, late_window=50,
                         reference_grad_norm=ddp.grad_norm, candidate_grad_norm=fsdp.grad_norm)
 print(report)
 report.check()
-assert fsdp.loss[-1] < 0.5 * fsdp.loss[0] and ddp.loss[-1] < 0.5 * ddp.loss[0]
-assert acc["DDP after"] > acc["DDP before"] and acc["FSDP after"] > acc["FSDP before"], acc
+if nbm.size:   # a tiny model, on which the notebook's learning rate and step count were tuned
+    assert fsdp.loss[-1] < 0.5 * fsdp.loss[0] and ddp.loss[-1] < 0.5 * ddp.loss[0]
+    assert acc["DDP after"] > acc["DDP before"] and acc["FSDP after"] > acc["FSDP before"], acc
+else:          # your folder: it has to learn, at its own pace (and may know the sums already)
+    assert fsdp.loss[-1] < fsdp.loss[0] and ddp.loss[-1] < ddp.loss[0]
 assert all(a == acc for a in handle.view["acc"])    # every rank measured the same accuracy
 '''),
     *STOP,
@@ -271,10 +276,11 @@ from mfsdp_kit.train import fit
 cfg = nbm.engine_config(use_megatron_fsdp=True, dtype="fp32")
 device = runtime.init(cfg).device
 tok = AutoTokenizer.from_pretrained(src)
-task = data.ArithmeticTask(digits=1)
+task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10), cfg)
-batches = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32, seed=0)
+pairs = task.train_pairs(90)
+batches = data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32, seed=0)
 history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=32 // world_size, progress=False)  # 1 per rank
 '''),
     md("Load the trained weights into a `transformers` model on every rank:"),
@@ -351,7 +357,8 @@ from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import step
 
 tok = AutoTokenizer.from_pretrained(src)
-batch = next(data.batches(data.ArithmeticTask(digits=1).train_pairs(8), tok, seq_len_tokens=16, global_batch=4))
+pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(8)
+batch = next(data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=4))
 
 def measure(fsdp):
     """Per-rank bytes after one optimizer step (Adam's moments exist only after the first step), then
@@ -531,7 +538,7 @@ from mfsdp_kit.train import fit
 cfg = nbm.engine_config(use_megatron_fsdp=True, dtype="fp32")
 runtime.init(cfg)
 tok = AutoTokenizer.from_pretrained(src)
-task = data.ArithmeticTask(digits=1)
+pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(90)   # in the model's own chat template
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)
 total, save_at = 30, 20
 mbs = 32 // world_size   # one micro-batch per rank per step
@@ -543,7 +550,7 @@ def build():
     return model, opt, engine.build_scheduler(opt, ocfg, total_steps=total)
 
 def stream(skip=0):
-    it = data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32, seed=0)
+    it = data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32, seed=0)
     for _ in range(skip):
         next(it)
     return it
@@ -607,10 +614,11 @@ from mfsdp_kit.train import fit
 cfg = nbm.engine_config(use_megatron_fsdp=True, seed=0, dtype="fp32")
 device = runtime.init(cfg).device
 tok = AutoTokenizer.from_pretrained(src)
-task = data.ArithmeticTask(digits=1)
+task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=5), cfg)
-sft = fit(model.chunks, opt, data.batches(task.train_pairs(90), tok, seq_len_tokens=16, global_batch=32),
+pairs = task.train_pairs(90)
+sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32),
           steps=40, micro_batch_size=32 // world_size, progress=False)
 '''),
     md("The reference (frozen, unwrapped) is the SFT policy; the rollout model is a `transformers` model:"),
@@ -628,7 +636,7 @@ rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
 _, progress = cluster.run_with_progress(handle, """
 history = grpo.fit(chunks=model.chunks, optimizer=rl_opt, bridge=model.bridge, rollout=rollout,
                    prompt_pool=task.rl_prompts(80), reward_fn=data.verify, gcfg=gcfg, iterations=8,
-                   seq_len_tokens=16, ref_chunks=ref, progress=False)
+                   ref_chunks=ref, progress=False)   # seq_len_tokens: what the longest prompt + 4 new tokens need
 """)
 '''),
     md("After the last update: sync once more and compare the rollout model with the Megatron model."),
@@ -653,13 +661,17 @@ plots.reward_curve(history.reward, window=3)
     md("""
 The check: every iteration ran and stayed finite, the policy moved away from the reference
 (KL > 0) while every rank's rollout model still equals the Megatron model (logits within 1e-4 of
-their scale, as in 03_sync).
+their scale, as in 03_sync). KL > 0 is asked of the tiny model only: a folder of yours that solves
+none of the sums (or all of them) gives every sample of a group the same reward, so GRPO has nothing
+to follow and rightly leaves the policy where it was.
 """),
     code('''
 import math
 assert len(history.reward) == 8 and all(0.0 <= r <= 1.0 for r in history.reward)
 assert all(math.isfinite(x) for key in ("kl", "clip_frac", "entropy") for x in getattr(history, key))
-assert history.kl[-1] > 0 and all(b > 0 for b in history.sync_bytes)
+assert all(b > 0 for b in history.sync_bytes)
+if nbm.size:   # the SFT'd tiny model gets some answers right: the groups' rewards differ and the policy moves
+    assert history.kl[-1] > 0
 diffs, scales = handle.view["logits_maxdiff"], handle.view["logit_scale"]
 assert all(d <= 1e-4 * s for d, s in zip(diffs, scales)), (diffs, scales)
 '''),

@@ -212,13 +212,36 @@ def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], adv
     tokens = torch.full((n, seq_len_tokens), pad_id, dtype=torch.long)
     labels, mask = tokens.clone(), torch.zeros(n, seq_len_tokens)
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        ids = (p + c)[:seq_len_tokens + 1]
+        if len(p) + len(c) - 1 > seq_len_tokens:   # cut, its last tokens would leave the loss without a word
+            raise bad_value("seq_len_tokens", seq_len_tokens, f"an integer >= {len(p) + len(c) - 1}: rollout {i} "
+                            f"has a {len(p)}-token prompt and a {len(c)}-token completion")
+        ids = p + c
         tokens[i, :len(ids) - 1] = torch.tensor(ids[:-1])
         labels[i, :len(ids) - 1] = torch.tensor(ids[1:])
         mask[i, len(p) - 1:len(ids) - 1] = 1.0
     zeros = torch.zeros(n, seq_len_tokens)
     return Batch(tokens, labels, mask, dict(advantages=advantages.float(), old_logprobs=zeros,
                                             ref_logprobs=zeros.clone()))
+
+
+def seq_len_needed(prompts: list[tuple[str, str]], tokenizer, *, max_new_tokens: int) -> int:
+    """The shortest `seq_len_tokens` that holds every rollout of `prompts` [(prompt, answer)] whole: the longest
+    prompt's tokens (encoded as `collect` encodes them) + `max_new_tokens`, less the token nothing predicts."""
+    ids = tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"]
+    return max(map(len, ids)) + max_new_tokens - 1
+
+
+def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], tokenizer, *,
+                    max_new_tokens: int) -> int:
+    """`seq_len_tokens`, or `seq_len_needed` when it is None. One too short for the prompt pool is refused before
+    any rollout: a chat template's system turn makes prompts longer than the tokens of their question."""
+    need = seq_len_needed(prompts, tokenizer, max_new_tokens=max_new_tokens)
+    if seq_len_tokens is None:
+        return need
+    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or seq_len_tokens < need:
+        raise bad_value("seq_len_tokens", seq_len_tokens, f"None (= {need}) or an integer >= {need}: the longest "
+                        f"prompt of prompt_pool has {need + 1 - max_new_tokens} tokens, max_new_tokens={max_new_tokens}")
+    return seq_len_tokens
 
 
 @torch.no_grad()

@@ -140,10 +140,12 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
 
 
 def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list[tuple[str, str]], reward_fn,
-        dcfg: DAPOConfig, iterations: int, seq_len_tokens: int, ref_chunks=None, progress: bool = True,
-        on_iteration=None, scheduler=None) -> DAPOHistory:
+        dcfg: DAPOConfig, iterations: int, seq_len_tokens: int | None = None, ref_chunks=None,
+        progress: bool = True, on_iteration=None, scheduler=None) -> DAPOHistory:
     """`iterations` DAPO iterations drawing prompts from `prompt_pool` (`core.PromptDraw`, seeded by
-    `dcfg.seed`); `on_iteration` and `scheduler` as in `grpo.fit`."""
+    `dcfg.seed`); `on_iteration`, `scheduler` and `seq_len_tokens` as in `grpo.fit`."""
+    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, rollout.tokenizer,
+                                          max_new_tokens=dcfg.max_new_tokens)   # before any rollout
     draw = core.PromptDraw(prompt_pool, seed=dcfg.seed)
 
     def one(it: int) -> dict:

@@ -123,8 +123,8 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: li
 
 
 def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list[tuple[str, str]], reward_fn,
-        gcfg: GRPOConfig, iterations: int, seq_len_tokens: int, ref_chunks=None, progress: bool = True,
-        on_iteration=None, scheduler=None) -> GRPOHistory:
+        gcfg: GRPOConfig, iterations: int, seq_len_tokens: int | None = None, ref_chunks=None,
+        progress: bool = True, on_iteration=None, scheduler=None) -> GRPOHistory:
     """`iterations` GRPO iterations, each on `prompts_per_iteration` prompts drawn deterministically
     from `prompt_pool` (`core.PromptDraw`, seeded by `gcfg.seed`).
 
@@ -132,7 +132,10 @@ def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list
     evaluation every k iterations; it may run collectives, as all ranks call it). A fresh Adam
     without warm-up takes sign-like steps of the full lr at first, which on CPU at lr 3e-5 cost a
     small SFT'd model ~5 held-out points in 15 steps even on gold SFT data: pass a `scheduler`
-    with a warm-up."""
+    with a warm-up. `seq_len_tokens` (the training sequences' length): None = what the longest prompt of the
+    pool plus `max_new_tokens` needs (`core.seq_len_needed`); a shorter value is refused before any rollout."""
+    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, rollout.tokenizer,
+                                          max_new_tokens=gcfg.max_new_tokens)   # before any rollout
     draw = core.PromptDraw(prompt_pool, seed=gcfg.seed)
 
     def one(it: int) -> dict:

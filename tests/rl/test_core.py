@@ -77,3 +77,49 @@ def test_hf_rollout_is_a_backend_and_samples_reproducibly(tmp_path):
     assert len(first) == 6 and first == rollout.sample(prompts, seed=7, **kw)
     eos = rollout.tokenizer.eos_token_id
     assert all(len(c) <= 5 and (eos not in c or c.index(eos) == len(c) - 1) for c in first)  # cut after eos
+
+
+def test_hf_rollout_pads_on_the_left_without_a_pad_token(tmp_path):
+    """A Llama-3-style tokenizer has no pad token: `tokenizer(..., padding=True)` refuses it. The backend pads
+    itself (eos, `chat.pad_id`), leaves the caller's tokenizer as it was, and a near-greedy sample of prompts of
+    different lengths in one padded batch equals each prompt sampled alone."""
+    from transformers import AutoModelForCausalLM
+
+    from mfsdp_kit.models import archs
+    from tests import chat_tokenizers
+    tok = chat_tokenizers.llama3()
+    assert tok.pad_token is None
+    src = archs.write_tiny("LlamaForCausalLM", tmp_path / "llama", vocab_size=256)
+    side = tok.padding_side
+    rollout = HFRollout(AutoModelForCausalLM.from_pretrained(src), tok)
+    task = data.ArithmeticTask(digits=2, tokenizer=tok)
+    prompts = [task.prompt(1, "+", 2), task.prompt(12, "+", 34)]
+    assert len(set(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)) == 2
+    kw = dict(n=1, max_new_tokens=6, temperature=1.0, top_p=1e-6, seed=0)   # top-p this small: the argmax
+    together = rollout.sample(prompts, **kw)
+    assert together == [rollout.sample([p], **kw)[0] for p in prompts] and tok.padding_side == side
+
+
+def test_left_padded_rows_end_where_generation_starts():
+    from mfsdp_kit.rl.rollout.hf import left_padded
+    enc = left_padded([[5, 6, 7], [8]], pad_id=2, device="cpu")
+    assert enc["input_ids"].tolist() == [[5, 6, 7], [2, 2, 8]]
+    assert enc["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_rollout_batch_refuses_to_cut_a_rollout():
+    with pytest.raises(ValueError, match=r"^seq_len_tokens=3 .*>= 4: rollout 0 has a 3-token prompt and a 2-token"):
+        core.rollout_batch([[5, 6, 7]], [[8, 9]], torch.tensor([0.5]), seq_len_tokens=3, pad_id=0)
+
+
+def test_the_training_length_comes_from_the_prompt_pool_or_is_refused_before_any_rollout():
+    from tests import chat_tokenizers
+    tok = chat_tokenizers.qwen()   # its template adds a system turn: prompts far longer than their question
+    pool = data.ArithmeticTask(digits=1, tokenizer=tok).rl_prompts(20)
+    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p, _ in pool)
+    need = core.seq_len_needed(pool, tok, max_new_tokens=4)
+    assert need == longest + 3 and core.checked_seq_len(None, pool, tok, max_new_tokens=4) == need
+    assert core.checked_seq_len(need + 5, pool, tok, max_new_tokens=4) == need + 5
+    for bad in (need - 1, 16.0, True):
+        with pytest.raises(ValueError, match=rf"^seq_len_tokens={bad!r} .*None \(= {need}\) or an integer >= {need}"):
+            core.checked_seq_len(bad, pool, tok, max_new_tokens=4)

@@ -21,7 +21,6 @@ class HFRollout:
 
     def __init__(self, hf_model, tokenizer):
         self.model, self.tokenizer = hf_model.eval(), tokenizer
-        self.tokenizer.padding_side = "left"  # batched generation appends on the right
 
     def refresh(self, chunks, bridge) -> dict:
         """Copy the current training weights in (every chunk); returns {"seconds", "bytes", "tensors", ...}."""
@@ -40,11 +39,23 @@ class HFRollout:
         `top_k=0` turns off transformers' default top-k of 50, so top_p alone truncates."""
         if not prompts:
             return []
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: enc[k].to(self.model.device) for k in ("input_ids", "attention_mask")}
+        rows = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        enc = left_padded(rows, pad_id=chat.pad_id(self.tokenizer), device=self.model.device)
         torch.manual_seed(seed)  # TP ranks of one replica draw the same samples
         stops = chat.stop_ids(self.tokenizer)
         out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                   max_new_tokens=max_new_tokens, num_return_sequences=n,
                                   eos_token_id=stops, pad_token_id=chat.pad_id(self.tokenizer))
         return [cut_at_stop(row, stops) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
+
+
+def left_padded(rows: list[list[int]], *, pad_id: int, device) -> dict[str, torch.Tensor]:
+    """`input_ids` and `attention_mask` [len(rows), longest], each row right-aligned (generation appends on the
+    right) after `pad_id`s. Padded here, not by the tokenizer: `tokenizer(..., padding=True)` refuses a tokenizer
+    without a pad token (Llama 3's), and setting its `padding_side` would change the caller's tokenizer."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row, dtype=torch.long), 1
+    return dict(input_ids=ids.to(device), attention_mask=mask.to(device))
