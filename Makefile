@@ -42,6 +42,10 @@ test: install $(LAB_STAMP) mpi
 	$(BIN)/python -m pytest -q tests $(if $(wildcard notebooks/*.ipynb),&& $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
 	$(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
 	$(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
+	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py
+	$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null
+	MFSDP_MODEL=$(CURDIR)/runs/user_llama3 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb \
+	  notebooks/05_grpo.ipynb
 
 clean:
 	rm -rf $(VENV) runs

@@ -97,13 +97,24 @@ def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) 
     if choice == "auto":
         choice = DEFAULT_SIZE[on_gpu]
     if choice not in TINY_SIZES and not Path(choice).expanduser().is_dir():
-        raise bad_value(ENV_MODEL, choice, "auto | " + " | ".join(TINY_SIZES) + " | an existing HF folder")
+        raise bad_value(ENV_MODEL, choice, "auto | " + " | ".join(TINY_SIZES) + " | an existing HF folder "
+                        f"(a relative path is read from {os.getcwd()})")
     dtype = env.get(ENV_DTYPE, "") or ("bf16" if on_gpu else "fp32")
     if dtype not in DTYPES:
         raise bad_value(ENV_DTYPE, dtype, " | ".join(DTYPES))
     if choice not in TINY_SIZES:
         choice = str(Path(choice).expanduser().resolve())
     return choice, dtype
+
+
+def pinned(env: dict | None = None) -> dict[str, str]:
+    """{MFSDP_MODEL: the absolute path} when the knob names a folder relative to this process's directory, else {}.
+    What `make lab` hands its kernels: they run in notebooks/, where `MFSDP_MODEL=models/mine` names nothing."""
+    env = os.environ if env is None else env
+    choice = env.get(ENV_MODEL, "")
+    if choice in ("", "auto", *TINY_SIZES) or not Path(choice).expanduser().is_dir():
+        return {}
+    return {ENV_MODEL: str(Path(choice).expanduser().resolve())}
 
 
 def attention_backend(path: str, *, on_gpu: bool, env: dict | None = None) -> str:

@@ -100,3 +100,17 @@ def test_main_writes_the_knobs_model_and_prints_its_folder(tmp_path, monkeypatch
     folder = Path(line.split(": ", 1)[1].rsplit(" (", 1)[0])
     assert line.startswith("notebook model xs: ") and (folder / "model.safetensors").is_file()
     assert folder.parent == tmp_path / "cache"
+
+
+def test_a_relative_folder_is_pinned_for_kernels_that_run_elsewhere(tmp_path, monkeypatch):
+    """`MFSDP_MODEL=models/mine make lab`: the kernels run in notebooks/, so lab hands them the absolute path;
+    the knob's other values pass through untouched, and a path that names nothing says where it was looked for."""
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert nm.pinned({"MFSDP_MODEL": "models/mine"}) == {"MFSDP_MODEL": str(tmp_path / "models" / "mine")}
+    for untouched in ("", "auto", "mw", str(tmp_path / "models" / "mine"), "models/nothing"):
+        expected = {"MFSDP_MODEL": untouched} if untouched.startswith("/") else {}
+        assert nm.pinned({"MFSDP_MODEL": untouched}) == expected
+    monkeypatch.chdir(tmp_path / "models")
+    with pytest.raises(ConfigError, match=rf"read from {tmp_path / 'models'}"):
+        nm.resolve("models/mine", on_gpu=False, env={})
