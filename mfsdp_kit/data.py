@@ -252,15 +252,10 @@ def _example(item, tokenizer, i: int) -> Example:
     return Example(tuple(p + r), (False,) * len(p) + (True,) * len(r))
 
 
-def seq_len_needed(items: list, tokenizer) -> int:
-    """The shortest seq_len_tokens that keeps every example whole (its tokens - 1)."""
-    return max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items))
-
-
-def seq_len_for(items: list, tokenizer, *, multiple_of: int = 16) -> int:
-    """`seq_len_needed` rounded up to a multiple of `multiple_of` tokens: one length for a set of examples, whatever
-    the tokenizer (the notebooks' arithmetic fits 16 with the tiny model's; a chat template's system turn needs more)."""
-    return -(-seq_len_needed(items, tokenizer) // multiple_of) * multiple_of
+def seq_len_needed(items: list, tokenizer, *, multiple_of: int = 1) -> int:
+    """The shortest seq_len_tokens that keeps every example whole (its tokens - 1), rounded up to a multiple of
+    `multiple_of`: the notebooks' 16 fits the tiny model's arithmetic; a chat template's system turn needs more."""
+    return -(-max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items)) // multiple_of) * multiple_of
 
 
 def tokenize_sft(items: list, tokenizer, *, seq_len_tokens: int) -> Batch:

@@ -140,7 +140,7 @@ steps, global_batch = 150, 32
 micro_batch_size = global_batch // world_size
 tok = AutoTokenizer.from_pretrained(src)
 task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
-seq = data.seq_len_for(task.train_pairs(90), tok)     # 16 tokens for the tiny model; more for a long template
+seq = data.seq_len_needed(task.train_pairs(90), tok, multiple_of=16)   # tiny model: 16; a long template: more
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)   # 3e-3 on xs, scaled down for larger models
 
@@ -280,7 +280,8 @@ task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's o
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10), cfg)
 pairs = task.train_pairs(90)
-batches = data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32, seed=0)
+seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
+batches = data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32, seed=0)
 history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=32 // world_size, progress=False)  # 1 per rank
 '''),
     md("Load the trained weights into a `transformers` model on every rank:"),
@@ -358,7 +359,8 @@ from mfsdp_kit.train import step
 
 tok = AutoTokenizer.from_pretrained(src)
 pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(8)
-batch = next(data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=4))
+seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
+batch = next(data.batches(pairs, tok, seq_len_tokens=seq, global_batch=4))
 
 def measure(fsdp):
     """Per-rank bytes after one optimizer step (Adam's moments exist only after the first step), then
@@ -539,6 +541,7 @@ cfg = nbm.engine_config(use_megatron_fsdp=True, dtype="fp32")
 runtime.init(cfg)
 tok = AutoTokenizer.from_pretrained(src)
 pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(90)   # in the model's own chat template
+seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)
 total, save_at = 30, 20
 mbs = 32 // world_size   # one micro-batch per rank per step
@@ -550,7 +553,7 @@ def build():
     return model, opt, engine.build_scheduler(opt, ocfg, total_steps=total)
 
 def stream(skip=0):
-    it = data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32, seed=0)
+    it = data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32, seed=0)
     for _ in range(skip):
         next(it)
     return it
@@ -618,7 +621,8 @@ task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's o
 model = load(src, cfg)
 opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=5), cfg)
 pairs = task.train_pairs(90)
-sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=data.seq_len_for(pairs, tok), global_batch=32),
+seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
+sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32),
           steps=40, micro_batch_size=32 // world_size, progress=False)
 '''),
     md("The reference (frozen, unwrapped) is the SFT policy; the rollout model is a `transformers` model:"),

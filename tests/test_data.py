@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from mfsdp_kit.data import (ArithmeticTask, batches, digit_match, is_heldout, load_jsonl, render_chat, seq_len_for,
-                            seq_len_needed, tokenize_sft, verify)
+from mfsdp_kit.data import (ArithmeticTask, batches, digit_match, is_heldout, load_jsonl, render_chat, seq_len_needed,
+                            tokenize_sft, verify)
 from mfsdp_kit.models.tiny import build_tokenizer
 from mfsdp_kit.train import Batch
 
@@ -108,10 +108,10 @@ def test_one_length_for_every_tokenizer(tok):
     """The notebooks' 16 tokens for the tiny model; a chat template with a system turn gets the next multiple of 16
     that keeps every example whole, so its batches tokenize instead of raising."""
     from tests import chat_tokenizers
-    assert seq_len_for(ArithmeticTask(digits=1).train_pairs(90), tok) == 16
+    assert seq_len_needed(ArithmeticTask(digits=1).train_pairs(90), tok, multiple_of=16) == 16
     qwen = chat_tokenizers.qwen()
     pairs = ArithmeticTask(digits=1, tokenizer=qwen).train_pairs(90)
-    need, length = seq_len_needed(pairs, qwen), seq_len_for(pairs, qwen)
+    need, length = seq_len_needed(pairs, qwen), seq_len_needed(pairs, qwen, multiple_of=16)
     assert need > 16 and length % 16 == 0 and need <= length < need + 16
     assert tokenize_sft(pairs, qwen, seq_len_tokens=length).loss_mask.sum(dim=1).min() > 0
 

@@ -239,8 +239,8 @@ def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], 
     if seq_len_tokens is None:
         return need
     if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or seq_len_tokens < need:
-        raise bad_value("seq_len_tokens", seq_len_tokens, f"None (= {need}) or an integer >= {need}: the longest "
-                        f"prompt of prompt_pool has {need + 1 - max_new_tokens} tokens, max_new_tokens={max_new_tokens}")
+        raise bad_value("seq_len_tokens", seq_len_tokens, f"None (= {need}) or an integer >= {need}: the longest prompt "
+                        f"of prompt_pool has {need + 1 - max_new_tokens} tokens, max_new_tokens={max_new_tokens}")
     return seq_len_tokens
 
 
