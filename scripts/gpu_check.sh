@@ -243,6 +243,11 @@ for s in $SECTIONS; do
     # notebook_model.log); NB_PREWRITE=0 leaves that to the first notebook, as on a machine without `make lab`
     notebooks)  [ "${NB_PREWRITE:-1}" = 1 ] && section notebook_model python3 -m mfsdp_kit.notebook_model
                 section notebooks python3 bench/notebook_suite.py --out "$RESULTS/notebooks.json" ${NOTEBOOKS:-} ;;
+    # the same on a folder the kit did not make (tests/user_folder.py: transformers' Llama, a Llama 3 template
+    # trained by tokenizers, no pad token), as MFSDP_MODEL=/path/to/your/folder make lab gives it to the notebooks
+    notebooks_user) section user_folder python3 -m tests.user_folder /tmp/mfsdp_user_llama3 --style llama3
+                section notebooks_user env MFSDP_MODEL=/tmp/mfsdp_user_llama3 python3 bench/notebook_suite.py \
+                  --out "$RESULTS/notebooks_user.json" ${NOTEBOOKS:-} ;;
     # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
     nb_throughput) section nb_throughput trun bench/notebook_throughput.py --out "$RESULTS/notebook_throughput.json" ;;
     # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then
