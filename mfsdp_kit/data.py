@@ -78,7 +78,6 @@ class Batch:
         return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), {k: move(v) for k, v in self.extras.items()})
 
 
-
 # ---- synthetic arithmetic ------------------------------------------------------------------
 def is_heldout(a: int, op: str, b: int) -> bool:
     """A stable hash of the problem mod 10 == 0 (~10%): the same split on every machine/run."""
@@ -253,8 +252,9 @@ def _example(item, tokenizer, i: int) -> Example:
 
 
 def seq_len_needed(items: list, tokenizer, *, multiple_of: int = 1) -> int:
-    """The shortest seq_len_tokens that keeps every example whole (its tokens - 1), rounded up to a multiple of
-    `multiple_of`: the notebooks' 16 fits the tiny model's arithmetic; a chat template's system turn needs more."""
+    """The shortest seq_len_tokens keeping every example whole (its tokens - 1), rounded up to a `multiple_of`."""
+    if not (isinstance(multiple_of, int) and multiple_of >= 1):
+        raise bad_value("multiple_of", multiple_of, "an integer >= 1")
     return -(-max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items)) // multiple_of) * multiple_of
 
 

@@ -107,8 +107,8 @@ def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float 
     log = tempfile.TemporaryFile() if quiet else None  # the server's own log, for the error below
     proc = subprocess.Popen(command(port=port, token=token, root=root), stdout=log, stderr=log,
                             start_new_session=True, cwd=root,
-                            env={**os.environ, **cache.bytecode_env(),    # kernels keep bytecode
-                                 **notebook_model.pinned(), **(env or {})})  # and find a relative MFSDP_MODEL
+                            env={**os.environ, **cache.bytecode_env(), **(env or {}),   # kernels keep bytecode
+                                 **notebook_model.pinned({**os.environ, **(env or {})})})  # and find MFSDP_MODEL
     server = LabServer(process=proc, port=port, token=token, root=root)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

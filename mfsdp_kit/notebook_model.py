@@ -108,8 +108,9 @@ def resolve(model: str | None = None, *, on_gpu: bool, env: dict | None = None) 
 
 
 def pinned(env: dict | None = None) -> dict[str, str]:
-    """{MFSDP_MODEL: the absolute path} when the knob names a folder relative to this process's directory, else {}.
-    What `make lab` hands its kernels: they run in notebooks/, where `MFSDP_MODEL=models/mine` names nothing."""
+    """{MFSDP_MODEL: its absolute path} when the knob names an existing folder (relative paths read from this
+    process's directory), else {}. What `make lab` hands its kernels: they run in notebooks/, where
+    `MFSDP_MODEL=models/mine` would name nothing."""
     env = os.environ if env is None else env
     choice = env.get(ENV_MODEL, "")
     if choice in ("", "auto", *TINY_SIZES) or not Path(choice).expanduser().is_dir():

@@ -268,7 +268,7 @@ folder. Every rank takes part in the gathers, so both are `%%px` calls.
 %%px
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from mfsdp_kit import data, engine, runtime, sync
+from mfsdp_kit import chat, data, engine, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import fit
@@ -294,12 +294,14 @@ print(f"rank {rank}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.2f} Mi
     md("Sample from the rollout model with plain `hf_model.generate` (greedy):"),
     code('''
 %%px
-prompts = [p for p, _ in task.rl_prompts(4, split="heldout")]   # 1-digit prompts: all the same length
-ids = tok(prompts, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
-out = hf_model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
-completions = tok.batch_decode(out[:, ids.shape[1]:])
+sums = task.problems(4, split="heldout")
+prompts, completions = [task.prompt(*q) for q in sums], []
+for p in prompts:   # one at a time: a tokenizer may give prompts of different lengths, and padding is 05's topic
+    ids = tok(p, return_tensors="pt", add_special_tokens=False).input_ids.to(device)
+    out = hf_model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=chat.pad_id(tok))
+    completions.append(tok.decode(out[0, ids.shape[1]:]))
 rewards = [data.verify(p, c) for p, c in zip(prompts, completions)]
-print(f"rank {rank}:", list(zip([p[8:-13] for p in prompts], completions)))
+print(f"rank {rank}:", list(zip([f"{a}{op}{b}=" for a, op, b in sums], completions)))
 '''),
     md('''
 Both sides must be the same function: the rollout model's logits against the Megatron model's

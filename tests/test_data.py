@@ -114,6 +114,9 @@ def test_one_length_for_every_tokenizer(tok):
     need, length = seq_len_needed(pairs, qwen), seq_len_needed(pairs, qwen, multiple_of=16)
     assert need > 16 and length % 16 == 0 and need <= length < need + 16
     assert tokenize_sft(pairs, qwen, seq_len_tokens=length).loss_mask.sum(dim=1).min() > 0
+    for bad in (0, -16, 2.0):
+        with pytest.raises(ValueError, match=rf"^multiple_of={bad!r} .*an integer >= 1"):
+            seq_len_needed(pairs, qwen, multiple_of=bad)
 
 
 def test_batches_deterministic_and_cycling(tok):

@@ -2,7 +2,7 @@
 and `tokenizers` trains a byte-level BPE with a real chat template, as a downloaded Llama 3 or Qwen2.5 brings.
 
     python -m tests.user_folder runs/user_llama3 --style llama3   # Llama 3: header tokens, bos, no pad token
-    python -m tests.user_folder runs/user_qwen --style qwen       # Qwen2.5: ChatML with a default system turn
+    python -m tests.user_folder runs/user_qwen --style qwen       # Qwen3 with Qwen2.5's ChatML (a system turn)
 
 `make test` runs 02_sft and 05_grpo with `MFSDP_MODEL` set to the Llama 3 one: the notebooks' prompts
 come from its template, their lengths from what it needs, and GRPO samples with a tokenizer that has no pad token.
@@ -10,6 +10,7 @@ come from its template, their lengths from what it needs, and GRPO samples with 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from mfsdp_kit.models import archs
@@ -42,6 +43,11 @@ def write(path, *, style: str) -> Path:
         raise ValueError(f"the {style} tokenizer has {len(tok)} tokens, more than the model's {VOCAB}")
     path = archs.write_tiny(arch, path, vocab_size=VOCAB)
     tok.save_pretrained(path)   # over write_tiny's word-level tokenizer
+    for name in ("config.json", "generation_config.json"):   # the ids of this tokenizer's bos and eos, as a real
+        file = path / name                                    # checkpoint's configs carry them
+        config = json.loads(file.read_text())
+        config.update(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        file.write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .. import offload, runtime
 from ..config import bad_value
+from ..fieldtypes import is_int
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
 from .rollout import RolloutBackend
 
@@ -238,7 +239,7 @@ def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], 
     need = seq_len_needed(prompts, tokenizer, max_new_tokens=max_new_tokens)
     if seq_len_tokens is None:
         return need
-    if isinstance(seq_len_tokens, bool) or not isinstance(seq_len_tokens, int) or seq_len_tokens < need:
+    if not is_int(seq_len_tokens) or seq_len_tokens < need:
         raise bad_value("seq_len_tokens", seq_len_tokens, f"None (= {need}) or an integer >= {need}: the longest prompt "
                         f"of prompt_pool has {need + 1 - max_new_tokens} tokens, max_new_tokens={max_new_tokens}")
     return seq_len_tokens

@@ -163,7 +163,8 @@ def main() -> None:
     each row, writes F, exits 1 when a row has a problem (scripts/gpu_check.sh's `archs` section)."""
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gpus", type=int, default=0)
+    ap.add_argument("--gpus", type=int, default=0, choices=[0, 1, 2], help="2 on a machine with more: TP 1 and 2 "
+                    "need no more ranks, and each roundtrip's 4-sequence step splits over at most 2")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +180,7 @@ def main() -> None:
     for row in rows:
         for tp, r in row.get("tp", {}).items():
             print(f"{row['arch']:28s} TP {tp}  {_cell(r)}")
-    out = Path(args.out) if args.out else DOC.parent / "results" / "architectures.json"
+    out = Path(args.out) if args.out else DOC.parent / "results" / f"architectures{'_gpu' if args.gpus else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print("\n".join(bad) or f"every row holds ({len(rows)} architectures)")
