@@ -16,6 +16,10 @@ engine removes two of those waits:
   its nanny process, registration, the slowest peer); `cluster._engine_init` calls `wait()` before it imports
   anything, so no module is imported by two threads at once.
 
+It also exits when the process that spawned it is gone (`watch_parent`): a notebook kernel killed mid-cell
+(restarted by the user, or by nbval) used to leave its engines running, holding their GPUs, whenever one sat in a
+collective, because ipyparallel's own check (the controller's heartbeat) runs on the event loop that the cell blocks.
+
 The engine itself is unchanged (`ipyparallel.engine.app.main`, same arguments).
 """
 from __future__ import annotations
@@ -32,6 +36,8 @@ PRELOAD_ENV = "MFSDP_KIT_PRELOAD"
 """'0': no import thread (the imports then run in `runtime.init`); anything else or unset: imports at boot."""
 WAIT_ENV = "MFSDP_KIT_CONNECTION_WAIT_S"
 """Seconds an engine spawned before the controller waits for its connection file (launch.py sets `timeout_s`)."""
+ORPHANED_EXIT = 75
+"""The exit code of an engine whose launcher died (`watch_parent`)."""
 _thread: threading.Thread | None = None
 _error: BaseException | None = None
 
@@ -83,7 +89,22 @@ def wait_for_connection_info(path: str, timeout_s: float, poll_s: float = 0.02) 
         time.sleep(poll_s)
 
 
+def watch_parent(*, poll_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that ends this process (`os._exit(ORPHANED_EXIT)`) once its parent has changed: the launcher
+    (the kernel for local engines, mpiexec for MPI ones) has died and the engine was re-parented."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(ORPHANED_EXIT)   # from C++ collectives too: no Python unwinding to wait for
+    thread = threading.Thread(target=watch, name="mfsdp_kit-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> None:
+    watch_parent()
     if os.environ.get(PRELOAD_ENV, "1") != "0":
         start()
     from ipyparallel.engine.app import main as engine_main   # the engine's own imports, while the controller boots

@@ -102,6 +102,37 @@ def test_cpu_engines_see_no_gpu_on_any_machine_and_keep_it_across_restart():
     assert {p.pid for p in _engine_processes() if p.is_running()} <= before
 
 
+KERNEL = """
+import json, os, sys, time
+from mfsdp_kit import cluster
+h = cluster.start(2)
+print(json.dumps(h.apply(os.getpid)), flush=True)
+h.view.execute("import torch.distributed as dist\\nif rank == 0: dist.barrier()", block=False)   # rank 0 waits
+time.sleep(600)
+"""
+
+
+def test_engines_exit_when_the_kernel_that_started_them_is_killed():
+    """A kernel killed mid-cell (no stop(), no atexit): its engines must not outlive it, not even rank 0, stuck in a
+    collective whose peer will never come (ipyparallel's heartbeat check cannot run under it)."""
+    import subprocess
+    import sys
+    import time
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(kernel.stdout.readline())
+        engines = [psutil.Process(pid) for pid in pids]
+        assert all(e.ppid() == kernel.pid for e in engines)   # spawned by the kernel itself
+        time.sleep(1.0)                                      # rank 0 is inside the barrier by now
+    finally:
+        kernel.kill()
+        kernel.wait()
+    gone, alive = psutil.wait_procs(engines, timeout=15)
+    for e in alive:
+        e.kill()
+    assert not alive, f"engines {[e.pid for e in alive]} outlived their kernel"
+
+
 def test_hiding_gpus_adds_to_the_callers_engine_environment_without_changing_it():
     from traitlets.config import Config
 
