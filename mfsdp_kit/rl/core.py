@@ -190,7 +190,7 @@ def _gather_replicas(prompts, completions, rewards, *, backend, reward: Reward, 
     gathered = gathered[::runtime.current().world_size // ps.get_data_parallel_world_size()]
     rewards_t = torch.tensor([r for _, part in gathered for r in part])
     return RolloutBatch(prompts=list(prompts),
-                        prompt_ids=backend.tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"],
+                        prompt_ids=prompt_ids(backend.tokenizer, prompts),
                         completions=[c for part, _ in gathered for c in part], rewards=rewards_t,
                         solved=reward.solved(rewards_t), group_size=group_size, stats=stats)
 
@@ -225,11 +225,16 @@ def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], adv
                                             ref_logprobs=zeros.clone()))
 
 
+def prompt_ids(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]:
+    """The token ids of each (prompt, answer)'s prompt, as the training batch holds them (the template's own
+    special tokens are in the text already)."""
+    return tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"]
+
+
 def seq_len_needed(prompts: list[tuple[str, str]], tokenizer, *, max_new_tokens: int) -> int:
     """The shortest `seq_len_tokens` that holds every rollout of `prompts` [(prompt, answer)] whole: the longest
-    prompt's tokens (encoded as `collect` encodes them) + `max_new_tokens`, less the token nothing predicts."""
-    ids = tokenizer([p for p, _ in prompts], add_special_tokens=False)["input_ids"]
-    return max(map(len, ids)) + max_new_tokens - 1
+    prompt's tokens (`prompt_ids`, as `collect` encodes them) + `max_new_tokens`, less the token nothing predicts."""
+    return max(map(len, prompt_ids(tokenizer, prompts))) + max_new_tokens - 1
 
 
 def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], tokenizer, *,
