@@ -29,6 +29,7 @@ import json
 import os
 import threading
 import time
+from typing import Callable
 
 MODULES = ("torch", "torch.distributed", "megatron.core.parallel_state", "mfsdp_kit.runtime")
 """What `runtime.init` imports first, heaviest first."""
@@ -89,15 +90,20 @@ def wait_for_connection_info(path: str, timeout_s: float, poll_s: float = 0.02) 
         time.sleep(poll_s)
 
 
-def watch_parent(*, poll_s: float = 1.0) -> threading.Thread:
-    """A daemon thread that ends this process (`os._exit(ORPHANED_EXIT)`) once its parent has changed: the launcher
-    (the kernel for local engines, mpiexec for MPI ones) has died and the engine was re-parented."""
+def _exit_now() -> None:
+    os._exit(ORPHANED_EXIT)   # from C++ collectives too: no Python unwinding to wait for
+
+
+def watch_parent(*, poll_s: float = 1.0, on_orphan: Callable[[], None] = _exit_now) -> threading.Thread:
+    """A daemon thread that calls `on_orphan` (default: `os._exit(ORPHANED_EXIT)`) once this process's parent has
+    changed: the launcher (the kernel for local engines and the controller, mpiexec for MPI engines) has died and
+    this process was re-parented."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        os._exit(ORPHANED_EXIT)   # from C++ collectives too: no Python unwinding to wait for
+        on_orphan()
     thread = threading.Thread(target=watch, name="mfsdp_kit-parent-watch", daemon=True)
     thread.start()
     return thread

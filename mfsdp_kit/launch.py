@@ -23,6 +23,7 @@ from .config import BACKENDS, ConfigError, bad_value
 from .fieldtypes import is_int
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
+LOCAL_CONTROLLERS = ("local", "localcontroller", "localcontrollerlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
 ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
 """The kit's engine (ipengine.py): ipyparallel's engine that may start before the controller and imports torch
@@ -124,6 +125,7 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict, see_gpus:
     # (bench/cluster_start.py: ready 3.9 -> 3.0 s); MPI engines (spawned after it) only with cores to spare.
     preload = kind(launcher) == "local" or preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0)))
     set_default_engine_cmd(launcher, preload=preload, connection_wait_s=timeout_s)
+    set_default_controller_cmd(launcher)
     if not see_gpus:
         from traitlets.config import Config
         local = launcher.setdefault("config", Config())["LocalEngineSetLauncher"]
@@ -164,6 +166,19 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
             env[PRELOAD_ENV] = "0"
     if env:
         config.environment = {**env, **config.get("environment", {})}
+
+
+def set_default_controller_cmd(launcher: dict) -> None:
+    """The kit's controller (ipcontroller.py: it shuts down when this kernel dies) for a local controller, unless
+    the caller's config names a controller_cmd."""
+    from traitlets.config import Config
+
+    from .ipcontroller import CONTROLLER_CMD
+    if str(launcher.get("controller", "local")).lower() not in LOCAL_CONTROLLERS:
+        return   # slurm, ssh, mpi: the controller runs elsewhere, under the user's command
+    config = launcher.setdefault("config", Config())["LocalControllerLauncher"]
+    if "controller_cmd" not in config:
+        config.controller_cmd = CONTROLLER_CMD
 
 
 def engines_find_controller(cluster: ipp.Cluster) -> bool:

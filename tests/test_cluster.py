@@ -112,9 +112,10 @@ time.sleep(600)
 """
 
 
-def test_engines_exit_when_the_kernel_that_started_them_is_killed():
+def test_engines_and_controller_exit_when_the_kernel_that_started_them_is_killed():
     """A kernel killed mid-cell (no stop(), no atexit): its engines must not outlive it, not even rank 0, stuck in a
-    collective whose peer will never come (ipyparallel's heartbeat check cannot run under it)."""
+    collective whose peer will never come (ipyparallel's heartbeat check cannot run under it), and neither may its
+    controller with the hub's schedulers (ipcontroller.py)."""
     import subprocess
     import sys
     import time
@@ -128,10 +129,28 @@ def test_engines_exit_when_the_kernel_that_started_them_is_killed():
         spawned = psutil.Process(kernel.pid).children(recursive=True)   # engines, the controller and its children
         kernel.kill()
         kernel.wait()
-    gone, alive = psutil.wait_procs(engines, timeout=15)
-    for p in psutil.wait_procs(spawned, timeout=0)[1]:   # the controller outlives a killed kernel: not this test's
-        p.kill()                                          # subject, but nothing may be left running after it
-    assert not alive, f"engines {[e.pid for e in alive]} outlived their kernel"
+    commands = {p.pid: " ".join(p.cmdline()[1:3]) for p in spawned}
+    assert "-m mfsdp_kit.ipcontroller" in commands.values(), commands
+    alive = psutil.wait_procs(spawned, timeout=15)[1]
+    for p in alive:   # nothing may be left running after this test, whatever it asserts
+        p.kill()
+    assert not alive, f"{[commands[p.pid] for p in alive]} outlived their kernel"
+
+
+def test_the_kits_controller_is_the_default_only_for_a_local_controller_whose_command_the_caller_left_alone():
+    from traitlets.config import Config
+
+    from mfsdp_kit import launch
+    from mfsdp_kit.ipcontroller import CONTROLLER_CMD
+    default = {}
+    launch.set_default_controller_cmd(default)
+    assert default["config"].LocalControllerLauncher.controller_cmd == CONTROLLER_CMD
+    own = {"config": Config({"LocalControllerLauncher": {"controller_cmd": ["my-ipcontroller"]}})}
+    launch.set_default_controller_cmd(own)
+    assert own["config"].LocalControllerLauncher.controller_cmd == ["my-ipcontroller"]
+    elsewhere = {"controller": "slurm"}
+    launch.set_default_controller_cmd(elsewhere)
+    assert elsewhere == {"controller": "slurm"}
 
 
 def test_hiding_gpus_adds_to_the_callers_engine_environment_without_changing_it():

@@ -1,0 +1,40 @@
+"""`python -m mfsdp_kit.ipcontroller`: ipyparallel's controller, which shuts down when the kernel that started it dies.
+
+A notebook kernel killed mid-cell (restarted by the user, or by nbval) never runs `handle.stop()`. Its engines exit
+on their own (`ipengine.watch_parent`); without this, its controller (the hub, its schedulers and heart monitor:
+about nine processes) stayed behind for good. Here the same parent watch sends the controller SIGTERM, which runs
+ipyparallel's own shutdown (`IPController.handle_signal`: it terminates the schedulers, stops the loop, removes
+the connection files); if that has not ended the process within `GRACE_S`, it exits at once.
+
+The controller itself is unchanged (`ipyparallel.controller.app.main`, same arguments). `launch.make_cluster` makes
+this the default `controller_cmd` of a local controller (one the caller's config does not name).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from .ipengine import ORPHANED_EXIT, watch_parent
+
+CONTROLLER_CMD = [sys.executable, "-m", "mfsdp_kit.ipcontroller"]
+GRACE_S = 10.0
+"""Seconds ipyparallel's shutdown gets after SIGTERM before the controller exits regardless."""
+
+
+def shut_down() -> None:
+    """ipyparallel's shutdown (SIGTERM, handled in the main thread), then `os._exit` if it has not finished."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    os._exit(ORPHANED_EXIT)
+
+
+def main() -> None:
+    watch_parent(on_orphan=shut_down)
+    from ipyparallel.controller.app import main as controller_main
+    controller_main()
+
+
+if __name__ == "__main__":
+    main()
