@@ -188,7 +188,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     Returns this rank's tokens/s (every position, not only loss tokens), MFU (bf16/fp16 on GPU only:
     `perf.flops`' peak is dense bf16), step time, peak memory and model state next to the ZeRO formula.
     Defaults: on GPU micro-batch 64 (8 for a user's folder) and 5 steps; on CPU, where the numbers only show that
-    the path works, 2 and 1 (06_memory's CPU ranks on a one-GPU node train the GPUs' 180.9 M model in bf16)."""
+    the path works, 2 and 1."""
     import torch
     from megatron.core import parallel_state as ps
 

@@ -112,10 +112,11 @@ for s in $SECTIONS; do
     gpu_tests_ckpt) section gpu_tests_ckpt python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_format.py \
                   tests/test_checkpoint.py -k "roundtrip or resume or async or io_options or reshard or format" ;;
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call), ~1 min
-    # (and that engines started with device="cpu" see none of the node's GPUs)
+    # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
+    # controller exit, under the image's Python)
     gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
                   tests/test_grad_upcast.py tests/test_cluster.py \
-                  -k "on_a_gpu or gpus or cpu_engines" ;;
+                  -k "on_a_gpu or gpus or cpu_engines or kernel_that_started_them" ;;
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     archs)      section archs python3 -m tests.models.arch_table --gpus "$NGPU" --out "$RESULTS/architectures_gpu.json" ;;

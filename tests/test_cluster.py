@@ -105,7 +105,7 @@ def test_cpu_engines_see_no_gpu_on_any_machine_and_keep_it_across_restart():
 KERNEL = """
 import json, os, sys, time
 from mfsdp_kit import cluster
-h = cluster.start(2)
+h = cluster.start(2, device="cpu")   # any node: the subject is the processes, not the device
 print(json.dumps(h.apply(os.getpid)), flush=True)
 h.view.execute("import torch.distributed as dist\\nif rank == 0: dist.barrier()", block=False)   # rank 0 waits
 time.sleep(600)
