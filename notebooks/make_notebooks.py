@@ -350,34 +350,9 @@ assert handle.view["history"][0].loss[-1] < handle.view["history"][0].loss[0]   
 # -------------------------------------------------------------------------------------------------
 MEASURE = '''
 %%px
-import torch
-from transformers import AutoTokenizer
-from mfsdp_kit import data, engine, runtime
-from mfsdp_kit import notebook_model
-from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.memory import memory_report
-from mfsdp_kit.models.hf import load
-from mfsdp_kit.train import step
-
-tok = AutoTokenizer.from_pretrained(src)
-pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(8)
-seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
-batch = next(data.batches(pairs, tok, seq_len_tokens=seq, global_batch=4))
-
-def measure(fsdp):
-    """Per-rank bytes after one optimizer step (Adam's moments exist only after the first step), then
-    a few timed steps on full-length random sequences: tokens/s, MFU, peak memory."""
-    cfg = nbm.engine_config(use_megatron_fsdp=fsdp)
-    runtime.init(cfg)
-    model = load(src, cfg)
-    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
-    step(model.chunks, opt, batch, micro_batch_size=2)
-    report = memory_report(model.chunks, opt).as_dict()
-    return report, notebook_model.throughput(model.chunks, opt, nbm=nbm)
-
-measured = {f"{name} N={world_size}": measure(fsdp) for name, fsdp in (("DDP", False), ("FSDP", True))}
+measured = {f"{name} N={world_size}": measure(fsdp, timed) for name, fsdp in (("DDP", False), ("FSDP", True))}
 reports = {name: r for name, (r, _) in measured.items()}
-speeds = {name: s for name, (_, s) in measured.items()}
+speeds = {name: s for name, (_, s) in measured.items() if s is not None}
 '''
 
 MEMORY = [
@@ -406,18 +381,42 @@ Each measurement also times a few steps on full-length (256-token) random sequen
 the H100/H200 dense bf16 peak; reported in bf16 on GPUs only) and the peak memory per rank.
 '''),
     code(KNOB + '''
-from mfsdp_kit import cluster, notebook_model, plots
+from mfsdp_kit import cluster, gpus, notebook_model, plots
 from mfsdp_kit.memory import format_table, zero_formula_bytes, MemoryReport
 
 nbm = notebook_model.prepare(MODEL)
 src = nbm.path
 print("model:", nbm)
 reports, speeds = {}, {}
+
+
+def measure(fsdp, timed=True):
+    """Runs on every engine (pushed below; its globals are the engine's). Per-rank bytes after one optimizer step
+    (Adam's moments exist only after the first step), then, if `timed`, a few timed steps on full-length random
+    sequences: tokens/s, MFU, peak memory."""
+    from transformers import AutoTokenizer
+    from mfsdp_kit import data, engine, notebook_model, runtime
+    from mfsdp_kit.config import OptimConfig
+    from mfsdp_kit.memory import memory_report
+    from mfsdp_kit.models.hf import load
+    from mfsdp_kit.train import step
+
+    tok = AutoTokenizer.from_pretrained(src)
+    pairs = data.ArithmeticTask(digits=1, tokenizer=tok).train_pairs(8)
+    seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
+    batch = next(data.batches(pairs, tok, seq_len_tokens=seq, global_batch=4))
+    cfg = nbm.engine_config(use_megatron_fsdp=fsdp)
+    runtime.init(cfg)
+    model = load(src, cfg)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
+    step(model.chunks, opt, batch, micro_batch_size=2)
+    report = memory_report(model.chunks, opt).as_dict()
+    return report, notebook_model.throughput(model.chunks, opt, nbm=nbm) if timed else None
 '''),
     md("**One rank** (nothing to shard over: both wrappers hold everything):"),
     code('''
 handle = cluster.start(n=1)
-_ = handle.view.push(dict(src=src, nbm=nbm))
+_ = handle.view.push(dict(src=src, nbm=nbm, measure=measure, timed=True))
 handle
 '''),
     code(MEASURE),
@@ -428,13 +427,13 @@ handle.stop()
 '''),
     md('''
 **Two ranks**, one GPU each. On a machine with a single GPU they run on the CPU instead (`device="cpu"`: engines
-that see no GPU, gloo), with the same model and dtype: the bytes per rank are the same on either device.
+that see no GPU, gloo), with the same model and dtype: the bytes per rank are the same on either device. CPU
+ranks standing in for GPUs are not timed: their tokens/s would say nothing about the GPU.
 '''),
     code('''
-from mfsdp_kit import gpus
-
-handle = cluster.start(n=2, device="cpu" if gpus.visible() == 1 else "auto")
-_ = handle.view.push(dict(src=src, nbm=nbm))
+one_gpu = gpus.visible() == 1
+handle = cluster.start(n=2, device="cpu" if one_gpu else "auto")
+_ = handle.view.push(dict(src=src, nbm=nbm, measure=measure, timed=not one_gpu))
 print("two ranks on", handle.devices)
 '''),
     code(MEASURE),
@@ -449,9 +448,9 @@ print(format_table({name: MemoryReport(**{k: v for k, v in r.items() if k != "mo
 plots.memory_breakdown(reports, formula)
 '''),
     md('''
-Speed and memory per GPU (rank 0) of the same four runs, a few steps on full-length sequences. On CPU
+Speed and memory per GPU (rank 0) of the runs above, a few steps on full-length sequences. On CPU
 the numbers only show that the path works (gloo, 2 cores); on GPUs they are the real thing, in bf16 (on a
-machine with one GPU, the N=2 rows are CPU ranks):
+machine with one GPU, only the N=1 runs: the N=2 ranks ran on the CPU):
 '''),
     code('''
 print(notebook_model.format_throughput(speeds))
