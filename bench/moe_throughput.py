@@ -36,7 +36,7 @@ from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches
 from mfsdp_kit.perf.variants import add_engine_args, add_step_args, engine_config_from_args
 from mfsdp_kit.train import step
-from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.perf.report import table_row, units, write_json
 
 MODES = ("ddp", "fsdp")
 
@@ -87,26 +87,15 @@ def run(mode: str, ep: int, spec: GPTSpec, data, args) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------
-def _cell(r: dict, fmt) -> str:
-    if "error" in r:
-        return "-"
-    try:
-        return fmt(r)
-    except (KeyError, TypeError, ZeroDivisionError):
-        return "-"
-
-
 def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
-    big = spec.param_count() > 1e8
-    gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
-    scale, pu = (1e9, "B") if big else (1e6, "M")
+    gib, unit, scale, pu = units(spec.param_count())
     print(f"\n{args.spec}: {spec.param_count() / scale:.3f} {pu} params, {spec.active_param_count() / scale:.3f} {pu} "
           f"active per token ({spec.num_experts} experts, top-{spec.moe_router_topk}), L={spec.num_layers} "
           f"H={spec.hidden_size} S={spec.seq_len_tokens}, {args.dtype}, attention={args.attention}, world={world}, "
           f"micro-batch {args.micro_batch_size}, global batch {args.global_batch} x {spec.seq_len_tokens} tokens")
     print(f"FLOPs/token = 6*N_active + 12*L*H*S = {flops_per_token(spec) / 1e9:.3f} GFLOP; "
           f"MFU peak {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s/GPU")
-    row = lambda name, fmt: f"{name:<26}" + "".join(f"{_cell(r, fmt):>14}" for r in results.values())  # noqa: E731
+    row = lambda name, fmt: table_row(name, results, fmt, name_width=26, width=14)  # noqa: E731
     print(f"{'':<26}" + "".join(f"{k:>14}" for k in results))
     print(row("step s (median)", lambda r: f"{r['step_s']:.4f}"))
     print(row("tokens/s/GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"))

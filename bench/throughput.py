@@ -54,7 +54,7 @@ from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
 from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
                                      parse_modes, trainer_of, variant_overrides)
-from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.perf.report import table_row, units, write_json
 
 PROFILE_STEPS = 2
 
@@ -185,23 +185,8 @@ def combine_runs(runs: list[dict], spec: GPTSpec) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------
-def _cell(r: dict, fmt) -> str:
-    if "error" in r:
-        return "-"
-    try:
-        return fmt(r)
-    except (KeyError, TypeError, ZeroDivisionError):
-        return "-"  # a row this mode has no value for (not profiled, no fsdp baseline)
-
-
-def _row(name: str, results: dict, fmt) -> str:
-    return f"{name:<30}" + "".join(f"{_cell(results[m], fmt):>16}" for m in results)
-
-
 def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
-    big = spec.param_count() > 1e8
-    gib, unit = (2**30, "GiB") if big else (2**20, "MiB")
-    scale, pu = (1e9, "B") if big else (1e6, "M")
+    gib, unit, scale, pu = units(spec.param_count())
     print(f"\n{args.spec}: {spec.param_count() / scale:.3f} {pu} params (N for FLOPs = {matmul_params(spec) / scale:.3f} {pu}, "
           f"input embedding excluded), L={spec.num_layers} H={spec.hidden_size} S={spec.seq_len_tokens}, "
           f"{args.dtype}, attention={args.attention}, recompute={args.recompute}, "
@@ -214,25 +199,25 @@ def print_report(results: dict, spec: GPTSpec, args, world: int) -> None:
         if m not in TRAINERS:
             print(f"  {m} = {trainer_of(m)} + {variant_overrides(m, spec)}")
     print(f"{'':<30}" + "".join(f"{m:>16}" for m in results))
-    print(_row("step s (median)", results, lambda r: f"{r['step_s']:.4f}"))
-    print(_row("tokens/s/GPU", results, lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"))
+    print(table_row("step s (median)", results, lambda r: f"{r['step_s']:.4f}"))
+    print(table_row("tokens/s/GPU", results, lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}"))
     if any(len(r.get("runs", ())) > 1 for r in results.values()):
-        print(_row("  each run, k tokens/s", results,
+        print(table_row("  each run, k tokens/s", results,
                    lambda r: "/".join(f"{x['tokens_per_s_per_gpu'] / 1e3:.1f}" for x in r["runs"] if "error" not in x)))
-    print(_row("MFU %", results, lambda r: f"{100 * r['mfu']:.1f}"))
-    print(_row(f"peak {unit}/GPU", results, lambda r: f"{r['peak_bytes'] / gib:.2f}"))
+    print(table_row("MFU %", results, lambda r: f"{100 * r['mfu']:.1f}"))
+    print(table_row(f"peak {unit}/GPU", results, lambda r: f"{r['peak_bytes'] / gib:.2f}"))
     for phase in ("forward_backward", "optimizer_step"):
-        print(_row(f"  peak in {phase}", results, lambda r: f"{r['phase_peak_bytes'][phase] / gib:.2f}"))
-    print(_row(f"model state {unit}/GPU", results, lambda r: f"{r['memory']['model_state_bytes'] / gib:.3f}"))
-    print(_row("  / (16 B * params / dp)", results, lambda r: f"{r['model_state_vs_16_bytes_per_param']:.3f}"))
-    print(_row(f"ZeRO formula {unit}/GPU", results, lambda r: f"{r['zero_formula_bytes'] / gib:.3f}"))
+        print(table_row(f"  peak in {phase}", results, lambda r: f"{r['phase_peak_bytes'][phase] / gib:.2f}"))
+    print(table_row(f"model state {unit}/GPU", results, lambda r: f"{r['memory']['model_state_bytes'] / gib:.3f}"))
+    print(table_row("  / (16 B * params / dp)", results, lambda r: f"{r['model_state_vs_16_bytes_per_param']:.3f}"))
+    print(table_row(f"ZeRO formula {unit}/GPU", results, lambda r: f"{r['zero_formula_bytes'] / gib:.3f}"))
     base = results.get("fsdp", {})
-    print(_row("tokens/s / fsdp", results, lambda r: f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}"))
-    print(_row(f"peak - fsdp {unit}", results, lambda r: f"{(r['peak_bytes'] - base['peak_bytes']) / gib:+.2f}"))
-    print(_row("loss first -> last", results, lambda r: f"{r['losses'][0]:.3f}>{r['losses'][-1]:.3f}"))
+    print(table_row("tokens/s / fsdp", results, lambda r: f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}"))
+    print(table_row(f"peak - fsdp {unit}", results, lambda r: f"{(r['peak_bytes'] - base['peak_bytes']) / gib:+.2f}"))
+    print(table_row("loss first -> last", results, lambda r: f"{r['losses'][0]:.3f}>{r['losses'][-1]:.3f}"))
     ref = next((r for r in results.values() if "error" not in r), None)
     if ref is not None:  # same seed, init and batches: the modes differ only by rounding
-        print(_row(f"max|loss - {ref['mode']}|", results,
+        print(table_row(f"max|loss - {ref['mode']}|", results,
                    lambda r: f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.2e}"))
     if any("profile" in r for r in results.values()):
         print_profile(results)
@@ -248,14 +233,14 @@ def print_profile(results: dict) -> None:
     print(f"profiled ({PROFILE_STEPS} steps, rank 0, per step; exposed = NCCL time with no compute kernel running)")
     ms = lambda key: lambda r: f"{1e3 * r['profile'][key]:.1f}"  # noqa: E731
     pct = lambda key: lambda r: f"{100 * r['profile'][key] / r['profile']['step_s']:.1f}"  # noqa: E731
-    print(_row("  step ms (under profiler)", results, ms("step_s")))
-    print(_row("  compute kernels ms", results, ms("compute_kernel_s")))
-    print(_row("  NCCL kernels ms", results, ms("nccl_kernel_s")))
-    print(_row("  NCCL exposed ms", results, ms("nccl_exposed_s")))
-    print(_row("  NCCL exposed % step", results, pct("nccl_exposed_s")))
-    print(_row("  memcpy/memset ms", results, ms("memcpy_s")))
-    print(_row("  GPU idle ms", results, ms("gpu_idle_s")))
-    print(_row("  GPU idle % step", results, pct("gpu_idle_s")))
+    print(table_row("  step ms (under profiler)", results, ms("step_s")))
+    print(table_row("  compute kernels ms", results, ms("compute_kernel_s")))
+    print(table_row("  NCCL kernels ms", results, ms("nccl_kernel_s")))
+    print(table_row("  NCCL exposed ms", results, ms("nccl_exposed_s")))
+    print(table_row("  NCCL exposed % step", results, pct("nccl_exposed_s")))
+    print(table_row("  memcpy/memset ms", results, ms("memcpy_s")))
+    print(table_row("  GPU idle ms", results, ms("gpu_idle_s")))
+    print(table_row("  GPU idle % step", results, pct("gpu_idle_s")))
     for m, r in results.items():
         prof = r.get("profile") or {}
         if "error" in prof:

@@ -14,3 +14,25 @@ def write_json(path: str | Path, obj: Any, *, default: Callable[[Any], Any] | No
     path.write_text(json.dumps(obj, indent=indent, default=default))
     print("wrote", path)
     return path
+
+
+def cell(result: dict, fmt: Callable[[dict], str]) -> str:
+    """`fmt(result)`, or "-" for a run that failed or has no value for this row (not profiled, no baseline)."""
+    if "error" in result:
+        return "-"
+    try:
+        return fmt(result)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return "-"
+
+
+def table_row(name: str, results: dict[str, dict], fmt: Callable[[dict], str], *, name_width: int = 30,
+              width: int = 16) -> str:
+    """One line of a bench table: the row's name, then `cell` of every run (one column per run)."""
+    return f"{name:<{name_width}}" + "".join(f"{cell(r, fmt):>{width}}" for r in results.values())
+
+
+def units(num_params: int) -> tuple[int, str, float, str]:
+    """(bytes per memory unit, its name, params per count unit, its name): GiB and B(illion) params above 1e8
+    params, else MiB and M."""
+    return (2**30, "GiB", 1e9, "B") if num_params > 1e8 else (2**20, "MiB", 1e6, "M")
