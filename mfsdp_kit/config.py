@@ -84,6 +84,11 @@ class EngineConfig:
     """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
     `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one
     makes the next layer's gather wait behind queued gradient reduce-scatters. Costs one communicator."""
+    fsdp_keep_gathered: bool = False
+    """Keep each FSDP unit's all-gathered weights from its first gather in a step to the end of the step's backward
+    (`keep_gathered`; FSDP2's `reshard_after_forward=False`): one all-gather per unit per step instead of two per
+    micro-batch, same numbers. Costs the whole model's weights in the compute dtype (2 B/param in bf16, not divided
+    by N) through forward and backward. Megatron-FSDP with optim_grads_params and its default allocator only."""
     high_priority_comm: bool = False
     """Data-parallel collectives on high-priority CUDA streams (megatron's `high_priority_stream_groups`
     = ["dp_cp"]): their kernels are scheduled ahead of queued compute kernels. GPU (NCCL) only."""
@@ -161,6 +166,8 @@ class EngineConfig:
         if self.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
             raise bad_value("override_ddp_config.preserve_fp32_weights", False, f"True with dtype={self.dtype!r}: "
                             "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
+        if self.fsdp_keep_gathered:
+            _validate_keep_gathered(self)
         if self.high_priority_comm and not on_gpu:
             raise bad_value("high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
         if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= NCCL_MAX_CTAS:
@@ -274,6 +281,18 @@ def ddp_config(cfg: EngineConfig):
 
 
 # ---- helpers -------------------------------------------------------------------------------
+def _validate_keep_gathered(cfg: EngineConfig) -> None:
+    """fsdp_keep_gathered holds what optim_grads_params would free, in buckets of megatron's default allocator."""
+    strategy = cfg.override_ddp_config.get("data_parallel_sharding_strategy", "optim_grads_params")
+    if not cfg.use_megatron_fsdp or strategy != "optim_grads_params":
+        raise bad_value("fsdp_keep_gathered", True, "False unless use_megatron_fsdp=True with data_parallel_sharding_"
+                        f"strategy 'optim_grads_params' (got use_megatron_fsdp={cfg.use_megatron_fsdp}, {strategy!r}): "
+                        "only then are gathered weights freed between forward and backward")
+    for key in [k for k in GPU_ONLY_DDP_KEYS if cfg.override_ddp_config.get(k)]:
+        raise bad_value("fsdp_keep_gathered", True, f"False with override_ddp_config.{key}=True: megatron's double "
+                        "buffer has two bucket slots for all units, so it cannot keep every unit gathered")
+
+
 EXPERT_LAYOUT_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
 """TransformerConfig fields that must agree with the process groups `runtime.init` builds: a model
 built with EP 2 over groups of EP 1 routes tokens to experts no rank holds."""

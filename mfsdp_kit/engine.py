@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import grad_upcast, runtime
+from . import grad_upcast, keep_gathered, runtime
 from .compat import fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
@@ -82,6 +82,9 @@ def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.
     """Wrap built chunks (e.g. after loading weights into them) and attach the schedule hooks."""
     chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
     attach_schedule_hooks(chunks)
+    if cfg.fsdp_keep_gathered:   # train steps then hold what they gather (keep_gathered.held)
+        for pipeline in keep_gathered.pipelines(chunks):
+            keep_gathered.install(pipeline)
     return chunks
 
 

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from . import engine, runtime
+from . import engine, keep_gathered, runtime
 from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
 
@@ -108,11 +108,12 @@ def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_on
     rt = runtime.current()
     local = data_parallel_slice(batch).to(rt.device)
     mbs = micro_batches(local, micro_batch_size)
-    logged = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
-        num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
-        forward_only=forward_only)
-    engine.settle_param_gathers(chunks)
+    with keep_gathered.held(chunks):   # a no-op unless the model was built with fsdp_keep_gathered
+        logged = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
+            num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
+            forward_only=forward_only)
+        engine.settle_param_gathers(chunks)
     return _reduce_logged(logged, rt.device)
 
 

@@ -100,6 +100,9 @@ VARIANTS = {
     "fsdp-upcast-whole": ("fsdp", dict(optim=dict(grad_upcast="whole"))),
     # reduce-scatter gradients in fp32 (FSDP2's default here) instead of bf16
     "fsdp-grad-fp32": ("fsdp", dict(override_ddp_config=dict(grad_reduce_in_fp32=True))),
+    # each unit gathered once a step, kept through every micro-batch's forward and backward (keep_gathered), instead
+    # of megatron's gather per forward and per backward of each micro-batch: +the whole bf16 model during the step
+    "fsdp-keep-gathered": ("fsdp", dict(fsdp_keep_gathered=True)),
 }
 
 

@@ -1,0 +1,88 @@
+"""Megatron-FSDP's gathered weights kept from a step's first forward to the end of its backward
+(`EngineConfig.fsdp_keep_gathered`): one all-gather per FSDP unit per step instead of two per micro-batch.
+
+Under optim_grads_params, megatron-core 0.16.1 frees a unit's gathered weights after its forward (a post-forward
+hook) and gathers them again for its backward, in every micro-batch: a step of k micro-batches gathers each layer
+2k times, and each gather is host work in the hooks and NCCL time that the GPU may wait on. megatron-core 0.16.1
+has no knob to keep them (`no_sync` defers only the gradient reduce-scatter); FSDP2 calls it
+`reshard_after_forward=False`.
+
+How: while a step is `held`, `AllGatherPipeline.release_bucket` does nothing (its lazy variant included), so a unit
+gathered once stays READY_TO_USE, and every later gather of it returns at once (`async_bucket_gather` skips a bucket
+that is not EMPTY). The hold ends where megatron resets the pipeline once the step's gradients are synchronised
+(`finish_grad_sync`), which frees every bucket; the end of the step frees any left (a forward-only step).
+Between steps the memory is ZeRO-3's, and the optimizer's update reaches the next forward through a fresh gather.
+
+Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks) from the
+first forward to the end of backward, on top of the activations. The numbers do not change: the same gathered
+bytes are used (bit-equal losses, grad norms and weights: tests/test_keep_gathered.py). It needs megatron's
+default bucket allocator: its double buffer (`fsdp_double_buffer`, `nccl_ub`) has two slots for all units, which
+is why `EngineConfig.validate` refuses that pair.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+
+from .introspect import is_fsdp
+
+HOLD = "_mfsdp_kit_keep_gathered"
+"""Attribute of an `AllGatherPipeline`: absent (not installed), False (megatron's releases), True (held)."""
+
+
+def pipelines(chunks: Iterable[torch.nn.Module]) -> list:
+    """The all-gather pipeline of each Megatron-FSDP chunk (none for DDP chunks)."""
+    return [chunk.module.all_gather_pipeline for chunk in chunks if is_fsdp(chunk)]
+
+
+def install(pipeline) -> None:
+    """Route `pipeline.release_bucket` through the hold flag, and end the hold at `pipeline.reset` (once per
+    pipeline; the flag starts off). megatron resets the pipeline when the step's gradients are synchronised
+    (`finish_grad_sync` -> `synchronize_param_gather`), freeing every bucket: that is where a held step lets go."""
+    if hasattr(pipeline, HOLD):
+        return
+    setattr(pipeline, HOLD, False)
+    release, reset = pipeline.release_bucket, pipeline.reset
+
+    def release_unless_held(bucket_id, bwd, lazy: bool = False):
+        if getattr(pipeline, HOLD):
+            return None
+        return release(bucket_id, bwd, lazy=lazy)
+
+    def reset_and_let_go():
+        setattr(pipeline, HOLD, False)
+        return reset()
+    pipeline.release_bucket = release_unless_held   # recycle_unused_buckets calls it through the instance too
+    pipeline.reset = reset_and_let_go
+
+
+def release_all(pipeline) -> None:
+    """Free every gathered bucket (forward and backward keys), as megatron's post-backward hooks would have."""
+    for bucket_id in range(pipeline.num_buckets):
+        for bwd in (False, True):
+            pipeline.release_bucket(bucket_id, bwd)
+    for key in pipeline.bucket_can_be_released:
+        pipeline.bucket_can_be_released[key] = False
+
+
+@contextlib.contextmanager
+def held(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Keep every gathered bucket of these chunks' installed pipelines until the block ends, then free them all
+    (also on error). Chunks built without `fsdp_keep_gathered` (not installed) run as megatron runs them."""
+    held_pipelines = [p for p in pipelines(chunks) if hasattr(p, HOLD)]
+    for pipeline in held_pipelines:
+        setattr(pipeline, HOLD, True)
+    try:
+        yield
+    finally:
+        for pipeline in held_pipelines:
+            setattr(pipeline, HOLD, False)
+            release_all(pipeline)
+
+
+def gathered_buckets(chunks: Iterable[torch.nn.Module]) -> int:
+    """How many of these chunks' buckets hold gathered weights now (READY_TO_USE or still gathering)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
+    return sum(status != BucketStatus.EMPTY for p in pipelines(chunks) for status in p.bucket_status.values())
