@@ -11,6 +11,7 @@ CASES = {
     "bf16": dict(dtype="bf16"),
     "fp32": dict(dtype="fp32"),
     "bf16-full-recompute": dict(dtype="bf16", recompute="full"),   # backward re-runs forward over held weights
+    "moe-ep2": dict(dtype="fp32", ep=2),   # expert buffers on a 1-rank FSDP group (not sharded) beside sharded ones
 }
 
 
