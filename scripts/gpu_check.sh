@@ -151,11 +151,11 @@ for s in $SECTIONS; do
                   --attention sdpa --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels \
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
     # the eighth set: Megatron-FSDP keeping each unit's gathered weights through the step (fsdp_keep_gathered: one
-    # all-gather per unit per step instead of 2 per micro-batch; same bits, CPU test) beside the three systems, pipelined
-    # steps. On one GPU a unit's buffer is not sharded, so nothing is gathered or freed and the lever cannot show there.
+    # all-gather per unit per step instead of 2 per micro-batch; same bits, CPU test) beside the three systems and
+    # FSDP2's same trade (fsdp2-keep-gathered), pipelined steps. On one GPU a unit's buffer is not sharded, so nothing is gathered or freed and the lever cannot show there.
     levers8)    section levers8 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
-                  --pipelined --modes ddp,fsdp,fsdp-keep-gathered,fsdp2 --out "$RESULTS/levers8.json" ;;
+                  --pipelined --modes ddp,fsdp,fsdp-keep-gathered,fsdp2,fsdp2-keep-gathered --out "$RESULTS/levers8.json" ;;
     # the FSDP knobs, unfused (docs/results/h200x2/throughput_knobs.json); not in the default SECTIONS
     throughput_knobs) section throughput_knobs trun bench/throughput.py --spec 1.7b --attention sdpa \
                   --micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --profile \

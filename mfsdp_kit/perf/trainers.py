@@ -21,7 +21,7 @@ from ..memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
 from ..train import Batch, start_step
 from .peaks import PhasePeaks, record_step_phases
-from .variants import optim_overrides, trainer_of, uses_megatron_finalize
+from .variants import fsdp2_options, optim_overrides, trainer_of, uses_megatron_finalize
 
 Trainer = namedtuple("Trainer", "start memory settle")
 """start(batch, step_index) issues one step over a global batch and returns a function that reads its loss
@@ -63,8 +63,11 @@ def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, p
     return Trainer(start, lambda: memory_report(chunks, opt).as_dict(), settle)
 
 
-def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks) -> Trainer:
-    """The same megatron GPT under torch's fully_shard, stepped by torch AdamW."""
+def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks,
+                keep_gathered: bool = False) -> Trainer:
+    """The same megatron GPT under torch's fully_shard, stepped by torch AdamW. `keep_gathered`: FSDP2's side of
+    `fsdp_keep_gathered`, each unit gathered once a step (`reshard_after_forward=False`, and no reshard after the
+    backward of any but the step's last micro-batch)."""
     from megatron.core import tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -79,14 +82,14 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
     mesh = init_device_mesh(rt.device.type, (rt.world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(cfg.dtype), reduce_dtype=torch.float32)
     for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep_gathered)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                             fused=rt.device.type == "cuda")
 
     def start(batch: Batch, i: int):
         opt.zero_grad(set_to_none=True)
-        loss = fsdp2_forward_backward(model, batch, micro_batch_size=micro_batch_size)
+        loss = fsdp2_forward_backward(model, batch, micro_batch_size=micro_batch_size, keep_gathered=keep_gathered)
         peaks.before_step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -100,14 +103,16 @@ def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_si
     """The Trainer of variant `mode`: megatron's (ddp, fsdp and its variants) or torch FSDP2's."""
     peaks = peaks or PhasePeaks(record=False)
     if trainer_of(mode) == "fsdp2":
-        return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks)
+        return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks,
+                           keep_gathered=fsdp2_options(mode, spec).get("keep_gathered", False))
     return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec),
                           megatron_finalize=uses_megatron_finalize(mode, spec))
 
 
-def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int, keep_gathered: bool = False) -> torch.Tensor:
     """Per-token mean over the global batch (a 0-dim tensor on the device, unread), as train.step: sum /
-    global tokens, grads averaged over ranks by FSDP2, hence the * world_size."""
+    global tokens, grads averaged over ranks by FSDP2, hence the * world_size. `keep_gathered`: reshard only after
+    the last micro-batch's backward."""
     rt = runtime.current()
     n = batch.num_sequences // rt.world_size
     mine = batch.slice(rt.rank * n, (rt.rank + 1) * n).to(rt.device)
@@ -118,6 +123,8 @@ def fsdp2_forward_backward(model, batch: Batch, *, micro_batch_size: int) -> tor
         pos = torch.arange(mb.tokens.shape[1], device=rt.device).unsqueeze(0).expand_as(mb.tokens)
         per_token = model(mb.tokens, pos, None, labels=mb.labels)
         loss_sum = (per_token.float() * mb.loss_mask).sum()
+        if keep_gathered:
+            model.set_reshard_after_backward(i + micro_batch_size >= n)
         (loss_sum * rt.world_size / global_tokens).backward()
         total += torch.stack([loss_sum.detach().double(), mb.loss_mask.sum().double()])
     dist.all_reduce(total)

@@ -7,7 +7,7 @@ Three trainers train the SAME megatron GPT (local spec, same attention backend, 
 A variant is (trainer, EngineConfig overrides): fsdp-recompute is fsdp with recompute="full", so
 each knob is measured in the same run as the mode it changes. An "optim" entry of the overrides
 holds OptimConfig fields instead (fsdp-foreach-adam); a "finalize" entry picks megatron's finalize_model_grads
-over the kit's (fsdp-megatron-finalize).
+over the kit's (fsdp-megatron-finalize); an "fsdp2" entry holds build_fsdp2's options (fsdp2-keep-gathered).
 """
 from __future__ import annotations
 
@@ -103,6 +103,9 @@ VARIANTS = {
     # each unit gathered once a step, kept through every micro-batch's forward and backward (keep_gathered), instead
     # of megatron's gather per forward and per backward of each micro-batch: +the whole bf16 model during the step
     "fsdp-keep-gathered": ("fsdp", dict(fsdp_keep_gathered=True)),
+    # FSDP2's same trade, for a like-for-like comparison: reshard_after_forward=False, and no reshard after the
+    # backward of any but the step's last micro-batch (an "fsdp2" entry holds build_fsdp2's options)
+    "fsdp2-keep-gathered": ("fsdp2", dict(fsdp2=dict(keep_gathered=True))),
 }
 
 
@@ -122,6 +125,11 @@ def optim_overrides(mode: str, spec: GPTSpec) -> dict:
     return dict(variant_overrides(mode, spec).get("optim", {}))
 
 
+def fsdp2_options(mode: str, spec: GPTSpec) -> dict:
+    """The `build_fsdp2` options variant `mode` sets (empty for most)."""
+    return dict(variant_overrides(mode, spec).get("fsdp2", {}))
+
+
 def uses_megatron_finalize(mode: str, spec: GPTSpec) -> bool:
     """Whether variant `mode` finalizes grads with megatron's finalize_model_grads instead of the kit's."""
     return variant_overrides(mode, spec).get("finalize") == "megatron"
@@ -136,6 +144,7 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
     overrides = variant_overrides(mode, spec)
     overrides.pop("optim", None)
     overrides.pop("finalize", None)
+    overrides.pop("fsdp2", None)
     ddp_config = dict((fsdp_overrides if trainer == "fsdp" else ddp_overrides) or {})
     ddp_config.update(overrides.pop("override_ddp_config", {}))
     fields = dict(

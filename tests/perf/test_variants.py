@@ -9,7 +9,7 @@ import pytest
 from mfsdp_kit.models.gpt import SPECS
 from mfsdp_kit.perf.flops import flops_per_token, layer_params, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, record_step_phases
-from mfsdp_kit.perf.variants import (VARIANTS, add_engine_args, engine_config, engine_config_from_args,
+from mfsdp_kit.perf.variants import (VARIANTS, add_engine_args, engine_config, engine_config_from_args, fsdp2_options,
                                      megatron_default_unit_elements, optim_overrides, uses_megatron_finalize,
                                      parse_modes)
 
@@ -56,12 +56,15 @@ def test_variant_configs():
     assert not cfg["fsdp"].fused_cross_entropy
     assert uses_megatron_finalize("fsdp-megatron-finalize", spec) and uses_megatron_finalize("ddp-megatron-finalize", spec)
     assert not uses_megatron_finalize("fsdp", spec)
+    assert cfg["fsdp-keep-gathered"].fsdp_keep_gathered and not cfg["fsdp"].fsdp_keep_gathered
+    assert fsdp2_options("fsdp2-keep-gathered", spec) == {"keep_gathered": True} and not fsdp2_options("fsdp2", spec)
+    assert cfg["fsdp2-keep-gathered"] == cfg["fsdp2"]   # its option is build_fsdp2's, not an EngineConfig field
     for m, c in cfg.items():  # each variant changes only what it names
         base = cfg[VARIANTS[m][0]]
         changed = {k for k, v in c.to_dict().items() if v != base.to_dict()[k]}
         assert changed <= {"override_ddp_config", "recompute", "optimizer_offload", "fused_kernels",
                            "fsdp_all_gather_group", "high_priority_comm", "override_transformer_config",
-                           "nccl_max_ctas", "fused_cross_entropy"}, (m, changed)
+                           "nccl_max_ctas", "fused_cross_entropy", "fsdp_keep_gathered"}, (m, changed)
         assert c.dtype == "bf16" and c.attention_backend == "sdpa" and not c.fused_kernels
     fused = {m: engine_config(m, spec, **{**SETTINGS, "fused_kernels": True}).fused_kernels for m in VARIANTS}
     assert fused == {m: m != "fsdp-unfused" for m in VARIANTS}
