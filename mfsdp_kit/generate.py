@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import chat, engine, runtime
+from . import chat, engine, keep_gathered, runtime
 
 
 @torch.no_grad()
@@ -85,18 +85,19 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: i
     for c in chunks:
         c.eval()
     out = {}
-    for length in sorted(by_length):
-        share, real = _my_share(by_length[length], dp_rank=ps.get_data_parallel_rank(),
-                                dp_size=ps.get_data_parallel_world_size())
-        tokens = torch.tensor([prompts[i] for i in share], device=device)
-        for _ in range(max_new_tokens):  # every rank runs the same forwards: all stop together
-            next_ids = logits(chunks, tokens, last_only=True, vocab_size=vocab_size)[:, -1, :].argmax(dim=-1)
-            tokens = torch.cat([tokens, next_ids.unsqueeze(1)], dim=1)
-            if _all_stopped(tokens[:real], length, stops):   # padding rows (beyond real) do not count
-                break
-        for i, row in zip(share[:real], tokens[:real, length:].tolist()):
-            out[i] = cut_at_stop(row, stop_ids)
-    engine.settle_param_gathers(chunks)
+    with keep_gathered.held(chunks):   # built with fsdp_keep_gathered: one gather per unit per call, not per token
+        for length in sorted(by_length):
+            share, real = _my_share(by_length[length], dp_rank=ps.get_data_parallel_rank(),
+                                    dp_size=ps.get_data_parallel_world_size())
+            tokens = torch.tensor([prompts[i] for i in share], device=device)
+            for _ in range(max_new_tokens):  # every rank runs the same forwards: all stop together
+                next_ids = logits(chunks, tokens, last_only=True, vocab_size=vocab_size)[:, -1, :].argmax(dim=-1)
+                tokens = torch.cat([tokens, next_ids.unsqueeze(1)], dim=1)
+                if _all_stopped(tokens[:real], length, stops):   # padding rows (beyond real) do not count
+                    break
+            for i, row in zip(share[:real], tokens[:real, length:].tolist()):
+                out[i] = cut_at_stop(row, stop_ids)
+        engine.settle_param_gathers(chunks)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
     return out

@@ -11,6 +11,7 @@ How: while a step is `held`, `AllGatherPipeline.release_bucket` does nothing (it
 gathered once stays READY_TO_USE, and every later gather of it returns at once (`async_bucket_gather` skips a bucket
 that is not EMPTY). The hold ends where megatron resets the pipeline once the step's gradients are synchronised
 (`finish_grad_sync`), which frees every bucket; the end of the step frees any left (a forward-only step).
+`generate.greedy` holds too: one gather per unit per call instead of one per unit per decoded token.
 Between steps the memory is ZeRO-3's, and the optimizer's update reaches the next forward through a fresh gather.
 
 Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks) from the

@@ -19,8 +19,16 @@ CASES = {
 def runs():
     calls = [["scenarios_keep_gathered:train", dict(keep=keep, **case)] for case in CASES.values()
              for keep in (False, True)]
+    calls += [["scenarios_keep_gathered:generate", dict(keep=keep)] for keep in (False, True)]
     results = launch.run("sequence", nproc=2, calls=calls)
-    return {name: tuple(results[2 * i:2 * i + 2]) for i, name in enumerate(CASES)}
+    return {**{name: tuple(results[2 * i:2 * i + 2]) for i, name in enumerate(CASES)}, "greedy": tuple(results[-2:])}
+
+
+def test_greedy_decoding_gathers_each_unit_once_per_call_with_the_same_tokens(runs):
+    default, kept = runs["greedy"]
+    assert kept["completions"] == default["completions"] and all(len(c) == 6 for _, c in kept["completions"])
+    assert 0 < kept["gathers"] <= kept["buckets"] < default["gathers"] / 5, (default, kept)   # megatron: per token
+    assert kept["gathered_after"] == 0, kept
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -10,6 +10,7 @@ from mfsdp_kit import engine, keep_gathered, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.models.gpt import MOE_SPECS
+from mfsdp_kit.generate import greedy
 from mfsdp_kit.train import step
 from scenarios import SPEC, random_batches
 from scenarios_grad_upcast import _weight_bits
@@ -58,5 +59,21 @@ def train(*, keep: bool, dtype: str = "bf16", recompute: str = "none", layers: i
     result = dict(losses=losses, grad_norms=norms, gathers_per_step=gathers, gathered_after_step=after,
                   most_gathered=seen["most_gathered"], buckets=pipeline.num_buckets,
                   weight_bits=_weight_bits([p for g in torch_opt.param_groups for p in g["params"]]))
+    runtime.shutdown()
+    return result
+
+
+def generate(*, keep: bool, layers: int = 4, new_tokens: int = 6) -> dict:
+    """Greedy decoding of 4 prompts with a Megatron-FSDP model: this rank's completions and the buckets gathered."""
+    spec = dataclasses.replace(SPEC, num_layers=layers)
+    cfg = EngineConfig(use_megatron_fsdp=True, seed=7, fsdp_keep_gathered=keep)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    seen = _count_gathers(keep_gathered.pipelines(chunks)[0])
+    prompts = [[3, 5, 7], [2, 4, 6], [9, 8, 7, 6], [1, 1, 2, 3]]
+    completions = greedy(chunks, prompts, max_new_tokens=new_tokens, stop_ids=[-1])   # no stop: every token decoded
+    result = dict(completions=sorted(completions.items()), gathers=seen["gathers"],
+                  gathered_after=keep_gathered.gathered_buckets(chunks),
+                  buckets=keep_gathered.pipelines(chunks)[0].num_buckets)
     runtime.shutdown()
     return result
