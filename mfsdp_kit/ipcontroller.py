@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 from .ipengine import ORPHANED_EXIT, watch_parent
@@ -24,9 +25,13 @@ GRACE_S = 10.0
 
 
 def shut_down() -> None:
-    """ipyparallel's shutdown (SIGTERM, handled in the main thread), then `os._exit` if it has not finished."""
-    os.kill(os.getpid(), signal.SIGTERM)
+    """ipyparallel's shutdown (SIGTERM to the main thread, where its handler runs), then, if that has not ended the
+    process within GRACE_S, SIGKILL to its process group (the launcher starts it as a session leader, so the group is
+    the hub's schedulers and heart monitor, which `os._exit` alone would leave running) and `os._exit`."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
     time.sleep(GRACE_S)
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
     os._exit(ORPHANED_EXIT)
 
 

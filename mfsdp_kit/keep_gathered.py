@@ -14,7 +14,8 @@ that is not EMPTY). The hold ends where megatron resets the pipeline once the st
 `generate.greedy` holds too: one gather per unit per call instead of one per unit per decoded token.
 Between steps the memory is ZeRO-3's, and the optimizer's update reaches the next forward through a fresh gather.
 
-Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks) from the
+Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks; fp8 would
+also keep its transpose buffers) from the
 first forward to the end of backward, on top of the activations. The numbers do not change: the same gathered
 bytes are used (bit-equal losses, grad norms and weights: tests/test_keep_gathered.py). It needs megatron's
 default bucket allocator: its double buffer (`fsdp_double_buffer`, `nccl_ub`) has two slots for all units, which
@@ -72,7 +73,7 @@ def release_all(pipeline) -> None:
 def held(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     """Keep every gathered bucket of these chunks' installed pipelines until the block ends, then free them all
     (also on error). Chunks built without `fsdp_keep_gathered` (not installed) run as megatron runs them."""
-    held_pipelines = [p for p in pipelines(chunks) if hasattr(p, HOLD)]
+    held_pipelines = [p for p in pipelines(chunks) if getattr(p, HOLD, True) is False]   # an outer block owns a held one
     for pipeline in held_pipelines:
         setattr(pipeline, HOLD, True)
     try:

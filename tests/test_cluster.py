@@ -127,9 +127,9 @@ def test_engines_and_controller_exit_when_the_kernel_that_started_them_is_killed
         time.sleep(1.0)                                      # rank 0 is inside the barrier by now
     finally:
         spawned = psutil.Process(kernel.pid).children(recursive=True)   # engines, the controller and its children
+        commands = {p.pid: " ".join(p.cmdline()[1:3]) for p in spawned}
         kernel.kill()
         kernel.wait()
-    commands = {p.pid: " ".join(p.cmdline()[1:3]) for p in spawned}
     assert "-m mfsdp_kit.ipcontroller" in commands.values(), commands
     alive = psutil.wait_procs(spawned, timeout=15)[1]
     for p in alive:   # nothing may be left running after this test, whatever it asserts
