@@ -115,7 +115,7 @@ for s in $SECTIONS; do
     # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
     # controller exit, under the image's Python)
     gpu_tests_gpu) section gpu_tests_gpu python3 -m pytest -q -p no:cacheprovider tests/test_train.py tests/test_gpus.py \
-                  tests/test_grad_upcast.py tests/test_cluster.py \
+                  tests/test_grad_upcast.py tests/test_cluster.py tests/test_keep_gathered.py \
                   -k "on_a_gpu or gpus or cpu_engines or kernel_that_started_them" ;;
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
@@ -152,7 +152,8 @@ for s in $SECTIONS; do
                   --modes ddp,fsdp,fsdp2 --out "$RESULTS/throughput_simple.json" ;;
     # the eighth set: Megatron-FSDP keeping each unit's gathered weights through the step (fsdp_keep_gathered: one
     # all-gather per unit per step instead of 2 per micro-batch; same bits, CPU test) beside the three systems and
-    # FSDP2's same trade (fsdp2-keep-gathered), pipelined steps. On one GPU a unit's buffer is not sharded, so nothing is gathered or freed and the lever cannot show there.
+    # FSDP2's same trade (fsdp2-keep-gathered), pipelined steps. On one GPU the buffers are not sharded: the gathers
+    # it saves are one-rank copies, so there it measures the hooks' host work (and runs the CUDA path).
     levers8)    section levers8 trun bench/throughput.py --spec 1.7b --attention sdpa --micro-batch-size 8 \
                   --global-batch $((16 * NGPU)) --steps 6 --warmup 2 --fused-kernels --fused-cross-entropy --repeats 3 \
                   --pipelined --modes ddp,fsdp,fsdp-keep-gathered,fsdp2,fsdp2-keep-gathered --out "$RESULTS/levers8.json" ;;
