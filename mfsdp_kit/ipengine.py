@@ -37,6 +37,8 @@ PRELOAD_ENV = "MFSDP_KIT_PRELOAD"
 """'0': no import thread (the imports then run in `runtime.init`); anything else or unset: imports at boot."""
 WAIT_ENV = "MFSDP_KIT_CONNECTION_WAIT_S"
 """Seconds an engine spawned before the controller waits for its connection file (launch.py sets `timeout_s`)."""
+PARENT_ENV = "MFSDP_KIT_PARENT_PID"
+"""The pid of the process that launches the kit's local engines and controller (`launch.make_cluster` sets it)."""
 ORPHANED_EXIT = 75
 """The exit code of an engine whose launcher died (`watch_parent`)."""
 _thread: threading.Thread | None = None
@@ -95,10 +97,11 @@ def _exit_now() -> None:
 
 
 def watch_parent(*, poll_s: float = 1.0, on_orphan: Callable[[], None] = _exit_now) -> threading.Thread:
-    """A daemon thread that calls `on_orphan` (default: `os._exit(ORPHANED_EXIT)`) once this process's parent has
-    changed: the launcher (the kernel for local engines and the controller, mpiexec for MPI engines) has died and
-    this process was re-parented."""
-    parent = os.getppid()
+    """A daemon thread that calls `on_orphan` (default: `os._exit(ORPHANED_EXIT)`) once this process's parent is
+    not its launcher: the launcher (the kernel for local engines and the controller, mpiexec for MPI engines) has
+    died and this process was re-parented. The launcher is `$MFSDP_KIT_PARENT_PID` where the kit set it (local
+    engines and controller), so a kernel that died before this thread started is noticed too; else the parent now."""
+    parent = int(os.environ.get(PARENT_ENV) or os.getppid())
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -150,7 +150,7 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     Both keep the bytecode of what they import (`cache.bytecode_env`)."""
     from traitlets.config import Config
 
-    from .ipengine import PRELOAD_ENV, WAIT_ENV
+    from .ipengine import PARENT_ENV, PRELOAD_ENV, WAIT_ENV
     section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))
     if section is None or (section == "MPIEngineSetLauncher" and not preload):
         return   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
@@ -158,6 +158,7 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     env = cache.bytecode_env()   # an image with PYTHONDONTWRITEBYTECODE=1 recompiles torch at every start
     if section == "LocalEngineSetLauncher":
         env[WAIT_ENV] = f"{connection_wait_s:g}"
+        env[PARENT_ENV] = str(os.getpid())   # the launcher, for ipengine.watch_parent
         if "delay" not in config:
             config.delay = 0.0
     if "engine_cmd" not in config:
@@ -174,11 +175,13 @@ def set_default_controller_cmd(launcher: dict) -> None:
     from traitlets.config import Config
 
     from .ipcontroller import CONTROLLER_CMD
+    from .ipengine import PARENT_ENV
     if str(launcher.get("controller", "local")).lower() not in LOCAL_CONTROLLERS:
         return   # slurm, ssh, mpi: the controller runs elsewhere, under the user's command
     config = launcher.setdefault("config", Config())["LocalControllerLauncher"]
     if "controller_cmd" not in config:
         config.controller_cmd = CONTROLLER_CMD
+        config.environment = {PARENT_ENV: str(os.getpid()), **config.get("environment", {})}
 
 
 def engines_find_controller(cluster: ipp.Cluster) -> bool:

@@ -137,6 +137,22 @@ def test_engines_and_controller_exit_when_the_kernel_that_started_them_is_killed
     assert not alive, f"{[commands[p.pid] for p in alive]} outlived their kernel"
 
 
+def test_the_parent_watch_notices_a_launcher_that_died_before_it_started(monkeypatch):
+    """The launcher's pid comes from $MFSDP_KIT_PARENT_PID: a process whose launcher is already gone (here: a pid
+    that is not its parent) is orphaned from the start, and the watch must say so at once, not wait forever."""
+    import threading
+
+    from mfsdp_kit import ipengine
+    orphaned = threading.Event()
+    monkeypatch.setenv(ipengine.PARENT_ENV, str(os.getppid() + 1_000_000))   # no process has this pid
+    ipengine.watch_parent(poll_s=0.01, on_orphan=orphaned.set)
+    assert orphaned.wait(5)
+    monkeypatch.setenv(ipengine.PARENT_ENV, str(os.getppid()))                # the real launcher: no call
+    quiet = threading.Event()
+    ipengine.watch_parent(poll_s=0.05, on_orphan=quiet.set)   # lives on, a daemon thread polling getppid()
+    assert not quiet.wait(0.3)
+
+
 def test_the_kits_controller_is_the_default_only_for_a_local_controller_whose_command_the_caller_left_alone():
     from traitlets.config import Config
 
@@ -145,6 +161,7 @@ def test_the_kits_controller_is_the_default_only_for_a_local_controller_whose_co
     default = {}
     launch.set_default_controller_cmd(default)
     assert default["config"].LocalControllerLauncher.controller_cmd == CONTROLLER_CMD
+    assert default["config"].LocalControllerLauncher.environment == {"MFSDP_KIT_PARENT_PID": str(os.getpid())}
     own = {"config": Config({"LocalControllerLauncher": {"controller_cmd": ["my-ipcontroller"]}})}
     launch.set_default_controller_cmd(own)
     assert own["config"].LocalControllerLauncher.controller_cmd == ["my-ipcontroller"]
