@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from . import chat
-from .config import bad_value
+from .config import bad_value, is_int
 from .models.tiny import EOS, build_tokenizer
 
 Pair = tuple[str, str]
@@ -253,7 +253,7 @@ def _example(item, tokenizer, i: int) -> Example:
 
 def seq_len_needed(items: list, tokenizer, *, multiple_of: int = 1) -> int:
     """The shortest seq_len_tokens keeping every example whole (its tokens - 1), rounded up to a `multiple_of`."""
-    if not (isinstance(multiple_of, int) and multiple_of >= 1):
+    if not (is_int(multiple_of) and multiple_of >= 1):
         raise bad_value("multiple_of", multiple_of, "an integer >= 1")
     return -(-max(len(_example(item, tokenizer, i).ids) - 1 for i, item in enumerate(items)) // multiple_of) * multiple_of
 

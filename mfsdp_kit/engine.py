@@ -18,7 +18,7 @@ import torch
 from . import grad_upcast, keep_gathered, runtime
 from .compat import fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
-from .introspect import inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
+from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
 
 class ModelProvider(Protocol):
@@ -83,7 +83,7 @@ def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.
     chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
     attach_schedule_hooks(chunks)
     if cfg.fsdp_keep_gathered:   # train steps then hold what they gather (keep_gathered.held)
-        for pipeline in keep_gathered.pipelines(chunks):
+        for pipeline in all_gather_pipelines(chunks):
             keep_gathered.install(pipeline)
     return chunks
 
@@ -216,12 +216,10 @@ def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
     """
     if torch.cuda.is_available():
         return
-    for chunk in chunks:
-        if is_fsdp(chunk):
-            pipeline = chunk.module.all_gather_pipeline
-            while pipeline.param_gather_event_map:
-                bucket_id, bwd = next(iter(pipeline.param_gather_event_map))
-                pipeline.wait_bucket_ready(bucket_id, bwd)
+    for pipeline in all_gather_pipelines(chunks):
+        while pipeline.param_gather_event_map:
+            bucket_id, bwd = next(iter(pipeline.param_gather_event_map))
+            pipeline.wait_bucket_ready(bucket_id, bwd)
 
 
 def release(chunks: Iterable[torch.nn.Module]) -> None:

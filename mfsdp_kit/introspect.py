@@ -37,6 +37,11 @@ def is_fsdp(chunk: torch.nn.Module) -> bool:
     return isinstance(chunk, FullyShardedDataParallel)
 
 
+def all_gather_pipelines(chunks) -> list:
+    """Megatron-FSDP's parameter all-gather pipeline (`AllGatherPipeline`) of each FSDP chunk; none for DDP chunks."""
+    return [chunk.module.all_gather_pipeline for chunk in chunks if is_fsdp(chunk)]
+
+
 def param_view(chunk: torch.nn.Module) -> str | None:
     """Which parameters an FSDP chunk's module shows: "sharded" (DTensor shards, what the optimizer
     steps and exporters gather) or "compute" (the unsharded tensors a forward runs on); None for DDP."""

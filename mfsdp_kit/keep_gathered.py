@@ -28,15 +28,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .introspect import is_fsdp
+from .introspect import all_gather_pipelines
 
 HOLD = "_mfsdp_kit_keep_gathered"
 """Attribute of an `AllGatherPipeline`: absent (not installed), False (megatron's releases), True (held)."""
-
-
-def pipelines(chunks: Iterable[torch.nn.Module]) -> list:
-    """The all-gather pipeline of each Megatron-FSDP chunk (none for DDP chunks)."""
-    return [chunk.module.all_gather_pipeline for chunk in chunks if is_fsdp(chunk)]
 
 
 def install(pipeline) -> None:
@@ -73,7 +68,8 @@ def release_all(pipeline) -> None:
 def held(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
     """Keep every gathered bucket of these chunks' installed pipelines until the block ends, then free them all
     (also on error). Chunks built without `fsdp_keep_gathered` (not installed) run as megatron runs them."""
-    held_pipelines = [p for p in pipelines(chunks) if getattr(p, HOLD, True) is False]   # an outer block owns a held one
+    # installed and not yet held (a block inside another leaves the pipeline to the outer one)
+    held_pipelines = [p for p in all_gather_pipelines(chunks) if getattr(p, HOLD, True) is False]
     for pipeline in held_pipelines:
         setattr(pipeline, HOLD, True)
     try:
@@ -87,4 +83,4 @@ def held(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
 def gathered_buckets(chunks: Iterable[torch.nn.Module]) -> int:
     """How many of these chunks' buckets hold gathered weights now (READY_TO_USE or still gathering)."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
-    return sum(status != BucketStatus.EMPTY for p in pipelines(chunks) for status in p.bucket_status.values())
+    return sum(s != BucketStatus.EMPTY for p in all_gather_pipelines(chunks) for s in p.bucket_status.values())

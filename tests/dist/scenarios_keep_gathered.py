@@ -8,6 +8,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer impo
 
 from mfsdp_kit import engine, keep_gathered, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.introspect import all_gather_pipelines
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.models.gpt import MOE_SPECS
 from mfsdp_kit.generate import greedy
@@ -44,7 +45,7 @@ def train(*, keep: bool, dtype: str = "bf16", recompute: str = "none", layers: i
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=3e-3, clip_grad=0.05), cfg)
-    pipeline = keep_gathered.pipelines(chunks)[0]
+    pipeline = all_gather_pipelines(chunks)[0]
     seen = _count_gathers(pipeline)
     pool = random_batches(steps=2, batch=8, seq=spec.seq_len_tokens, vocab=spec.vocab_size)
     losses, norms, gathers, after = [], [], [], []
@@ -69,11 +70,11 @@ def generate(*, keep: bool, layers: int = 4, new_tokens: int = 6) -> dict:
     cfg = EngineConfig(use_megatron_fsdp=True, seed=7, fsdp_keep_gathered=keep)
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
-    seen = _count_gathers(keep_gathered.pipelines(chunks)[0])
+    seen = _count_gathers(all_gather_pipelines(chunks)[0])
     prompts = [[3, 5, 7], [2, 4, 6], [9, 8, 7, 6], [1, 1, 2, 3]]
     completions = greedy(chunks, prompts, max_new_tokens=new_tokens, stop_ids=[-1])   # no stop: every token decoded
     result = dict(completions=sorted(completions.items()), gathers=seen["gathers"],
                   gathered_after=keep_gathered.gathered_buckets(chunks),
-                  buckets=keep_gathered.pipelines(chunks)[0].num_buckets)
+                  buckets=all_gather_pipelines(chunks)[0].num_buckets)
     runtime.shutdown()
     return result
