@@ -311,11 +311,13 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
     device: "auto" (one GPU per engine, else the CPU) | "cpu" (local engines that see no GPU, even on a GPU node:
       gloo and CPU tensors; n=2 on a machine with one GPU).
-    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...).
+    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...); the
+      kit's defaults fill only what neither it nor the profile's ipcluster_config.py sets.
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
       running as root (launch.openmpi_env; docs/cluster.md says how to override).
     """
     watch = Stopwatch()
+    launcher = launch.with_profile(launcher)   # the profile's ipcluster_config.py counts in every check below
     launch.check_start(n=n, backend=backend, timeout_s=timeout_s, device_count=device_count, device=device,
                        launcher=launcher)   # fail here, not after engines have started
     local = launch.kind(launcher) == "local"

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import ipyparallel as ipp
+from traitlets.config import Config
 
 from . import cache
 from .config import BACKENDS, ConfigError, bad_value
@@ -94,10 +95,32 @@ def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, devi
                   "CPU nodes or set CUDA_VISIBLE_DEVICES='' in that launcher's environment")
 
 
+def with_profile(launcher: dict) -> dict:
+    """`launcher` with its ipyparallel profile's ipcluster_config.py folded into `config` as ipyparallel merges
+    them (the caller's config wins), and `load_profile=False`. The kit's defaults then fill only what neither
+    names: a site profile's engine_cmd, controller_cmd, engine launcher or controller_args is kept."""
+    if launcher.get("load_profile", True) is False:
+        return launcher
+    where = {k: launcher[k] for k in ("profile", "profile_dir") if k in launcher}
+    profile = ipp.Cluster(**where, config=Config()).profile_config   # runs the file, as ipyparallel would
+    config = Config()
+    config.merge(profile)
+    config.merge(Config(launcher.get("config") or {}))
+    return {**launcher, "config": config, "load_profile": False}
+
+
 def kind(launcher: dict) -> str:
-    """'local' | 'mpi' | 'other' for the `engines=` passed through to ipyparallel."""
-    name = str(launcher.get("engines", "")).lower()
+    """'local' | 'mpi' | 'other' for the engine launcher chosen by `engines=` (or the config's Cluster section)."""
+    name = _launcher_name(launcher, "engines", "engine_launcher_class")
     return "local" if name in LOCAL_LAUNCHERS else "mpi" if name in MPI_LAUNCHERS else "other"
+
+
+def _launcher_name(launcher: dict, alias: str, trait: str) -> str:
+    """The lower-case class or entry-point name of a launcher (e.g. 'mpi', 'mpienginesetlauncher'), chosen by
+    the `alias=` argument, the trait of that name, or the config's `Cluster.<trait>`; '' for ipyparallel's own."""
+    value = launcher.get(alias) or launcher.get(trait) or (launcher.get("config") or {}).get("Cluster", {}).get(trait)
+    name = value.__name__ if isinstance(value, type) else str(value or "")
+    return name.rsplit(".", 1)[-1].lower()
 
 
 def openmpi_env() -> dict[str, str]:
@@ -112,23 +135,26 @@ def openmpi_env() -> dict[str, str]:
 def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict, see_gpus: bool = True) -> ipp.Cluster:
     """ipyparallel's `Cluster` with the kit's defaults; anything in `launcher` wins over them.
     `see_gpus=False`: local engines get `CUDA_VISIBLE_DEVICES=""` (HIDE_GPUS), so torch runs them on the CPU."""
-    if "config" in launcher:   # the kit adds to it below; the caller's object stays as it was
-        launcher["config"] = copy.deepcopy(launcher["config"])
+    # the kit adds to the config below; the caller's object stays as it was
+    launcher["config"] = copy.deepcopy(Config(launcher.get("config") or {}))
+    in_config = launcher["config"].get("Cluster", {})
     # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
     # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.25 s (register 0.90 s idle; 0.5 s:
     # 1.36 s), with as many seconds of silence tolerated as before (120 x 0.25 s); a dead engine is still noticed
     # at once, through its nanny.
-    launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args", [])]
-    launcher.setdefault("log_level", 40)
-    launcher.setdefault("delay", 0)   # engines wait for the connection info anyway (send_engines_connection_env)
+    launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args",
+                                                                   in_config.get("controller_args", []))]
+    # delay: engines wait for the connection info anyway (send_engines_connection_env)
+    for name, value in (("log_level", 40), ("delay", 0)):
+        if name not in launcher and name not in in_config:   # an argument beats the config: set only if neither
+            launcher[name] = value
     # Local engines import at boot everywhere: spawned before the controller, that won on 2 busy cores too
     # (bench/cluster_start.py: ready 3.9 -> 3.0 s); MPI engines (spawned after it) only with cores to spare.
     preload = kind(launcher) == "local" or preload_by_default(n_engines=n, cores=len(os.sched_getaffinity(0)))
     set_default_engine_cmd(launcher, preload=preload, connection_wait_s=timeout_s)
     set_default_controller_cmd(launcher)
     if not see_gpus:
-        from traitlets.config import Config
-        local = launcher.setdefault("config", Config())["LocalEngineSetLauncher"]
+        local = launcher["config"]["LocalEngineSetLauncher"]
         local.environment = {**local.get("environment", {}), **HIDE_GPUS}
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
@@ -148,8 +174,6 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     (unless it is set in this process's environment, which they inherit); every local engine set starts its
     engines at once (ipyparallel waits 0.1 s between two) and may wait `connection_wait_s` for the controller.
     Both keep the bytecode of what they import (`cache.bytecode_env`)."""
-    from traitlets.config import Config
-
     from .ipengine import PARENT_ENV, PRELOAD_ENV, WAIT_ENV
     section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))
     if section is None or (section == "MPIEngineSetLauncher" and not preload):
@@ -172,11 +196,9 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
 def set_default_controller_cmd(launcher: dict) -> None:
     """The kit's controller (ipcontroller.py: it shuts down when this kernel dies) for a local controller, unless
     the caller's config names a controller_cmd."""
-    from traitlets.config import Config
-
     from .ipcontroller import CONTROLLER_CMD
     from .ipengine import PARENT_ENV
-    if str(launcher.get("controller", "local")).lower() not in LOCAL_CONTROLLERS:
+    if _launcher_name(launcher, "controller", "controller_launcher_class") not in LOCAL_CONTROLLERS:
         return   # slurm, ssh, mpi: the controller runs elsewhere, under the user's command
     config = launcher.setdefault("config", Config())["LocalControllerLauncher"]
     if "controller_cmd" not in config:

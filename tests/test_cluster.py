@@ -184,6 +184,65 @@ def test_hiding_gpus_adds_to_the_callers_engine_environment_without_changing_it(
     assert "CUDA_VISIBLE_DEVICES" not in shown.config.LocalEngineSetLauncher.get("environment", {})
 
 
+SITE_PROFILE = """
+c = get_config()
+c.Cluster.engine_launcher_class = "ipyparallel.cluster.launcher.MPIEngineSetLauncher"
+c.Cluster.controller_args = ["--site-arg"]
+c.Cluster.delay = 2.5
+c.LocalControllerLauncher.controller_cmd = ["site-ipcontroller"]
+c.MPIEngineSetLauncher.engine_cmd = ["site-ipengine"]
+"""
+
+
+def _profile(tmp_path, text: str) -> str:
+    (tmp_path / "ipcluster_config.py").write_text(text)
+    return str(tmp_path)
+
+
+def test_a_profiles_ipcluster_config_is_kept_where_the_caller_sets_nothing(tmp_path):
+    """A site's profile (ipcluster_config.py) wins over the kit's defaults; the caller's arguments and config win
+    over the profile (ipyparallel's order); load_profile=False leaves the profile out."""
+    from traitlets.config import Config
+
+    from mfsdp_kit import launch
+    where = _profile(tmp_path, SITE_PROFILE)
+    launcher = launch.with_profile({"profile_dir": where})
+    assert launch.kind(launcher) == "mpi"   # from the profile: the device="cpu" check and MPI's env follow it
+    c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=launcher)
+    assert c.config.MPIEngineSetLauncher.engine_cmd == ["site-ipengine"] and c.delay == 2.5
+    assert c.config.LocalControllerLauncher.controller_cmd == ["site-ipcontroller"]
+    assert c.controller_args == [*launch.CONTROLLER_ARGS, "--site-arg"]
+    assert c.config.MPIEngineSetLauncher.environment == launch.openmpi_env()
+    mine = Config({"LocalControllerLauncher": {"controller_cmd": ["my-ipcontroller"]}})
+    c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=launch.with_profile(
+        {"profile_dir": where, "engines": "local", "config": mine, "controller_args": ["--mine"]}))
+    assert c.config.LocalControllerLauncher.controller_cmd == ["my-ipcontroller"]
+    assert c.config.LocalEngineSetLauncher.engine_cmd == launch.ENGINE_CMD
+    assert c.controller_args == [*launch.CONTROLLER_ARGS, "--mine"]
+    assert launch.kind(launch.with_profile({"profile_dir": where, "load_profile": False})) == "local"
+    with pytest.raises(ConfigError, match="^device="):
+        cluster.start(2, device="cpu", profile_dir=_profile(tmp_path, 'c = get_config()\n'
+                                                            'c.Cluster.engine_launcher_class = "slurm"'))
+
+
+def test_engines_and_controller_from_the_profile_form_the_world(tmp_path):
+    """A profile that names ipyparallel's own engine and controller: the kit starts those, and they form a world."""
+    where = _profile(tmp_path, "import sys\nc = get_config()\n"
+                     "c.LocalEngineSetLauncher.engine_cmd = [sys.executable, '-m', 'ipyparallel.engine']\n"
+                     "c.LocalControllerLauncher.controller_cmd = [sys.executable, '-m', 'ipyparallel.controller']\n")
+    before = {p.pid for p in _engine_processes()}   # the shared cluster's, when it runs
+    h = cluster.start(2, device="cpu", profile_dir=where)
+    try:
+        h.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
+        assert [float(x) for x in h.view["x"]] == [3.0, 3.0]
+        commands = [" ".join(p.cmdline()) for p in _engine_processes() if p.pid not in before]
+        assert sum("-m ipyparallel.engine" in cmd and "nanny" not in cmd for cmd in commands) == 2, commands
+        assert any("-m ipyparallel.controller" in cmd for cmd in commands), commands
+        assert not [cmd for cmd in commands if "mfsdp_kit.ip" in cmd], commands
+    finally:
+        h.stop()
+
+
 def test_engines_not_up_in_time_raise_and_leave_nothing():
     before = {p.pid for p in _engine_processes()}
     with pytest.raises(ClusterError, match="timeout_s"):
