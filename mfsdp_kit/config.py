@@ -168,6 +168,8 @@ class EngineConfig:
                             "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
         if self.fsdp_keep_gathered:
             _validate_keep_gathered(self)
+        from . import hsdp
+        hsdp.validate(self, world_size=world_size, on_gpu=on_gpu)
         if self.high_priority_comm and not on_gpu:
             raise bad_value("high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
         if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= NCCL_MAX_CTAS:

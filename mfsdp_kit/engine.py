@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import grad_upcast, keep_gathered, runtime
+from . import grad_upcast, hsdp, keep_gathered, runtime
 from .compat import fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
@@ -123,6 +123,7 @@ def wrap_chunk(cfg: EngineConfig, module: torch.nn.Module, *, index: int = 0) ->
     """Wrap one (mixed-precision wrapped) chunk in DDP or Megatron-FSDP according to `cfg`."""
     from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
     config = unwrap_model(module).config
+    hsdp.check_model(cfg, config)
     dcfg = ddp_config(cfg)
     if cfg.use_megatron_fsdp:
         if dcfg.suggested_communication_unit_size is None:   # megatron's own default is 1e9 (compat.fsdp_unit)

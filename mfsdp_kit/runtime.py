@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import hsdp
 from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
 from .fieldtypes import is_int
 
@@ -208,6 +209,7 @@ def _init_megatron(cfg: EngineConfig) -> None:
             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
             context_parallel_size=cfg.context_parallel_size,
             expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
+            num_distributed_optimizer_instances=hsdp.instances(cfg),   # > 1: HSDP's groups (hsdp.py)
             create_all_gather_group=cfg.use_megatron_fsdp and cfg.fsdp_all_gather_group,
             high_priority_stream_groups=["dp_cp"] if cfg.high_priority_comm else None,
             nccl_communicator_config_path=nccl_config,

@@ -256,7 +256,7 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
             continue
         views = _task_views(task)
         fsdp = fsdp_owner(chunks, task.param_weight)
-        if fsdp is not None and (fsdp.data_parallel_sharding_strategy == "no_shard" or fsdp.dist_index.use_hybrid_fsdp):
+        if fsdp is not None and fsdp.data_parallel_sharding_strategy == "no_shard":
             views = None  # no gather here / HSDP's outer gather: the bridge path knows those
         if views is not None:
             views = _checked(task, views, bridge, inner, dsts, hf_vocab, vocab_names)

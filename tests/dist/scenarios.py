@@ -21,8 +21,8 @@ def random_batches(*, steps: int, batch: int, seq: int, vocab: int, seed: int = 
 
 
 def train_losses(*, fsdp: bool, steps: int = 5, tp: int = 1, micro_batch_size: int = 2,
-                 global_batch: int = 8) -> dict:
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=7)
+                 global_batch: int = 8, ddp: dict | None = None) -> dict:
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=7, override_ddp_config=ddp or {})
     rt = runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(SPEC, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=3e-3), cfg)

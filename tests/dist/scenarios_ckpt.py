@@ -34,7 +34,8 @@ def _megatron_logits(chunks, tokens):
 
 
 def _batches():
-    return random_batches(steps=STEPS, batch=GLOBAL_BATCH, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size, seed=4)
+    batch = GLOBAL_BATCH * dist.get_world_size() // 2   # GLOBAL_BATCH on 2 ranks, as many per rank on 4
+    return random_batches(steps=STEPS, batch=batch, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size, seed=4)
 
 
 def _build(cfg: EngineConfig, seed: int, ocfg: OptimConfig = OCFG):
@@ -121,10 +122,10 @@ def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
     return dict(n=len(ours), equal=counts[1].item() == 0, nonzero_offsets=counts[0].item())
 
 
-def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None) -> dict:
+def train_save(*, fsdp: bool, root: str, hf_workdir: str | None = None, ddp: dict | None = None) -> dict:
     """10 steps straight, saving at step 5 (and 10); at step 5 also a bitwise round trip into a
-    fresh build (another seed); optionally an HF-sourced FSDP checkpoint for to_hf."""
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    fresh build (another seed); optionally an HF-sourced FSDP checkpoint for to_hf. `ddp`: override_ddp_config."""
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7, override_ddp_config=ddp or {})
     rt = runtime.init(cfg)
     batches = _batches()
     chunks, opt, sched = _build(cfg, 7)
@@ -178,10 +179,10 @@ def _hf_checkpoint(cfg: EngineConfig, workdir: str) -> dict:
     return dict(path=str(path), src=src)
 
 
-def resume(*, fsdp: bool, root: str) -> dict:
+def resume(*, fsdp: bool, root: str, ddp: dict | None = None) -> dict:
     """A fresh process: build with another seed, load step 5 (saved by `save(step, chunks, opt, sched)`)
     as a dict of Stateful components, train steps 5..9."""
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7, override_ddp_config=ddp or {})
     runtime.init(cfg)
     batches = _batches()
     chunks, opt, sched = _build(cfg, 1234)

@@ -82,8 +82,9 @@ def _sabotaged() -> dict:
     return saved
 
 
-def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, overrides: dict | None = None) -> dict:
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype="fp32", seed=3)
+def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, overrides: dict | None = None,
+               ddp: dict | None = None) -> dict:
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype="fp32", seed=3, override_ddp_config=ddp or {})
     rt = runtime.init(cfg)
     src = f"{workdir}/{arch}{'_' + '_'.join(sorted(overrides)) if overrides else ''}"
     if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):
@@ -103,7 +104,7 @@ def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, ov
     # a training step, then the same plan again (values changed, plan reused)
     opt = build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
     vocab_size = model.bridge.hf_pretrained.config.vocab_size
-    batch = random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=vocab_size, seed=9)[0]
+    batch = random_token_batches(steps=1, global_batch=2 * rt.world_size, seq_len_tokens=16, vocab_size=vocab_size, seed=9)[0]
     step(model.chunks, opt, batch, micro_batch_size=2)
     second = sync.load_into(planned, model.chunks, model.bridge)
     with _OpCount() as count:  # a warm replay: what every RL iteration pays
