@@ -32,6 +32,7 @@ class MemoryReport:
     num_params: int
     """Parameters of the whole model (global, unsharded)."""
     dp_size: int
+    """Data-parallel ranks the sharded state is spread over: all of them, or one HSDP instance's (hsdp.py)."""
 
     @property
     def model_state_bytes(self) -> int:
@@ -77,12 +78,13 @@ def memory_report(chunks, optimizer) -> MemoryReport:
         grads = _nbytes(b.grad_data for b in buffers)
         main = _nbytes(main_params(optimizer))
     states = _nbytes(_optimizer_state_tensors(optimizer))
+    instances = chunks[0].ddp_config.num_distributed_optimizer_instances   # HSDP: state sharded within one
     num_params = sum(p.numel() for c in unwrap_model(chunks) for p in c.parameters())
     model_state = params + grads + main + states
     peak = torch.cuda.max_memory_allocated() - model_state if torch.cuda.is_available() else 0
     return MemoryReport(params_bytes=params, grads_bytes=grads, main_params_bytes=main,
                         optimizer_states_bytes=states, activations_peak_bytes=max(peak, 0),
-                        num_params=num_params, dp_size=ps.get_data_parallel_world_size())
+                        num_params=num_params, dp_size=ps.get_data_parallel_world_size() // instances)
 
 
 def zero_formula_bytes(*, num_params: int, dp_size: int, fsdp: bool, dtype: str) -> int:

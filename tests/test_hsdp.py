@@ -7,6 +7,7 @@ refused by name before any process group exists."""
 import pytest
 
 from mfsdp_kit.config import ConfigError, EngineConfig
+from mfsdp_kit.memory import zero_formula_bytes
 from tests.dist import launch
 from tests.test_engine_dist import same_training
 
@@ -45,6 +46,14 @@ def test_hsdp_shards_over_an_instance_not_the_world(runs):
     print("local params per rank: HSDP", runs["hsdp"]["local_numel"], "FSDP", runs["fsdp"]["local_numel"], "of", total)
     assert all(abs(n / total - 1 / 2) < 0.05 for n in runs["hsdp"]["local_numel"])   # 2 ranks per instance
     assert all(abs(n / total - 1 / 4) < 0.05 for n in runs["fsdp"]["local_numel"])
+    # memory.memory_report: the ZeRO formula's N is an instance's 2 ranks, and the bytes follow the formula as
+    # closely as Megatron-FSDP's over 4 do (in fp32 both hold a main-weight copy the formula does not count)
+    hsdp, fsdp = runs["hsdp"]["memory"], runs["fsdp"]["memory"]
+    assert (hsdp["dp_size"], fsdp["dp_size"]) == (2, 4)
+    measured = {name: r["model_state_bytes"] / zero_formula_bytes(num_params=total, dp_size=r["dp_size"],
+                                                                   fsdp=True, dtype="fp32")
+                for name, r in (("hsdp", hsdp), ("fsdp", fsdp))}
+    assert abs(measured["hsdp"] / measured["fsdp"] - 1) < 0.03, measured
 
 
 def test_hsdp_checkpoint_round_trip_resume_and_other_layouts(runs):
@@ -77,7 +86,8 @@ def test_a_held_hsdp_step_is_the_released_one_bit_for_bit(runs):
     (dict(use_megatron_fsdp=True, override_ddp_config={**HSDP, "outer_dp_sharding_strategy": "optim"}),
      "outer_dp_sharding_strategy='optim'"),
     (dict(use_megatron_fsdp=True, expert_model_parallel_size=2, override_ddp_config=HSDP), "MoE experts"),
-    (dict(use_megatron_fsdp=True, override_ddp_config={"num_distributed_optimizer_instances": 3}), "a divisor of the 4"),
+    (dict(use_megatron_fsdp=True, override_ddp_config={"num_distributed_optimizer_instances": 3}),
+     "a divisor of the 4"),
     (dict(use_megatron_fsdp=False, override_ddp_config=HSDP), "DDP without a GPU"),
 ])
 def test_what_megatron_gets_wrong_is_refused_by_name(fields, named):

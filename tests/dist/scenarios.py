@@ -36,7 +36,9 @@ def train_losses(*, fsdp: bool, steps: int = 5, tp: int = 1, micro_batch_size: i
         r = step(chunks, opt, b, micro_batch_size=micro_batch_size, step_index=i)
         losses.append(r.loss)
         norms.append(r.grad_norm)
+    from mfsdp_kit.memory import memory_report
     result = dict(losses=losses, grad_norms=norms, local_numel=[int(t) for t in per_rank],
+                  memory=memory_report(chunks, opt).as_dict(),
                   global_numel=engine.global_numel(chunks), spec_params=SPEC.param_count(),
                   wrapper=type(chunks[0]).__name__)
     runtime.shutdown()

@@ -25,6 +25,6 @@ def load_into_other_layouts(*, root: str) -> dict:
         ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt", map_location="cpu")
         got = {k: v.cpu() for k, v in full_weights(chunks).items()}
         out[wrapper] = dict(equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref),
-                            n=len(ref), losses=_train(chunks, opt, sched, _batches(), SAVE_AT, SAVE_AT + 2) if fsdp else None)
+                            n=len(ref), losses=fsdp and _train(chunks, opt, sched, _batches(), SAVE_AT, SAVE_AT + 2))
         runtime.shutdown()
     return out
