@@ -326,8 +326,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     elif device_count is None:
         device_count = gpus.visible()   # the driver's count: no torch yet
     n = n if n is not None else (device_count or 2)
-    if cfg is not None:   # a bad cfg fails here, not on every engine after launch (engines check CUDA rules)
-        cfg.validate(world_size=n, on_gpu=False)
+    if cfg is not None:   # a bad cfg fails here, not on every engine after launch (each re-checks on its device)
+        cfg.validate(world_size=n, on_gpu=bool(device_count) or not local)   # other hosts: their GPUs unknown
     if local and device_count and n > device_count:
         raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
                                  f"engine); allowed: n <= {device_count}, device='cpu' for engines on the CPU, or "

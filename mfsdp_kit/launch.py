@@ -17,7 +17,8 @@ import time
 from typing import Any
 
 import ipyparallel as ipp
-from traitlets.config import Config
+from ipyparallel.cluster import launcher as launchers
+from traitlets.config import Config, LazyConfigValue
 
 from . import cache
 from .config import BACKENDS, ConfigError, bad_value
@@ -98,15 +99,29 @@ def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, devi
 def with_profile(launcher: dict) -> dict:
     """`launcher` with its ipyparallel profile's ipcluster_config.py folded into `config` as ipyparallel merges
     them (the caller's config wins), and `load_profile=False`. The kit's defaults then fill only what neither
-    names: a site profile's engine_cmd, controller_cmd, engine launcher or controller_args is kept."""
-    if launcher.get("load_profile", True) is False:
+    names: a site profile's engine_cmd, controller_cmd, environment, engine launcher or controller_args is kept."""
+    mine = Config(launcher.get("config") or {})
+    if launcher.get("load_profile", configured(mine, ipp.Cluster, "load_profile")) in (False, 0):
         return launcher
     where = {k: launcher[k] for k in ("profile", "profile_dir") if k in launcher}
     profile = ipp.Cluster(**where, config=Config()).profile_config   # runs the file, as ipyparallel would
     config = Config()
     config.merge(profile)
-    config.merge(Config(launcher.get("config") or {}))
+    config.merge(mine)
     return {**launcher, "config": config, "load_profile": False}
+
+
+def configured(config: Config, cls: type, key: str, empty: Any = None) -> Any:
+    """What `config` gives trait `key` of class `cls`, as traitlets resolves it: its MRO's sections from the most
+    general on (`c.EngineLauncher.engine_cmd` reaches every engine launcher), a value replacing, a profile's
+    `.append(...)` / `.update(...)` applied to what is there (`empty`, the trait's default, at first); None where
+    no section sets it."""
+    value, found = empty, False
+    for klass in reversed(cls.__mro__):
+        if klass.__name__ in config and key in config[klass.__name__]:
+            got = config[klass.__name__][key]
+            value, found = (got.get_value(copy.deepcopy(value)) if isinstance(got, LazyConfigValue) else got), True
+    return value if found else None
 
 
 def kind(launcher: dict) -> str:
@@ -136,17 +151,18 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict, see_gpus:
     """ipyparallel's `Cluster` with the kit's defaults; anything in `launcher` wins over them.
     `see_gpus=False`: local engines get `CUDA_VISIBLE_DEVICES=""` (HIDE_GPUS), so torch runs them on the CPU."""
     # the kit adds to the config below; the caller's object stays as it was
+    launcher = dict(with_profile(launcher))   # with_profile: a no-op where cluster.start did it
     launcher["config"] = copy.deepcopy(Config(launcher.get("config") or {}))
-    in_config = launcher["config"].get("Cluster", {})
+    config = launcher["config"]
     # The hub finishes a registration on its next heartbeat: with ipyparallel's 3 s period every start and
     # restart waited 0-3 s for it (bench: register took 6.0, 9.0, 12.0 s). 0.25 s (register 0.90 s idle; 0.5 s:
     # 1.36 s), with as many seconds of silence tolerated as before (120 x 0.25 s); a dead engine is still noticed
     # at once, through its nanny.
-    launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get("controller_args",
-                                                                   in_config.get("controller_args", []))]
+    launcher["controller_args"] = [*CONTROLLER_ARGS, *launcher.get(
+        "controller_args", configured(config, ipp.Cluster, "controller_args", []) or [])]
     # delay: engines wait for the connection info anyway (send_engines_connection_env)
     for name, value in (("log_level", 40), ("delay", 0)):
-        if name not in launcher and name not in in_config:   # an argument beats the config: set only if neither
+        if name not in launcher and configured(config, ipp.Cluster, name) is None:   # set only if neither sets it
             launcher[name] = value
     # Local engines import at boot everywhere: spawned before the controller, that won on 2 busy cores too
     # (bench/cluster_start.py: ready 3.9 -> 3.0 s); MPI engines (spawned after it) only with cores to spare.
@@ -154,12 +170,10 @@ def make_cluster(*, n: int, ip: str, timeout_s: float, launcher: dict, see_gpus:
     set_default_engine_cmd(launcher, preload=preload, connection_wait_s=timeout_s)
     set_default_controller_cmd(launcher)
     if not see_gpus:
-        local = launcher["config"]["LocalEngineSetLauncher"]
-        local.environment = {**local.get("environment", {}), **HIDE_GPUS}
+        add_environment(config, launchers.LocalEngineSetLauncher, HIDE_GPUS, over=True)
     cluster = ipp.Cluster(n=n, controller_ip=ip, engine_timeout=max(1, int(timeout_s)), **launcher)
     if kind(launcher) == "mpi":
-        mpi = cluster.config.MPIEngineSetLauncher
-        mpi.environment = {**openmpi_env(), **mpi.get("environment", {})}
+        add_environment(cluster.config, launchers.MPIEngineSetLauncher, openmpi_env())
     return cluster
 
 
@@ -178,19 +192,26 @@ def set_default_engine_cmd(launcher: dict, *, preload: bool = True, connection_w
     section = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher"}.get(kind(launcher))
     if section is None or (section == "MPIEngineSetLauncher" and not preload):
         return   # slurm, ssh, ...: engines start elsewhere; their command is the user's business
-    config = launcher.setdefault("config", Config())[section]
+    config, cls = launcher.setdefault("config", Config()), getattr(launchers, section)
     env = cache.bytecode_env()   # an image with PYTHONDONTWRITEBYTECODE=1 recompiles torch at every start
     if section == "LocalEngineSetLauncher":
         env[WAIT_ENV] = f"{connection_wait_s:g}"
         env[PARENT_ENV] = str(os.getpid())   # the launcher, for ipengine.watch_parent
-        if "delay" not in config:
-            config.delay = 0.0
-    if "engine_cmd" not in config:
-        config.engine_cmd = ENGINE_CMD
+        if configured(config, cls, "delay") is None:
+            config[section].delay = 0.0
+    if configured(config, cls, "engine_cmd") is None:
+        config[section].engine_cmd = ENGINE_CMD
         if section == "LocalEngineSetLauncher" and not preload and PRELOAD_ENV not in os.environ:
             env[PRELOAD_ENV] = "0"
+    add_environment(config, cls, env)
+
+
+def add_environment(config: Config, cls: type, env: dict[str, str], *, over: bool = False) -> None:
+    """Set `cls`'s environment in `config` to what it resolves to (`configured`) plus `env`: the config's own
+    values win unless `over`. Set on `cls` itself, so a more general section's values must be copied in."""
     if env:
-        config.environment = {**env, **config.get("environment", {})}
+        mine = configured(config, cls, "environment", {}) or {}
+        config[cls.__name__].environment = {**mine, **env} if over else {**env, **mine}
 
 
 def set_default_controller_cmd(launcher: dict) -> None:
@@ -200,10 +221,10 @@ def set_default_controller_cmd(launcher: dict) -> None:
     from .ipengine import PARENT_ENV
     if _launcher_name(launcher, "controller", "controller_launcher_class") not in LOCAL_CONTROLLERS:
         return   # slurm, ssh, mpi: the controller runs elsewhere, under the user's command
-    config = launcher.setdefault("config", Config())["LocalControllerLauncher"]
-    if "controller_cmd" not in config:
-        config.controller_cmd = CONTROLLER_CMD
-        config.environment = {PARENT_ENV: str(os.getpid()), **config.get("environment", {})}
+    config = launcher.setdefault("config", Config())
+    if configured(config, launchers.LocalControllerLauncher, "controller_cmd") is None:
+        config.LocalControllerLauncher.controller_cmd = CONTROLLER_CMD
+        add_environment(config, launchers.LocalControllerLauncher, {PARENT_ENV: str(os.getpid())})
 
 
 def engines_find_controller(cluster: ipp.Cluster) -> bool:

@@ -23,13 +23,12 @@ gather to the next, so that is once); a strided view that is a few contiguous bl
 one block per query group) is cut into them, so one `_foreach_copy_` over dense pairs (one fused
 kernel on CUDA) writes most of a unit and only transposes go through per-tensor copies.
 
-Trust: the views come from the bridge's own mapping objects (`recognised()`: mapping class ->
-views) and each one is checked once, when the plan is built, against the bridge's conversion of a
-random fp32 probe of the parameter's shape. A check on the real weights would accept a wrong
-permutation of a norm weight (all ones) and copy wrong values after the first step; a probe of
-distinct random values cannot. A task that fails the check, or that the plan does not know (TP,
-PP or EP > 1, expert or LoRA weights, a mapping class outside `recognised()`, FP8 parameters),
-stays on the bridge path: correctness never rests on the plan covering everything.
+Trust: the views come from the bridge's own mapping objects (`recognised()`: mapping class -> views) and each one is
+checked once, when the plan is built, against the bridge's conversion of a random fp32 probe of the parameter's shape.
+A check on the real weights would accept a wrong permutation of a norm weight (all ones) and copy wrong values after
+the first step; a probe of distinct random values cannot. A task that fails the check, or that the plan does not know
+(TP, PP or EP > 1, expert or LoRA weights, a mapping class outside `recognised()`, FP8, HSDP sharded across
+instances), stays on the bridge path: correctness never rests on the plan covering everything.
 """
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from . import hsdp
 from .introspect import is_fsdp
 from .models import vocab
 
@@ -256,8 +256,8 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
             continue
         views = _task_views(task)
         fsdp = fsdp_owner(chunks, task.param_weight)
-        if fsdp is not None and fsdp.data_parallel_sharding_strategy == "no_shard":
-            views = None  # no gather here / HSDP's outer gather: the bridge path knows those
+        if fsdp is not None and (fsdp.data_parallel_sharding_strategy == "no_shard" or hsdp.sharded_across(fsdp)):
+            views = None  # no gather here / a gather across HSDP instances too: the bridge path knows those
         if views is not None:
             views = _checked(task, views, bridge, inner, dsts, hf_vocab, vocab_names)
         if views is None:

@@ -82,6 +82,16 @@ def test_more_engines_than_gpus_raises_before_starting_anything():
     assert {p.pid for p in _engine_processes()} == before
 
 
+def test_start_checks_gpu_only_options_against_the_devices_its_engines_get():
+    gpu_only = EngineConfig(override_ddp_config={"num_distributed_optimizer_instances": 2})   # DDP's: a CUDA stream
+    before = {p.pid for p in _engine_processes()}
+    with pytest.raises(ConfigError, match="DDP without a GPU"):
+        cluster.start(2, cfg=gpu_only, device="cpu")
+    with pytest.raises(ClusterError, match="n=4 engines.*1 GPUs"):   # past the cfg check: these engines get GPUs
+        cluster.start(4, cfg=gpu_only, device_count=1)
+    assert {p.pid for p in _engine_processes()} == before
+
+
 def test_cpu_engines_see_no_gpu_on_any_machine_and_keep_it_across_restart():
     """device="cpu": more engines than GPUs is allowed (a 2-rank world on a node with one GPU), each engine's CUDA
     driver sees no device, so torch trains on the CPU over gloo; restart() spawns the same kind of engine."""
@@ -223,6 +233,29 @@ def test_a_profiles_ipcluster_config_is_kept_where_the_caller_sets_nothing(tmp_p
     with pytest.raises(ConfigError, match="^device="):
         cluster.start(2, device="cpu", profile_dir=_profile(tmp_path, 'c = get_config()\n'
                                                             'c.Cluster.engine_launcher_class = "slurm"'))
+
+
+GENERAL_PROFILE = """
+c = get_config()
+c.EngineLauncher.engine_cmd = ["site-ipengine"]            # a parent class: every engine launcher
+c.ControllerLauncher.controller_cmd = ["site-ipcontroller"]
+c.LocalProcessLauncher.environment = {"SITE": "1"}
+c.LocalEngineSetLauncher.environment.update({"LAZY": "2"})  # traitlets' lazy values, as profiles often write them
+c.Cluster.controller_args.append("--site-arg")
+"""
+
+
+def test_a_profile_that_sets_parent_classes_or_lazy_values_counts_too(tmp_path):
+    from ipyparallel.cluster.launcher import LocalControllerLauncher, LocalEngineSetLauncher
+
+    from mfsdp_kit import launch
+    c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, see_gpus=False,
+                            launcher={"profile_dir": _profile(tmp_path, GENERAL_PROFILE)})
+    engines, controller = LocalEngineSetLauncher(config=c.config), LocalControllerLauncher(config=c.config)
+    assert engines.engine_cmd == ["site-ipengine"] and controller.controller_cmd == ["site-ipcontroller"]
+    assert {"SITE": "1", "LAZY": "2", "CUDA_VISIBLE_DEVICES": ""}.items() <= engines.environment.items()
+    assert controller.environment == {"SITE": "1"}
+    assert c.controller_args == [*launch.CONTROLLER_ARGS, "--site-arg"]
 
 
 def test_engines_and_controller_from_the_profile_form_the_world(tmp_path):

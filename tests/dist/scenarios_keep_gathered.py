@@ -36,9 +36,9 @@ def _count_gathers(pipeline) -> dict:
 def train(*, keep: bool, dtype: str = "bf16", recompute: str = "none", layers: int = 4, steps: int = 3,
           micro_batch_size: int = 2, ep: int = 1, ddp: dict | None = None) -> dict:
     """`steps` Megatron-FSDP steps of a `layers`-layer GPT (MoE with `ep` > 1: experts split over ranks, whose
-    expert buffers are then not sharded), 2 micro-batches per rank (global batch 8 on 2 ranks). Returns losses, grad
-    norms, this rank's main weights (bits), the buckets gathered per step, the most buckets gathered at once, the
-    buckets still gathered after each step, and how many buckets the model has."""
+    expert buffers are then not sharded), global batch 8 (2 micro-batches of 2 per rank on 2 ranks). Returns
+    losses, grad norms, this rank's main weights (bits), the buckets gathered per step, the most buckets gathered
+    at once, the buckets still gathered after each step, and how many buckets the model has."""
     spec = dataclasses.replace(MOE_SPECS["moe-tiny"] if ep > 1 else SPEC, num_layers=layers)
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, recompute=recompute, seed=7, fsdp_keep_gathered=keep,
                        expert_model_parallel_size=ep, override_ddp_config=ddp or {})
