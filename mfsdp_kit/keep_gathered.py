@@ -15,8 +15,7 @@ that is not EMPTY). The hold ends where megatron resets the pipeline once the st
 Between steps the memory is ZeRO-3's, and the optimizer's update reaches the next forward through a fresh gather.
 
 Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks; fp8 would
-also keep its transpose buffers) from the
-first forward to the end of backward, on top of the activations. The numbers do not change: the same gathered
+also keep its transpose buffers) from the first forward to the end of backward, on top of the activations. The numbers do not change: the same gathered
 bytes are used (bit-equal losses, grad norms and weights: tests/test_keep_gathered.py). It needs megatron's
 default bucket allocator: its double buffer (`fsdp_double_buffer`, `nccl_ub`) has two slots for all units, which
 is why `EngineConfig.validate` refuses that pair.

@@ -133,7 +133,8 @@ def kind(launcher: dict) -> str:
 def _launcher_name(launcher: dict, alias: str, trait: str) -> str:
     """The lower-case class or entry-point name of a launcher (e.g. 'mpi', 'mpienginesetlauncher'), chosen by
     the `alias=` argument, the trait of that name, or the config's `Cluster.<trait>`; '' for ipyparallel's own."""
-    value = launcher.get(alias) or launcher.get(trait) or (launcher.get("config") or {}).get("Cluster", {}).get(trait)
+    value = launcher.get(alias) or launcher.get(trait) or configured(Config(launcher.get("config") or {}), ipp.Cluster,
+                                                                     trait)
     name = value.__name__ if isinstance(value, type) else str(value or "")
     return name.rsplit(".", 1)[-1].lower()
 
@@ -230,10 +231,9 @@ def set_default_controller_cmd(launcher: dict) -> None:
 def engines_find_controller(cluster: ipp.Cluster) -> bool:
     """Whether `cluster`'s engines are local ones running the kit's engine, which wait for the controller's
     connection file themselves (ipengine.py), so they can be spawned before the controller."""
-    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
     cls = cluster.engine_launcher_class
-    cmd = cluster.config.LocalEngineSetLauncher.get("engine_cmd", [])
-    return isinstance(cls, type) and issubclass(cls, LocalEngineSetLauncher) and "mfsdp_kit.ipengine" in cmd
+    return (isinstance(cls, type) and issubclass(cls, launchers.LocalEngineSetLauncher)
+            and "mfsdp_kit.ipengine" in (configured(cluster.config, cls, "engine_cmd") or []))
 
 
 def start_processes(cluster: ipp.Cluster, n: int, watch: Stopwatch) -> ipp.Client:

@@ -102,6 +102,13 @@ def full_weights(chunks) -> dict:
     return out
 
 
+def weights_as_saved(chunks, root: str) -> dict:
+    """equal: these chunks' full weights are bit for bit those `train_save` wrote beside step SAVE_AT; n: how many."""
+    ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt", map_location="cpu")
+    got = {k: v.cpu() for k, v in full_weights(chunks).items()}
+    return dict(equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref), n=len(ref))
+
+
 def _uneven_metadata_matches_megatron(chunks, opt) -> dict:
     """checkpoint.state.mark_uneven_shards (one collective) vs megatron's per-tensor preprocessing."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
@@ -228,11 +235,7 @@ def single_rank_checks(*, roots: dict, crash_root: str, hf_workdir: str) -> dict
         for saved, root in roots.items():
             chunks, _, _ = _build(cfg, 99)
             info = ckpt.CheckpointManager(root).load(chunks, step=SAVE_AT)
-            ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt", map_location="cpu")
-            got = {k: v.cpu() for k, v in full_weights(chunks).items()}
-            result[f"{saved}->{wrapper}"] = dict(
-                equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref),
-                n=len(ref), rng_restored=info["rng_restored"])
+            result[f"{saved}->{wrapper}"] = dict(**weights_as_saved(chunks, root), rng_restored=info["rng_restored"])
         runtime.shutdown()
     cfg = EngineConfig(use_megatron_fsdp=False, seed=7)
     runtime.init(cfg)

@@ -1,14 +1,10 @@
 """HSDP scenarios beyond those shared with plain layouts (run by launch.run under torchrun, 4 ranks)."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit import runtime
 from mfsdp_kit.config import EngineConfig
-from scenarios_ckpt import SAVE_AT, _build, _train, _batches, full_weights  # noqa: E402  (tests/dist is on the path)
+from scenarios_ckpt import SAVE_AT, _batches, _build, _train, weights_as_saved  # noqa: E402  (tests/dist on path)
 
 
 def load_into_other_layouts(*, root: str) -> dict:
@@ -16,15 +12,13 @@ def load_into_other_layouts(*, root: str) -> dict:
     included: it trains on from there) and into DDP (weights only: the kit refuses an optimizer state saved by
     another wrapper): the full weights are those saved, bit for bit."""
     out = {}
-    for wrapper in ("fsdp", "ddp"):
-        cfg = EngineConfig(use_megatron_fsdp=wrapper == "fsdp", seed=7)
+    for fsdp in (True, False):
+        cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
         runtime.init(cfg)
         chunks, opt, sched = _build(cfg, 99)
-        fsdp = wrapper == "fsdp"
         ckpt.CheckpointManager(root).load(chunks, opt if fsdp else None, sched if fsdp else None, step=SAVE_AT)
-        ref = torch.load(Path(root) / f"full_step{SAVE_AT}.pt", map_location="cpu")
-        got = {k: v.cpu() for k, v in full_weights(chunks).items()}
-        out[wrapper] = dict(equal=sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref),
-                            n=len(ref), losses=fsdp and _train(chunks, opt, sched, _batches(), SAVE_AT, SAVE_AT + 2))
+        loaded = weights_as_saved(chunks, root)   # before training on
+        loaded["losses"] = fsdp and _train(chunks, opt, sched, _batches(), SAVE_AT, SAVE_AT + 2)
+        out["fsdp" if fsdp else "ddp"] = loaded
         runtime.shutdown()
     return out
