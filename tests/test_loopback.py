@@ -36,7 +36,7 @@ try:
     engine_envs = h.view["ifname"]
 finally:
     h.stop()
-torchrun = launch.run("listening_addresses")   # torchrun with --master_addr=127.0.0.1
+torchrun = launch.run("listening_addresses", torchrun=True)   # torchrun with --master_addr=127.0.0.1
 import socket
 print("RESULT", json.dumps(dict(hostname_ip=socket.gethostbyname(socket.gethostname()), engines=engines,
                                 cluster=cluster_listen, engine_gloo_ifname=engine_envs, torchrun=torchrun)))

@@ -39,7 +39,8 @@ def test_store_binds_loopback_only_and_reinit_works():
 def test_three_init_shutdown_cycles_in_one_process(own_store):
     """init after shutdown(destroy_process_group=True) rendezvouses again on the same store address,
     under a fresh key prefix; each cycle all-reduces over the world and a megatron group."""
-    r = launch.run("reinit_cycles", cycles=3, port=free_port() if own_store else None, timeout_s=120)
+    r = launch.run("reinit_cycles", cycles=3, port=free_port() if own_store else None, timeout_s=120,
+                   torchrun=not own_store)   # the agent store exists under torchrun only
     assert r["sums"] == [3.0 * 2] * 3 and r["dp_sizes"] == [2, 2, 2], r   # (1 + 2) all-reduced twice
     print("seconds per cycle", r["seconds"])   # a hang fails through launch's timeout_s, not a clock assert
 

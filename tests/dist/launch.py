@@ -1,12 +1,17 @@
-"""Run a scenario on N gloo ranks under torchrun and return rank 0's result dict.
+"""Run a scenario on N gloo ranks and return rank 0's result dict.
 
-Scenarios are functions in tests/dist/scenarios.py taking keyword arguments and returning a
-JSON-able dict (rank 0's is kept). Each call is a fresh set of processes, as a user's job is.
+Scenarios are functions in tests/dist/scenarios*.py taking keyword arguments and returning a
+JSON-able dict (rank 0's is kept). Each call is a fresh set of processes, as a user's job is:
+forked from one warm server per pytest run (pool.py, which has the imports done), or, with
+`torchrun=True`, started by torchrun (for what tests torchrun itself: its agent store, its sockets).
+A rank that fails fails the call with every failed rank's output, its traceback included.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -14,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+"""Environment that changes per test but is read by nobody at import: it does not need a new server."""
 
 
 def free_port() -> int:
@@ -22,17 +29,95 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(scenario: str, *, nproc: int = 2, timeout_s: float = 600, **kwargs) -> dict:
+def run(scenario: str, *, nproc: int = 2, timeout_s: float = 600, torchrun: bool = False, **kwargs) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "--master_addr=127.0.0.1",
-               str(HERE / "worker.py"), scenario, json.dumps(kwargs), str(out)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:  # the free port was taken meanwhile: once more
-            cmd[4] = f"--master_port={free_port()}"
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        if proc.returncode != 0 or not out.exists():
-            raise AssertionError(f"{scenario} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        job = dict(scenario=scenario, kwargs=kwargs, out=str(out))
+        ok, log = (_torchrun if torchrun else _forked)(job, nproc=nproc, timeout_s=timeout_s, env=env, tmp=Path(tmp))
+        if not ok or not out.exists():
+            raise AssertionError(f"{scenario} failed {log}")
         return json.loads(out.read_text())
+
+
+def run_script(script: Path, *argv: str, nproc: int, timeout_s: float, env: dict, cwd: Path) -> tuple[bool, str]:
+    """`torchrun --nproc_per_node NPROC SCRIPT ARGV...` from `cwd`, its ranks forked from the warm server:
+    (every rank exited 0, the failed ranks' output)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = dict(script=str(script), argv=list(argv), cwd=str(cwd))
+        return _forked(job, nproc=nproc, timeout_s=timeout_s, env=env, tmp=Path(tmp))
+
+
+def _torchrun(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", "--master_addr=127.0.0.1",
+           str(HERE / "worker.py"), job["scenario"], json.dumps(job["kwargs"]), job["out"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:  # the free port was taken meanwhile: once more
+        cmd[4] = f"--master_port={free_port()}"
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    return proc.returncode == 0, f"(rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+
+
+def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
+    for attempt in range(2):
+        r = _server(env).submit(dict(job, nproc=nproc, timeout_s=timeout_s, logdir=str(tmp), port=free_port(),
+                                     env=env, cwd=job.get("cwd", os.getcwd())), timeout_s=timeout_s + 60)
+        logs = [(tmp / f"rank{rank}.log").read_text(errors="replace") for rank in range(nproc)]
+        failed = [rank for rank, code in enumerate(r["codes"]) if code != 0]
+        if not (failed and attempt == 0 and any("Address already in use" in logs[rank] for rank in failed)):
+            break   # else the free port was taken meanwhile: once more
+    shown = failed or list(range(nproc))   # the failed ranks' tracebacks; all ranks' output if none failed
+    why = f"timed out after {timeout_s:g} s, " if r["timed_out"] else ""
+    text = "".join(f"\n--- rank {rank} (exit {r['codes'][rank]}) ---\n{logs[rank][-6000:]}" for rank in shown)
+    return not failed and not r["timed_out"], f"({why}rc={r['codes']}):{text}"
+
+
+class _Server:
+    """pool.py as a child of this process, for one environment (imports read it, so a change needs a new one)."""
+
+    def __init__(self, key: frozenset, env: dict):
+        self.key = key
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "pool.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, env=env, text=True)
+        self.read(timeout_s=600)   # {"ready": pid}: the imports are done
+
+    def submit(self, job: dict, *, timeout_s: float) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout_s=timeout_s)
+
+    def read(self, *, timeout_s: float) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            self.stderr.seek(0)
+            raise AssertionError(f"tests/dist/pool.py stopped answering:\n{self.stderr.read()[-6000:].decode()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()   # its loop ends at EOF
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_current: _Server | None = None
+
+
+def _server(env: dict) -> _Server:
+    global _current
+    key = frozenset((k, v) for k, v in env.items() if k not in VOLATILE)
+    if _current is not None and (_current.key != key or _current.proc.poll() is not None):
+        _current.close()
+        _current = None
+    if _current is None:
+        _current = _Server(key, env)
+    return _current
+
+
+atexit.register(lambda: _current and _current.close())
