@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lab clean mpi
+.PHONY: install demo test test-deps check lab clean mpi
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -38,14 +38,32 @@ mpi: install
 	@if command -v mpiexec >/dev/null && ! $(BIN)/python -c "import mpi4py" 2>/dev/null; then \
 	  $(BIN)/python -m pip install -q -e ".[mpi]"; fi
 
-test: install $(LAB_STAMP) mpi
-	$(BIN)/python -m pytest -q tests $(if $(wildcard notebooks/*.ipynb),&& $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
-	$(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
-	$(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
+# make test's parts, each timed into runs/test_times.tsv (scripts/timed); .ci/run prints the table at its end.
+TIMED := scripts/timed
+# The browser check (tests/test_ui_live.py) drives the system chromium with playwright (the `ui` extra).
+UI_STAMP := $(VENV)/.ui-installed
+$(UI_STAMP): $(LAB_STAMP)
+	$(BIN)/python -m pip install -q -e ".[test,lab,ui]"
+	touch $(UI_STAMP)
+
+test-deps: install $(LAB_STAMP) $(UI_STAMP) mpi
+
+test: test-deps
+	rm -f runs/test_times.tsv
+	$(TIMED) pytest $(BIN)/python -m pytest -q tests
+	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
+	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
+	$(TIMED) "portable 02_sft" env $(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
 	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py
-	$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null
-	MFSDP_MODEL=$(CURDIR)/runs/user_llama3 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb \
-	  notebooks/05_grpo.ipynb
+	$(TIMED) "user folder" sh -c '$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null && \
+	  MFSDP_MODEL=$(CURDIR)/runs/user_llama3 $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider \
+	  notebooks/02_sft.ipynb notebooks/05_grpo.ipynb'
+
+# The quick loop for contributors (under 3 min on 2 cores): every test that starts no process
+# (tests/conftest.py marks the others `slow`), then one 2-rank job: DDP vs Megatron-FSDP losses and sharding.
+check: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q tests/test_engine_dist.py -k "fsdp_matches_ddp or shards"
 
 clean:
 	rm -rf $(VENV) runs

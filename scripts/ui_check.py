@@ -23,7 +23,9 @@ work against a kernel. This drives the path a user takes instead:
        its loss curve (an SVG polyline) changed between two reads while its cell was still
        running [*], i.e. the kernel updated it live from the engines; at the end every rank is at
        step total/total and the curve is painted (blue pixels in the element's screenshot);
-     - the saved notebook (read back through the server's REST API) holds no error output.
+     - the saved notebook (read back through the server's REST API) holds no error output;
+     - the visible output is clean: no empty `[output:N]` block (an engine's head with nothing under
+       it) and no text progress bar left at 0 % (tqdm's or rich's, e.g. a third-party loader's).
 `report.json` in `--out` has every check's numbers. Needs chromium (apt-get install chromium) and the
 kit's `ui` extra (pip install -e '.[lab,ui]': jupyterlab, playwright; no `playwright install`).
 """
@@ -80,12 +82,21 @@ READ_CELLS = r"""() => {
       text: b.nextElementSibling ? b.nextElementSibling.textContent : ''}));
     const count = cls => cell.querySelectorAll('.jupyter-widgets.' + cls).length;
     const controls = {text: count('widget-text'), dropdown: count('widget-dropdown'), checkbox: count('widget-checkbox')};
+    // ipyparallel heads each engine's output "[output:N]": a head with nothing under it is an empty block
+    const texts = [...cell.querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText.trim());
+    const head = /^\[output:\d+\]$/;
+    const emptyBlocks = texts.filter((t, k) => head.test(t) && (k + 1 >= texts.length || !texts[k + 1] || head.test(texts[k + 1])))
+      .map(t => 'empty block ' + t);
+    // a text progress bar (tqdm's "0%|", rich's "0% ... (0/17)") still at zero after its cell finished
+    const zeroBars = text.split('\n').filter(l => /(^|\s)0%/.test(l) && /\b0\/\d+/.test(l))
+      .map(l => 'progress bar at 0 %: ' + l.trim().slice(0, 100));
     const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content span')]
       .filter(e => e.textContent.startsWith('ConfigError'))
       .map(e => ({text: e.textContent, color: getComputedStyle(e).color}));
     return {index: i, prompt: (cell.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.trim(),
             widget_views: cell.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length,
-            panels, bars, controls, config_errors: configErrors, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))]};
+            panels, bars, controls, config_errors: configErrors, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))],
+            unclean: [...emptyBlocks, ...zeroBars]};
   });
 }"""
 
@@ -172,6 +183,7 @@ def run_notebook(page, server: lab.LabServer, name: str, out: Path, *, timeout_s
     report["live_steps"] = {title: [s for _, s in h] for title, h in seen.items()}
     report["prompts"] = [c["prompt"] for c in cells]
     report["problems"] = [f"cell {c['index']}: {p}" for c in cells for p in c["problems"]]
+    report["unclean"] = [f"cell {c['index']}: {u}" for c in cells for u in c["unclean"]]   # read once all ran
     report["bars"] = [b for c in cells for b in c["bars"]]
     report["controls"] = {k: sum(c["controls"][k] for c in cells) for k in ("text", "dropdown", "checkbox")}
     report["config_errors"] = [e for c in cells for e in c["config_errors"]]
@@ -219,6 +231,7 @@ def check(report: dict) -> list[str]:
     if not report["prompts"] or any(not (p.startswith("[") and p[1:-2].isdigit()) for p in report["prompts"]):
         failed.append(f"{name}: not every code cell ran: {report['prompts']}")
     failed += [f"{name}: {p}" for p in report["problems"]]
+    failed += [f"{name}: {u}" for u in report["unclean"]]
     failed += [f"{name}: saved error output {e}" for e in report["saved_errors"]]
     if name == "00_cluster":
         bars = [b for b in report["bars"] if b["label"].startswith("rank ")]   # not ipyparallel's own tqdm bars

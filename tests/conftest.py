@@ -1,5 +1,19 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and the `slow` mark for every test that starts processes."""
 import pytest
+
+STARTS_PROCESSES = ("launch", "cluster", "subprocess")
+"""Module globals that mean its tests start processes: tests.dist.launch (gloo ranks), mfsdp_kit.cluster
+(ipyparallel engines), subprocess (a script, a server, a browser)."""
+
+
+def pytest_collection_modifyitems(items):
+    """`make check` runs `-m "not slow"`: the tests that start no process. A module that starts processes
+    (or a test that uses the engines' `handle`) is slow as a whole; pytest.ini's marker says so."""
+    for item in items:
+        names = vars(item.module)
+        bench = getattr(names.get("run"), "__module__", "") == "tests.bench.cli"
+        if bench or "handle" in item.fixturenames or any(n in names for n in STARTS_PROCESSES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,11 @@
 3. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
    (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
    by 0.56 at TP=2). The splits are made contiguous first.
+4. A load's progress bar. `models/conversion/model_bridge.py:760` wraps every HF -> Megatron load
+   in a rich Progress, and `load_weights_hf_to_megatron` has no `show_progress` to turn it off (the
+   export has one; the kit passes False). On a notebook engine rich draws an ipywidgets Output that
+   never updates: a bar left at "0% (0/17) Qwen2Bridge" and empty `[output:N]` blocks under every
+   %px cell that loads a model. The load runs with show_progress=False.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from . import registry
 
 PLACEHOLDER = "__mfsdp_kit_placeholder__"
 _scatter_patched = False
+_progress_patched = False
 
 
 class _Missing:
@@ -110,6 +116,7 @@ def import_bridge():
                 upstream="megatron/bridge/peft/lora_layers.py:20, peft/lora.py:21 (import TE unconditionally)",
                 needed_if=placeholders_still_needed))
     _patch_tp_scatter()
+    _patch_load_progress()
     _cpu_patches()
     _moe_without_te()
     return sys.modules["megatron.bridge"]
@@ -215,6 +222,30 @@ def _patch_tp_scatter() -> None:
         target="megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.scatter_to_tp_ranks",
         upstream="megatron/bridge/models/conversion/param_mapping.py:502 (non-contiguous TP splits)",
         package="megatron-bridge", needed_if=scatter_fix_still_needed))
+
+
+def _patch_load_progress() -> None:
+    global _progress_patched
+    if _progress_patched:
+        return
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    original = MegatronModelBridge.load_weights_hf_to_megatron
+
+    def load_weights_hf_to_megatron(self, *args, **kwargs):
+        tracking = self._with_progress_tracking
+        self._with_progress_tracking = lambda tasks, description, show_progress=True: tracking(tasks, description, False)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del self._with_progress_tracking   # the class's method again
+
+    load_weights_hf_to_megatron.__wrapped__ = original
+    MegatronModelBridge.load_weights_hf_to_megatron = load_weights_hf_to_megatron
+    _progress_patched = True
+    registry.record(registry.Patch(
+        target="megatron.bridge.models.conversion.model_bridge:MegatronModelBridge.load_weights_hf_to_megatron",
+        upstream="megatron/bridge/models/conversion/model_bridge.py:760 (a rich bar with no way to turn it off)",
+        package="megatron-bridge", needed_if="self._with_progress_tracking(hf_to_megatron_tasks, description)"))
 
 
 def scatter_fix_still_needed() -> bool:

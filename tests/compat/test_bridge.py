@@ -3,6 +3,7 @@ import importlib.util
 import sys
 
 from mfsdp_kit.compat import bridge
+from tests.dist.launch import free_port
 
 
 def test_bridge_imports_and_placeholders_are_gone():
@@ -27,3 +28,21 @@ def test_placeholders_still_needed():
 def test_tp_scatter_fix_still_needed():
     bridge.import_bridge()
     assert bridge.scatter_fix_still_needed(), "bridge makes TP splits contiguous now: drop the fix"
+
+
+def test_a_load_draws_no_progress_bar(tmp_path, capsys):
+    """A CPU load of the tiny model through the bridge prints no rich bar (on an engine it froze at 0 %)."""
+    from mfsdp_kit import runtime
+    from mfsdp_kit.config import EngineConfig
+    from mfsdp_kit.models import hf
+    from mfsdp_kit.models.tiny import tiny
+    folder = tiny(tmp_path / "xs", size="xs")
+    runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())
+    try:
+        model = hf.load(folder, EngineConfig(), wrap=False)
+    finally:
+        runtime.shutdown()
+    out = capsys.readouterr()
+    assert model.chunks and "Loading from" not in out.out + out.err, out
+    assert bridge.registry.ACTIVE and any("load_weights_hf_to_megatron" in p.target and p.still_needed()
+                                          for p in bridge.registry.ACTIVE)
