@@ -1,6 +1,7 @@
 """Checkpoint hardening, one test per case, mirroring mfsdp_kit/checkpoint/:
 
 trust      a `.metadata` pickle never runs (even trusted); another user's checkpoint is refused
+save       never writes through a planted symlink, nor into a root others could have written; never backwards
 integrity  flipped bytes / truncated shards name the file; fallback to the newest intact one;
            a model that does not fit fails before any tensor is read; an HF folder that lacks a tensor
 collective every rank raises the same error at once; a failed save leaves nothing behind
@@ -18,6 +19,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint.restore import checked
@@ -148,6 +150,106 @@ def test_group_writable_root_and_latest_refused(step1):
     (step1 / "latest").chmod(0o666)
     with pytest.raises(ckpt.CheckpointError, match=rf"{step1 / 'latest'} is writable by group or others"):
         ckpt.CheckpointManager(step1).load([])
+
+
+# ---- save -------------------------------------------------------------------------------------
+class Small:
+    """A Stateful of one tensor: saves in this process, no process group."""
+
+    def __init__(self, value: float = 1.0):
+        self.w = torch.full((6,), value)
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, state_dict):
+        self.w.copy_(state_dict["w"])
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file and a folder outside the checkpoint root, standing in for files only root may write."""
+    out = tmp_path / "outside"
+    (out / "dir").mkdir(parents=True)
+    (out / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (out / "dir" / "keep").write_text("keep")
+    return out
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+# name planted in the root as a symlink -> (what it points to, in `outside`; does the save go through?)
+PLANTED = {"latest.tmp": ("passwd", True), ".probe-PID": ("passwd", True), "latest": ("passwd", False),
+           ".tmp-step_000002": ("dir", False), "step_000002": ("dir", False)}
+
+
+@pytest.mark.parametrize("name", PLANTED)
+def test_save_never_follows_a_planted_symlink(tmp_path, outside, name):
+    """Issue 36 case 1: each name a save writes, planted as a symlink to a file or folder outside the root.
+    Either the save goes on under a fresh name (the link is never followed) or it is refused, naming the link;
+    nothing outside the root changes, and `latest` is never left a link."""
+    root = tmp_path / "ckpt"
+    mgr = ckpt.CheckpointManager(root)
+    mgr.save(1, {"s": Small(1.0)})
+    before = _files(outside)
+    link = root / name.replace("PID", str(os.getpid()))
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside / PLANTED[name][0])
+    if PLANTED[name][1]:
+        mgr.save(2, {"s": Small(2.0)})
+        assert (root / "latest").read_text() == "step_000002\n" and not (root / "latest").is_symlink()
+        loaded = Small(0.0)
+        mgr.load({"s": loaded})
+        assert torch.equal(loaded.w, torch.full((6,), 2.0))
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=rf"{link} is a symlink to '{outside / PLANTED[name][0]}'"):
+            mgr.save(2, {"s": Small(2.0)})
+        assert link.is_symlink() and mgr.list() == ([1] if name != "latest" else [1])
+    assert _files(outside) == before
+    assert not [p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".probe-", ".latest-"))
+                and not p.is_symlink()]
+
+
+def test_save_refuses_a_root_others_could_write(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o755)
+    root.chmod(0o777)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{root} is writable by group or others \(mode drwxrwxrwx\): "
+                                                   r"whoever can write there can plant symlinks.*chmod go-w it"):
+        ckpt.CheckpointManager(root).save(1, {"s": Small()})
+    assert list(root.iterdir()) == []
+    root.chmod(0o1777)  # sticky, like /tmp: others cannot replace what you own there
+    ckpt.CheckpointManager(root).save(1, {"s": Small()})
+    root.chmod(0o777)
+    ckpt.CheckpointManager(root).save(2, {"s": Small()}, trust_checkpoint=True)  # you trust who can write there
+    assert ckpt.CheckpointManager(root).list() == [1, 2]
+
+
+def test_save_refuses_another_users_root_and_a_linked_root(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    linked = tmp_path / "linked"
+    linked.symlink_to(real)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{linked} is a symlink to '{real}'.*Pass the real path \({real}\)"):
+        ckpt.CheckpointManager(linked).save(1, {"s": Small()})
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown the root to another user")
+    os.chown(real, NOBODY, NOBODY)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{real} is owned by uid 65534 \(nobody\), not by you"):
+        ckpt.CheckpointManager(real).save(1, {"s": Small()})
+    assert list(real.iterdir()) == []
+
+
+def test_saving_below_latest_needs_allow_backwards(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path / "ckpt")
+    mgr.save(5, {"s": Small(5.0)})
+    with pytest.raises(ckpt.CheckpointError, match=r"step 3 is lower than the latest checkpoint's \(5.*allow_backwards=True"):
+        mgr.save(3, {"s": Small(3.0)})
+    assert mgr.list() == [5] and mgr.latest() == 5
+    mgr.save(3, {"s": Small(3.0)}, allow_backwards=True)
+    assert mgr.list() == [3, 5] and mgr.latest() == 3
 
 
 # ---- integrity --------------------------------------------------------------------------------

@@ -139,12 +139,16 @@ class HashingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        if mode != "wb" or not str(path).endswith(".distcp"):  # .metadata: rank 0, in DCP's finish
+        if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        if not str(path).endswith(".distcp"):  # .metadata(.tmp): rank 0, in DCP's finish
+            with create_new(path) as stream:
+                yield stream
+            return
         start, times = time.perf_counter(), dict.fromkeys(("checksum", "file_write", "fsync"), 0.0)
-        with open(path, "wb") as file:
+        with create_new(path) as file:
             stream = HashingStream(file, times)
             yield stream
             stream.close()
@@ -280,21 +284,31 @@ def harden(path: Path) -> None:
     """Drop group/other write bits (so `check_trusted` accepts what we wrote). No fsync here: the
     writer streams fsync each shard file, the commit `.metadata`, and `write_json` its own."""
     for p in path.iterdir():
-        p.chmod(p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+        if not p.is_symlink():   # none is ours; a link's chmod would change what it points to
+            p.chmod(p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
     path.chmod(path.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
+def create_new(path, mode: int = 0o644):
+    """`path` opened for binary writing only if nothing - no file, no symlink - is there yet (O_EXCL, and
+    O_NOFOLLOW: a link planted under that name is never followed, the open fails with FileExistsError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, mode), "wb")
+
+
 def write_json(path: Path, obj) -> None:
-    """`obj` as JSON at `path`, atomically (a `.tmp` sibling, fsync, rename; the `.tmp` goes on failure)."""
+    """`obj` as JSON at `path`, atomically (a new `.tmp` sibling, fsync, rename; the `.tmp` goes on failure)."""
     tmp = path.with_name(path.name + ".tmp")
+    f = create_new(tmp)   # fails while anything else is there: only what this call created is removed below
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
+        with f:
+            f.write(json.dumps(obj, indent=1, sort_keys=True).encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_file(path: Path) -> None:
