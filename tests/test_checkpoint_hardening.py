@@ -252,6 +252,79 @@ def test_saving_below_latest_needs_allow_backwards(tmp_path):
     assert mgr.list() == [3, 5] and mgr.latest() == 3
 
 
+# ---- contained: a load reads only files meta.json lists, each with its checksum ------------------
+@pytest.fixture
+def small(tmp_path):
+    """(step folder of Small(1.0) at step 1, a copy of its shard outside the root holding Small(7.0)'s bytes)."""
+    step = ckpt.CheckpointManager(tmp_path / "ckpt").save(1, {"s": Small(1.0)})
+    other = ckpt.CheckpointManager(tmp_path / "other").save(1, {"s": Small(7.0)})
+    (tmp_path / "outside").mkdir()
+    secret = tmp_path / "outside" / "secret.distcp"
+    shutil.copy(other / "__0_0.distcp", secret)
+    return step, secret
+
+
+def _load_small(step: Path, **kw) -> Small:
+    loaded = Small(0.0)
+    ckpt.CheckpointManager(step.parent).load({"s": loaded}, **kw)
+    return loaded
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "listed_dotdot"])
+def test_metadata_storage_path_outside_the_step_is_refused(small, where):
+    """Issue 36 case 2: `.metadata` built from allowed classes only, each item's file set to `../../outside/...` or
+    an absolute path (and, for listed_dotdot, that path added to meta.json with its checksum too)."""
+    step, secret = small
+    rel = "../../outside/secret.distcp" if where != "absolute" else str(secret)
+    from mfsdp_kit.checkpoint.trust import load_metadata
+    metadata = load_metadata(step / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = rel
+    _rewrite(step, ".metadata", pickle.dumps(metadata))
+    if where == "listed_dotdot":
+        meta = json.loads((step / "meta.json").read_text())
+        meta["files"].append(rel)
+        meta["checksums"][rel] = ckpt.integrity.file_checksum(secret)
+        (step / "meta.json").write_text(json.dumps(meta))
+    expected = (rf"lists the file '{rel}', which is not a plain file name" if where == "listed_dotdot"
+                else rf"\.metadata stores s\.w in '{rel}', not in a shard file meta\.json lists")
+    for trust in (False, True):
+        loaded = Small(0.0)
+        with pytest.raises(ckpt.CheckpointError, match=expected):
+            ckpt.CheckpointManager(step.parent).load({"s": loaded}, trust_checkpoint=trust)
+        assert torch.equal(loaded.w, torch.zeros(6))   # nothing read
+
+
+def test_symlinked_shard_is_refused_trusted_or_not(small):
+    step, secret = small
+    shard = step / "__0_0.distcp"
+    shutil.copy(shard, secret)   # the same bytes: its checksum matches
+    shard.unlink()
+    shard.symlink_to(secret)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{shard} is a symlink to '{secret}' \(resolves to {secret}\): "
+                                                   r"the kit never loads through a symlink.*replace the link"):
+        _load_small(step)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{shard} is a symlink to '{secret}'"):
+        _load_small(step, trust_checkpoint=True)
+
+
+def test_checkpoint_without_checksums_loads_only_when_trusted(small):
+    """Issue 36 case 3: deleting meta.json's `checksums` key switched the check off (damaged bytes loaded)."""
+    step, secret = small
+    shard = step / "__0_0.distcp"
+    shard.chmod(0o644)
+    shard.write_bytes(secret.read_bytes())   # Small(7.0)'s bytes where Small(1.0)'s were saved
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["checksums"]
+    (step / "meta.json").chmod(0o644)
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"records no checksums \(format 3 always records them: the key "
+                                                   r"was removed after the save\).*trust_checkpoint=True"):
+        _load_small(step)
+    with pytest.warns(UserWarning, match="records no checksums"):
+        assert torch.equal(_load_small(step, trust_checkpoint=True).w, torch.full((6,), 7.0))   # you said so
+
+
 # ---- integrity --------------------------------------------------------------------------------
 def test_flipped_bytes_name_the_file(step1):
     shard = step1 / "step_000001" / "__1_0.distcp"

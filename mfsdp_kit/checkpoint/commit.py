@@ -90,8 +90,12 @@ def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow
             trust.check_save(root, [LATEST, tmp.name, final.name])
         root.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)   # a fresh name: a planted link is never followed
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            with os.fdopen(fd, "wb") as f:   # a byte, so a full disk fails here, before any rank writes
+                f.write(b"ok")
+                f.flush()
+        finally:
+            os.unlink(probe)
         if os.path.lexists(final):
             return f"checkpoint {final} already exists; save under another step or delete it first"
         latest = latest_step(root)

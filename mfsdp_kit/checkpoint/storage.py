@@ -30,21 +30,23 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from . import rawio
+from . import integrity, rawio
 from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
 
-def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None) -> None:
+def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None,
+         files=None) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
     `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
     reading it, on one rank (`rawio.assign_checks`); CheckpointCorruptError (inside DCP's
     CheckpointException) when one differs. `phases` (a dict) gets this rank's seconds of plan
     (DCP's planning and its collectives), data (`read_data`: the reader threads), finish (DCP's
     last barrier) and, per file (mean over files), file_read, checksum, copy (into the
-    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file."""
+    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file.
+    `files` (meta.json's list): every storage path in the metadata DCP reads must be one of them."""
     import torch.distributed.checkpoint as dcp
-    reader = ParallelReader(str(path), threads=threads, checksums=checksums)
+    reader = ParallelReader(str(path), threads=threads, checksums=checksums, files=files)
     start = time.perf_counter()
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     done = time.perf_counter()
@@ -209,13 +211,20 @@ class ParallelReader(SafeReader):
     """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
     both tensor-item formats, verifying shard files while reading them (`rawio.read_data`)."""
 
-    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None):
+    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None, files=None):
         super().__init__(path)
-        self.threads, self.checksums, self.chunks = threads, checksums, {}
+        self.threads, self.checksums, self.chunks, self.files = threads, checksums, {}, files
         self.marks: dict = {}
         """perf_counter() seconds when `read_data` began (data) and ended (data_done)."""
         self.file_s: dict = {}
         """Reader-thread seconds per file (mean over files), and the slowest file's wall seconds."""
+
+    def read_metadata(self, *args, **kwargs):
+        """The metadata DCP reads by (a second unpickle of `.metadata`), its storage paths checked again."""
+        metadata = super().read_metadata(*args, **kwargs)
+        if self.files is not None:
+            integrity.check_storage(self.path, metadata, self.files)
+        return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
