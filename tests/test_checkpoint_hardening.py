@@ -421,6 +421,13 @@ def test_full_disk_fails_everywhere_and_leaves_nothing(faults):
     assert r["after_freeing"] == dict(listed=[1], latest=1, leftovers=[])
 
 
+def test_untrusted_root_refused_on_every_rank(faults):
+    r = faults["untrusted_root"]
+    _in_step(r)
+    assert "rank 0: " in r["message"] and "is writable by group or others (mode drwxrwxrwx)" in r["message"]
+    assert r["left"] == ["latest.tmp"] and r["victim"] == "root only\n"
+
+
 def test_ranks_asking_for_different_steps_fail_together(faults):
     r = faults["ranks_disagree"]
     _in_step(r)
