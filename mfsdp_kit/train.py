@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import engine, keep_gathered, runtime
 from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
+from .fieldtypes import COUNT, INDEX, checked_args
 
 
 @dataclass
@@ -89,6 +90,7 @@ def _forward_step(loss_fn, data_iterator, model):
     return output, partial(loss_fn, mb)
 
 
+@checked_args(micro_batch_size=COUNT)
 def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch_size: int,
                      forward_only: bool = False, loss_fn=masked_token_loss) -> tuple[float, int, dict]:
     """Run megatron's schedule on this rank's slice.
@@ -162,6 +164,7 @@ class PendingStep:
                           step_time_s=time.perf_counter() - self.start_s, skipped=not self.ok, metrics=means)
 
 
+@checked_args(micro_batch_size=COUNT, step_index=INDEX)
 def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
                scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> PendingStep:
     """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
@@ -182,6 +185,7 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
                        lr=optimizer.param_groups[0]["lr"], start_s=start)
 
 
+@checked_args(micro_batch_size=COUNT, step_index=INDEX)
 def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
          scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
     """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read."""
@@ -262,6 +266,7 @@ class History:
         self.memory_bytes.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
+@checked_args(steps=COUNT, micro_batch_size=COUNT, start_step=INDEX)
 def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_batch_size: int,
         scheduler=None, start_step: int = 0, on_step=None, progress: bool = True) -> History:
     """Run `steps` optimizer steps over the iterator `batches`; returns the per-step History.
