@@ -395,6 +395,24 @@ def test_hf_folder_missing_or_misshaped_tensor(tmp_path):
         hf_models.check_folder(src)
 
 
+def test_hf_folder_with_an_unexpected_tensor(tmp_path):
+    """Issue 36 case 9a: an extra `model.layers.7...` tensor loaded silently; a checkpoint refuses the same."""
+    from safetensors.torch import load_file, save_file
+
+    from mfsdp_kit.models import hf as hf_models
+    from mfsdp_kit.models.tiny import tiny
+    src = tiny(tmp_path / "tiny", size="xs", seed=1)
+    weights = load_file(src / "model.safetensors")
+    extra = "model.layers.7.mlp.up_proj.weight"
+    save_file({**weights, extra: weights["model.layers.1.mlp.up_proj.weight"].clone()}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match=rf"1 tensor\(s\) in {src} that the architecture in config.json "
+                                                   rf"lacks: \['{extra}'\].*pass strict=False"):
+        hf_models.check_folder(src)
+    with pytest.warns(UserWarning, match=rf"lacks: \['{extra}'\] are left out \(strict=False\)"):
+        hf_models.check_folder(src, strict=False)
+
+
 # ---- collective -------------------------------------------------------------------------------
 def _in_step(r: dict, within_s: float = 10.0) -> None:
     assert r["same"] and r["type"] == "CheckpointError", r
