@@ -240,6 +240,9 @@ class OptimConfig:
     7.96 B params instead of 6.95 B (FSDP2: 8.57 B; with 2 micro-batches a step FSDP2 fits 7.55 B), and 8.77 B
     (= FSDP2's) with full recompute (docs/benchmarks.md, levers7)."""
 
+    def __post_init__(self):
+        self.validate()   # when made, as a bad value is made: not at build_optimizer, after the model exists
+
     def validate(self) -> "OptimConfig":
         """Raise `ConfigError` naming the bad field: the ranges Adam and the scheduler make sense in.
 

@@ -22,6 +22,7 @@ import torch
 
 from . import chat
 from .config import bad_value, is_int
+from .fieldtypes import COUNT, INDEX, checked_args, number_in, optional
 from .models.tiny import EOS, build_tokenizer
 
 Pair = tuple[str, str]
@@ -281,13 +282,12 @@ def tokenize_sft(items: list, tokenizer, *, seq_len_tokens: int) -> Batch:
     return Batch(tokens, labels, loss_mask)
 
 
-def batches(items: list, tokenizer, *, seq_len_tokens: int, global_batch: int,
-            seed: int = 0, num_batches: int | None = None) -> Iterator[Batch]:
-    """Global batches of `global_batch` sequences (items as `tokenize_sft` takes them), reshuffled
-    each epoch (deterministic by seed).
-
-    Epochs are one stream: a batch may span the end of one shuffle and the start of the next,
-    so no example is dropped. Endless unless num_batches is given."""
+@checked_args(seq_len_tokens=COUNT, global_batch=COUNT, seed=INDEX, num_batches=optional(COUNT))
+def batches(items: list, tokenizer, *, seq_len_tokens: int, global_batch: int, seed: int = 0,
+            num_batches: int | None = None) -> Iterator[Batch]:
+    """Global batches of `global_batch` sequences (items as `tokenize_sft` takes them), reshuffled each epoch
+    (deterministic by seed). Epochs are one stream: a batch may span the end of one shuffle and the start of the
+    next, so no example is dropped. Endless unless num_batches is given."""
     data = tokenize_sft(items, tokenizer, seq_len_tokens=seq_len_tokens)
     order, epoch, made = torch.empty(0, dtype=torch.long), 0, 0
     while num_batches is None or made < num_batches:
@@ -383,13 +383,12 @@ def load_prompts_jsonl(path, tokenizer) -> list[tuple[str, str]]:
 
 
 # ---- synthetic tokens (parity tests, benchmarks) --------------------------------------------
+@checked_args(steps=COUNT, global_batch=COUNT, seq_len_tokens=COUNT, vocab_size=COUNT, masked_fraction=number_in(0, 1))
 def random_token_batches(*, steps: int, global_batch: int, seq_len_tokens: int, vocab_size: int, seed: int = 0,
                          masked_fraction: float = 0.0) -> list[Batch]:
-    """`steps` batches of uniform random tokens, deterministic by seed.
-
-    `masked_fraction` > 0 drops that share of positions from the loss at random, so data-parallel
-    ranks see uneven token counts (what makes per-token loss averaging matter); at 0 every
-    position counts and no mask randomness is drawn."""
+    """`steps` batches of uniform random tokens, deterministic by seed. `masked_fraction` > 0 drops that share of
+    positions from the loss at random, so data-parallel ranks see uneven token counts (what makes per-token loss
+    averaging matter); at 0 every position counts and no mask randomness is drawn."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):

@@ -4,11 +4,15 @@ A dataclass's annotations are the contract; dataclasses do not enforce them, and
 silently misbehaves) long after the process group exists: "yes" is truthy, True is the size 1, "2" * 64
 is a string. The checker knows the plain kinds below and skips the rest (Callables, torch.dtype, enums,
 megatron's own classes) rather than guess. `ConfigError` / `bad_value` are the one message shape of a
-configuration mistake: field, value, what is allowed.
+configuration mistake: field, value, what is allowed. `checked_args` applies the same to a public
+function's numeric arguments at the call (`train.step(micro_batch_size=0)` once died in a ZeroDivisionError,
+-1 in a bare StopIteration, True trained with micro-batches of 1).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import types
 import typing
@@ -79,3 +83,49 @@ def is_int(value: Any) -> bool:
 
 def finite(value: Any) -> bool:
     return math.isfinite(value)
+
+
+Range = tuple[Callable[[Any], bool], str]
+"""(accepts(value), what is allowed) of one argument."""
+
+
+def at_least(n: int) -> Range:
+    """An integer >= n; a bool is not an integer, nor is 2.0 or "2"."""
+    return (lambda v: is_int(v) and v >= n), f"an integer >= {n}"
+
+
+COUNT, INDEX = at_least(1), at_least(0)
+"""A size or count (micro_batch_size, steps, global_batch, ...); a position (step_index, start_step, seed)."""
+
+
+def optional(r: Range) -> Range:
+    return (lambda v: v is None or r[0](v)), f"None or {r[1]}"
+
+
+def number_in(low: float, high: float = math.inf, *, low_open: bool = False) -> Range:
+    """A finite int or float in [low, high] ((low, high] with `low_open`); not a bool."""
+    def ok(v) -> bool:
+        return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (v > low if low_open else v >= low) and v <= high)
+    if high == math.inf:
+        return ok, f"a finite number {'>' if low_open else '>='} {low}"
+    return ok, f"a number in {'(' if low_open else '['}{low}, {high}]"
+
+
+def checked_args(**ranges: Range):
+    """Decorator: the arguments named in `ranges` are checked when the function is called, before its body runs,
+    with `bad_value`'s message (argument, value, allowed). Arguments left at their default are not checked."""
+    def wrap(fn):
+        signature = inspect.signature(fn)
+        missing = set(ranges) - set(signature.parameters)
+        assert not missing, f"{fn.__qualname__} has no argument(s) {sorted(missing)}"
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            given = signature.bind(*args, **kwargs).arguments   # a wrong call: Python's own TypeError
+            for name, (ok, allowed) in ranges.items():
+                if name in given and not ok(given[name]):
+                    raise bad_value(name, given[name], allowed)
+            return fn(*args, **kwargs)
+        return call
+    return wrap

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import chat, engine, keep_gathered, runtime
+from .fieldtypes import COUNT, checked_args, optional
 
 
 @torch.no_grad()
@@ -68,6 +69,7 @@ def _all_stopped(tokens: torch.Tensor, start: int, stops: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
+@checked_args(max_new_tokens=COUNT, vocab_size=optional(COUNT))
 def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: int | list[int],
            vocab_size: int | None = None) -> dict[int, list[int]]:
     """Greedy completions (token ids, cut after the first stop id) for THIS rank's share:
@@ -103,6 +105,7 @@ def greedy(chunks, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: i
     return out
 
 
+@checked_args(max_new_tokens=COUNT, vocab_size=optional(COUNT))
 def evaluate(chunks, tokenizer, prompts_answers: list[tuple[str, str]], *, reward_fn,
              max_new_tokens: int = 8, vocab_size: int | None = None, stop_ids: list[int] | None = None) -> dict:
     """Held-out accuracy: mean `reward_fn(prompt, completion)` over all prompts (all ranks agree).

@@ -7,8 +7,11 @@ through an SSH tunnel from their laptop, which this prints ready to paste:
 
     ssh -N -L 8888:127.0.0.1:8888 you@gpu-node      # then open the printed URL locally
 
-`python -m mfsdp_kit.lab [--port P] [--root DIR]` runs it in the foreground (Ctrl-C stops it), and writes the
-notebooks' model meanwhile (once per machine);
+`python -m mfsdp_kit.lab [--port P] [--root DIR]` runs it in the foreground, and writes the notebooks' model
+meanwhile (once per machine). The server runs in a session of its own (a Ctrl-C meant for a notebook's kernel
+must not reach it), so nothing stops it when the launcher ends: the launcher stops it, and every kernel it
+started, on Ctrl-C (SIGINT), `kill` / a scheduler's time limit / systemd (SIGTERM) and a closed terminal or SSH
+session (SIGHUP); else the server lives on, orphaned, its port open and its token valid.
 `start(...)` / `LabServer.stop()` start and stop the server from Python (the tests use them).
 """
 from __future__ import annotations
@@ -71,15 +74,30 @@ class LabServer:
             return e.code
 
     def stop(self, *, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group (the server and the kernels it started), then SIGKILL."""
+        """SIGTERM the server's process group (it shuts its kernels down), then SIGKILL; then every process the
+        server had started that still runs: jupyter_client starts each kernel in a session of its own, which the
+        group's signal does not reach."""
+        import psutil
         if self.process.poll() is not None:
             return
+        try:
+            started = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            started = []
         os.killpg(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+        for how in ("terminate", "kill"):
+            started = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            for p in started:
+                try:
+                    getattr(p, how)()
+                except psutil.NoSuchProcess:
+                    pass
+            started = psutil.wait_procs(started, timeout=timeout_s / 3)[1]
 
 
 def command(*, port: int, token: str, root: Path) -> list[str]:
@@ -111,19 +129,23 @@ def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float 
                                  **notebook_model.pinned({**os.environ, **(env or {})})})  # and find MFSDP_MODEL
     server = LabServer(process=proc, port=port, token=token, root=root)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = ""
-            if log is not None:
-                log.seek(0)
-                tail = log.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"jupyter lab exited with code {proc.returncode} before serving on port {port}:\n{tail}")
-        try:
-            if server.api(token=token, timeout_s=1.0) == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(0.25)
+    try:   # whatever ends the wait (a signal too), the server does not outlive it
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = ""
+                if log is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"jupyter lab exited with code {proc.returncode} before serving on port {port}:\n{tail}")
+            try:
+                if server.api(token=token, timeout_s=1.0) == 200:
+                    return server
+            except OSError:
+                pass
+            time.sleep(0.25)
+    except BaseException:
+        server.stop()
+        raise
     server.stop()
     raise TimeoutError(f"jupyter lab did not answer on {HOST}:{port} within timeout_s={timeout_s}")
 
@@ -136,11 +158,25 @@ def write_model_in_background() -> subprocess.Popen:
                             env={**os.environ, **cache.bytecode_env()})
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C; kill, a batch scheduler's time limit, systemd; a closed terminal or SSH session."""
+
+
+class Stopped(SystemExit):
+    """Raised in the launcher by a STOP_SIGNALS signal, so its `finally` stops the server."""
+
+
+def _stop(signum: int, frame) -> None:
+    raise Stopped(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--root", default=str(ROOT), help="folder the file browser opens (default: notebooks/)")
     args = parser.parse_args(argv)
+    for sig in STOP_SIGNALS:   # SIGTERM and SIGHUP would end the launcher at once, SIGINT may be ignored (`&`)
+        signal.signal(sig, _stop)
     server = start(port=args.port, root=args.root, quiet=False)
     write_model_in_background()
     print(f"\nJupyterLab on {server.root}:\n  {server.url}\n"
@@ -148,9 +184,11 @@ def main(argv: list[str] | None = None) -> None:
           "then open the URL above. Ctrl-C stops the server.\n", flush=True)
     try:
         server.process.wait()
-    except KeyboardInterrupt:
+    except Stopped:
         pass
     finally:
+        for sig in STOP_SIGNALS:   # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         server.stop()
 
 

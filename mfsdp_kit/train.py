@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import engine, keep_gathered, runtime
 from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
+from .fieldtypes import COUNT, INDEX, checked_args
 
 
 @dataclass
@@ -89,6 +90,7 @@ def _forward_step(loss_fn, data_iterator, model):
     return output, partial(loss_fn, mb)
 
 
+@checked_args(micro_batch_size=COUNT)
 def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch_size: int,
                      forward_only: bool = False, loss_fn=masked_token_loss) -> tuple[float, int, dict]:
     """Run megatron's schedule on this rank's slice.
@@ -162,6 +164,7 @@ class PendingStep:
                           step_time_s=time.perf_counter() - self.start_s, skipped=not self.ok, metrics=means)
 
 
+@checked_args(micro_batch_size=COUNT, step_index=INDEX)
 def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
                scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> PendingStep:
     """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
@@ -182,11 +185,16 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
                        lr=optimizer.param_groups[0]["lr"], start_s=start)
 
 
+@checked_args(micro_batch_size=COUNT, step_index=INDEX)
 def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> StepResult:
-    """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read."""
-    return start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
-                      step_index=step_index, loss_fn=loss_fn).result()
+         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss, watch: HealthWatch | None = None) -> StepResult:
+    """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read.
+    `watch` (`HealthWatch.of(chunks)`, kept across steps) warns when the run stops learning."""
+    result = start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
+                        step_index=step_index, loss_fn=loss_fn).result()
+    if watch is not None:
+        watch(step_index, result)
+    return result
 
 
 def check_batch(batch: Batch, *, step_index: int) -> None:
@@ -204,34 +212,51 @@ def check_batch(batch: Batch, *, step_index: int) -> None:
 
 
 class HealthWatch:
-    """Warns once (warnings + logging, naming the step) when a run is alive but no longer learning.
+    """Warns (warnings + logging, naming the step) when a run is alive but no longer learning: once per episode.
 
     `NonFiniteLossError` catches a run that blows up; it misses one that dies quietly. At lr 1e6 the
     tiny model's weights saturate on the first step: from then on the logits are flat, so the loss
     sits at ln(vocab) -- a uniform guess -- and the gradient norm is exactly 0.0, step after step,
     with no error. Signs watched: a grad norm of exactly 0.0 after a non-zero one (clip_grad=0 reports
     0.0 from the start, so that alone is not a sign), and a loss within `rel_tol` of ln(vocab_size)
-    for `patience_steps` steps in a row."""
+    for `patience_steps` steps in a row. A step with no loss tokens (a loss_mask of zeros) reports loss
+    0.0 and grad norm 0.0 whatever the model: it is skipped, and said so. An episode ends at the first step
+    without a sign, so a collapse after a recovery warns again.
+
+    In a loop of your own: `watch = HealthWatch.of(chunks)`, then `train.step(..., watch=watch)` (or
+    `watch(step_index, result)`); `fit` does this for you."""
 
     def __init__(self, *, vocab_size: int | None, patience_steps: int = 5, rel_tol: float = 1e-3):
         self.uniform_loss = math.log(vocab_size) if vocab_size else None
         self.patience_steps, self.rel_tol = patience_steps, rel_tol
         self.seen_nonzero_grad, self.uniform_run, self.warned = False, 0, False
 
+    @classmethod
+    def of(cls, chunks: list[torch.nn.Module], **kwargs) -> "HealthWatch":
+        """A watch for this (wrapped) model: its vocabulary gives the uniform-guess loss."""
+        return cls(vocab_size=vocab_size_of(chunks), **kwargs)
+
     def __call__(self, step_index: int, result: StepResult) -> None:
+        if result.tokens == 0:
+            message = (f"step {step_index}: the global batch has no loss tokens (its loss_mask is all 0), so its "
+                       f"loss {result.loss} and grad norm {result.grad_norm} say nothing; the dead-model watch skips it")
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            return
+        signs = []
         if result.grad_norm == 0.0 and self.seen_nonzero_grad:
-            self._warn(step_index, "gradient norm is exactly 0.0 after non-zero ones")
+            signs.append("gradient norm is exactly 0.0 after non-zero ones")
         self.seen_nonzero_grad |= result.grad_norm != 0.0
         uniform = self.uniform_loss is not None and math.isclose(result.loss, self.uniform_loss, rel_tol=self.rel_tol)
         self.uniform_run = self.uniform_run + 1 if uniform else 0
         if self.uniform_run >= self.patience_steps:
-            self._warn(step_index, f"loss {result.loss:.4f} has equalled ln(vocab) = {self.uniform_loss:.4f} (a "
-                                   f"uniform guess) for {self.uniform_run} steps")
+            signs.append(f"loss {result.loss:.4f} has equalled ln(vocab) = {self.uniform_loss:.4f} (a "
+                         f"uniform guess) for {self.uniform_run} steps")
+        if signs and not self.warned:
+            self._warn(step_index, signs[0])
+        self.warned = bool(signs)   # a step without a sign ends the episode
 
     def _warn(self, step_index: int, what: str) -> None:
-        if self.warned:
-            return
-        self.warned = True
         message = (f"step {step_index}: {what}: the model has stopped learning (a dead model; too high an lr? "
                    "lr=1e6 does this). Training continues; lower the lr and restart from a checkpoint")
         log.warning(message)
@@ -262,6 +287,7 @@ class History:
         self.memory_bytes.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
+@checked_args(steps=COUNT, micro_batch_size=COUNT, start_step=INDEX)
 def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_batch_size: int,
         scheduler=None, start_step: int = 0, on_step=None, progress: bool = True) -> History:
     """Run `steps` optimizer steps over the iterator `batches`; returns the per-step History.
@@ -269,7 +295,7 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     Progress shows as a tqdm bar on rank 0 in scripts, and as the cluster widget when running
     on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
     (e.g. to checkpoint); a non-finite loss raises NonFiniteLossError naming the step, and a run that
-    stops learning (`HealthWatch`) warns once, naming the step.
+    stops learning (`HealthWatch`) warns once per episode, naming the step.
     """
     from tqdm.auto import tqdm
 
@@ -277,12 +303,11 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     history = History()
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))
-    watch = HealthWatch(vocab_size=vocab_size_of(chunks))
+    watch = HealthWatch.of(chunks)
     for i in range(start_step, start_step + steps):
         result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
-                      scheduler=scheduler, step_index=i)
+                      scheduler=scheduler, step_index=i, watch=watch)
         history.append(result)
-        watch(i, result)
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
         report(step=i + 1, total=start_step + steps, loss=result.loss, tokens_per_s=history.tokens_per_s[-1])

@@ -1,6 +1,7 @@
 """Checkpoint hardening, one test per case, mirroring mfsdp_kit/checkpoint/:
 
 trust      a `.metadata` pickle never runs (even trusted); another user's checkpoint is refused
+save       never writes through a planted symlink, nor into a root others could have written; never backwards
 integrity  flipped bytes / truncated shards name the file; fallback to the newest intact one;
            a model that does not fit fails before any tensor is read; an HF folder that lacks a tensor
 collective every rank raises the same error at once; a failed save leaves nothing behind
@@ -18,6 +19,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint.restore import checked
@@ -150,6 +152,179 @@ def test_group_writable_root_and_latest_refused(step1):
         ckpt.CheckpointManager(step1).load([])
 
 
+# ---- save -------------------------------------------------------------------------------------
+class Small:
+    """A Stateful of one tensor: saves in this process, no process group."""
+
+    def __init__(self, value: float = 1.0):
+        self.w = torch.full((6,), value)
+
+    def state_dict(self):
+        return {"w": self.w}
+
+    def load_state_dict(self, state_dict):
+        self.w.copy_(state_dict["w"])
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file and a folder outside the checkpoint root, standing in for files only root may write."""
+    out = tmp_path / "outside"
+    (out / "dir").mkdir(parents=True)
+    (out / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (out / "dir" / "keep").write_text("keep")
+    return out
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+# name planted in the root as a symlink -> (what it points to, in `outside`; does the save go through?)
+PLANTED = {"latest.tmp": ("passwd", True), ".probe-PID": ("passwd", True), "latest": ("passwd", False),
+           ".tmp-step_000002": ("dir", False), "step_000002": ("dir", False)}
+
+
+@pytest.mark.parametrize("name", PLANTED)
+def test_save_never_follows_a_planted_symlink(tmp_path, outside, name):
+    """Issue 36 case 1: each name a save writes, planted as a symlink to a file or folder outside the root.
+    Either the save goes on under a fresh name (the link is never followed) or it is refused, naming the link;
+    nothing outside the root changes, and `latest` is never left a link."""
+    root = tmp_path / "ckpt"
+    mgr = ckpt.CheckpointManager(root)
+    mgr.save(1, {"s": Small(1.0)})
+    before = _files(outside)
+    link = root / name.replace("PID", str(os.getpid()))
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside / PLANTED[name][0])
+    if PLANTED[name][1]:
+        mgr.save(2, {"s": Small(2.0)})
+        assert (root / "latest").read_text() == "step_000002\n" and not (root / "latest").is_symlink()
+        loaded = Small(0.0)
+        mgr.load({"s": loaded})
+        assert torch.equal(loaded.w, torch.full((6,), 2.0))
+    else:
+        with pytest.raises(ckpt.CheckpointError, match=rf"{link} is a symlink to '{outside / PLANTED[name][0]}'"):
+            mgr.save(2, {"s": Small(2.0)})
+        assert link.is_symlink() and mgr.list() == ([1] if name != "latest" else [1])
+    assert _files(outside) == before
+    assert not [p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".probe-", ".latest-"))
+                and not p.is_symlink()]
+
+
+def test_save_refuses_a_root_others_could_write(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir(mode=0o755)
+    root.chmod(0o777)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{root} is writable by group or others \(mode drwxrwxrwx\): "
+                                                   r"whoever can write there can plant symlinks.*chmod go-w it"):
+        ckpt.CheckpointManager(root).save(1, {"s": Small()})
+    assert list(root.iterdir()) == []
+    root.chmod(0o1777)  # sticky, like /tmp: others cannot replace what you own there
+    ckpt.CheckpointManager(root).save(1, {"s": Small()})
+    root.chmod(0o777)
+    ckpt.CheckpointManager(root).save(2, {"s": Small()}, trust_checkpoint=True)  # you trust who can write there
+    assert ckpt.CheckpointManager(root).list() == [1, 2]
+
+
+def test_save_refuses_another_users_root_and_a_linked_root(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    linked = tmp_path / "linked"
+    linked.symlink_to(real)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{linked} is a symlink to '{real}'.*Pass the real path \({real}\)"):
+        ckpt.CheckpointManager(linked).save(1, {"s": Small()})
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown the root to another user")
+    os.chown(real, NOBODY, NOBODY)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{real} is owned by uid 65534 \(nobody\), not by you"):
+        ckpt.CheckpointManager(real).save(1, {"s": Small()})
+    assert list(real.iterdir()) == []
+
+
+def test_saving_below_latest_needs_allow_backwards(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path / "ckpt")
+    mgr.save(5, {"s": Small(5.0)})
+    with pytest.raises(ckpt.CheckpointError, match=r"step 3 is lower than the latest checkpoint's \(5.*allow_backwards=True"):
+        mgr.save(3, {"s": Small(3.0)})
+    assert mgr.list() == [5] and mgr.latest() == 5
+    mgr.save(3, {"s": Small(3.0)}, allow_backwards=True)
+    assert mgr.list() == [3, 5] and mgr.latest() == 3
+
+
+# ---- contained: a load reads only files meta.json lists, each with its checksum ------------------
+@pytest.fixture
+def small(tmp_path):
+    """(step folder of Small(1.0) at step 1, a copy of its shard outside the root holding Small(7.0)'s bytes)."""
+    step = ckpt.CheckpointManager(tmp_path / "ckpt").save(1, {"s": Small(1.0)})
+    other = ckpt.CheckpointManager(tmp_path / "other").save(1, {"s": Small(7.0)})
+    (tmp_path / "outside").mkdir()
+    secret = tmp_path / "outside" / "secret.distcp"
+    shutil.copy(other / "__0_0.distcp", secret)
+    return step, secret
+
+
+def _load_small(step: Path, **kw) -> Small:
+    loaded = Small(0.0)
+    ckpt.CheckpointManager(step.parent).load({"s": loaded}, **kw)
+    return loaded
+
+
+@pytest.mark.parametrize("where", ["dotdot", "absolute", "listed_dotdot"])
+def test_metadata_storage_path_outside_the_step_is_refused(small, where):
+    """Issue 36 case 2: `.metadata` built from allowed classes only, each item's file set to `../../outside/...` or
+    an absolute path (and, for listed_dotdot, that path added to meta.json with its checksum too)."""
+    step, secret = small
+    rel = "../../outside/secret.distcp" if where != "absolute" else str(secret)
+    from mfsdp_kit.checkpoint.trust import load_metadata
+    metadata = load_metadata(step / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = rel
+    _rewrite(step, ".metadata", pickle.dumps(metadata))
+    if where == "listed_dotdot":
+        meta = json.loads((step / "meta.json").read_text())
+        meta["files"].append(rel)
+        meta["checksums"][rel] = ckpt.integrity.file_checksum(secret)
+        (step / "meta.json").write_text(json.dumps(meta))
+    expected = (rf"lists the file '{rel}', which is not a plain file name" if where == "listed_dotdot"
+                else rf"\.metadata stores s\.w in '{rel}', not in a shard file meta\.json lists")
+    for trust in (False, True):
+        loaded = Small(0.0)
+        with pytest.raises(ckpt.CheckpointError, match=expected):
+            ckpt.CheckpointManager(step.parent).load({"s": loaded}, trust_checkpoint=trust)
+        assert torch.equal(loaded.w, torch.zeros(6))   # nothing read
+
+
+def test_symlinked_shard_is_refused_trusted_or_not(small):
+    step, secret = small
+    shard = step / "__0_0.distcp"
+    shutil.copy(shard, secret)   # the same bytes: its checksum matches
+    shard.unlink()
+    shard.symlink_to(secret)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{shard} is a symlink to '{secret}' \(resolves to {secret}\): "
+                                                   r"the kit never loads through a symlink.*replace the link"):
+        _load_small(step)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{shard} is a symlink to '{secret}'"):
+        _load_small(step, trust_checkpoint=True)
+
+
+def test_checkpoint_without_checksums_loads_only_when_trusted(small):
+    """Issue 36 case 3: deleting meta.json's `checksums` key switched the check off (damaged bytes loaded)."""
+    step, secret = small
+    shard = step / "__0_0.distcp"
+    shard.chmod(0o644)
+    shard.write_bytes(secret.read_bytes())   # Small(7.0)'s bytes where Small(1.0)'s were saved
+    meta = json.loads((step / "meta.json").read_text())
+    del meta["checksums"]
+    (step / "meta.json").chmod(0o644)
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match=r"records no checksums \(format 3 always records them: the key "
+                                                   r"was removed after the save\).*trust_checkpoint=True"):
+        _load_small(step)
+    with pytest.warns(UserWarning, match="records no checksums"):
+        assert torch.equal(_load_small(step, trust_checkpoint=True).w, torch.full((6,), 7.0))   # you said so
+
+
 # ---- integrity --------------------------------------------------------------------------------
 def test_flipped_bytes_name_the_file(step1):
     shard = step1 / "step_000001" / "__1_0.distcp"
@@ -220,6 +395,24 @@ def test_hf_folder_missing_or_misshaped_tensor(tmp_path):
         hf_models.check_folder(src)
 
 
+def test_hf_folder_with_an_unexpected_tensor(tmp_path):
+    """Issue 36 case 9a: an extra `model.layers.7...` tensor loaded silently; a checkpoint refuses the same."""
+    from safetensors.torch import load_file, save_file
+
+    from mfsdp_kit.models import hf as hf_models
+    from mfsdp_kit.models.tiny import tiny
+    src = tiny(tmp_path / "tiny", size="xs", seed=1)
+    weights = load_file(src / "model.safetensors")
+    extra = "model.layers.7.mlp.up_proj.weight"
+    save_file({**weights, extra: weights["model.layers.1.mlp.up_proj.weight"].clone()}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ckpt.CheckpointError, match=rf"1 tensor\(s\) in {src} that the architecture in config.json "
+                                                   rf"lacks: \['{extra}'\].*pass strict=False"):
+        hf_models.check_folder(src)
+    with pytest.warns(UserWarning, match=rf"lacks: \['{extra}'\] are left out \(strict=False\)"):
+        hf_models.check_folder(src, strict=False)
+
+
 # ---- collective -------------------------------------------------------------------------------
 def _in_step(r: dict, within_s: float = 10.0) -> None:
     assert r["same"] and r["type"] == "CheckpointError", r
@@ -244,6 +437,13 @@ def test_full_disk_fails_everywhere_and_leaves_nothing(faults):
     assert "cannot write checkpoints under" in r["no_space_at_all"]["message"]
     assert "writing checkpoint" in r["space_for_a_few_shards"]["message"] and ".tmp-step_000001" in r["space_for_a_few_shards"]["message"]
     assert r["after_freeing"] == dict(listed=[1], latest=1, leftovers=[])
+
+
+def test_untrusted_root_refused_on_every_rank(faults):
+    r = faults["untrusted_root"]
+    _in_step(r)
+    assert "rank 0: " in r["message"] and "is writable by group or others (mode drwxrwxrwx)" in r["message"]
+    assert r["left"] == ["latest.tmp"] and r["victim"] == "root only\n"
 
 
 def test_ranks_asking_for_different_steps_fail_together(faults):

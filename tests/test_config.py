@@ -143,7 +143,8 @@ OPTIM_CASES = [
     (dict(adam_beta2=-0.1), "adam_beta2"), (dict(weight_decay=-0.1), "weight_decay"), (dict(adam_eps=-1e-8), "adam_eps"),
     (dict(lr=1e-3, min_lr=1e-2), "min_lr"), (dict(clip_grad=float("nan")), "clip_grad"), (dict(decay_steps=-5), "decay_steps"),
     (dict(lr=float("nan")), "lr"), (dict(warmup_steps=1.5), "warmup_steps"), (dict(decay_steps=0), "decay_steps"),
-    (dict(adam_implementation="apex"), "adam_implementation"),
+    (dict(adam_implementation="apex"), "adam_implementation"), (dict(lr=0), "lr"), (dict(lr=True), "lr"),
+    (dict(adam_beta1=float("nan")), "adam_beta1"), (dict(adam_eps=float("nan")), "adam_eps"),
 ]
 
 
@@ -164,8 +165,9 @@ def test_bad_engine_value_is_a_config_error_naming_it(kwargs, field):
 
 @pytest.mark.parametrize("kwargs,field", OPTIM_CASES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(OPTIM_CASES)])
 def test_bad_optim_value_is_a_config_error_naming_it(kwargs, field):
+    """Raised when the config is made (issue 36 case 6: only at build_optimizer, after the model existed)."""
     with pytest.raises(ConfigError) as e:
-        OptimConfig(**kwargs).validate()
+        OptimConfig(**kwargs)
     _says_field_value_allowed(str(e.value), field, kwargs[field])
 
 

@@ -39,12 +39,14 @@ def test_nan_in_loss_mask_stops_fit_naming_step_and_field(runs):
     assert {"NonFiniteLossError", "ValueError"} <= set(r["error_type"]), r
 
 
-def _feed(watch, rows):
+def _feed(watch, rows, *, everything: bool = False):
+    """Rows (loss, grad norm[, loss tokens]) into the watch; the DeadModelWarnings (`everything`: all warnings)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, (loss, grad_norm) in enumerate(rows):
-            watch(i, StepResult(loss=loss, grad_norm=grad_norm, tokens=1, lr=1e-3, step_time_s=1.0))
-    return [str(w.message) for w in caught if issubclass(w.category, DeadModelWarning)]
+        for i, (loss, grad_norm, *tokens) in enumerate(rows):
+            watch(i, StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens[0] if tokens else 1, lr=1e-3,
+                                step_time_s=1.0))
+    return [str(w.message) for w in caught if everything or issubclass(w.category, DeadModelWarning)]
 
 
 @pytest.mark.parametrize("rows,first_words", [
@@ -57,3 +59,33 @@ def _feed(watch, rows):
 def test_health_watch_rules(rows, first_words):
     caught = _feed(HealthWatch(vocab_size=128), rows)
     assert (caught == []) if first_words is None else (len(caught) == 1 and caught[0].startswith(first_words)), caught
+
+
+def test_a_step_without_loss_tokens_is_skipped_and_said():
+    """Issue 36 case 7: an all-zero loss_mask reports loss 0.0, grad norm 0.0; that is no dead model."""
+    caught = _feed(HealthWatch(vocab_size=128), [(4.0, 1.0), (0.0, 0.0, 0), (3.9, 1.0)], everything=True)
+    assert caught == ["step 1: the global batch has no loss tokens (its loss_mask is all 0), so its loss 0.0 and "
+                      "grad norm 0.0 say nothing; the dead-model watch skips it"], caught
+
+
+def test_the_watch_warns_again_after_a_recovery():
+    """One warning per episode, not per run: a collapse after a recovery is reported too."""
+    rows = [(4.0, 1.0), (3.0, 0.0), (3.0, 0.0), (3.0, 1.0), (3.0, 0.0), (3.0, 0.0)]
+    caught = _feed(HealthWatch(vocab_size=128), rows)
+    assert [c.split(":")[0] for c in caught] == ["step 1", "step 4"], caught
+
+
+def test_step_loops_get_the_watch(monkeypatch):
+    """`train.step(..., watch=HealthWatch(...))` outside `fit` (the step's work replaced by its results here)."""
+    from mfsdp_kit import train
+    results = iter([StepResult(loss=4.0, grad_norm=1.0, tokens=8, lr=1e6, step_time_s=1.0),
+                    StepResult(loss=math.log(128), grad_norm=0.0, tokens=8, lr=1e6, step_time_s=1.0)])
+
+    class Pending:
+        def result(self):
+            return next(results)
+    monkeypatch.setattr(train, "start_step", lambda *a, **kw: Pending())
+    watch = HealthWatch(vocab_size=128)
+    with pytest.warns(DeadModelWarning, match="step 1: gradient norm is exactly 0.0"):
+        for i in range(2):
+            train.step([], None, None, micro_batch_size=1, step_index=i, watch=watch)

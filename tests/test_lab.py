@@ -1,6 +1,13 @@
 """`make lab`'s server: loopback only, token required, stopped without leftovers."""
+import json
+import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -60,3 +67,44 @@ def test_the_notebooks_model_is_written_in_the_background(tmp_path, monkeypatch)
     writer = lab.write_model_in_background()
     assert writer.wait(timeout=300) == 0
     assert [p.name for p in tmp_path.glob("tiny-qwen2-xs-*/model.safetensors")] == ["model.safetensors"]
+
+
+def _wait_for(what: str, ready, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := ready()):
+            return value
+        time.sleep(0.25)
+    raise TimeoutError(what)
+
+
+@needs_lab
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_make_lab_stops_its_server_and_kernels_on(sig, tmp_path):
+    """Issue 36 case 8: SIGTERM (kill, a scheduler) or SIGHUP (a closed terminal) ended `python -m mfsdp_kit.lab`
+    and left the server running, orphaned, port open and token valid. Here the launcher runs as `make lab` runs
+    it, a kernel is started through the REST API, the signal is sent: no process of theirs is left."""
+    out = tmp_path / "lab.log"
+    env = {**os.environ, "MFSDP_MODEL": str(tmp_path), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    with open(out, "w") as log:   # an existing folder as the model: the background writer has nothing to write
+        launcher = subprocess.Popen([sys.executable, "-m", "mfsdp_kit.lab", "--root", str(tmp_path)], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = _wait_for("the launcher's URL", lambda: re.search(r"http://127\.0\.0\.1:(\d+)/lab\?token=(\w+)",
+                                                                   out.read_text()))
+        port, token = url.group(1), url.group(2)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/kernels", data=json.dumps({}).encode(),
+                                         method="POST", headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 201
+        tree = _wait_for("a kernel process", lambda: (t := psutil.Process(launcher.pid).children(recursive=True))
+                         and any("ipykernel" in " ".join(p.cmdline()) for p in t if p.is_running()) and t)
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=60) == 0
+        alive = psutil.wait_procs(tree, timeout=30)[1]
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)

@@ -2,7 +2,10 @@
 import pytest
 import torch
 
+from mfsdp_kit import data, generate, train
+from mfsdp_kit.config import ConfigError
 from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.rl import core, dapo, grpo
 from tests.dist import launch
 
 
@@ -115,3 +118,33 @@ def test_nonfinite_loss_stops_with_the_step_number(runs, fsdp):
     r = runs[fsdp]
     print(r)
     assert r["completed"] == 2 and r["error"] and r["error"].startswith("step 2:")
+
+
+# ---- arguments checked at the call (issue 36 case 5): before any work, so no model is needed here ----------------
+BAD_COUNTS = [0, -1, -2, -4, "2", 2.0, None, True]
+"""0 raised ZeroDivisionError, -1/-2/-4 a bare StopIteration, "2"/2.0/None a TypeError; True trained."""
+CALLS = {   # name -> (call with the bad value for `argument`, argument)
+    "step": (lambda v: train.step([], None, None, micro_batch_size=v), "micro_batch_size"),
+    "start_step": (lambda v: train.start_step([], None, None, micro_batch_size=v), "micro_batch_size"),
+    "forward_backward": (lambda v: train.forward_backward([], None, micro_batch_size=v), "micro_batch_size"),
+    "fit.steps": (lambda v: train.fit([], None, iter([]), steps=v, micro_batch_size=2), "steps"),
+    "fit.micro_batch_size": (lambda v: train.fit([], None, iter([]), steps=2, micro_batch_size=v), "micro_batch_size"),
+    "batches": (lambda v: data.batches([], None, seq_len_tokens=8, global_batch=v), "global_batch"),
+    "random_token_batches": (lambda v: data.random_token_batches(steps=v, global_batch=2, seq_len_tokens=8,
+                                                                 vocab_size=5), "steps"),
+    "greedy": (lambda v: generate.greedy([], [[1]], max_new_tokens=v, stop_ids=0), "max_new_tokens"),
+    "rl.update": (lambda v: core.update(chunks=[], optimizer=None, batch=None, loss_fn=None, epochs=v,
+                                        num_minibatches=1, micro_batch_size=1), "epochs"),
+    "grpo.fit": (lambda v: grpo.fit(chunks=[], optimizer=None, bridge=None, rollout=None, prompt_pool=[],
+                                    reward_fn=None, gcfg=None, iterations=v), "iterations"),
+    "GRPOConfig": (lambda v: grpo.GRPOConfig(micro_batch_size=v), "micro_batch_size"),
+    "DAPOConfig": (lambda v: dapo.DAPOConfig(samples_per_prompt=v), "samples_per_prompt"),
+}
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS, ids=repr)
+@pytest.mark.parametrize("name", CALLS)
+def test_count_arguments_are_checked_at_the_call(name, value):
+    call, argument = CALLS[name]
+    with pytest.raises(ConfigError, match=rf"^{argument}={value!r} is not allowed; allowed: an integer"):
+        call(value)

@@ -28,6 +28,10 @@ What the naive DCP save/load gets wrong, and where the kit does it differently:
 - `.metadata` is a pickle: loading it can run code. The kit reads it with an allow-list
   unpickler, and refuses checkpoints that someone else could have written (owner and mode of
   every path from the root down, and `latest`; `trust_checkpoint=True` skips only the latter): `trust`.
+  A save checks its root alike and creates every file new (O_EXCL | O_NOFOLLOW), so a symlink planted
+  where it writes is never followed; no path in a checkpoint may be a symlink (`trust.symlink` says why).
+- A crafted `.metadata` can name any file as an item's storage (`../..`, absolute paths): every storage
+  path must be a shard file meta.json lists with its size and crc32 (`integrity.check_storage`).
 - Bytes rot and files get truncated: crc32 per file at save, verified at load; names or shapes
   that do not match the model fail before any tensor is read: `integrity`.
 - A kill mid-save must not damage the previous checkpoint: write into `.tmp-step_X`, commit by

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from . import integrity, storage
+from . import integrity, storage, trust
 from .errors import CheckpointError
 from .restore import DCP_METADATA
 
@@ -61,17 +62,72 @@ def commit(tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, *, sta
 
 
 def point_latest_to(final: Path, tmp: Path) -> None:
-    """`latest` := final's name, atomically; on failure final goes back to tmp (not committed)."""
-    root = final.parent
-    pointer = root / f"{LATEST}.tmp"
+    """`latest` := final's name, atomically; on failure final goes back to tmp (not committed).
+
+    The new pointer is written under a fresh random name (mkstemp: O_EXCL | O_NOFOLLOW), not a fixed
+    `latest.tmp` that anyone who can write the root could have planted as a symlink beforehand."""
+    root, pointer = final.parent, None
     try:
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
+        fd, name = tempfile.mkstemp(prefix=f".{LATEST}-", dir=root)
+        pointer = Path(name)
+        with os.fdopen(fd, "w") as f:
+            f.write(final.name + "\n")
+        os.chmod(pointer, 0o644)   # mkstemp's 0600 hides nothing here, and readers other than you may list steps
+        os.replace(pointer, root / LATEST)   # replaces a link named `latest` itself, never what it points to
         storage.fsync_dir(root)
     except OSError:
-        pointer.unlink(missing_ok=True)
+        if pointer is not None:
+            pointer.unlink(missing_ok=True)
         os.replace(final, tmp)
         raise
+
+
+def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow_backwards: bool) -> str | None:
+    """Rank 0, before any collective write: the root trusted (`trust.check_save`) and writable, the step
+    new (and not below `latest` unless `allow_backwards`), a stale tmp gone. Error text or None."""
+    try:
+        if not trust_checkpoint and os.path.lexists(root):
+            trust.check_save(root, [LATEST, tmp.name, final.name])
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)   # a fresh name: a planted link is never followed
+        try:
+            with os.fdopen(fd, "wb") as f:   # a byte, so a full disk fails here, before any rank writes
+                f.write(b"ok")
+                f.flush()
+        finally:
+            os.unlink(probe)
+        if os.path.lexists(final):
+            return f"checkpoint {final} already exists; save under another step or delete it first"
+        latest = latest_step(root)
+        if not allow_backwards and latest is not None and _step_of(final) < latest:
+            return (f"step {_step_of(final)} is lower than the latest checkpoint's ({latest}, in {root / LATEST}): "
+                    f"saving it would move `latest` backwards, so that the next load resumes from the older step. "
+                    "Pass allow_backwards=True if that is what you want (you loaded an older step and retrain from it)")
+        if tmp.is_symlink():
+            raise trust.symlink(tmp, "save")
+        if tmp.exists():  # left by a save that was killed
+            shutil.rmtree(tmp)
+        tmp.mkdir(mode=0o755)   # nobody else may add files to what is being written
+    except OSError as e:
+        return f"cannot write checkpoints under {root}: {e}"
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.rsplit("_", 1)[1])
+
+
+def latest_step(root: Path) -> int | None:
+    """The step `root/latest` names (None when there is no `latest`)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if not name.startswith("step_") or not name[len("step_"):].isdigit():
+        raise CheckpointError(f"{pointer} holds {name!r}, not a step directory name")
+    return int(name[len("step_"):])
 
 
 class Remover:

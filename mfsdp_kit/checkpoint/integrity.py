@@ -13,6 +13,13 @@ read; each file's crc32 is checked by one rank: the small ones (`.metadata`, `<n
 anything is read (file i on rank i % world size), each shard file by the rank that reads most of
 it, as it reads it (`rawio`: the bytes are read once in total).
 
+Contained: DCP's `.metadata` says, per item, which file holds its bytes (`relative_path`), and DCP
+joins that to the folder as it is: `"../../secret"` or an absolute path reads any file the user can
+read into the model, and no checksum covers it. So every file meta.json lists is a plain name in the
+step folder (no `/`, no link out of it: `check_files`), every storage path in `.metadata` is one of
+those shard files (`check_storage`), and every listed file has a size and crc32 in meta.json; a
+checkpoint without checksums (format 1, or a key deleted) loads only with `trust_checkpoint=True`.
+
 Fits: the naive load lets DCP match keys; keys the model lacks are silently dropped (a 2-layer
 checkpoint loads into a 1-layer model) and mismatched shapes fail deep in DCP. `check_fit`
 compares the DCP metadata's keys and global sizes with the state about to be loaded and lists
@@ -28,6 +35,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointCorruptError, CheckpointError
+from .trust import symlink
 
 META = "meta.json"
 CHUNK_BYTES = 8 << 20
@@ -107,11 +115,36 @@ def read_meta(path) -> dict:
     for key in ("step", "world_size", "files", "fsdp"):
         if key not in meta:
             raise CheckpointCorruptError(f"{meta_file} lacks the field {key!r}; the checkpoint in {path} is incomplete")
+    check_files(path, meta["files"])
     missing = [f for f in meta["files"] if not (path / f).is_file()]
     if missing:
         raise CheckpointCorruptError(f"checkpoint directory {path} is missing {len(missing)} file(s) listed in "
                                      f"{META}: {missing[:SHOWN]}")
     return meta
+
+
+def check_files(path: Path, files) -> None:
+    """Every name meta.json lists is a file of the step folder itself: a plain name, and, where a symlink,
+    one that stays in the folder (a load never reads a file outside it, trusted or not)."""
+    folder = Path(path).resolve()
+    for name in files:
+        plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+        if not plain:
+            raise CheckpointError(f"{Path(path) / META} lists the file {name!r}, which is not a plain file name in "
+                                  f"{path}: a crafted meta.json; do not load this checkpoint")
+        if (Path(path) / name).is_symlink() and (Path(path) / name).resolve().parent != folder:
+            raise symlink(Path(path) / name)
+
+
+def check_storage(path, metadata, files) -> None:
+    """Every storage path in DCP `metadata` is a shard file (`*.distcp`) that meta.json lists (`files`)."""
+    listed = {f for f in files if f.endswith(".distcp")}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path not in listed:
+            raise CheckpointError(
+                f"{Path(path) / '.metadata'} stores {index.fqn} in {info.relative_path!r}, not in a shard file "
+                f"meta.json lists for {path}: a crafted metadata can point a load at any file the user can read "
+                "('..', absolute paths). Do not load this checkpoint")
 
 
 def shard_sums(meta: dict) -> dict | None:
@@ -128,14 +161,22 @@ def check_crc(file, got: str, want: dict) -> None:
                                      f"its bytes changed since the save; checkpoint {file.parent} is damaged")
 
 
-def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4, shards: bool = True) -> None:
+def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4, shards: bool = True,
+           trusted: bool = False) -> None:
     """Sizes of all files, crc32 of this rank's share (`threads` files at a time); CheckpointCorruptError
     naming file and checkpoint. `shards=False`: the shard files' crc32 is left to the read, which
-    hashes them as it reads them (`rawio`); their sizes are still checked here."""
+    hashes them as it reads them (`rawio`); their sizes are still checked here. No checksums at all:
+    a CheckpointError unless `trusted` (trust_checkpoint=True), then a warning."""
     path = Path(path)
     recorded = meta.get("checksums")
     if recorded is None:
-        warnings.warn(f"{path / META} records no checksums (saved by an older kit): content not verified")
+        why = ("saved by a kit before checksums (format 1)" if meta.get("format", 1) < 2 else
+               f"format {meta.get('format')} always records them: the key was removed after the save")
+        if not trusted:
+            raise CheckpointError(f"{path / META} records no checksums ({why}), so damaged or swapped bytes would "
+                                  "load silently. Pass trust_checkpoint=True if you trust this checkpoint's bytes, "
+                                  "or load it so once and save it again (a new save records them)")
+        warnings.warn(f"{path / META} records no checksums ({why}): content not verified (trust_checkpoint=True)")
         return
     for name in meta["files"]:
         if name not in recorded:

@@ -6,7 +6,9 @@ never outlives its check), so a failed save leaves nothing behind and the next o
 
 1. every rank: `extra` must be JSON (it goes into meta.json), the components' names are allowed,
    and every rank passes the same names - checked before anything is written.
-2. rank 0: the root is writable (a probe file), the step is new, a stale `.tmp-step_X` goes.
+2. rank 0 (`commit.prepare`): the root is trusted as a load's is (`trust.check_save`: owner, mode, no
+   symlink) and writable (a probe file), the step is new and not below `latest`, a stale `.tmp-step_X`
+   goes. Every file a save creates is new (O_EXCL | O_NOFOLLOW): a planted symlink is never followed.
 3. every rank: each component's state dict (`components.collect`), uneven shards marked.
 4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
    end and 5 run in `wait()`), each tensor as its raw bytes (`rawio`); its writer threads crc32
@@ -138,20 +140,14 @@ class CheckpointManager:
 
     def latest(self) -> int | None:
         """The step `latest` points to (None when there is no checkpoint)."""
-        pointer = self.root / LATEST
-        if not pointer.is_file():
-            return None
-        name = pointer.read_text().strip()
-        if not name.startswith("step_") or not name[len("step_"):].isdigit():
-            raise CheckpointError(f"{pointer} holds {name!r}, not a step directory name")
-        return int(name[len("step_"):])
+        return committing.latest_step(self.root)
 
     def path(self, step: int) -> Path:
         return self.root / step_dirname(step)
 
     # ---- save
     def save(self, step: int, components, optimizer=None, scheduler=None, extra: dict | None = None,
-             *, hf_source: str | None = None) -> Path:
+             *, hf_source: str | None = None, trust_checkpoint: bool = False, allow_backwards: bool = False) -> Path:
         """Write checkpoint `step` (collective); returns its final directory.
 
         `components`: a dict of name -> Stateful ({"model": ModelState(chunks), "optimizer":
@@ -159,7 +155,10 @@ class CheckpointManager:
         model chunks, with `optimizer` and `scheduler` (the same dict, built for you: RNG included).
         `extra`: JSON values for meta.json (the data position, say). With `async_save=True` the
         tensors are written in the background and the commit (meta.json, rename, `latest`)
-        happens in `wait()`, which the next save and `load` call.
+        happens in `wait()`, which the next save and `load` call. Refused before anything is written: a
+        root (or `latest`, the step's folder) that another user could have written or that is a symlink, as a
+        load refuses it (`trust_checkpoint=True` skips this; no file is ever written through a symlink), and a
+        step below `latest` unless `allow_backwards=True` (the next load would resume from it).
         """
         self.wait()
         start = time.perf_counter()
@@ -174,7 +173,8 @@ class CheckpointManager:
             raise CheckpointError(f"ranks passed different components to save {final}: "
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         with agreed("preparing checkpoint", final):
-            verdict = self._prepare(tmp, final) if collective.rank() == 0 else None
+            verdict = self._prepare(tmp, final, trust_checkpoint=trust_checkpoint, allow_backwards=allow_backwards) \
+                if collective.rank() == 0 else None
             if verdict:
                 raise CheckpointError(verdict)
         fs = storage.HashingFileSystem()
@@ -239,23 +239,11 @@ class CheckpointManager:
                     hf_source=hf_source or extra.get("hf_source") or self.hf_source, extra=extra,
                     time_to_write_s=None)
 
-    def _prepare(self, tmp: Path, final: Path) -> str | None:
-        """Rank 0, before any collective write: root writable, stale tmp gone. Error text or None."""
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".probe-{os.getpid()}"
-            try:
-                probe.write_text("ok")
-            finally:
-                probe.unlink(missing_ok=True)
-            if final.exists():
-                return f"checkpoint {final} already exists; save under another step or delete it first"
-            if tmp.exists():  # left by a save that was killed
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as e:
-            return f"cannot write checkpoints under {self.root}: {e}"
-        return None
+    def _prepare(self, tmp: Path, final: Path, *, trust_checkpoint: bool = False,
+                 allow_backwards: bool = False) -> str | None:
+        """Rank 0, before any collective write (`commit.prepare`). Error text or None."""
+        return committing.prepare(self.root, tmp, final, trust_checkpoint=trust_checkpoint,
+                                  allow_backwards=allow_backwards)
 
     def _discard(self, tmp: Path) -> None:
         """Rank 0, after every rank agreed the save failed: its partial files go."""

@@ -41,7 +41,8 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
 
     Trust (unless `trust_checkpoint`), meta.json and its file list, checksums (crc32 of files
     rank::world; `shards=False`: not of the shard files, which the read verifies), then
-    `.metadata` through `trust.load_metadata` (never runs code it contains).
+    `.metadata` through `trust.load_metadata` (never runs code it contains), whose storage paths
+    must all be shard files meta.json lists (`integrity.check_storage`).
     """
     path = Path(path)
     meta = integrity.read_meta(path)
@@ -49,14 +50,17 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:
         trust.check_trusted(path, root=root)
-    integrity.verify(path, meta, rank=rank, world=world, threads=threads, shards=shards)
-    return meta, trust.load_metadata(path / DCP_METADATA)
+    integrity.verify(path, meta, rank=rank, world=world, threads=threads, shards=shards, trusted=trust_checkpoint)
+    metadata = trust.load_metadata(path / DCP_METADATA)
+    integrity.check_storage(path, metadata, meta["files"])
+    return meta, metadata
 
 
-def json_state(path: Path, name: str) -> dict:
-    """The state of a JSON component, `<name>.json` (`scheduler.json` for the scheduler)."""
+def json_state(path: Path, name: str, files) -> dict:
+    """The state of a JSON component, `<name>.json` (`scheduler.json` for the scheduler), one of `files`
+    (meta.json's list: only a listed file has a checksum)."""
     file = path / f"{name}.json"
-    if not file.is_file():
+    if not file.is_file() or file.name not in files:
         raise CheckpointError(f"{path} has no {file.name}, but a component {name!r} was passed to load")
     try:
         return json.loads(file.read_text())
@@ -90,23 +94,26 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     with agreed("matching the model to checkpoint", path):
         into, from_json = parts.collect(active, loading=True)
         state.mark_uneven_shards(into)
-        from_json = {name: json_state(path, name) for name in from_json}
+        from_json = {name: json_state(path, name, meta["files"]) for name in from_json}
     # Expert-parallel ranks each ask for their own experts: a key is unexpected when no rank asks for it.
     asked = set().union(*collective.all_gather(integrity.flat_keys(into)))
     with agreed("matching the model to checkpoint", path):
         try:
             integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
         except CheckpointError:  # damaged bytes are the first thing to report (and `fallback` skips them)
-            integrity.verify(path, meta, threads=read_threads)  # every rank every file: on this failure only
+            # every rank every file: on this failure only
+            integrity.verify(path, meta, threads=read_threads, trusted=trust_checkpoint)
             raise
     lap("match")
     reading: dict = {}
     try:
         with agreed("loading checkpoint", path):
             if into:
-                storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading)
+                storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading,
+                             files=meta["files"])
             else:  # nothing to read: the shard files' checksums on their own
-                integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads)
+                integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads,
+                                 trusted=trust_checkpoint)
     except CheckpointCorruptError as e:
         if into:   # DCP reads straight into the live tensors; a file's crc32 is known only once it is read
             raise CheckpointCorruptError(f"{e}. {PARTLY_READ}") from e
@@ -165,7 +172,7 @@ def to_hf(checkpoint_dir, out_dir, hf_source=None, *, trust_checkpoint: bool = F
         into = {"model": state.ModelState(chunks).state_dict()}
         integrity.check_fit(checkpoint_dir, metadata, into)
         with agreed("loading checkpoint", checkpoint_dir):  # one rank: wraps DCP's CheckpointException
-            storage.read(into, checkpoint_dir)
+            storage.read(into, checkpoint_dir, files=meta["files"])
         return sync.save_hf(chunks, bridge, out_dir)
     finally:
         if started:

@@ -30,21 +30,23 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from . import rawio
+from . import integrity, rawio
 from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
 
-def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None) -> None:
+def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None,
+         files=None) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
     `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
     reading it, on one rank (`rawio.assign_checks`); CheckpointCorruptError (inside DCP's
     CheckpointException) when one differs. `phases` (a dict) gets this rank's seconds of plan
     (DCP's planning and its collectives), data (`read_data`: the reader threads), finish (DCP's
     last barrier) and, per file (mean over files), file_read, checksum, copy (into the
-    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file."""
+    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file.
+    `files` (meta.json's list): every storage path in the metadata DCP reads must be one of them."""
     import torch.distributed.checkpoint as dcp
-    reader = ParallelReader(str(path), threads=threads, checksums=checksums)
+    reader = ParallelReader(str(path), threads=threads, checksums=checksums, files=files)
     start = time.perf_counter()
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     done = time.perf_counter()
@@ -139,12 +141,16 @@ class HashingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        if mode != "wb" or not str(path).endswith(".distcp"):  # .metadata: rank 0, in DCP's finish
+        if mode != "wb":
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
+        if not str(path).endswith(".distcp"):  # .metadata(.tmp): rank 0, in DCP's finish
+            with create_new(path) as stream:
+                yield stream
+            return
         start, times = time.perf_counter(), dict.fromkeys(("checksum", "file_write", "fsync"), 0.0)
-        with open(path, "wb") as file:
+        with create_new(path) as file:
             stream = HashingStream(file, times)
             yield stream
             stream.close()
@@ -205,13 +211,20 @@ class ParallelReader(SafeReader):
     """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
     both tensor-item formats, verifying shard files while reading them (`rawio.read_data`)."""
 
-    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None):
+    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None, files=None):
         super().__init__(path)
-        self.threads, self.checksums, self.chunks = threads, checksums, {}
+        self.threads, self.checksums, self.chunks, self.files = threads, checksums, {}, files
         self.marks: dict = {}
         """perf_counter() seconds when `read_data` began (data) and ended (data_done)."""
         self.file_s: dict = {}
         """Reader-thread seconds per file (mean over files), and the slowest file's wall seconds."""
+
+    def read_metadata(self, *args, **kwargs):
+        """The metadata DCP reads by (a second unpickle of `.metadata`), its storage paths checked again."""
+        metadata = super().read_metadata(*args, **kwargs)
+        if self.files is not None:
+            integrity.check_storage(self.path, metadata, self.files)
+        return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -280,21 +293,31 @@ def harden(path: Path) -> None:
     """Drop group/other write bits (so `check_trusted` accepts what we wrote). No fsync here: the
     writer streams fsync each shard file, the commit `.metadata`, and `write_json` its own."""
     for p in path.iterdir():
-        p.chmod(p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+        if not p.is_symlink():   # none is ours; a link's chmod would change what it points to
+            p.chmod(p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
     path.chmod(path.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
 
 
+def create_new(path, mode: int = 0o644):
+    """`path` opened for binary writing only if nothing - no file, no symlink - is there yet (O_EXCL, and
+    O_NOFOLLOW: a link planted under that name is never followed, the open fails with FileExistsError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, mode), "wb")
+
+
 def write_json(path: Path, obj) -> None:
-    """`obj` as JSON at `path`, atomically (a `.tmp` sibling, fsync, rename; the `.tmp` goes on failure)."""
+    """`obj` as JSON at `path`, atomically (a new `.tmp` sibling, fsync, rename; the `.tmp` goes on failure)."""
     tmp = path.with_name(path.name + ".tmp")
+    f = create_new(tmp)   # fails while anything else is there: only what this call created is removed below
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
+        with f:
+            f.write(json.dumps(obj, indent=1, sort_keys=True).encode())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_file(path: Path) -> None:

@@ -16,6 +16,10 @@ who loads it. Two defences:
    by you or root and not writable by group or others (a directory with the sticky bit, like
    /tmp, may be world-writable: others cannot replace what you own in it). Otherwise another user
    could have put the bytes there. `trust_checkpoint=True` skips this check, not the unpickler.
+   A save runs the same check on the root and on every name it will create or replace (`check_save`),
+   and no path in a checkpoint may be a symlink: a link planted where the save writes would turn it
+   into a write anywhere the saving user may write, and one in a step folder would make a load read
+   a file outside it. A symlink's own mode is always 0777, so it gets its own message (`symlink`).
 """
 from __future__ import annotations
 
@@ -126,22 +130,41 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _refusal(p: Path, why: str, fix: str) -> CheckpointError:
-    return CheckpointError(f"{p} {why}: loading a DCP checkpoint unpickles its metadata, so whoever can write "
-                           f"there decides what the load does. {fix}, or pass trust_checkpoint=True if you "
-                           "trust everyone who can write there")
+RISK = {"load": "loading a DCP checkpoint unpickles its metadata, so whoever can write there decides what the "
+                 "load does",
+        "save": "whoever can write there can plant symlinks or files where the save writes, and so make it "
+                "overwrite files anywhere you can write"}
+"""Why a path someone else could write is refused, by the action refused."""
 
 
-def check_path(p: Path) -> None:
-    """One path: owned by you or root; not group/other-writable (a sticky directory may be)."""
-    me = os.geteuid()
-    for st in (os.lstat(p), os.stat(p)):  # a symlink itself, and what it points to
-        if st.st_uid not in (me, 0):
-            raise _refusal(p, f"is owned by {_owner(st.st_uid)}, not by you ({_owner(me)}) or root",
-                           "chown it to yourself")
-        sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
-            raise _refusal(p, f"is writable by group or others (mode {stat.filemode(st.st_mode)})", "chmod go-w it")
+def _refusal(p: Path, why: str, fix: str, action: str = "load") -> CheckpointError:
+    return CheckpointError(f"{p} {why}: {RISK[action]}. {fix}, or pass trust_checkpoint=True if you trust everyone "
+                           "who can write there")
+
+
+def symlink(p: Path, action: str = "load") -> CheckpointError:
+    """The refusal of a symlink: what points where, and what to do (chmod cannot change a link's mode)."""
+    target = os.readlink(p)
+    return CheckpointError(
+        f"{p} is a symlink to {target!r} (resolves to {p.resolve()}): the kit never {action}s through a symlink "
+        "in a checkpoint, because whoever can change the link decides which file is read or overwritten. Pass the "
+        f"real path ({p.resolve()}) instead of a linked root, or replace the link with what it points to "
+        f"(rm {p}; then move or copy the real file or folder there); a link you did not make: delete it, and check "
+        "who can write into its folder")
+
+
+def check_path(p: Path, *, action: str = "load") -> None:
+    """One path: not a symlink; owned by you or root; not group/other-writable (a sticky directory may be)."""
+    me, st = os.geteuid(), os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink(p, action)
+    if st.st_uid not in (me, 0):
+        raise _refusal(p, f"is owned by {_owner(st.st_uid)}, not by you ({_owner(me)}) or root",
+                       "chown it to yourself", action)
+    sticky_dir = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
+        raise _refusal(p, f"is writable by group or others (mode {stat.filemode(st.st_mode)})", "chmod go-w it",
+                       action)
 
 
 def check_trusted(path, *, root=None, pointer=None) -> None:
@@ -154,3 +177,12 @@ def check_trusted(path, *, root=None, pointer=None) -> None:
     root = Path(root) if root is not None else path.parent
     for p in [root, *([Path(pointer)] if pointer else []), path, *sorted(path.iterdir())]:
         check_path(p)
+
+
+def check_save(root: Path, names) -> None:
+    """A save's root, and each of `names` in it that exists already (`latest`, the step and its `.tmp-`
+    folder), as `check_path` checks a load's: a planted link or another user's entry is refused."""
+    check_path(root, action="save")
+    for name in names:
+        if os.path.lexists(root / name):
+            check_path(root / name, action="save")

@@ -77,8 +77,9 @@ def supported_architectures() -> list[str]:
     return sorted(AutoBridge.list_supported_models())
 
 
-def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool = False) -> dict:
-    """Validate an HF folder without reading weights; returns its config.json as a dict.
+def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool = False, strict: bool = True) -> dict:
+    """Validate an HF folder without reading weights; returns its config.json as a dict. `strict=False`:
+    tensors the architecture lacks are listed in a warning instead of refused (`check_tensors`).
 
     Refuses (ConfigError naming the architecture or field, its value and why) every architecture
     and config field this install would not reproduce exactly: `models.support.check_config`."""
@@ -101,7 +102,7 @@ def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool
     if cfg is not None:
         _check_heads(config, cfg.tensor_model_parallel_size)
     if _check_weights(path, trust_pickle=trust_pickle):
-        check_tensors(path)
+        check_tensors(path, strict=strict)
     return config
 
 
@@ -128,7 +129,13 @@ def _check_weights(path: Path, *, trust_pickle: bool) -> bool:
 
 
 def expected_tensors(hf_path) -> dict[str, list[int]]:
-    """Name -> shape of every parameter the folder's architecture needs (tied ones named once).
+    """Name -> shape of every parameter the folder's architecture needs (tied ones named once)."""
+    return _architecture(hf_path)[0]
+
+
+def _architecture(hf_path) -> tuple[dict[str, list[int]], set[str], list[str]]:
+    """(`expected_tensors`, every name a folder of it may hold besides: tied copies, buffers such as old
+    checkpoints' rotary inv_freq; the model class's own patterns of names transformers ignores on load).
 
     Built from config.json on the meta device: no memory, no init, seconds even for large models.
     """
@@ -136,7 +143,9 @@ def expected_tensors(hf_path) -> dict[str, list[int]]:
     config = transformers.AutoConfig.from_pretrained(str(hf_path))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    return {name: list(p.shape) for name, p in model.named_parameters()}
+    known = set(model.state_dict()) | {name for name, _ in model.named_buffers()}
+    return ({name: list(p.shape) for name, p in model.named_parameters()}, known,
+            list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []))
 
 
 def saved_tensors(hf_path) -> dict[str, tuple[list[int], str]]:
@@ -149,18 +158,31 @@ def saved_tensors(hf_path) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def check_tensors(hf_path) -> None:
-    """Refuse a folder whose safetensors lack or misshape a tensor the architecture needs.
+def check_tensors(hf_path, *, strict: bool = True) -> None:
+    """Refuse a folder whose safetensors lack or misshape a tensor the architecture needs, or hold one it
+    does not know (`strict=False`: a warning lists those, and the load leaves them out).
 
     The naive load (Megatron-Bridge's `load_hf_weights`) logs one `WARNING: Can't find ...` for a
     missing tensor and leaves that Megatron parameter at its random init; training then runs on a
-    half-loaded model. Here the safetensors headers are compared with `expected_tensors` first.
+    half-loaded model; a tensor the architecture lacks (a layer config.json does not count) it skips
+    without a word. Here the safetensors headers are compared with `expected_tensors` first, as a
+    checkpoint load compares names and shapes (`checkpoint.integrity.check_fit`).
     """
+    import re
+    import warnings
+
     from ..checkpoint.errors import CheckpointError
     path = Path(hf_path)
     saved = saved_tensors(path)
     files = sorted({file for _, file in saved.values()})
-    expected = expected_tensors(path)
+    expected, known, ignored = _architecture(path)
+    unexpected = [n for n in saved if n not in known and not any(re.search(r, n) for r in ignored)]
+    if unexpected:
+        listing = f"{len(unexpected)} tensor(s) in {path} that the architecture in config.json lacks: {unexpected[:5]}"
+        if strict:
+            raise CheckpointError(f"{listing}. The folder's config.json describes a smaller or other model than "
+                                  "its weights; pass strict=False to load it without them")
+        warnings.warn(f"{listing} are left out (strict=False)")
     missing = [n for n in expected if n not in saved]
     wrong = [f"{n} in {path / saved[n][1]}: saved {saved[n][0]}, the architecture needs {shape}"
              for n, shape in expected.items() if n in saved and saved[n][0] != shape]
@@ -257,16 +279,17 @@ def _untimed(name: str, fn, *args, **kwargs):
 
 
 def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = False,
-         trust_remote_code: bool = False, verify: bool = False, phases=None) -> HFModel:
+         trust_remote_code: bool = False, verify: bool = False, phases=None, strict: bool = True) -> HFModel:
     """Megatron chunks with the HF folder's weights, wrapped (DDP | Megatron-FSDP) per `cfg`.
 
     A vocabulary TP does not divide is padded (models.vocab: zero rows, masked logits, trimmed
     exports). With `verify`, transformers' logits on the same folder are compared with the loaded
     model's on a few fixed sequences (models.verify) and a mismatch raises `VerificationError`;
     the result is `HFModel.verification`. `phases` (`perf.phases.Phases`) times each step under its
-    name: check, provider, build, weights, wrap (what bench/load_hf.py and bench/notebook_setup.py print)."""
+    name: check, provider, build, weights, wrap (what bench/load_hf.py and bench/notebook_setup.py print).
+    `strict=False` loads a folder holding tensors its architecture lacks, listing them (`check_tensors`)."""
     run = phases.run if phases is not None else _untimed
-    run("check", check_folder, hf_path, cfg, trust_pickle=trust_pickle)
+    run("check", check_folder, hf_path, cfg, trust_pickle=trust_pickle, strict=strict)
     bridge, p = run("provider", provider, hf_path, cfg, trust_remote_code=trust_remote_code)
     chunks = run("build", engine.build, cfg, p, wrap=False)
     run("weights", load_weights, bridge, chunks, hf_path, cfg)

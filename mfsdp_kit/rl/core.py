@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import offload, runtime
 from ..config import bad_value
-from ..fieldtypes import is_int
+from ..fieldtypes import COUNT, INDEX, checked_args, check_field_types, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
 from .rollout import RolloutBackend
 
@@ -66,6 +66,17 @@ class RolloutConfig:
     offload_during_rollout: bool = False
     """Move the training state (weights, grads, Adam) to host memory while the rollout model
     samples, and back before the update (`offload.offload` / `offload.reload`)."""
+
+    def __post_init__(self):
+        """Checked when made (each field's type, `fieldtypes.check_field_types`, then these ranges), not in the
+        middle of the first iteration."""
+        check_field_types(self)
+        for name, (ok, allowed) in dict(
+                prompts_per_iteration=COUNT, samples_per_prompt=COUNT, max_new_tokens=COUNT, ppo_epochs=COUNT,
+                num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX, temperature=number_in(0, low_open=True),
+                top_p=number_in(0, 1, low_open=True), kl_coef=number_in(0)).items():
+            if not ok(getattr(self, name)):
+                raise bad_value(name, getattr(self, name), allowed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +262,7 @@ def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], 
 
 
 @torch.no_grad()
+@checked_args(micro_batch_size=COUNT)
 def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
     """log p(label) per position [n, seq] for the whole batch: each data-parallel rank computes
     its slice, then the slices are summed over the data-parallel group (mini-batches later
@@ -274,6 +286,7 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tens
     return out.cpu()
 
 
+@checked_args(seq_len_tokens=COUNT, micro_batch_size=COUNT)
 def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, ref_chunks, seq_len_tokens: int,
                    pad_id: int, micro_batch_size: int) -> Batch:
     """`rollout_batch` plus old log-probs (the current model, before the update) and reference
@@ -309,6 +322,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) 
     raise bad_value("level", level, "'token' | 'sequence'")
 
 
+@checked_args(epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT)
 def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,
            scheduler=None) -> list[StepResult]:
     """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices
@@ -342,6 +356,7 @@ class PromptDraw:
         return [self.pool[i] for i in torch.randperm(len(self.pool), generator=self.rng)[:k].tolist()]
 
 
+@checked_args(iterations=COUNT)
 def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
                    on_iteration=None):
     """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;

@@ -32,6 +32,7 @@ from . import core, grpo
 from .core import RolloutBatch
 from .rollout import RolloutBackend
 from ..config import bad_value
+from ..fieldtypes import COUNT, checked_args, optional
 from ..data import Batch
 
 
@@ -139,6 +140,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
     return dict(metrics, train_s=time.perf_counter() - t0, **core.update_metrics(results))
 
 
+@checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
 def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list[tuple[str, str]], reward_fn,
         dcfg: DAPOConfig, iterations: int, seq_len_tokens: int | None = None, ref_chunks=None,
         progress: bool = True, on_iteration=None, scheduler=None) -> DAPOHistory:

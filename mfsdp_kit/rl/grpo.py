@@ -31,6 +31,7 @@ from .. import chat
 from . import core
 from .core import ADV_EPS, Reward, group_advantages, rollout_batch, token_logprobs  # noqa: F401 (public names)
 from .rollout import HFRollout, RolloutBackend
+from ..fieldtypes import COUNT, checked_args, optional
 from ..train import Batch
 
 Rollout = HFRollout
@@ -122,6 +123,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: li
                 **core.update_metrics(results))
 
 
+@checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
 def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list[tuple[str, str]], reward_fn,
         gcfg: GRPOConfig, iterations: int, seq_len_tokens: int | None = None, ref_chunks=None,
         progress: bool = True, on_iteration=None, scheduler=None) -> GRPOHistory:

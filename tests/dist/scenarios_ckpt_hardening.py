@@ -2,7 +2,8 @@
 
 `faults` saves steps 1 and 2 of the tiny GPT (DDP), then provokes, one after the other: a
 non-JSON `extra` on rank 0 only, a full disk (a small tmpfs the test mounted, filled by rank 0),
-a commit that fails on rank 0 (`latest` is a directory), ranks asking for different steps, a model that does not fit the checkpoint (fewer layers,
+a commit that fails on rank 0 (`latest` is a directory), a save into a world-writable root with a planted
+`latest.tmp` symlink (refused by rank 0's trust check), ranks asking for different steps, a model that does not fit the checkpoint (fewer layers,
 narrower), and damaged bytes in the newest checkpoint (with and without `fallback=True`).
 For each fault every rank records the error it raised and how long it took; rank 0 returns all.
 """
@@ -86,6 +87,21 @@ def _commit_fails(root: Path, chunks, opt, sched) -> dict:
     return out
 
 
+def _untrusted_root(root: Path, chunks, opt, sched) -> dict:
+    """Rank 0's trust check refuses a world-writable root: every rank raises it, nothing is written through
+    the `latest.tmp` symlink planted there (to a file outside the root)."""
+    victim = root.parent / "victim"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True)
+        victim.write_text("root only\n")
+        (root / "latest.tmp").symlink_to(victim)
+        root.chmod(0o777)
+    dist.barrier()
+    out = _failure(lambda: CheckpointManager(root).save(1, chunks, opt, sched))
+    out["left"], out["victim"] = sorted(p.name for p in root.iterdir()), victim.read_text()
+    return out
+
+
 def _weights(chunks) -> dict:
     return {k: v.detach().clone() for c in chunks for k, v in c.state_dict().items() if torch.is_tensor(v)}
 
@@ -134,6 +150,7 @@ def faults(*, root: str, tmpfs: str | None) -> dict:
     if tmpfs:
         result["full_disk"] = _full_disk(CheckpointManager(tmpfs), Path(tmpfs), chunks, opt, sched)
     result["commit_fails"] = _commit_fails(Path(root).parent / "commit", chunks, opt, sched)
+    result["untrusted_root"] = _untrusted_root(Path(root).parent / "untrusted", chunks, opt, sched)
     result["ranks_disagree"] = _failure(lambda: mgr.load(chunks, opt, sched, step=1 if rank == 0 else 99))
     result["does_not_fit"] = _does_not_fit(cfg, mgr)
     _damage(mgr.path(2))
