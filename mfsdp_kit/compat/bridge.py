@@ -35,8 +35,6 @@ import types
 from . import registry
 
 PLACEHOLDER = "__mfsdp_kit_placeholder__"
-_scatter_patched = False
-_progress_patched = False
 
 
 class _Missing:
@@ -205,44 +203,47 @@ def _cpu_patches() -> None:
         cpu.proxy_module(name, upstream=upstream, needed_if=snippet)
 
 
-def _patch_tp_scatter() -> None:
-    global _scatter_patched
-    if _scatter_patched:
+def _replace_method(cls, name: str, make, patch: registry.Patch) -> None:
+    """cls.name := make(original), once per process; the original stays reachable as `__wrapped__`
+    (the registry's canary reads its source)."""
+    original = getattr(cls, name)
+    if getattr(original, "_mfsdp_kit_patch", False):
         return
+    replacement = make(original)
+    replacement.__wrapped__, replacement._mfsdp_kit_patch = original, True
+    setattr(cls, name, replacement)
+    registry.record(patch)
+
+
+def _patch_tp_scatter() -> None:
     from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
-    original = MegatronParamMapping.scatter_to_tp_ranks
 
-    def scatter_to_tp_ranks(self, splits, *args, **kwargs):
-        return original(self, [s.contiguous() for s in splits] if splits else splits, *args, **kwargs)
+    def make(original):
+        def scatter_to_tp_ranks(self, splits, *args, **kwargs):
+            return original(self, [s.contiguous() for s in splits] if splits else splits, *args, **kwargs)
+        return scatter_to_tp_ranks
 
-    scatter_to_tp_ranks.__wrapped__ = original
-    MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
-    _scatter_patched = True
-    registry.record(registry.Patch(
+    _replace_method(MegatronParamMapping, "scatter_to_tp_ranks", make, registry.Patch(
         target="megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.scatter_to_tp_ranks",
         upstream="megatron/bridge/models/conversion/param_mapping.py:502 (non-contiguous TP splits)",
         package="megatron-bridge", needed_if=scatter_fix_still_needed))
 
 
 def _patch_load_progress() -> None:
-    global _progress_patched
-    if _progress_patched:
-        return
     from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-    original = MegatronModelBridge.load_weights_hf_to_megatron
 
-    def load_weights_hf_to_megatron(self, *args, **kwargs):
-        tracking = self._with_progress_tracking
-        self._with_progress_tracking = lambda tasks, description, show_progress=True: tracking(tasks, description, False)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            del self._with_progress_tracking   # the class's method again
+    def make(original):
+        def load_weights_hf_to_megatron(self, *args, **kwargs):
+            tracking = self._with_progress_tracking
+            self._with_progress_tracking = lambda tasks, description, show_progress=True: tracking(tasks, description,
+                                                                                                    False)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                del self._with_progress_tracking   # the class's method again
+        return load_weights_hf_to_megatron
 
-    load_weights_hf_to_megatron.__wrapped__ = original
-    MegatronModelBridge.load_weights_hf_to_megatron = load_weights_hf_to_megatron
-    _progress_patched = True
-    registry.record(registry.Patch(
+    _replace_method(MegatronModelBridge, "load_weights_hf_to_megatron", make, registry.Patch(
         target="megatron.bridge.models.conversion.model_bridge:MegatronModelBridge.load_weights_hf_to_megatron",
         upstream="megatron/bridge/models/conversion/model_bridge.py:760 (a rich bar with no way to turn it off)",
         package="megatron-bridge", needed_if="self._with_progress_tracking(hf_to_megatron_tasks, description)"))
