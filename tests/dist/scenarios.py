@@ -219,3 +219,33 @@ def finalize_grads_match(*, fsdp: bool) -> dict:
                   scaled=scaled, tokens=int(captured["num_tokens"]))
     runtime.shutdown()
     return result
+
+
+def fail_on(*, rank: int) -> dict:
+    """Rank `rank` raises; every other rank waits in a barrier it would never leave (the launcher must stop it)."""
+    rt = runtime.init(EngineConfig())
+    if rt.rank == rank:
+        raise RuntimeError(f"planted failure on rank {rank}")
+    dist.barrier()
+    return {}
+
+
+def pids() -> dict:
+    """Every rank's process id, and whether this process ran a scenario before (a fresh one has not)."""
+    import os
+    global _ran_before
+    ran_before, _ran_before = _ran_before, True
+    rt = runtime.init(EngineConfig())
+    everyone = [None] * rt.world_size
+    dist.all_gather_object(everyone, os.getpid())
+    runtime.shutdown()
+    return dict(pids=everyone, ran_before=ran_before)
+
+
+_ran_before = False
+
+
+def sleep(*, seconds: float) -> dict:
+    import time
+    time.sleep(seconds)
+    return {}
