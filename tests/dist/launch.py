@@ -63,7 +63,7 @@ def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
     for attempt in range(2):
         r = _server(env).submit(dict(job, nproc=nproc, timeout_s=timeout_s, logdir=str(tmp), port=free_port(),
                                      env=env, cwd=job.get("cwd", os.getcwd())), timeout_s=timeout_s + 60)
-        logs = [(tmp / f"rank{rank}.log").read_text(errors="replace") for rank in range(nproc)]
+        logs = [_read(tmp / f"rank{rank}.log") for rank in range(nproc)]
         failed = [rank for rank, code in enumerate(r["codes"]) if code != 0]
         if not (failed and attempt == 0 and any("Address already in use" in logs[rank] for rank in failed)):
             break   # else the free port was taken meanwhile: once more
@@ -71,6 +71,11 @@ def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
     why = f"timed out after {timeout_s:g} s, " if r["timed_out"] else ""
     text = "".join(f"\n--- rank {rank} (exit {r['codes'][rank]}) ---\n{logs[rank][-6000:]}" for rank in shown)
     return not failed and not r["timed_out"], f"({why}rc={r['codes']}):{text}"
+
+
+def _read(log: Path) -> str:
+    """A rank's output; empty when it was stopped before it opened its log."""
+    return log.read_text(errors="replace") if log.exists() else ""
 
 
 class _Server:
