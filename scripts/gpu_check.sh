@@ -297,6 +297,9 @@ PY
                 ;;
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
                   --train-steps 1 --out "$RESULTS/load_7b.json" ;;
+    # issue 37: HF generate vs the kit's decode loop (rl.rollout.static) on one GPU, the floor beside them
+    rollout)    section rollout python3 bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 \
+                  --out "$RESULTS/rollout.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done

@@ -6,13 +6,17 @@ SGLang engine (or a Megatron-native sampler) drops in by implementing `RolloutBa
     refresh(chunks, bridge) -> stats        copy the training weights in (every chunk, every rank)
     sample(prompts, n=, ...) -> token ids   n completions per prompt, prompt-major order
 
-`hf.HFRollout` is the one shipped: a `transformers` model on each rank, refreshed in place.
+`hf.HFRollout`: a `transformers` model on each rank, refreshed in place, sampled by `generate`.
+`static.StaticCacheRollout`: the same model and refresh, sampled by the kit's own decode loop (a
+preallocated KV cache, a CUDA graph per batch on a GPU): 5.5-62x `generate` on 1 H200
+(docs/benchmarks.md, "rollout"); Llama, Mistral, Qwen2/3 and their MoE kin only.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
 from .hf import HFRollout
+from .static import StaticCacheRollout
 
 
 @runtime_checkable
@@ -35,4 +39,4 @@ class RolloutBackend(Protocol):
         ...
 
 
-__all__ = ["HFRollout", "RolloutBackend"]
+__all__ = ["HFRollout", "RolloutBackend", "StaticCacheRollout"]

@@ -1,0 +1,137 @@
+"""Rollout speed: `HFRollout` (transformers `generate`) against `StaticCacheRollout` (the kit's decode loop, a
+CUDA graph per batch on a GPU) on one device, new tokens per second and ms per decode step, beside the floor
+measured in the same run: (weight bytes + the KV bytes a step reads) / the device's copy bandwidth.
+
+    python bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 --out runs/bench/rollout.json   # 1 GPU
+    python bench/rollout.py --shape tiny --batches 2,4 --new-tokens 8 --out /tmp/rollout.json        # CPU smoke
+
+Random weights (a config.json of the shape, built on the device); prompts of --prompt-tokens random ids;
+--new-tokens forced (HF: min_new_tokens; the kit's loop stops early only when every row sampled a stop id,
+and random weights over a 32k vocabulary practically never do). Sampling at T 1, top_p 1 (top_k off), as
+rl.rollout.hf calls generate. Both backends sample from the same HF model object.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.rl.rollout.hf import HFRollout
+from mfsdp_kit.rl.rollout.static import StaticCacheRollout
+
+SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
+    "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
+    "qwen2-7b": (28, 3584, 28, 4, 18944, 152064),
+    "tiny": (2, 64, 4, 2, 128, 256),
+}
+
+
+def build(shape: str, device: str, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    layers, hidden, heads, kv, ffn, vocab = SHAPES[shape]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                         tie_word_embeddings=False, eos_token_id=vocab - 1)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+class NoTokenizer:
+    """Just what the backends read: the ids to pad with and to stop at (a bench passes ids, not text)."""
+
+    def __init__(self, eos: int):
+        self.eos_token_id, self.pad_token_id, self.chat_template = eos, eos, None
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    sync(device)
+    return 2 * 5 * x.numel() / (time.perf_counter() - start)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_hf(model, rows, new: int, device: str) -> float:
+    """Seconds of one `generate` of `new` forced tokens, as HFRollout.sample calls it."""
+    from mfsdp_kit.rl.rollout.hf import left_padded
+    enc = left_padded(rows, pad_id=model.config.eos_token_id, device=device)
+    sync(device)
+    start = time.perf_counter()
+    model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
+                   min_new_tokens=new, pad_token_id=model.config.eos_token_id)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def timed_static(rollout: StaticCacheRollout, rows, new: int, device: str) -> tuple[float, int]:
+    sync(device)
+    start = time.perf_counter()
+    out = rollout.generate(rows, max_new_tokens=new, temperature=1.0, top_p=1.0, seed=0)
+    sync(device)
+    return time.perf_counter() - start, out.shape[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen2-1.8b", choices=sorted(SHAPES))
+    p.add_argument("--batches", default="1,64,256,512", help="concurrent sequences, comma-separated")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is ~90 ms a step: fewer steps")
+    p.add_argument("--out", default="runs/bench/rollout.json")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build(args.shape, device, dtype)
+    layers, hidden, heads, kv, ffn, vocab = SHAPES[args.shape]
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    static = StaticCacheRollout(model, NoTokenizer(vocab - 1))
+    results = []
+    print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'sequences':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} {'kit tok/s':>10} "
+          f"{'floor ms':>9} {'x HF':>6}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        g = torch.Generator().manual_seed(batch)
+        rows = torch.randint(0, vocab - 1, (batch, args.prompt_tokens), generator=g).tolist()
+        timed_static(static, rows, 2, device)   # warm-up: allocator, kernels
+        whole, steps = timed_static(static, rows, args.new_tokens, device)
+        short, _ = timed_static(static, rows, 1, device)   # prefill + first token alone
+        kit_ms = (whole - short) / max(steps - 1, 1) * 1e3
+        timed_hf(model, rows, 2, device)
+        hf_whole, hf_short = timed_hf(model, rows, args.hf_new_tokens, device), timed_hf(model, rows, 1, device)
+        hf_ms = (hf_whole - hf_short) / max(args.hf_new_tokens - 1, 1) * 1e3
+        kv_bytes = 2 * layers * batch * kv * (args.prompt_tokens + args.new_tokens) * (hidden // heads) * \
+            torch.finfo(dtype).bits // 8
+        floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+        row = dict(sequences=batch, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3, kit_ms_per_step=kit_ms,
+                   kit_tokens_per_s=batch / kit_ms * 1e3, floor_ms=floor_ms, kit_steps=steps,
+                   peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
+        results.append(row)
+        print(f"{batch:>9} {hf_ms:>11.2f} {row['hf_tokens_per_s']:>10.0f} {kit_ms:>12.2f} "
+              f"{row['kit_tokens_per_s']:>10.0f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}")
+    write_json(args.out, dict(shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
+                              copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
+                              new_tokens=args.new_tokens, results=results))
+
+
+if __name__ == "__main__":
+    main()
