@@ -8,7 +8,9 @@ measured in the same run: (weight bytes + the KV bytes a step reads) / the devic
 Random weights (a config.json of the shape, built on the device); prompts of --prompt-tokens random ids;
 --new-tokens forced (HF: min_new_tokens; the kit's loop stops early only when every row sampled a stop id,
 and random weights over a 32k vocabulary practically never do). Sampling at T 1, top_p 1 (top_k off), as
-rl.rollout.hf calls generate. Both backends sample from the same HF model object.
+rl.rollout.hf calls generate. Both backends sample from the same HF model object. ms per step = a whole
+call (prefill included) / its new tokens, after a warm-up call of the same shape (the kit keeps its cache
+and CUDA graphs across calls of one shape, as an RL loop's iterations are).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout.hf import HFRollout
-from mfsdp_kit.rl.rollout.static import StaticCacheRollout
+from mfsdp_kit.rl.rollout.static import SLOT_BUCKET, StaticCacheRollout
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
@@ -108,26 +110,30 @@ def main() -> None:
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
     print(f"{'sequences':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} {'kit tok/s':>10} "
-          f"{'floor ms':>9} {'x HF':>6}")
+          f"{'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
     for batch in [int(b) for b in args.batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
         rows = torch.randint(0, vocab - 1, (batch, args.prompt_tokens), generator=g).tolist()
-        timed_static(static, rows, 2, device)   # warm-up: allocator, kernels
+        timed_static(static, rows, args.new_tokens, device)   # warm-up: the cache, every slot bucket's graph
         whole, steps = timed_static(static, rows, args.new_tokens, device)
-        short, _ = timed_static(static, rows, 1, device)   # prefill + first token alone
-        kit_ms = (whole - short) / max(steps - 1, 1) * 1e3
+        kit_ms = whole / steps * 1e3
+        # decode without the prefill: the difference to the shortest call with the same cache shape (so the same
+        # kept cache and graphs): slots are width + new tokens rounded up to SLOT_BUCKET
+        slots = -(-(args.prompt_tokens + args.new_tokens) // SLOT_BUCKET) * SLOT_BUCKET
+        part, part_steps = timed_static(static, rows, max(1, slots - SLOT_BUCKET - args.prompt_tokens + 1), device)
+        decode_ms = (whole - part) / max(steps - part_steps, 1) * 1e3
         timed_hf(model, rows, 2, device)
-        hf_whole, hf_short = timed_hf(model, rows, args.hf_new_tokens, device), timed_hf(model, rows, 1, device)
-        hf_ms = (hf_whole - hf_short) / max(args.hf_new_tokens - 1, 1) * 1e3
+        hf_ms = timed_hf(model, rows, args.hf_new_tokens, device) / args.hf_new_tokens * 1e3
         kv_bytes = 2 * layers * batch * kv * (args.prompt_tokens + args.new_tokens) * (hidden // heads) * \
             torch.finfo(dtype).bits // 8
         floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
         row = dict(sequences=batch, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3, kit_ms_per_step=kit_ms,
-                   kit_tokens_per_s=batch / kit_ms * 1e3, floor_ms=floor_ms, kit_steps=steps,
+                   kit_tokens_per_s=batch / kit_ms * 1e3, kit_decode_ms_per_step=decode_ms, floor_ms=floor_ms,
+                   kit_steps=steps,
                    peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
         results.append(row)
         print(f"{batch:>9} {hf_ms:>11.2f} {row['hf_tokens_per_s']:>10.0f} {kit_ms:>12.2f} "
-              f"{row['kit_tokens_per_s']:>10.0f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}")
+              f"{row['kit_tokens_per_s']:>10.0f} {decode_ms:>14.2f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}")
     write_json(args.out, dict(shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results))

@@ -41,8 +41,11 @@ def test_same_seed_same_samples(tmp_path):
     model, tok = load("Qwen2ForCausalLM", tmp_path)
     rollout = StaticCacheRollout(model, tok)
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.95)
-    a, b = rollout.generate(ROWS * 4, seed=1, **kw), rollout.generate(ROWS * 4, seed=1, **kw)
+    a, b = rollout.generate(ROWS * 4, seed=1, **kw), rollout.generate(ROWS * 4, seed=1, **kw)   # b: a's kept cache
     assert torch.equal(a, b) and not torch.equal(a, rollout.generate(ROWS * 4, seed=2, **kw))
+    rollout.generate(ROWS[:2], seed=1, **kw)   # another shape: a new cache
+    rollout.release()
+    assert torch.equal(a, rollout.generate(ROWS * 4, seed=1, **kw))
 
 
 def test_first_token_follows_softmax_over_t_cut_to_top_p(tmp_path):
