@@ -5,17 +5,20 @@ The naive loop (HF `generate`, as `HFRollout` calls it) grows a dynamic cache an
 of every layer from Python at each step: measured on 1 H200 (1.84 B qwen2 shape, 256 sequences) that is
 ~90 ms a step whatever the batch, while the same step replayed as one CUDA graph of this module's loop
 takes 6.4 ms (shared/RESEARCH.md, 2026-12-02). What differs here:
-  - the cache is one tensor per layer [rows, kv_heads, slots, head_dim], allocated once per `sample`;
-    prompts are right-aligned (left-padded), so every row writes slot `width + t` at step t and a
-    boolean slot mask hides the padding;
+  - the cache is one tensor per layer [rows, kv_heads, slots, head_dim], kept with its CUDA graphs across
+    calls of one shape (`kept_state`; `release` frees them); prompts are right-aligned (left-padded), so
+    every row writes the same slot at a step and a boolean slot mask hides the padding; a step reads the
+    cache only up to the next SLOT_BUCKET past its token;
   - grouped-query attention without `repeat_kv`: the G query heads of one KV head become G query rows
     of one SDPA head over that KV head's cache (no copy of K or V);
-  - norms, the MLP (dense or MoE) and the rotary tables are the HF modules' own, so what this loop
-    computes is the HF model's function (tests/rl/test_static.py compares greedy tokens with `generate`);
+  - the projections, the MLP (dense or MoE), the norms' weights and the rotary tables are the HF
+    modules' own (an RMSNorm runs as one `F.rms_norm`), so this loop computes the HF model's function
+    (tests/rl/test_static.py compares greedy tokens with `generate` for every allowed architecture);
   - sampling (temperature, top-p) runs on the device from one seeded generator; temperature 0 is greedy;
   - no host sync inside a step: whether every row has stopped is read every `check_every` steps.
-Not yet: continuous batching (a finished row's slot refilled from a queue), a cache sized from free
-memory and kept across calls, sliding windows (refused by name).
+Not yet (issue 37): continuous batching (a finished row's slot refilled from a queue), a cache sized from
+free memory and released around the policy update by the RL loop itself, sliding windows shorter than a
+row (refused by name), PP/TP-sharded rollouts (each rank holds the whole HF model, as HFRollout does).
 """
 from __future__ import annotations
 
