@@ -8,7 +8,7 @@ SGLang engine (or a Megatron-native sampler) drops in by implementing `RolloutBa
 
 `hf.HFRollout`: a `transformers` model on each rank, refreshed in place, sampled by `generate`.
 `static.StaticCacheRollout`: the same model and refresh, sampled by the kit's own decode loop (a
-preallocated KV cache, a CUDA graph per batch on a GPU): 5.5-62x `generate` on 1 H200
+preallocated KV cache, a CUDA graph per batch on a GPU): 7-18x `generate` on 1 H200
 (docs/benchmarks.md, "rollout"); Llama, Mistral, Qwen2/3 and their MoE kin only.
 """
 from __future__ import annotations
