@@ -50,6 +50,7 @@ def rank_main(*, rank: int, job: dict, reply_fd: int) -> None:
     try:
         os.close(reply_fd)
         os.setpgid(0, 0)   # its own process group: a kill reaches what the rank started (compile workers, writers)
+        die_with_parent()
         log = os.open(os.path.join(job["logdir"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -88,6 +89,18 @@ def run_script(script: str, argv: list) -> None:
         del sys.modules[name]
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
+
+
+def die_with_parent() -> None:
+    """SIGKILL this rank when the server dies (Linux prctl PR_SET_PDEATHSIG): an interrupted pytest kills the
+    server, and ranks in process groups of their own would otherwise outlive it, blocked in a collective."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # not Linux: the server's timeout still ends a hung job
+        return
+    if os.getppid() == 1:   # the server died before the prctl took effect
+        os._exit(1)
 
 
 def stop(pids, sig: int) -> None:
