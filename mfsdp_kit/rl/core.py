@@ -171,6 +171,10 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
 
     `offload_optimizer`: move the training state to the host while sampling (`offloaded`)."""
     from megatron.core import parallel_state as ps
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:   # before any work: the share and gather below are by data-parallel rank, wrong across stages
+        raise bad_value("pipeline_model_parallel_size", pp, "1 for RL (its rollouts split and gather by "
+                        "data-parallel rank, which pipeline stages would each repeat)")
     reward, stats = as_reward(reward), {}
     if refresh:
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from mfsdp_kit import data, engine, runtime, sync
-from mfsdp_kit.config import OptimConfig
+from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.rl import core, dapo, grpo
 from mfsdp_kit.rl.rollout import HFRollout, RolloutBackend
@@ -143,3 +143,17 @@ def dapo_end_to_end(*, workdir: str, iterations: int = 2) -> dict:
     result["history"] = {k: v for k, v in vars(history).items()}
     runtime.shutdown()
     return result
+
+
+def refuses_pipeline_parallel() -> dict:
+    """core.collect under PP 2: a ConfigError naming the field, before the backend is touched (it is None)."""
+    from mfsdp_kit.config import ConfigError
+    runtime.init(EngineConfig(pipeline_model_parallel_size=2))
+    try:
+        core.collect(chunks=None, bridge=None, backend=None, prompts=[("1+1=", "2")] * 2, reward=lambda p, c: 0.0,
+                     samples_per_prompt=2, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0)
+    except ConfigError as e:
+        return dict(error=str(e))
+    finally:
+        runtime.shutdown()
+    return dict(error=None)

@@ -123,3 +123,9 @@ def test_the_training_length_comes_from_the_prompt_pool_or_is_refused_before_any
     for bad in (need - 1, 16.0, True):
         with pytest.raises(ValueError, match=rf"^seq_len_tokens={bad!r} .*None \(= {need}\) or an integer >= {need}"):
             core.checked_seq_len(bad, pool, tok, max_new_tokens=4)
+
+
+def test_rl_refuses_pipeline_parallelism_before_any_work():
+    from tests.dist import launch
+    r = launch.run("scenarios_rl:refuses_pipeline_parallel", nproc=2)
+    assert r["error"] and "pipeline_model_parallel_size=2 is not allowed" in r["error"], r
