@@ -21,7 +21,7 @@ import torch
 
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout.hf import HFRollout
-from mfsdp_kit.rl.rollout.static import SLOT_BUCKET, StaticCacheRollout
+from mfsdp_kit.rl.rollout.static import SLOT_BUCKET, StaticCacheRollout, bucketed
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
@@ -119,7 +119,7 @@ def main() -> None:
         kit_ms = whole / steps * 1e3
         # decode without the prefill: the difference to the shortest call with the same cache shape (so the same
         # kept cache and graphs): slots are width + new tokens rounded up to SLOT_BUCKET
-        slots = -(-(args.prompt_tokens + args.new_tokens) // SLOT_BUCKET) * SLOT_BUCKET
+        slots = bucketed(args.prompt_tokens + args.new_tokens)
         part, part_steps = timed_static(static, rows, max(1, slots - SLOT_BUCKET - args.prompt_tokens + 1), device)
         decode_ms = (whole - part) / max(steps - part_steps, 1) * 1e3
         timed_hf(model, rows, 2, device)

@@ -42,8 +42,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
-
 from mfsdp_kit import lab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{report['live_updates']}, problems {report['problems'] or 'none'}", flush=True)
             browser.close()
     finally:
-        stop(server)
+        server.stop()   # the server, then every kernel it started (they run in sessions of their own)
         shutil.rmtree(work, ignore_errors=True)
     (args.out / "report.json").write_text(json.dumps({"reports": reports, "failed": failed}, indent=1))
     if args.docs:   # only what a notebook that passed showed
@@ -314,22 +312,6 @@ def main(argv: list[str] | None = None) -> int:
                     print("wrote", f"docs/img/{target}")
     print("FAILED:\n  " + "\n  ".join(failed) if failed else f"ui check passed; screenshots in {args.out}")
     return 1 if failed else 0
-
-
-def stop(server: lab.LabServer) -> None:
-    """Stop the server; then end what it started that outlived it (kernels and their engines run
-    in their own sessions), each by its pid."""
-    try:
-        started = psutil.Process(server.process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        started = []
-    server.stop()
-    _, alive = psutil.wait_procs(started, timeout=20)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint import commit
 from mfsdp_kit.checkpoint.manager import io_threads
 from mfsdp_kit.checkpoint.restore import checked
 from tests.dist import launch
@@ -166,8 +167,8 @@ def test_manager_listing_and_unwritable_root(saved, work, tmp_path):
         ckpt.CheckpointManager(tmp_path / "none").load([])
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    verdict = ckpt.CheckpointManager(blocker / "sub")._prepare(blocker / "sub" / ".tmp-step_000001",
-                                                                blocker / "sub" / "step_000001")
+    verdict = commit.prepare(blocker / "sub", blocker / "sub" / ".tmp-step_000001", blocker / "sub" / "step_000001",
+                             trust_checkpoint=False, allow_backwards=False)
     assert verdict and "cannot write checkpoints under" in verdict
     with pytest.raises(ValueError, match="keep_last=0"):
         ckpt.CheckpointManager(tmp_path, keep_last=0)

@@ -173,8 +173,8 @@ class CheckpointManager:
             raise CheckpointError(f"ranks passed different components to save {final}: "
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         with agreed("preparing checkpoint", final):
-            verdict = self._prepare(tmp, final, trust_checkpoint=trust_checkpoint, allow_backwards=allow_backwards) \
-                if collective.rank() == 0 else None
+            verdict = committing.prepare(self.root, tmp, final, trust_checkpoint=trust_checkpoint,
+                                         allow_backwards=allow_backwards) if collective.rank() == 0 else None
             if verdict:
                 raise CheckpointError(verdict)
         fs = storage.HashingFileSystem()
@@ -238,12 +238,6 @@ class CheckpointManager:
                     engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),
                     hf_source=hf_source or extra.get("hf_source") or self.hf_source, extra=extra,
                     time_to_write_s=None)
-
-    def _prepare(self, tmp: Path, final: Path, *, trust_checkpoint: bool = False,
-                 allow_backwards: bool = False) -> str | None:
-        """Rank 0, before any collective write (`commit.prepare`). Error text or None."""
-        return committing.prepare(self.root, tmp, final, trust_checkpoint=trust_checkpoint,
-                                  allow_backwards=allow_backwards)
 
     def _discard(self, tmp: Path) -> None:
         """Rank 0, after every rank agreed the save failed: its partial files go."""

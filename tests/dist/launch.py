@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+"""What a launch's output says when the free port was taken between `free_port` and the bind."""
 VOLATILE = ("PYTEST_CURRENT_TEST",)
 """Environment that changes per test but is read by nobody at import: it does not need a new server."""
 
@@ -34,7 +36,8 @@ def run(scenario: str, *, nproc: int = 2, timeout_s: float = 600, torchrun: bool
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         job = dict(scenario=scenario, kwargs=kwargs, out=str(out))
-        ok, log = (_torchrun if torchrun else _forked)(job, nproc=nproc, timeout_s=timeout_s, env=env, tmp=Path(tmp))
+        ok, log = _launch(_torchrun if torchrun else _forked, job, nproc=nproc, timeout_s=timeout_s, env=env,
+                          tmp=Path(tmp))
         if not ok or not out.exists():
             raise AssertionError(f"{scenario} failed {log}")
         return json.loads(out.read_text())
@@ -45,7 +48,14 @@ def run_script(script: Path, *argv: str, nproc: int, timeout_s: float, env: dict
     (every rank exited 0, the failed ranks' output)."""
     with tempfile.TemporaryDirectory() as tmp:
         job = dict(script=str(script), argv=list(argv), cwd=str(cwd))
-        return _forked(job, nproc=nproc, timeout_s=timeout_s, env=env, tmp=Path(tmp))
+        return _launch(_forked, job, nproc=nproc, timeout_s=timeout_s, env=env, tmp=Path(tmp))
+
+
+def _launch(launcher, job: dict, **kwargs) -> tuple[bool, str]:
+    ok, log = launcher(job, **kwargs)
+    if not ok and any(s in log for s in PORT_TAKEN):   # the free port was taken meanwhile: once more
+        ok, log = launcher(job, **kwargs)
+    return ok, log
 
 
 def _torchrun(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
@@ -53,20 +63,14 @@ def _torchrun(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
            f"--master_port={free_port()}", "--master_addr=127.0.0.1",
            str(HERE / "worker.py"), job["scenario"], json.dumps(job["kwargs"]), job["out"]]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:  # the free port was taken meanwhile: once more
-        cmd[4] = f"--master_port={free_port()}"
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     return proc.returncode == 0, f"(rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
 
 
 def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
-    for attempt in range(2):
-        r = _server(env).submit(dict(job, nproc=nproc, timeout_s=timeout_s, logdir=str(tmp), port=free_port(),
-                                     env=env, cwd=job.get("cwd", os.getcwd())), timeout_s=timeout_s + 60)
-        logs = [_read(tmp / f"rank{rank}.log") for rank in range(nproc)]
-        failed = [rank for rank, code in enumerate(r["codes"]) if code != 0]
-        if not (failed and attempt == 0 and any("Address already in use" in logs[rank] for rank in failed)):
-            break   # else the free port was taken meanwhile: once more
+    r = _server(env).submit(dict(job, nproc=nproc, timeout_s=timeout_s, logdir=str(tmp), port=free_port(),
+                                 env=env, cwd=job.get("cwd", os.getcwd())), timeout_s=timeout_s + 60)
+    logs = [_read(tmp / f"rank{rank}.log") for rank in range(nproc)]
+    failed = [rank for rank, code in enumerate(r["codes"]) if code != 0]
     shown = failed or list(range(nproc))   # the failed ranks' tracebacks; all ranks' output if none failed
     why = f"timed out after {timeout_s:g} s, " if r["timed_out"] else ""
     text = "".join(f"\n--- rank {rank} (exit {r['codes'][rank]}) ---\n{logs[rank][-6000:]}" for rank in shown)

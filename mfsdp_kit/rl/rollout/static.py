@@ -87,7 +87,7 @@ class StaticCacheRollout(HFRollout):
         real = enc["attention_mask"].bool()
         batch, width = real.shape
         check_model(self.model, max_len_tokens=width + max_new_tokens)
-        slots = -(-(width + max_new_tokens) // SLOT_BUCKET) * SLOT_BUCKET   # rounded up: more calls share a shape
+        slots = bucketed(width + max_new_tokens)   # rounded up: more calls share a shape
         cache, rope, steps = self.kept_state(batch, slots)
         # slot s is visible to a row if it holds one of the row's real tokens (pads never are)
         visible = torch.cat([real, torch.ones(batch, slots - width, dtype=torch.bool, device=device)], 1)
@@ -102,7 +102,7 @@ class StaticCacheRollout(HFRollout):
         pos = positions[:, -1:] + 1
         done = torch.isin(tokens[0], stops)
         for t in range(1, max_new_tokens):
-            end = min(slots, -(-(width + t) // SLOT_BUCKET) * SLOT_BUCKET)
+            end = min(slots, bucketed(width + t))
             if end not in steps:
                 steps[end] = self.decode_step(batch, end, [(k[:, :, :end], v[:, :, :end]) for k, v in cache], rope)
             step_mask = visible[:, None, None, :end] & (torch.arange(end, device=device) <= width + t - 1)
@@ -202,6 +202,11 @@ class StaticCacheRollout(HFRollout):
             graph.replay()
             return logits.clone()
         return replay
+
+
+def bucketed(slots: int) -> int:
+    """`slots` rounded up to a multiple of SLOT_BUCKET."""
+    return -(-slots // SLOT_BUCKET) * SLOT_BUCKET
 
 
 def rms(norm, x: torch.Tensor) -> torch.Tensor:
