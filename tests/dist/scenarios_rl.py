@@ -86,11 +86,11 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
                        seq_len_tokens=16, ref_chunks=ref, progress=False)
     result["history"] = {k: v for k, v in vars(history).items()}
     # one more iteration through the kit's own decode loop over the same HF model (refreshed in place)
-    from mfsdp_kit.rl.rollout.static import StaticCacheRollout
-    history = grpo.fit(chunks=model.chunks, optimizer=opt_rl, bridge=model.bridge, rollout=StaticCacheRollout(hf, tok),
+    from mfsdp_kit.rl.rollout import ContinuousRollout
+    history = grpo.fit(chunks=model.chunks, optimizer=opt_rl, bridge=model.bridge, rollout=ContinuousRollout(hf, tok),
                        prompt_pool=task.rl_prompts(80), reward_fn=data.verify, gcfg=gcfg, iterations=1,
                        seq_len_tokens=16, ref_chunks=ref, progress=False)
-    result["static_history"] = {k: v for k, v in vars(history).items()}
+    result["continuous_history"] = {k: v for k, v in vars(history).items()}
     runtime.shutdown()
     return result
 

@@ -73,10 +73,10 @@ def test_iterations_run_end_to_end(run):
     assert all(k >= 0.0 for k in h["kl"])
 
 
-def test_an_iteration_runs_through_the_static_cache_backend(run):
-    """rl.rollout.static.StaticCacheRollout in the GRPO loop: refreshed from the Megatron-FSDP chunks (HFRollout's
-    refresh, in place), sampled by the kit's decode loop, trained on."""
-    h = run["static_history"]
+def test_an_iteration_runs_through_the_continuous_backend(run):
+    """rl.rollout.ContinuousRollout in the GRPO loop: refreshed from the Megatron-FSDP chunks (HFRollout's
+    refresh, in place), sampled by the kit's engine, trained on."""
+    h = run["continuous_history"]
     assert len(h["reward"]) == 1 and h["sync_bytes"][0] == run["history"]["sync_bytes"][0]
     for key in ("reward", "kl", "clip_frac", "rollout_s", "train_s", "response_tokens"):
         assert all(math.isfinite(x) for x in h[key]), key

@@ -4,19 +4,22 @@ A backend needs two verbs and a tokenizer; `rl.core.collect` uses nothing else, 
 SGLang engine (or a Megatron-native sampler) drops in by implementing `RolloutBackend`:
 
     refresh(chunks, bridge) -> stats        copy the training weights in (every chunk, every rank)
-    sample(prompts, n=, ...) -> token ids   n completions per prompt, prompt-major order
+    sample(prompts, n=, ...) -> Completions n completions per prompt, prompt-major order, with the
+                                            sampled tokens' log-probs (None if it does not score them)
 
-`hf.HFRollout`: a `transformers` model on each rank, refreshed in place, sampled by `generate`.
-`static.StaticCacheRollout`: the same model and refresh, sampled by the kit's own decode loop (a
-preallocated KV cache, a CUDA graph per batch on a GPU): 7-18x `generate` on 1 H200
-(docs/benchmarks.md, "rollout"); Llama, Mistral, Qwen2/3 and their MoE kin only.
+`hf.HFRollout`: a `transformers` model on each rank, refreshed in place, sampled by `generate`: any causal LM,
+the reference.
+`continuous.ContinuousRollout`: the same model and refresh, sampled by the kit's own engine (continuous
+batching over a slot KV cache sized from free memory, a CUDA graph per batch and slot bucket on a GPU,
+`decoder.py`'s fused projections): Llama, Mistral, Qwen2/3 and their MoE kin; docs/benchmarks.md, "rollout".
+`default_backend` picks it where it runs, HFRollout elsewhere.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .hf import HFRollout
-from .static import StaticCacheRollout
+from .continuous import ContinuousRollout, DecodeConfig
+from .hf import Completions, HFRollout
 
 
 @runtime_checkable
@@ -33,10 +36,11 @@ class RolloutBackend(Protocol):
         ...
 
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-               seed: int) -> list[list[int]]:
-        """n completions (token ids, cut after eos) per prompt, prompt-major: completion i belongs
-        to prompt i // n. Same `seed` and weights -> same samples (TP ranks of one replica rely on it)."""
+               seed: int) -> Completions:
+        """n completions (token ids, cut after the first stop id) per prompt, prompt-major: completion i belongs
+        to prompt i // n, with `.logprobs` (log softmax(logits / temperature) of each sampled token, or None).
+        Same `seed` and weights -> same samples (TP ranks of one replica rely on it)."""
         ...
 
 
-__all__ = ["HFRollout", "RolloutBackend", "StaticCacheRollout"]
+__all__ = ["Completions", "ContinuousRollout", "DecodeConfig", "HFRollout", "RolloutBackend"]

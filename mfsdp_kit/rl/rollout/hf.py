@@ -16,6 +16,15 @@ from ... import chat, engine, sync
 from ...generate import cut_at_stop
 
 
+class Completions(list):
+    """What `RolloutBackend.sample` returns: a list of completions (token ids, cut after the first stop id) and
+    `logprobs`, each sampled token's log-prob at the sampling temperature (None if the backend does not score)."""
+
+    def __init__(self, tokens=(), *, logprobs: list[list[float]] | None = None):
+        super().__init__(tokens)
+        self.logprobs = logprobs
+
+
 class HFRollout:
     """An HF causal LM on this rank's device that samples with `generate` (KV cache, top-p)."""
 
@@ -32,21 +41,26 @@ class HFRollout:
 
     @torch.no_grad()
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-               seed: int) -> list[list[int]]:
+               seed: int) -> Completions:
         """n completions (token ids, cut after the first stop id: eos or the template's end-of-turn) per
-        prompt, in prompt-major order. A tokenizer without a pad token pads with eos (`chat.pad_id`).
+        prompt, in prompt-major order, with each token's log-prob at the sampling temperature (`sampling.pick`'s
+        convention). A tokenizer without a pad token pads with eos (`chat.pad_id`).
 
         `top_k=0` turns off transformers' default top-k of 50, so top_p alone truncates."""
         if not prompts:
-            return []
+            return Completions([], logprobs=[])
         rows = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         enc = left_padded(rows, pad_id=chat.pad_id(self.tokenizer), device=self.model.device)
         torch.manual_seed(seed)  # TP ranks of one replica draw the same samples
         stops = chat.stop_ids(self.tokenizer)
         out = self.model.generate(**enc, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
                                   max_new_tokens=max_new_tokens, num_return_sequences=n,
-                                  eos_token_id=stops, pad_token_id=chat.pad_id(self.tokenizer))
-        return [cut_at_stop(row, stops) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
+                                  eos_token_id=stops, pad_token_id=chat.pad_id(self.tokenizer),
+                                  output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, enc["input_ids"].shape[1]:]
+        logp = torch.stack(out.logits, 1).float().div(temperature).log_softmax(-1).gather(-1, new[..., None])[..., 0]
+        tokens = [cut_at_stop(row, stops) for row in new.tolist()]
+        return Completions(tokens, logprobs=[lp[:len(t)] for lp, t in zip(logp.tolist(), tokens)])
 
 
 def left_padded(rows: list[list[int]], *, pad_id: int, device) -> dict[str, torch.Tensor]:

@@ -1,0 +1,320 @@
+"""The kit's rollout engine: continuous batching over a slot KV cache, one CUDA graph per batch and slot bucket.
+
+The naive loop (HF `generate`, as `HFRollout` calls it) pads every prompt of a call into one batch, grows a
+dynamic cache and launches every kernel of every step from Python: ~70 ms a step on 1 H200 whatever the batch
+(issue 37), and a batch runs until its longest row ends, however many rows have stopped. Here:
+  - the KV cache holds `rows` sequences of `slots` slots (`decoder.py`); rows are sized from the device's free
+    memory (`DecodeConfig.cache_memory_fraction`, vLLM's gpu_memory_utilization) and the cache is freed after
+    each call unless `keep_cache`, so the policy update gets the memory back;
+  - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
+    `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
+    at its first stop id (`chat.stop_ids`) or at `max_new_tokens`, and refills finished rows from the queue;
+  - once the queue is empty and at most half the rows still run, they move to the front and the steps run a
+    smaller batch bucket (powers of two): the long tail of a GRPO batch costs what its live rows cost;
+  - a decode step reads the cache up to the next `slot_bucket` past the longest live row, and runs as one
+    CUDA graph per (batch bucket, slot bucket) on a GPU (all graphs share one memory pool); elsewhere, or for
+    MoE models (their routing syncs the host), it runs eagerly: the same code, so CPU tests cover it;
+  - sampling (temperature, top-p, `sampling.pick`) runs on the device from one seeded generator, and each
+    sampled token's log-prob at the sampling temperature comes back with it (the train-inference mismatch).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ... import chat
+from ...config import bad_value
+from ...fieldtypes import COUNT, check_field_types, number_in
+from .decoder import check_model, decode, fuse_projections, is_moe, prefill, rope_table
+from .hf import Completions, HFRollout
+from .sampling import pick
+
+
+@dataclass(kw_only=True)
+class DecodeConfig:
+    """How `ContinuousRollout` uses the device."""
+
+    max_batch_size: int = 512
+    """Sequences in flight at most (cache rows); more prompts wait in the queue for a free row."""
+    cache_memory_fraction: float = 0.5
+    """Share of the device's free memory (when the cache is made) the KV cache may take (GPUs only): rows are
+    the fewest of `max_batch_size`, the sequences of the call, and what fits."""
+    check_every: int = 16
+    """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
+    then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
+    slot_bucket: int = 64
+    """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
+    cuda_graphs: bool = True
+    """Replay each decode step as a CUDA graph on a GPU (dense models)."""
+    attention: str = "auto"
+    """Decode attention: "flex" (compiled `flex_attention`), "sdpa", or "auto" (flex on a GPU, sdpa elsewhere)."""
+    keep_cache: bool = False
+    """Keep the KV cache and its graphs between calls (the next call of the same shape starts at once) instead
+    of freeing them after each call for the policy update."""
+
+    def __post_init__(self):
+        check_field_types(self)
+        for name, (ok, allowed) in dict(max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
+                                        cache_memory_fraction=number_in(0, 1, low_open=True)).items():
+            if not ok(getattr(self, name)):
+                raise bad_value(name, getattr(self, name), allowed)
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise bad_value("attention", self.attention, "'auto' | 'flex' | 'sdpa'")
+
+
+@dataclass
+class _Cache:
+    """The device state of the engine: KV cache, rotary table, each row's next token and position, graphs."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    rope: tuple[torch.Tensor, torch.Tensor]
+    tok: torch.Tensor
+    pos: torch.Tensor
+    steps: dict = field(default_factory=dict)
+    pool: object = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
+
+
+class ContinuousRollout(HFRollout):
+    """`HFRollout`'s model and refresh (its q/k/v and gate/up regrouped in place: `decoder.fuse_projections`),
+    sampled by continuous batching (module docstring)."""
+
+    def __init__(self, hf_model, tokenizer, *, config: DecodeConfig | None = None):
+        super().__init__(hf_model, tokenizer)
+        self.config = config or DecodeConfig()
+        fuse_projections(hf_model)
+        c = hf_model.config
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.clip_qkv = getattr(c, "clip_qkv", None)
+        self._kept: _Cache | None = None
+
+    def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
+               seed: int) -> Completions:
+        """n completions per prompt, prompt-major, each cut after its first stop id, with their log-probs."""
+        if not prompts:
+            return Completions([], logprobs=[])
+        rows = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        tokens, logprobs = self.generate([r for r in rows for _ in range(n)], max_new_tokens=max_new_tokens,
+                                         temperature=temperature, top_p=top_p, seed=seed)
+        return Completions(tokens, logprobs=logprobs)
+
+    @torch.no_grad()
+    def generate(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
+                 seed: int) -> tuple[list[list[int]], list[list[float]]]:
+        """(token ids, log-probs at the sampling temperature) of each row's completion: at most `max_new_tokens`,
+        cut after the first stop id. Temperature 0: greedy."""
+        cfg = self.config
+        longest = max(map(len, rows))
+        check_model(self.model, max_len_tokens=longest + max_new_tokens)
+        slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
+        state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
+        run = _Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
+                   sample=dict(temperature=temperature, top_p=top_p,
+                               generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
+        try:
+            return run.loop()
+        finally:
+            if not cfg.keep_cache:
+                self.release()
+
+    def rows_for(self, sequences: int, *, slots: int) -> int:
+        """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits in
+        `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free)."""
+        want = min(sequences, self.config.max_batch_size)
+        device = self.model.device
+        if device.type != "cuda":
+            return want
+        free = torch.cuda.mem_get_info(device)[0] + (self._kept_bytes() if self._kept else 0)
+        fit = int(self.config.cache_memory_fraction * free // self.row_bytes(slots))
+        if fit < 1:
+            raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
+                            f"a share of the {free / 2**30:.1f} GiB free that holds one row of {slots} slots "
+                            f"({self.row_bytes(slots) / 2**20:.0f} MiB)")
+        return min(want, fit)
+
+    def row_bytes(self, slots: int) -> int:
+        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
+        c, p = self.model.config, next(self.model.parameters())
+        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
+
+    def _kept_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self._kept.kv)
+
+    def kept_state(self, rows: int, slots: int) -> _Cache:
+        """The device state for `rows` x `slots`: the kept one when its shape is the same (its graphs replay at
+        once), else a new one, the old freed first. Stale slots are harmless: a slot is read only once this
+        call's prefill or decode has written it."""
+        if self._kept is None or self._kept.shape != (rows, slots):
+            self._kept = None
+            p = next(self.model.parameters())
+            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
+            kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+                  for _ in self.model.model.layers]
+            idx = torch.zeros(rows, dtype=torch.long, device=p.device)
+            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx,
+                                pos=idx.clone())
+        return self._kept
+
+    def release(self) -> None:
+        """Free the KV cache and CUDA graphs; the next call makes them again."""
+        self._kept = None
+
+    def step(self, state: _Cache, batch: int, slots: int):
+        """A decode step over the first `batch` rows and `slots` slots: reads `state.tok`/`state.pos`, writes the
+        rows' K, V, returns logits [batch, vocab]. Idempotent (it rewrites the same slots with the same values),
+        so its warm-up and capture leave the cache as they found it."""
+        if (batch, slots) in state.steps:
+            return state.steps[(batch, slots)]
+        cache = [(k[:batch, :, :slots], v[:batch, :, :slots]) for k, v in state.kv]
+        tok, pos = state.tok[:batch], state.pos[:batch]
+        device = tok.device
+        flex = self.config.attention == "flex" or (self.config.attention == "auto" and device.type == "cuda")
+
+        def eager():
+            return decode(self.model, tok, pos, cache, state.rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
+                          flex=flex)
+        fn = eager
+        if self.config.cuda_graphs and device.type == "cuda" and not is_moe(self.model):
+            fn = captured(eager, pool=state.pool)
+            state.pool = fn.pool
+        state.steps[(batch, slots)] = fn
+        return fn
+
+
+def captured(fn, *, pool=None):
+    """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
+    memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
+    rewritten by the next replay of any graph of the pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    replay.pool = pool
+    return replay
+
+
+def bucketed(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`."""
+    return -(-n // bucket) * bucket
+
+
+def batch_bucket(n: int, *, rows: int) -> int:
+    """The decode batch for `n` live rows: the next power of two, at most `rows`."""
+    return min(rows, 1 << max(n - 1, 0).bit_length())
+
+
+class _Run:
+    """One `generate` call's host bookkeeping: which input row each cache row serves, what each row has sampled."""
+
+    def __init__(self, engine: ContinuousRollout, state: _Cache, rows: list[list[int]], *, max_new_tokens: int,
+                 stops: set[int], sample: dict):
+        self.engine, self.state, self.rows = engine, state, rows
+        self.max_new, self.stops, self.sample = max_new_tokens, stops, sample
+        n_rows = state.shape[0]
+        self.owner = [-1] * n_rows          # input row served by each cache row (-1: free)
+        self.length = [0] * n_rows          # tokens in each cache row = the slot its next token goes to
+        self.queue = deque(range(len(rows)))
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.batch = batch_bucket(min(len(rows), n_rows), rows=n_rows)
+
+    def loop(self) -> tuple[list[list[int]], list[list[float]]]:
+        while self.queue or self.live():
+            self.admit()
+            self.compact()
+            if self.live():
+                self.chunk()
+        return self.tokens, self.logprobs
+
+    def live(self) -> list[int]:
+        return [r for r, i in enumerate(self.owner) if i >= 0]
+
+    def admit(self) -> None:
+        """Prefill queued prompts into the free rows (left-aligned from slot 0) and record their first token."""
+        free = [r for r, i in enumerate(self.owner) if i < 0][:len(self.queue)]
+        if not free:
+            return
+        take = [self.queue.popleft() for _ in free]
+        device = self.state.tok.device
+        lengths = [len(self.rows[i]) for i in take]
+        ids = torch.zeros(len(take), max(lengths), dtype=torch.long)
+        for j, i in enumerate(take):
+            ids[j, :lengths[j]] = torch.tensor(self.rows[i])
+        where, lens = torch.tensor(free, device=device), torch.tensor(lengths, device=device)
+        e = self.engine
+        logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
+                         clip_qkv=e.clip_qkv)
+        tok, logp = pick(logits, **self.sample)
+        self.state.tok[where], self.state.pos[where] = tok, lens
+        for r, i, n in zip(free, take, lengths):
+            self.owner[r], self.length[r] = i, n
+        self.record(free, tok[:, None].cpu(), logp[:, None].cpu())
+        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.owner)))
+
+    def compact(self) -> None:
+        """With the queue empty and at most half the batch live, move the live rows to the front and shrink the
+        batch to their bucket (one copy of their cache rows)."""
+        live = self.live()
+        if self.queue or not live or len(live) > self.batch // 2:
+            return
+        if live != list(range(len(live))):
+            src = torch.tensor(live, device=self.state.tok.device)
+            for k, v in self.state.kv:
+                k[:len(live)], v[:len(live)] = k[src], v[src]
+            self.state.tok[:len(live)], self.state.pos[:len(live)] = self.state.tok[src], self.state.pos[src]
+            moved = [(self.owner[r], self.length[r]) for r in live]
+            self.owner = [i for i, _ in moved] + [-1] * (len(self.owner) - len(live))
+            self.length = [n for _, n in moved] + [0] * (len(self.length) - len(live))
+        self.batch = batch_bucket(len(live), rows=len(self.owner))
+
+    def chunk(self) -> None:
+        """Up to `check_every` decode steps of the batch, then one read of what they sampled."""
+        cfg, st, b = self.engine.config, self.state, self.batch
+        idle = [r for r in range(b) if self.owner[r] < 0]
+        if idle:   # a free row in the batch decodes junk at slot 0 of its own row until it is refilled
+            st.pos[torch.tensor(idle, device=st.pos.device)] = 0
+        live = [r for r in range(b) if self.owner[r] >= 0]
+        top = max(self.length[r] for r in live)
+        left = max(self.max_new - len(self.tokens[self.owner[r]]) for r in live)
+        slots = st.shape[1]
+        sampled = []
+        for k in range(min(cfg.check_every, left)):
+            logits = self.engine.step(st, b, min(slots, bucketed(top + k + 1, cfg.slot_bucket)))()
+            tok, logp = pick(logits, **self.sample)
+            st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
+            sampled.append((tok, logp))
+        tokens = torch.stack([t for t, _ in sampled], 1).cpu()
+        logprobs = torch.stack([p for _, p in sampled], 1).cpu()
+        for r in live:
+            self.length[r] += len(sampled)
+        self.record(list(range(b)), tokens, logprobs)
+
+    def record(self, cache_rows: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append each live row's new tokens [len(cache_rows), k] up to its first stop id or `max_new_tokens`;
+        a row that ends frees its cache row."""
+        for j, r in enumerate(cache_rows):
+            i = self.owner[r]
+            if i < 0:
+                continue
+            out, lps = self.tokens[i], self.logprobs[i]
+            for t, lp in zip(tokens[j].tolist(), logprobs[j].tolist()):
+                out.append(t)
+                lps.append(lp)
+                if t in self.stops or len(out) >= self.max_new:
+                    self.owner[r] = -1
+                    break
+

@@ -1,0 +1,91 @@
+"""rl.rollout.continuous: the engine computes the HF model's function (greedy tokens equal `generate`'s for every
+architecture it allows, written by transformers itself) also while rows are refilled from the queue and moved to a
+smaller batch, returns the log-probs the model gives its samples, and is reproducible. fp32 on CPU."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mfsdp_kit.config import ConfigError
+from mfsdp_kit.generate import cut_at_stop
+from mfsdp_kit.models.archs import write_tiny
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, RolloutBackend
+from mfsdp_kit.rl.rollout.decoder import SUPPORTED
+from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
+
+ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
+        [12, 13]]   # six lengths: rows of a batch start at different slots
+SMALL = DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8)
+"""Four cache rows for six prompts (two wait in the queue), a host read every 3 steps, 8-slot buckets."""
+
+
+def load(arch, tmp_path):
+    folder = write_tiny(arch, tmp_path / arch)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+
+
+def hf_greedy(model, tok, rows, new):
+    enc = left_padded(rows, pad_id=tok.eos_token_id, device="cpu")
+    out = model.generate(**enc, do_sample=False, max_new_tokens=new, pad_token_id=tok.eos_token_id)
+    return [cut_at_stop(r, [tok.eos_token_id]) for r in out[:, enc["input_ids"].shape[1]:].tolist()]
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_greedy_tokens_equal_transformers_generate(arch, tmp_path):
+    model, tok = load(arch, tmp_path)
+    theirs = hf_greedy(model, tok, ROWS, 32)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    assert isinstance(rollout, RolloutBackend)
+    ours, _ = rollout.generate(ROWS, max_new_tokens=32, temperature=0, top_p=1.0, seed=0)
+    assert ours == theirs, arch
+
+
+def test_rows_stop_at_stop_ids_and_free_rows_are_refilled(tmp_path):
+    """A stop id that greedy decoding meets early: rows end at different steps, the queue refills their rows, and
+    the tokens still equal generate's row by row (the batch is compacted once the queue is empty)."""
+    model, tok = load("LlamaForCausalLM", tmp_path)
+    free = ContinuousRollout(model, tok, config=SMALL).generate(ROWS * 3, max_new_tokens=24, temperature=0,
+                                                                 top_p=1.0, seed=0)[0]
+    stop = max({t for row in free for t in row[2:6]}, key=lambda t: sum(t in r for r in free))
+    tok.eos_token_id = stop
+    model.generation_config.eos_token_id = stop
+    ours, lps = ContinuousRollout(model, tok, config=SMALL).generate(ROWS * 3, max_new_tokens=24, temperature=0,
+                                                                      top_p=1.0, seed=0)
+    assert ours == hf_greedy(model, tok, ROWS * 3, 24)
+    assert len({len(r) for r in ours}) > 2 and [len(r) for r in ours] == [len(lp) for lp in lps]
+
+
+@pytest.mark.parametrize("backend", ["continuous", "hf"])
+def test_logprobs_are_the_models_at_the_sampling_temperature(backend, tmp_path):
+    """Each returned log-prob equals log softmax(logits / T) of the sampled token under a plain forward of prompt +
+    completion (teacher forcing, as the trainer scores it): <= 1e-5 in fp32."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = (ContinuousRollout(model, tok, config=SMALL) if backend == "continuous" else HFRollout(model, tok))
+    prompts = ["ab", "hello there", "x"]
+    out = rollout.sample(prompts, n=2, max_new_tokens=10, temperature=0.8, top_p=0.9, seed=3)
+    assert len(out) == 6 and len(out.logprobs) == 6
+    for i, (completion, lps) in enumerate(zip(out, out.logprobs)):
+        prompt = tok(prompts[i // 2], add_special_tokens=False)["input_ids"]
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits / 0.8, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert (torch.tensor(lps) - want).abs().max() <= 1e-5, (i, lps, want)
+
+
+def test_same_seed_same_samples_kept_or_fresh(tmp_path):
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=5, check_every=4, keep_cache=True))
+    kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.95)
+    a, b = rollout.generate(ROWS * 2, seed=1, **kw), rollout.generate(ROWS * 2, seed=1, **kw)   # b: a's kept cache
+    assert rollout._kept is not None and a == b and a != rollout.generate(ROWS * 2, seed=2, **kw)
+    rollout.release()
+    assert rollout._kept is None and a == rollout.generate(ROWS * 2, seed=1, **kw)
+    rollout.config.keep_cache = False
+    assert a == rollout.generate(ROWS * 2, seed=1, **kw) and rollout._kept is None   # freed after the call
+
+
+def test_bad_config_is_refused_by_name():
+    with pytest.raises(ConfigError, match="cache_memory_fraction"):
+        DecodeConfig(cache_memory_fraction=1.5)
+    with pytest.raises(ConfigError, match="attention"):
+        DecodeConfig(attention="flash")
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        DecodeConfig(max_batch_size=0)

@@ -1,0 +1,48 @@
+"""rl.rollout.sampling.pick samples the law it states (softmax(logits / T) cut to the top-p set) and returns
+each token's log-prob at T, before the cut."""
+import math
+
+import torch
+
+from mfsdp_kit.rl.rollout.sampling import pick
+
+
+def test_draws_follow_softmax_over_t_cut_to_top_p():
+    """10k draws at T 0.7 / top_p 0.9 against the truncated law: no draw outside the set, and a chi-square test
+    at alpha 1e-3 (Wilson-Hilferty's quantile). Temperature or top-p ignored fails it."""
+    logits = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 1.8
+    probs = torch.softmax(logits / 0.7, -1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = order[(sorted_p.cumsum(0) - sorted_p) < 0.9]
+    expected = torch.zeros_like(probs)
+    expected[keep] = probs[keep] / probs[keep].sum()
+    assert 2 < len(keep) < len(probs) // 2, len(keep)   # the cut matters in this test
+    draws, logp = pick(logits.expand(10_000, -1), temperature=0.7, top_p=0.9,
+                       generator=torch.Generator().manual_seed(1))
+    counts = torch.bincount(draws, minlength=len(probs)).double()
+    assert counts[expected == 0].sum() == 0, "a token outside the top-p set was drawn"
+    e = expected.double() * len(draws)
+    big = e >= 5
+    observed = torch.cat([counts[big], counts[~big & (expected > 0)].sum().reshape(1)])
+    wanted = torch.cat([e[big], e[~big & (expected > 0)].sum().reshape(1)])
+    observed, wanted = observed[wanted > 0], wanted[wanted > 0]
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    df = len(wanted) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < critical, (chi2, critical, df)
+    torch.testing.assert_close(logp, torch.log_softmax(logits / 0.7, -1)[draws], rtol=0, atol=1e-6)
+
+
+def test_temperature_zero_is_greedy_scored_at_one():
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(2))
+    token, logp = pick(logits, temperature=0, top_p=0.5, generator=None)
+    assert torch.equal(token, logits.argmax(-1))
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1).max(-1).values)
+
+
+def test_same_generator_seed_same_draws():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
+    a = pick(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(4))[0]
+    b = pick(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(4))[0]
+    c = pick(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(5))[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
