@@ -1,5 +1,5 @@
-"""Rollout speed: `HFRollout` (transformers `generate`) against `StaticCacheRollout` (the kit's decode loop, a
-CUDA graph per batch on a GPU) on one device, new tokens per second and ms per decode step, beside the floor
+"""Rollout speed: `HFRollout` (transformers `generate`) against `ContinuousRollout` (the kit's engine, a CUDA
+graph per batch and slot bucket on a GPU; flex_attention or SDPA decode attention) on one device, new tokens per second and ms per decode step, beside the floor
 measured in the same run: (weight bytes + the KV bytes a step reads) / the device's copy bandwidth.
 
     python bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 --out runs/bench/rollout.json   # 1 GPU
@@ -9,8 +9,9 @@ Random weights (a config.json of the shape, built on the device); prompts of --p
 --new-tokens forced (HF: min_new_tokens; the kit's loop stops early only when every row sampled a stop id,
 and random weights over a 32k vocabulary practically never do). Sampling at T 1, top_p 1 (top_k off), as
 rl.rollout.hf calls generate. Both backends sample from the same HF model object. ms per step = a whole
-call (prefill included) / its new tokens, after a warm-up call of the same shape (the kit keeps its cache
-and CUDA graphs across calls of one shape, as an RL loop's iterations are).
+call (prefill included) / its new tokens, after a warm-up call of the same shape (keep_cache: the cache and
+CUDA graphs stay across calls of one shape); "first call" is the warm-up (allocation, compiles, captures).
+Then bf16 correctness: the kit's greedy tokens against HF's and the kit's log-probs against HF's forward.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout.hf import HFRollout
-from mfsdp_kit.rl.rollout.static import SLOT_BUCKET, StaticCacheRollout, bucketed
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
@@ -83,12 +84,31 @@ def timed_hf(model, rows, new: int, device: str) -> float:
     return time.perf_counter() - start
 
 
-def timed_static(rollout: StaticCacheRollout, rows, new: int, device: str) -> tuple[float, int]:
+def timed_kit(rollout: ContinuousRollout, rows, new: int, device: str) -> tuple[float, int]:
     sync(device)
     start = time.perf_counter()
-    out = rollout.generate(rows, max_new_tokens=new, temperature=1.0, top_p=1.0, seed=0)
+    out, _ = rollout.generate(rows, max_new_tokens=new, temperature=1.0, top_p=1.0, seed=0)
     sync(device)
-    return time.perf_counter() - start, out.shape[1]
+    return time.perf_counter() - start, max(map(len, out))
+
+
+def agreement(model, kit: ContinuousRollout, rows, new: int, device: str) -> dict:
+    """Greedy `new` tokens of the kit against HF greedy `generate` on the same model: the share of positions
+    whose tokens agree, and the max |kit log-prob - HF log-prob| of the kit's tokens (HF scoring them by a plain
+    forward of prompt + completion, teacher-forced)."""
+    from mfsdp_kit.rl.rollout.hf import left_padded
+    ours, lps = kit.generate(rows, max_new_tokens=new, temperature=0, top_p=1.0, seed=0)
+    enc = left_padded(rows, pad_id=model.config.eos_token_id, device=device)
+    theirs = model.generate(**enc, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                            pad_token_id=model.config.eos_token_id)[:, enc["input_ids"].shape[1]:].tolist()
+    same = sum(a == b for mine, ref in zip(ours, theirs) for a, b in zip(mine, ref))
+    diff = 0.0
+    with torch.no_grad():
+        for prompt, mine, lp in zip(rows, ours, lps):
+            logits = model(torch.tensor([prompt + mine], device=device)).logits[0, len(prompt) - 1:-1]
+            ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(mine, device=device)[:, None])[:, 0]
+            diff = max(diff, (torch.tensor(lp, device=device) - ref).abs().max().item())
+    return dict(token_agreement=same / sum(map(len, ours)), max_logprob_diff=diff)
 
 
 def main() -> None:
@@ -97,7 +117,9 @@ def main() -> None:
     p.add_argument("--batches", default="1,64,256,512", help="concurrent sequences, comma-separated")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is ~90 ms a step: fewer steps")
+    p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is ~70 ms a step: fewer steps")
+    p.add_argument("--attention", default="flex,sdpa", help="the kit's decode attention variants, comma-separated")
+    p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
     p.add_argument("--out", default="runs/bench/rollout.json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,37 +128,51 @@ def main() -> None:
     layers, hidden, heads, kv, ffn, vocab = SHAPES[args.shape]
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth = copy_bandwidth(device)
-    static = StaticCacheRollout(model, NoTokenizer(vocab - 1))
+    kits = {a: ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(attention=a, keep_cache=True))
+            for a in args.attention.split(",")}
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'sequences':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} {'kit tok/s':>10} "
-          f"{'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
+    print(f"{'sequences':>9} {'attention':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
+          f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
     for batch in [int(b) for b in args.batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
         rows = torch.randint(0, vocab - 1, (batch, args.prompt_tokens), generator=g).tolist()
-        timed_static(static, rows, args.new_tokens, device)   # warm-up: the cache, every slot bucket's graph
-        whole, steps = timed_static(static, rows, args.new_tokens, device)
-        kit_ms = whole / steps * 1e3
-        # decode without the prefill: the difference to the shortest call with the same cache shape (so the same
-        # kept cache and graphs): slots are width + new tokens rounded up to SLOT_BUCKET
-        slots = bucketed(args.prompt_tokens + args.new_tokens)
-        part, part_steps = timed_static(static, rows, max(1, slots - SLOT_BUCKET - args.prompt_tokens + 1), device)
-        decode_ms = (whole - part) / max(steps - part_steps, 1) * 1e3
         timed_hf(model, rows, 2, device)
         hf_ms = timed_hf(model, rows, args.hf_new_tokens, device) / args.hf_new_tokens * 1e3
         kv_bytes = 2 * layers * batch * kv * (args.prompt_tokens + args.new_tokens) * (hidden // heads) * \
             torch.finfo(dtype).bits // 8
         floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
-        row = dict(sequences=batch, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3, kit_ms_per_step=kit_ms,
-                   kit_tokens_per_s=batch / kit_ms * 1e3, kit_decode_ms_per_step=decode_ms, floor_ms=floor_ms,
-                   kit_steps=steps,
-                   peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
-        results.append(row)
-        print(f"{batch:>9} {hf_ms:>11.2f} {row['hf_tokens_per_s']:>10.0f} {kit_ms:>12.2f} "
-              f"{row['kit_tokens_per_s']:>10.0f} {decode_ms:>14.2f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}")
+        for name, kit in kits.items():
+            t0 = time.perf_counter()
+            try:
+                timed_kit(kit, rows, args.new_tokens, device)   # warm-up: the cache, compiles, every bucket's graph
+            except Exception as e:   # one variant's failure (a compile, say) must not cost the others' numbers
+                print(f"{batch:>9} {name:>9} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                kit.release()
+                continue
+            first_s = time.perf_counter() - t0
+            whole, steps = timed_kit(kit, rows, args.new_tokens, device)
+            one, _ = timed_kit(kit, rows, 1, device)   # prefill (and a small cache): the call less its decode
+            kit.release()
+            kit_ms, decode_ms = whole / steps * 1e3, (whole - one) / max(steps - 1, 1) * 1e3
+            row = dict(sequences=batch, attention=name, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3,
+                       kit_ms_per_step=kit_ms, kit_tokens_per_s=batch / kit_ms * 1e3, kit_decode_ms_per_step=decode_ms,
+                       floor_ms=floor_ms, kit_steps=steps, first_call_s=first_s,
+                       peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
+            results.append(row)
+            print(f"{batch:>9} {name:>9} {hf_ms:>11.2f} {row['hf_tokens_per_s']:>10.0f} {kit_ms:>12.2f} "
+                  f"{row['kit_tokens_per_s']:>10.0f} {decode_ms:>14.2f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}"
+                  f"   (first call {first_s:.1f} s)")
+    rows = torch.randint(0, vocab - 1, (args.agreement_rows, args.prompt_tokens),
+                         generator=torch.Generator().manual_seed(7)).tolist()
+    checks = {name: agreement(model, kit, rows, 64, device) for name, kit in kits.items()
+              if any(r["attention"] == name for r in results)}
+    for name, c in checks.items():
+        print(f"greedy vs HF ({dtype}, {args.agreement_rows} rows x 64 tokens, {name}): token agreement "
+              f"{c['token_agreement']:.4f}, max |log-prob diff| {c['max_logprob_diff']:.4f}")
     write_json(args.out, dict(shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
-                              new_tokens=args.new_tokens, results=results))
+                              new_tokens=args.new_tokens, results=results, agreement=checks))
 
 
 if __name__ == "__main__":

@@ -297,9 +297,16 @@ PY
                 ;;
     load_7b)    section load_7b trun bench/load_hf.py --shape qwen2.5-7b --root "${LOAD_ROOT:-/dev/shm}" \
                   --train-steps 1 --out "$RESULTS/load_7b.json" ;;
-    # issue 37: HF generate vs the kit's decode loop (rl.rollout.static) on one GPU, the floor beside them
+    # issue 37: HF generate vs the kit's engine (rl.rollout.ContinuousRollout) on one GPU, the floor beside them,
+    # then its bf16 greedy tokens and log-probs against HF's; rollout_7b: the same at the 7 B shape
     rollout)    section rollout python3 bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 \
                   --out "$RESULTS/rollout.json" ;;
+    rollout_7b) section rollout_7b python3 bench/rollout.py --shape qwen2-7b --batches 1,64,256 --attention flex \
+                  --hf-new-tokens 16 --out "$RESULTS/rollout_7b.json" ;;
+    # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
+    # rollout / logprob / update seconds, HF generate against the kit's engine
+    grpo_iteration) section grpo_iteration trun bench/grpo_iteration.py --size l --iterations 2 \
+                  --out "$RESULTS/grpo_iteration.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac
 done

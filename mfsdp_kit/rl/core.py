@@ -36,6 +36,7 @@ from ..config import bad_value
 from ..fieldtypes import COUNT, INDEX, checked_args, check_field_types, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
 from .rollout import RolloutBackend
+from .rollout.placement import ReplicaPlacement
 
 ADV_EPS = 1e-6
 """Keeps a group whose samples all scored alike at A = 0 instead of 0 / 0."""
@@ -57,6 +58,10 @@ class RolloutConfig:
     is scored on the greedy answer, T 0.5 raised it +11.5 points in 180 GRPO iterations on GPU, where
     T 1 raised only the samples' own accuracy (docs/benchmarks.md, GRPO)."""
     top_p: float = 1.0
+    score_at_temperature: bool = True
+    """Score old, reference and current log-probs at the sampling temperature (logits / T, verl's convention:
+    the ratio then compares the law the samples came from, and the rollout's log-probs can be checked against
+    the trainer's, `rl.scoring`); False: at T 1."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference model (0 = no reference forward)."""
     ppo_epochs: int = 1
@@ -120,6 +125,9 @@ class RolloutBatch:
     group_size: int
     stats: dict = field(default_factory=dict)
     """sync_s, sync_bytes (when refreshed), rollout_s."""
+    logprobs: list[list[float]] | None = None
+    """Per completion, each sampled token's log-prob as the rollout backend computed it (at the sampling
+    temperature), or None if the backend does not score: the train-inference mismatch (`scoring.mismatch`)."""
 
     @property
     def num_groups(self) -> int:
@@ -130,7 +138,8 @@ class RolloutBatch:
         rows = [g * self.group_size + j for g in groups for j in range(self.group_size)]
         return RolloutBatch(prompts=[self.prompts[g] for g in groups], prompt_ids=[self.prompt_ids[g] for g in groups],
                             completions=[self.completions[i] for i in rows], rewards=self.rewards[rows],
-                            solved=self.solved[rows], group_size=self.group_size, stats=dict(self.stats))
+                            solved=self.solved[rows], group_size=self.group_size, stats=dict(self.stats),
+                            logprobs=None if self.logprobs is None else [self.logprobs[i] for i in rows])
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -143,7 +152,9 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
                         prompt_ids=[p for b in batches for p in b.prompt_ids],
                         completions=[c for b in batches for c in b.completions],
                         rewards=torch.cat([b.rewards for b in batches]), solved=torch.cat([b.solved for b in batches]),
-                        group_size=batches[0].group_size, stats=stats)
+                        group_size=batches[0].group_size, stats=stats,
+                        logprobs=None if any(b.logprobs is None for b in batches) else
+                        [lp for b in batches for lp in b.logprobs])
 
 
 def rollout_seed(*, seed: int, iteration: int, round: int = 0) -> int:
@@ -180,34 +191,22 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
         t0 = time.perf_counter()
         nbytes = backend.refresh(chunks, bridge)["bytes"]
         stats.update(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if len(prompts) % dp:
-        raise bad_value("prompts_per_iteration", len(prompts), f"a multiple of the data-parallel size {dp}")
-    share = prompts[dp_rank * len(prompts) // dp:(dp_rank + 1) * len(prompts) // dp]
+    placement = getattr(backend, "placement", None) or ReplicaPlacement()
+    share = placement.share(prompts)
     t0 = time.perf_counter()
     with offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
         completions = backend.sample([p for p, _ in share], n=samples_per_prompt, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=seed + dp_rank)
+                                     temperature=temperature, top_p=top_p, seed=seed + placement.replica())
         texts = [backend.tokenizer.decode(c) for c in completions]
         rewards = [reward(share[i // samples_per_prompt][0], t) for i, t in enumerate(texts)]
     stats["rollout_s"] = time.perf_counter() - t0
-    return _gather_replicas(prompts, completions, rewards, backend=backend, reward=reward,
-                            group_size=samples_per_prompt, stats=stats)
-
-
-def _gather_replicas(prompts, completions, rewards, *, backend, reward: Reward, group_size: int,
-                     stats: dict) -> RolloutBatch:
-    """Every rank assembles the same global batch; TP ranks of one replica sampled identical rows,
-    so one rank per replica (every `world / dp`-th) is kept."""
-    from megatron.core import parallel_state as ps
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (completions, rewards))
-    gathered = gathered[::runtime.current().world_size // ps.get_data_parallel_world_size()]
-    rewards_t = torch.tensor([r for _, part in gathered for r in part])
-    return RolloutBatch(prompts=list(prompts),
-                        prompt_ids=prompt_ids(backend.tokenizer, prompts),
-                        completions=[c for part, _ in gathered for c in part], rewards=rewards_t,
-                        solved=reward.solved(rewards_t), group_size=group_size, stats=stats)
+    parts = placement.gather((list(completions), getattr(completions, "logprobs", None), rewards))
+    rewards_t = torch.tensor([r for _, _, part in parts for r in part])
+    scored = all(lp is not None for _, lp, _ in parts)
+    return RolloutBatch(prompts=list(prompts), prompt_ids=prompt_ids(backend.tokenizer, prompts),
+                        completions=[c for part, _, _ in parts for c in part], rewards=rewards_t,
+                        solved=reward.solved(rewards_t), group_size=samples_per_prompt, stats=stats,
+                        logprobs=[lp for _, part, _ in parts for lp in part] if scored else None)
 
 
 # ---- advantages ------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ DAPO also drops the KL term (kl_coef 0 by default here; a reference model still 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -28,7 +27,7 @@ from typing import Callable
 import torch
 
 from .. import chat
-from . import core, grpo
+from . import core, grpo, loop
 from .core import RolloutBatch
 from .rollout import RolloutBackend
 from ..config import bad_value
@@ -126,18 +125,15 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
                           sequences_multiple_of=dp * dcfg.num_minibatches * dcfg.micro_batch_size)
     metrics = dict(**sampled.stats, **core.rollout_metrics(sampled), groups_sampled=sampled.num_groups,
                    groups_kept=n_use, sampling_rounds=rounds)
-    t0 = time.perf_counter()
     if n_use == 0:
-        return dict(metrics, train_s=0.0, kl=math.nan, clip_frac=math.nan, entropy=math.nan, loss=math.nan)
-    kept = kept.select_groups(list(range(n_use)))
-    batch = core.training_batch(kept, core.group_advantages(kept.rewards, group_size=dcfg.samples_per_prompt),
-                                chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                pad_id=chat.pad_id(rollout.tokenizer), micro_batch_size=dcfg.micro_batch_size)
-    results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=dcfg.ppo_epochs,
-                          num_minibatches=dcfg.num_minibatches, micro_batch_size=dcfg.micro_batch_size,
-                          scheduler=scheduler, loss_fn=partial(dapo_loss, eps_low=dcfg.eps_low,
-                                                               eps_high=dcfg.eps_high, kl_coef=dcfg.kl_coef))
-    return dict(metrics, train_s=time.perf_counter() - t0, **core.update_metrics(results))
+        nan = math.nan
+        return dict(metrics, logprob_s=0.0, update_s=0.0, train_s=0.0, kl=nan, clip_frac=nan, entropy=nan, loss=nan,
+                    logprob_diff_mean=nan, logprob_diff_max=nan)
+    loss_fn = partial(dapo_loss, eps_low=dcfg.eps_low, eps_high=dcfg.eps_high, kl_coef=dcfg.kl_coef)
+    return dict(metrics, **loop.policy_update(kept.select_groups(list(range(n_use))), chunks=chunks,
+                                              optimizer=optimizer, cfg=dcfg, loss_fn=loss_fn,
+                                              seq_len_tokens=seq_len_tokens, pad_id=chat.pad_id(rollout.tokenizer),
+                                              ref_chunks=ref_chunks, scheduler=scheduler))
 
 
 @checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
@@ -146,13 +142,10 @@ def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list
         progress: bool = True, on_iteration=None, scheduler=None) -> DAPOHistory:
     """`iterations` DAPO iterations drawing prompts from `prompt_pool` (`core.PromptDraw`, seeded by
     `dcfg.seed`); `on_iteration`, `scheduler` and `seq_len_tokens` as in `grpo.fit`."""
-    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, rollout.tokenizer,
-                                          max_new_tokens=dcfg.max_new_tokens)   # before any rollout
-    draw = core.PromptDraw(prompt_pool, seed=dcfg.seed)
-
-    def one(it: int) -> dict:
+    def one(*, index: int, draw, seq_len_tokens: int) -> dict:
         return iteration(chunks=chunks, optimizer=optimizer, bridge=bridge, rollout=rollout, draw_prompts=draw,
                          reward_fn=reward_fn, dcfg=dcfg, seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks,
-                         index=it, scheduler=scheduler)
-    return core.run_iterations(iteration=one, iterations=iterations, history=DAPOHistory(), desc="dapo",
-                               progress=progress, on_iteration=on_iteration)
+                         index=index, scheduler=scheduler)
+    return loop.fit(iteration=one, cfg=dcfg, prompt_pool=prompt_pool, tokenizer=rollout.tokenizer,
+                    iterations=iterations, seq_len_tokens=seq_len_tokens, history=DAPOHistory(), desc="dapo",
+                    progress=progress, on_iteration=on_iteration)

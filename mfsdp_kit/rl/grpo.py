@@ -21,21 +21,20 @@ always did through megatron's per-token loss), or per sequence first (`"sequence
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
 from .. import chat
-from . import core
+from . import core, loop
 from .core import ADV_EPS, Reward, group_advantages, rollout_batch, token_logprobs  # noqa: F401 (public names)
-from .rollout import HFRollout, RolloutBackend
+from .rollout import RolloutBackend, default_backend
 from ..fieldtypes import COUNT, checked_args, optional
 from ..train import Batch
 
-Rollout = HFRollout
-"""The HF rollout backend under its first name."""
+Rollout = default_backend
+"""The rollout backend for an HF model and its tokenizer: the kit's engine where it runs (`rollout.default_backend`)."""
 
 
 @dataclass(kw_only=True)
@@ -93,10 +92,17 @@ class GRPOHistory:
     kl: list[float] = field(default_factory=list)
     clip_frac: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    logprob_diff_mean: list[float] = field(default_factory=list)
+    """Train-inference mismatch: mean |logp_rollout - logp_trainer| over the sampled tokens (`rl.scoring`)."""
+    logprob_diff_max: list[float] = field(default_factory=list)
     sync_s: list[float] = field(default_factory=list)
     sync_bytes: list[int] = field(default_factory=list)
     rollout_s: list[float] = field(default_factory=list)
+    logprob_s: list[float] = field(default_factory=list)
+    """Old and reference log-prob forwards."""
+    update_s: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
+    """logprob_s + update_s."""
 
 
 def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: list[tuple[str, str]], reward_fn,
@@ -109,18 +115,11 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: li
                             max_new_tokens=gcfg.max_new_tokens, temperature=gcfg.temperature, top_p=gcfg.top_p,
                             seed=core.rollout_seed(seed=gcfg.seed, iteration=index),
                             offload_optimizer=optimizer if gcfg.offload_during_rollout else None)
-    adv = group_advantages(rollouts.rewards, group_size=gcfg.samples_per_prompt)
-    if gcfg.min_advantage is not None:
-        adv = adv.clamp(min=gcfg.min_advantage)
-    t0 = time.perf_counter()
-    batch = core.training_batch(rollouts, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                pad_id=chat.pad_id(rollout.tokenizer), micro_batch_size=gcfg.micro_batch_size)
-    results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=gcfg.ppo_epochs,
-                          num_minibatches=gcfg.num_minibatches, micro_batch_size=gcfg.micro_batch_size,
-                          scheduler=scheduler, loss_fn=partial(grpo_loss, clip_eps=gcfg.clip_eps,
-                                                               kl_coef=gcfg.kl_coef, level=gcfg.loss_level))
-    return dict(**rollouts.stats, train_s=time.perf_counter() - t0, **core.rollout_metrics(rollouts),
-                **core.update_metrics(results))
+    loss_fn = partial(grpo_loss, clip_eps=gcfg.clip_eps, kl_coef=gcfg.kl_coef, level=gcfg.loss_level)
+    return dict(**rollouts.stats, **core.rollout_metrics(rollouts),
+                **loop.policy_update(rollouts, chunks=chunks, optimizer=optimizer, cfg=gcfg, loss_fn=loss_fn,
+                                     seq_len_tokens=seq_len_tokens, pad_id=chat.pad_id(rollout.tokenizer),
+                                     ref_chunks=ref_chunks, scheduler=scheduler, min_advantage=gcfg.min_advantage))
 
 
 @checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
@@ -136,13 +135,10 @@ def fit(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompt_pool: list
     small SFT'd model ~5 held-out points in 15 steps even on gold SFT data: pass a `scheduler`
     with a warm-up. `seq_len_tokens` (the training sequences' length): None = what the longest prompt of the
     pool plus `max_new_tokens` needs (`core.seq_len_needed`); a shorter value is refused before any rollout."""
-    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, rollout.tokenizer,
-                                          max_new_tokens=gcfg.max_new_tokens)   # before any rollout
-    draw = core.PromptDraw(prompt_pool, seed=gcfg.seed)
-
-    def one(it: int) -> dict:
+    def one(*, index: int, draw, seq_len_tokens: int) -> dict:
         return iteration(chunks=chunks, optimizer=optimizer, bridge=bridge, rollout=rollout,
                          prompts=draw(gcfg.prompts_per_iteration), reward_fn=reward_fn, gcfg=gcfg,
-                         seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=it, scheduler=scheduler)
-    return core.run_iterations(iteration=one, iterations=iterations, history=GRPOHistory(), desc="grpo",
-                               progress=progress, on_iteration=on_iteration)
+                         seq_len_tokens=seq_len_tokens, ref_chunks=ref_chunks, index=index, scheduler=scheduler)
+    return loop.fit(iteration=one, cfg=gcfg, prompt_pool=prompt_pool, tokenizer=rollout.tokenizer,
+                    iterations=iterations, seq_len_tokens=seq_len_tokens, history=GRPOHistory(), desc="grpo",
+                    progress=progress, on_iteration=on_iteration)

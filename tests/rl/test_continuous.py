@@ -89,3 +89,13 @@ def test_bad_config_is_refused_by_name():
         DecodeConfig(attention="flash")
     with pytest.raises(ConfigError, match="max_batch_size"):
         DecodeConfig(max_batch_size=0)
+
+
+def test_default_backend_is_the_engine_where_it_runs(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mfsdp_kit.rl.rollout import default_backend
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    assert type(default_backend(model, tok)) is ContinuousRollout
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert type(default_backend(gpt2, tok)) is HFRollout

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from .continuous import ContinuousRollout, DecodeConfig
+from .decoder import SUPPORTED
 from .hf import Completions, HFRollout
 
 
@@ -43,4 +44,12 @@ class RolloutBackend(Protocol):
         ...
 
 
-__all__ = ["Completions", "ContinuousRollout", "DecodeConfig", "HFRollout", "RolloutBackend"]
+def default_backend(hf_model, tokenizer, *, config: DecodeConfig | None = None):
+    """`ContinuousRollout` for the architectures it runs (`decoder.SUPPORTED`), on a GPU or a CPU alike;
+    `HFRollout` (transformers' `generate`, the reference) for any other causal LM."""
+    if type(hf_model).__name__ in SUPPORTED:
+        return ContinuousRollout(hf_model, tokenizer, config=config)
+    return HFRollout(hf_model, tokenizer)
+
+
+__all__ = ["default_backend", "Completions", "ContinuousRollout", "DecodeConfig", "HFRollout", "RolloutBackend"]

@@ -189,9 +189,11 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: t
 
 @cache
 def compiled_flex():
-    """`flex_attention` compiled once per process (eager flex is a slow reference implementation)."""
+    """`flex_attention` compiled once per process with symbolic sizes: one kernel serves every batch and slot
+    bucket (compiled per shape, dynamo's recompile limit of 8 is reached within one call, and flex then falls back
+    to an eager reference that a CUDA graph cannot capture)."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _scale(layer, head_dim: int) -> float:

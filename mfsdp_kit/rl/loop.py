@@ -1,0 +1,51 @@
+"""What GRPO and DAPO share after sampling, and their outer loop: each algorithm keeps only its loss and how it
+picks the groups it trains on (`grpo.iteration`, `dapo.iteration`).
+
+    policy_update   advantages -> training batch with old / reference log-probs (timed: logprob_s) -> update
+                    (update_s), all scored at the sampling temperature (`scoring.scored_at`), plus the
+                    train-inference mismatch of the rollout's log-probs (`scoring.mismatch`)
+    fit             prompts drawn from a pool each iteration (`core.PromptDraw`), the training length checked
+                    before any rollout, metrics into a history (`core.run_iterations`)
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from . import core
+from .core import RolloutBatch, RolloutConfig
+from .scoring import mismatch, scored_at
+
+
+def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
+                  pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None) -> dict:
+    """Advantages of `kept` (raised to `min_advantage` if given), its training batch and log-probs, and `cfg`'s
+    epochs x minibatches of optimizer steps with `loss_fn`. Returns logprob_s, update_s, train_s (their sum),
+    logprob_diff_mean/max and the last step's loss, kl, clip_frac and entropy."""
+    adv = core.group_advantages(kept.rewards, group_size=cfg.samples_per_prompt)
+    if min_advantage is not None:
+        adv = adv.clamp(min=min_advantage)
+    models = list(chunks) + list(ref_chunks or [])
+    with scored_at(models, temperature=cfg.temperature if cfg.score_at_temperature else 1.0):
+        t0 = time.perf_counter()
+        batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
+                                    pad_id=pad_id, micro_batch_size=cfg.micro_batch_size)
+        t1 = time.perf_counter()
+        results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
+                              num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
+                              scheduler=scheduler, loss_fn=loss_fn)
+    t2 = time.perf_counter()
+    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **mismatch(kept.logprobs, batch),
+                **core.update_metrics(results))
+
+
+def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], tokenizer,
+        iterations: int, seq_len_tokens: int | None, history, desc: str, progress: bool = True, on_iteration=None):
+    """`iterations` calls of `iteration(index=, draw=, seq_len_tokens=)`, where `draw(k)` gives k prompts of
+    `prompt_pool` (deterministic from `cfg.seed`) and `seq_len_tokens` is checked (None: what the longest prompt
+    plus `max_new_tokens` needs) before any rollout."""
+    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, tokenizer, max_new_tokens=cfg.max_new_tokens)
+    draw = core.PromptDraw(prompt_pool, seed=cfg.seed)
+    return core.run_iterations(iteration=lambda it: iteration(index=it, draw=draw, seq_len_tokens=seq_len_tokens),
+                               iterations=iterations, history=history, desc=desc, progress=progress,
+                               on_iteration=on_iteration)
