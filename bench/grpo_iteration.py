@@ -26,7 +26,7 @@ from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl import grpo
-from mfsdp_kit.rl.rollout import ContinuousRollout, HFRollout
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
 
@@ -50,7 +50,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--backends", default="hf,continuous")
+    p.add_argument("--backends", default="hf,continuous,continuous_kept",
+                   help="hf, continuous (cache freed after each rollout), continuous_kept (cache and graphs kept)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
@@ -67,10 +68,13 @@ def main() -> None:
     results = {}
     for name in args.backends.split(","):
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
-        rollout = {"hf": HFRollout, "continuous": ContinuousRollout}[name](hf, tok)
+        rollout = (HFRollout(hf, tok) if name == "hf" else
+                   ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name == "continuous_kept")))
+        engine_stats = []
         history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
-                           reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations, progress=False)
-        results[name] = vars(history)
+                           reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations, progress=False,
+                           on_iteration=lambda *_: engine_stats.append(dict(getattr(rollout, "stats", {}))))
+        results[name] = dict(vars(history), engine=engine_stats)
         del rollout, hf
         torch.cuda.empty_cache() if gpu else None
         if rt.rank == 0:
@@ -84,6 +88,9 @@ def main() -> None:
                       f"{100 * split[1] / sum(split):>9.1f} {results[name]['response_tokens'][i]:>8.1f} "
                       f"{n_tok / split[1]:>8.0f} {results[name]['logprob_diff_mean'][i]:>12.4f} "
                       f"{results[name]['logprob_diff_max'][i]:>8.3f}")
+                if engine_stats[i]:
+                    print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                   for k, v in engine_stats[i].items()))
     if rt.rank == 0:
         write_json(args.out, dict(args=vars(args), device=torch.cuda.get_device_name() if gpu else "cpu",
                                   histories=results))

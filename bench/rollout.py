@@ -1,5 +1,5 @@
 """Rollout speed: `HFRollout` (transformers `generate`) against `ContinuousRollout` (the kit's engine, a CUDA
-graph per batch and slot bucket on a GPU; flex_attention or SDPA decode attention) on one device, new tokens per second and ms per decode step, beside the floor
+graph per batch and slot bucket on a GPU; its elementwise glue compiled or eager) on one device, new tokens per second and ms per decode step, beside the floor
 measured in the same run: (weight bytes + the KV bytes a step reads) / the device's copy bandwidth.
 
     python bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 --out runs/bench/rollout.json   # 1 GPU
@@ -118,7 +118,8 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is ~70 ms a step: fewer steps")
-    p.add_argument("--attention", default="flex,sdpa", help="the kit's decode attention variants, comma-separated")
+    p.add_argument("--variants", default="compiled,eager",
+                   help="the kit's variants: compiled (DecodeConfig's default: compiled glue on a GPU), eager")
     p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
     p.add_argument("--out", default="runs/bench/rollout.json")
     args = p.parse_args()
@@ -128,11 +129,12 @@ def main() -> None:
     layers, hidden, heads, kv, ffn, vocab = SHAPES[args.shape]
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth = copy_bandwidth(device)
-    kits = {a: ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(attention=a, keep_cache=True))
-            for a in args.attention.split(",")}
+    kits = {v: ContinuousRollout(model, NoTokenizer(vocab - 1),
+                                 config=DecodeConfig(compile_glue=v == "compiled", keep_cache=True))
+            for v in args.variants.split(",")}
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'sequences':>9} {'attention':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
+    print(f"{'sequences':>9} {'variant':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
           f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
     for batch in [int(b) for b in args.batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
@@ -155,7 +157,7 @@ def main() -> None:
             one, _ = timed_kit(kit, rows, 1, device)   # prefill (and a small cache): the call less its decode
             kit.release()
             kit_ms, decode_ms = whole / steps * 1e3, (whole - one) / max(steps - 1, 1) * 1e3
-            row = dict(sequences=batch, attention=name, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3,
+            row = dict(sequences=batch, variant=name, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3,
                        kit_ms_per_step=kit_ms, kit_tokens_per_s=batch / kit_ms * 1e3, kit_decode_ms_per_step=decode_ms,
                        floor_ms=floor_ms, kit_steps=steps, first_call_s=first_s,
                        peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
@@ -166,7 +168,7 @@ def main() -> None:
     rows = torch.randint(0, vocab - 1, (args.agreement_rows, args.prompt_tokens),
                          generator=torch.Generator().manual_seed(7)).tolist()
     checks = {name: agreement(model, kit, rows, 64, device) for name, kit in kits.items()
-              if any(r["attention"] == name for r in results)}
+              if any(r["variant"] == name for r in results)}
     for name, c in checks.items():
         print(f"greedy vs HF ({dtype}, {args.agreement_rows} rows x 64 tokens, {name}): token agreement "
               f"{c['token_agreement']:.4f}, max |log-prob diff| {c['max_logprob_diff']:.4f}")

@@ -85,8 +85,8 @@ def test_same_seed_same_samples_kept_or_fresh(tmp_path):
 def test_bad_config_is_refused_by_name():
     with pytest.raises(ConfigError, match="cache_memory_fraction"):
         DecodeConfig(cache_memory_fraction=1.5)
-    with pytest.raises(ConfigError, match="attention"):
-        DecodeConfig(attention="flash")
+    with pytest.raises(ConfigError, match="check_every"):
+        DecodeConfig(check_every=0)
     with pytest.raises(ConfigError, match="max_batch_size"):
         DecodeConfig(max_batch_size=0)
 

@@ -19,6 +19,7 @@ dynamic cache and launches every kernel of every step from Python: ~70 ms a step
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ import torch
 from ... import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_field_types, number_in
-from .decoder import check_model, decode, fuse_projections, is_moe, prefill, rope_table
+from .decoder import EAGER, LANES, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
 
@@ -48,8 +49,8 @@ class DecodeConfig:
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
     cuda_graphs: bool = True
     """Replay each decode step as a CUDA graph on a GPU (dense models)."""
-    attention: str = "auto"
-    """Decode attention: "flex" (compiled `flex_attention`), "sdpa", or "auto" (flex on a GPU, sdpa elsewhere)."""
+    compile_glue: bool = True
+    """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     keep_cache: bool = False
     """Keep the KV cache and its graphs between calls (the next call of the same shape starts at once) instead
     of freeing them after each call for the policy update."""
@@ -60,8 +61,6 @@ class DecodeConfig:
                                         cache_memory_fraction=number_in(0, 1, low_open=True)).items():
             if not ok(getattr(self, name)):
                 raise bad_value(name, getattr(self, name), allowed)
-        if self.attention not in ("auto", "flex", "sdpa"):
-            raise bad_value("attention", self.attention, "'auto' | 'flex' | 'sdpa'")
 
 
 @dataclass
@@ -92,6 +91,9 @@ class ContinuousRollout(HFRollout):
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.clip_qkv = getattr(c, "clip_qkv", None)
         self._kept: _Cache | None = None
+        self._glue: Glue | None = None
+        self.stats: dict = {}
+        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds."""
 
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                seed: int) -> Completions:
@@ -112,13 +114,16 @@ class ContinuousRollout(HFRollout):
         longest = max(map(len, rows))
         check_model(self.model, max_len_tokens=longest + max_new_tokens)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
+        t0 = time.perf_counter()
         state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
+        self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0, capture_s=0.0)
         run = _Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
                    sample=dict(temperature=temperature, top_p=top_p,
                                generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
         try:
             return run.loop()
         finally:
+            self.stats["seconds"] = time.perf_counter() - t0
             if not cfg.keep_cache:
                 self.release()
 
@@ -138,9 +143,10 @@ class ContinuousRollout(HFRollout):
         return min(want, fit)
 
     def row_bytes(self, slots: int) -> int:
-        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
+        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x (head_dim + LANES) x element size."""
         c, p = self.model.config, next(self.model.parameters())
-        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
+        return (len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * (self.head_dim + LANES)
+                * p.element_size())
 
     def _kept_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self._kept.kv)
@@ -152,11 +158,11 @@ class ContinuousRollout(HFRollout):
         if self._kept is None or self._kept.shape != (rows, slots):
             self._kept = None
             p = next(self.model.parameters())
-            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
+            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim + LANES)
             kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
                   for _ in self.model.model.layers]
             idx = torch.zeros(rows, dtype=torch.long, device=p.device)
-            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx,
+            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0][..., :self.head_dim]), tok=idx,
                                 pos=idx.clone())
         return self._kept
 
@@ -170,20 +176,30 @@ class ContinuousRollout(HFRollout):
         so its warm-up and capture leave the cache as they found it."""
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
+        t0 = time.perf_counter()
         cache = [(k[:batch, :, :slots], v[:batch, :, :slots]) for k, v in state.kv]
         tok, pos = state.tok[:batch], state.pos[:batch]
-        device = tok.device
-        flex = self.config.attention == "flex" or (self.config.attention == "auto" and device.type == "cuda")
+        gpu = tok.device.type == "cuda"
+        glue = self.glue(gpu)
 
         def eager():
             return decode(self.model, tok, pos, cache, state.rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
-                          flex=flex)
+                          glue=glue)
         fn = eager
-        if self.config.cuda_graphs and device.type == "cuda" and not is_moe(self.model):
+        if self.config.cuda_graphs and gpu and not is_moe(self.model):
             fn = captured(eager, pool=state.pool)
             state.pool = fn.pool
         state.steps[(batch, slots)] = fn
+        self.stats["capture_s"] = self.stats.get("capture_s", 0.0) + time.perf_counter() - t0
         return fn
+
+    def glue(self, gpu: bool) -> Glue:
+        """The decode step's elementwise functions: compiled once per engine on a GPU (`compile_glue`)."""
+        if not (gpu and self.config.compile_glue):
+            return EAGER
+        if self._glue is None:
+            self._glue = Glue(compiled=True)
+        return self._glue
 
 
 def captured(fn, *, pool=None):
@@ -256,6 +272,7 @@ class _Run:
             ids[j, :lengths[j]] = torch.tensor(self.rows[i])
         where, lens = torch.tensor(free, device=device), torch.tensor(lengths, device=device)
         e = self.engine
+        t0 = time.perf_counter()
         logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
                          clip_qkv=e.clip_qkv)
         tok, logp = pick(logits, **self.sample)
@@ -263,6 +280,7 @@ class _Run:
         for r, i, n in zip(free, take, lengths):
             self.owner[r], self.length[r] = i, n
         self.record(free, tok[:, None].cpu(), logp[:, None].cpu())
+        e.stats["prefill_s"] += time.perf_counter() - t0
         self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.owner)))
 
     def compact(self) -> None:
@@ -297,6 +315,7 @@ class _Run:
             tok, logp = pick(logits, **self.sample)
             st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
             sampled.append((tok, logp))
+        self.engine.stats["steps"] += len(sampled)
         tokens = torch.stack([t for t, _ in sampled], 1).cpu()
         logprobs = torch.stack([p for _, p in sampled], 1).cpu()
         for r in live:
