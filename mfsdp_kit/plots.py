@@ -102,6 +102,37 @@ def reward_curve(values: Sequence[float], path=None, *, title: str = "mean rewar
     return _save(fig, path)
 
 
+ITERATION_PARTS = ("sync_s", "rollout_s", "logprob_s", "update_s")
+"""The parts of an RL iteration `iteration_time` stacks, as GRPO/DAPO histories name them."""
+
+
+def iteration_time(history, path=None, *, title: str = "where an RL iteration's time goes") -> Figure:
+    """Seconds per iteration of a GRPO/DAPO history, stacked: weight sync, rollout, old log-probs, update."""
+    fig, ax = _figure()
+    its = range(1, len(history.rollout_s) + 1)
+    bottom = [0.0] * len(its)
+    for part in ITERATION_PARTS:
+        values = getattr(history, part)
+        ax.bar(its, values, bottom=bottom, label=part[:-2])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="iteration", ylabel="seconds", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def logprob_mismatch(history, path=None, *, title: str = "rollout vs trainer log-probs") -> Figure:
+    """Per iteration, the mean and max |logp_rollout - logp_trainer| over the sampled tokens (`rl.scoring`)."""
+    fig, ax = _figure()
+    its = range(1, len(history.logprob_diff_mean) + 1)
+    ax.plot(its, history.logprob_diff_mean, marker="o", label="mean")
+    ax.plot(its, history.logprob_diff_max, marker="o", label="max")
+    ax.set(xlabel="iteration", ylabel="|log-prob difference|", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
 TIMELINE_COLORS = dict(compute="tab:green", all_gather="tab:blue", reduce_scatter="tab:orange",
                        all_reduce="tab:purple", other_comm="tab:gray", wait="tab:brown")
 

@@ -626,12 +626,18 @@ seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long
 sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32),
           steps=40, micro_batch_size=32 // world_size, progress=False)
 '''),
-    md("The reference (frozen, unwrapped) is the SFT policy; the rollout model is a `transformers` model:"),
+    md("""
+The reference (frozen, unwrapped) is the SFT policy. The rollout model is a `transformers` model that
+`grpo.Rollout` (`rl.rollout.default_backend`) hands to the kit's rollout engine, `ContinuousRollout`, for the
+architectures it runs (this one; on a CPU as on a GPU): a KV cache refilled row by row from a queue, each
+sampled token returned with its log-prob. Any other architecture gets `HFRollout` (transformers' `generate`).
+"""),
     code('''
 %%px
 ref_dir = sync.save_hf(model.chunks, model.bridge, nbm.out("sft"))
 ref = load(ref_dir, cfg, wrap=False).chunks
 rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device), tok)
+backend = type(rollout).__name__
 gcfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
                        ppo_epochs=2, num_minibatches=2, micro_batch_size=8)
 rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
@@ -660,8 +666,21 @@ with torch.no_grad():
     code('''
 from mfsdp_kit import plots
 history = handle.view["history"][0]
-print({k: [round(x, 3) for x in v] for k, v in vars(history).items() if k in ("reward", "kl", "clip_frac")})
+print(handle.view["backend"][0],
+      {k: [round(x, 3) for x in v] for k, v in vars(history).items() if k in ("reward", "kl", "clip_frac")})
 plots.reward_curve(history.reward, window=3)
+'''),
+    md("""
+Where each iteration's time went (weight sync, rollout, old log-probs, update), and how far the rollout
+engine's log-probs of its samples are from the Megatron model's for the same tokens: the train-inference
+mismatch verl reports, scored on both sides at the sampling temperature (`rl.scoring`). In fp32 the two
+compute the same function, so it stays near roundoff; in bf16 on a GPU it is the price of the engine's kernels.
+"""),
+    code('''
+plots.iteration_time(history)
+'''),
+    code('''
+plots.logprob_mismatch(history)
 '''),
     md("""
 The check: every iteration ran and stayed finite, the policy moved away from the reference
@@ -675,6 +694,7 @@ import math
 assert len(history.reward) == 8 and all(0.0 <= r <= 1.0 for r in history.reward)
 assert all(math.isfinite(x) for key in ("kl", "clip_frac", "entropy") for x in getattr(history, key))
 assert all(b > 0 for b in history.sync_bytes)
+assert all(d <= 1e-5 for d in history.logprob_diff_max), history.logprob_diff_max   # fp32: roundoff only
 if nbm.size:   # the SFT'd tiny model gets some answers right: the groups' rewards differ and the policy moves
     assert history.kl[-1] > 0
 diffs, scales = handle.view["logits_maxdiff"], handle.view["logit_scale"]

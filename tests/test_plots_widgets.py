@@ -123,3 +123,17 @@ def test_step_timeline_one_axis_per_rank(tmp_path):
     fig = plots.step_timeline({"rank 0": step, "rank 1": step[:1]}, tmp_path / "timeline.png")
     assert len(fig.axes) == 2 and (tmp_path / "timeline.png").read_bytes().startswith(PNG_MAGIC)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["compute", "all-gather", "exposed"]
+
+
+def test_iteration_time_stacks_the_parts_and_mismatch_draws_both_lines():
+    from mfsdp_kit.rl.grpo import GRPOHistory
+    h = GRPOHistory(sync_s=[0.1, 0.1], rollout_s=[3.0, 2.0], logprob_s=[0.5, 0.5], update_s=[1.0, 1.5],
+                    logprob_diff_mean=[1e-7, 2e-7], logprob_diff_max=[1e-6, 3e-6])
+    bars = plots.iteration_time(h).axes[0].patches
+    tops = {}
+    for p in bars:
+        x = round(p.get_x() + p.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), p.get_y() + p.get_height())
+    assert len(bars) == 8 and tops == pytest.approx({1: 4.6, 2: 4.1})
+    lines = plots.logprob_mismatch(h).axes[0].lines
+    assert [list(line.get_ydata()) for line in lines] == [h.logprob_diff_mean, h.logprob_diff_max]
