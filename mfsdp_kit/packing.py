@@ -26,6 +26,7 @@ from functools import partial
 
 import torch
 
+from . import runtime
 from .data import Batch
 from .fieldtypes import bad_value, is_int
 
@@ -108,7 +109,7 @@ class PackedMicroBatch:
     """An empty micro-batch's stand-in (one token, no loss): it only keeps this rank's forwards in step."""
 
     def to(self, device) -> "PackedMicroBatch":
-        move = lambda t: t.to(device)  # noqa: E731
+        move = partial(runtime.to_device, device=device)
         return PackedMicroBatch(self.rows.to(device), move(self.indices), move(self.tokens), move(self.labels),
                                 move(self.position_ids), move(self.row_of_token), self.cu_seqlens, self.filler)
 
@@ -218,7 +219,6 @@ def token_logprobs(chunks, batch: Batch, *, max_tokens_per_micro_batch: int) -> 
     loss token and on rows without one."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from . import runtime
     device = runtime.current().device
     out = torch.zeros(batch.tokens.numel(), device=device)
     was_training = [c.training for c in chunks]

@@ -64,3 +64,21 @@ def first_grads(*, packed: bool, micro_batch_size: int = 2, max_tokens_per_micro
     grads = torch.cat([b.grad_data.flatten().float() for c in chunks for b in c.buffers])
     runtime.shutdown()
     return dict(loss=loss, tokens=tokens, grads=grads.tolist())
+
+
+def rl_update(*, packed: bool, fsdp: bool = True, level: str = "sequence") -> dict:
+    """`rl.core.update` with GRPO's loss (per-sequence advantages, KL to a reference, `level`) over two
+    minibatches and two epochs of a skewed batch whose old log-probs come from `token_logprobs`."""
+    from functools import partial
+    from mfsdp_kit.rl import grpo
+    cfg, chunks = _model(fsdp=fsdp, tp=1)
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-2), cfg)
+    batch = skewed_batches(steps=1, global_batch=16, seed=5)[0]
+    batch.extras["advantages"] = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    batch.extras["old_logprobs"] = core.token_logprobs(chunks, batch, micro_batch_size=4, packed=packed)
+    batch.extras["ref_logprobs"] = batch.extras["old_logprobs"] - 0.05 * batch.loss_mask
+    results = core.update(chunks=chunks, optimizer=opt, batch=batch, epochs=2, num_minibatches=2, micro_batch_size=4,
+                          packed=packed, loss_fn=partial(grpo.grpo_loss, clip_eps=0.2, kl_coef=0.1, level=level))
+    runtime.shutdown()
+    return dict(losses=[r.loss for r in results], grad_norms=[r.grad_norm for r in results],
+                tokens=[r.tokens for r in results], metrics=[r.metrics for r in results])
