@@ -72,12 +72,27 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
                 losses=losses)
 
 
+def guarded(way: str, batches: list, **kwargs) -> dict:
+    """`measure`, or {"error": ...} when the way fails (an OOM, a compile error): the next way still runs."""
+    try:
+        return measure(way, batches, **kwargs)
+    except Exception as e:   # noqa: BLE001 (recorded, not hidden: the table and the JSON show it)
+        if runtime.is_initialized():
+            runtime.shutdown()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def table(results: dict) -> str:
     lines = [f"{'mix':<4} {'way':<12} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
              f"{'peak GiB':>8} {'x padded':>8} {'max rel |dloss|':>15}"]
     for mix, r in results.items():
         base = r["ways"].get("padded")
+        base = base if base and "error" not in base else None
         for way, w in r["ways"].items():
+            if "error" in w:
+                lines.append(f"{mix:<4} {way:<12} FAILED {w['error']}")
+                continue
             speedup = w["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
             gap = max(abs(a - b) / abs(b) for a, b in zip(w["losses"], base["losses"])) if base else float("nan")
             lines.append(f"{mix:<4} {way:<12} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
@@ -113,7 +128,7 @@ def main() -> None:
         results[mix] = dict(padding_fraction=statistics.mean(packing.padding_fraction(b) for b in batches),
                             real_tokens=real, positions=batches[0].tokens.numel(), ways={})
         for way in ways:
-            results[mix]["ways"][way] = measure(way, batches, spec=spec, dtype=args.dtype,
+            results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
                                                 micro_batch_size=args.micro_batch_size, warmup=args.warmup)
             if dist.get_rank() == 0:
                 write_json(args.out, dict(spec=args.spec, world=dist.get_world_size(), args=vars(args), results=results))

@@ -3,7 +3,8 @@
 The loss is the masked per-token mean over the WHOLE global batch: each micro-batch returns
 (sum of masked token losses, token count); megatron sums the counts over micro-batches and
 data-parallel ranks and scales the gradients by 1/total (`calculate_per_token_loss`). That
-makes DDP and FSDP, and any micro-batch split, compute the same gradient.
+makes DDP and FSDP, and any micro-batch split, compute the same gradient - packed micro-batches too
+(`mfsdp_kit.packing`: a token budget instead of a row count, no padding computed, the same sums and counts).
 """
 from __future__ import annotations
 
