@@ -6,7 +6,8 @@
 
 Per mix (`mfsdp_kit.perf.length_mix`: "sft" log-normal lengths, median 300, max --max-tokens; "rl" a
 128-token prompt and a response uniform in [16, 1024]) every way trains on the same --sequences sequences a
-step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP, bf16, fused kernels:
+step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP, bf16, fused RoPE/SwiGLU and
+cross-entropy (the kit's GPU settings):
 - padded: micro-batches of --micro-batch-size rows of S positions (`packed=False`);
 - packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
   more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
@@ -46,7 +47,7 @@ def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int) -> dict:
     attention, packed = WAYS[way]
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
-                       fused_kernels=dtype != "fp32")
+                       fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)

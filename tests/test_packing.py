@@ -130,11 +130,13 @@ def test_packed_training_matches_padded_on_two_ranks(fsdp):
 
 @pytest.mark.parity
 def test_packed_training_matches_padded_at_tp2():
-    """Megatron-FSDP, TP 2 x DP 2, 4 ranks; a token budget of 60 (not the default) packed."""
-    padded, packed = launch.run("sequence", nproc=4, calls=[
-        ["scenarios_packing:train_run", dict(fsdp=True, tp=2, packed=False)],
-        ["scenarios_packing:train_run", dict(fsdp=True, tp=2, packed=True, max_tokens_per_micro_batch=60)]])
-    same_run(padded, packed)
+    """DDP and Megatron-FSDP at TP 2 x DP 2, one 4-rank job; a token budget of 60 (not the default) packed."""
+    runs = launch.run("sequence", nproc=4, calls=[
+        ["scenarios_packing:train_run", dict(fsdp=fsdp, tp=2, packed=packed,
+                                             max_tokens_per_micro_batch=60 if packed else None)]
+        for fsdp in (False, True) for packed in (False, True)])
+    same_run(*runs[:2])
+    same_run(*runs[2:])
 
 
 @pytest.mark.parity
