@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--mixes", default="sft,rl", help=f"comma-separated of {','.join(length_mix.MIXES)}")
     ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated of {','.join(WAYS)}")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per global batch (a step)")
-    ap.add_argument("--micro-batch-size", type=int, default=4, help="padded rows per micro-batch; x S = the budget")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="padded rows per micro-batch; x S = the budget")
     ap.add_argument("--max-tokens", type=int, default=2048, help="the longest sequence of a mix")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")

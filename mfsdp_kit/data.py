@@ -285,7 +285,7 @@ def batches(items: list, tokenizer, *, seq_len_tokens: int, global_batch: int, s
             num_batches: int | None = None) -> Iterator[Batch]:
     """Global batches of `global_batch` sequences (items as `tokenize_sft` takes them), reshuffled each epoch
     (deterministic by seed). Epochs are one stream: a batch may span the end of one shuffle and the start of the
-    next, so no example is dropped. Endless unless num_batches is given."""
+    next, so no example is dropped. Endless unless num_batches is given. `train.step` packs them (`packing`)."""
     data = tokenize_sft(items, tokenizer, seq_len_tokens=seq_len_tokens)
     order, epoch, made = torch.empty(0, dtype=torch.long), 0, 0
     while num_batches is None or made < num_batches:

@@ -231,10 +231,10 @@ for s in $SECTIONS; do
                   "$RESULTS"/headline.json "$RESULTS"/memcap_mb*.json ;;
     # packed sequences vs padding (issue #38): real tokens/s at 1.37 B on 1 GPU, SFT-like and RL-like length mixes,
     # padded vs packed (one SDPA per sequence) vs packed through flex_attention, micro-batch budgets equal in
-    # positions (4 rows x S); peak memory and the padding fraction of the padded batches (not in the default SECTIONS)
+    # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches (not in the default SECTIONS)
     packing)    for mix in sft rl; do section "packing_$mix" torchrun --nproc_per_node 1 \
                   --master_port $((29400 + RANDOM % 1000)) bench/packing.py --spec 1.7b --mixes $mix \
-                  --ways padded,packed-sdpa,packed-flex --sequences 64 --micro-batch-size 4 --steps 5 --warmup 2 \
+                  --ways padded,packed-sdpa,packed-flex --sequences 64 --micro-batch-size 8 --steps 5 --warmup 2 \
                   --out "$RESULTS/packing_$mix.json"; done ;;
     # the 1-GPU column of the same comparison
     throughput1) section throughput1 torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000)) \
