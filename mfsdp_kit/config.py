@@ -19,7 +19,7 @@ from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, 
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-ATTENTION_BACKENDS = ("local", "sdpa")
+ATTENTION_BACKENDS = ("local", "sdpa", "flex")
 BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")
@@ -66,7 +66,8 @@ class EngineConfig:
     dtype: str = "fp32"
     """Compute dtype: "bf16" | "fp16" | "fp32". Main weights and optimizer state stay fp32."""
     attention_backend: str = "local"
-    """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels)."""
+    """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels; packed rows
+    one SDPA per sequence) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
     recompute: str = "none"
     """Activation recompute: "none" | "selective" (core attention) | "full" (whole layers)."""
     fused_kernels: bool = False

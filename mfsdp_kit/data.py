@@ -15,12 +15,12 @@ import random
 import re
 import zlib
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Iterator
 
 import torch
 
-from . import chat
+from . import chat, runtime
 from .config import bad_value, is_int
 from .fieldtypes import COUNT, INDEX, checked_args, number_in, optional
 from .models.tiny import EOS, build_tokenizer
@@ -72,10 +72,8 @@ class Batch:
                      {k: v[start:stop] for k, v in self.extras.items()})
 
     def to(self, device) -> "Batch":
-        """The batch on `device`. Host tensors bound for a GPU go through pinned memory without blocking: a
-        copy from pageable memory waits for everything queued on the stream (a host sync every step)."""
-        pin = torch.device(device).type == "cuda"
-        move = lambda t: t.pin_memory().to(device, non_blocking=True) if pin and not t.is_cuda else t.to(device)  # noqa: E731
+        """The batch on `device` (`runtime.to_device`: to a GPU through pinned memory, without blocking)."""
+        move = partial(runtime.to_device, device=device)
         return Batch(move(self.tokens), move(self.labels), move(self.loss_mask), {k: move(v) for k, v in self.extras.items()})
 
 
@@ -287,7 +285,7 @@ def batches(items: list, tokenizer, *, seq_len_tokens: int, global_batch: int, s
             num_batches: int | None = None) -> Iterator[Batch]:
     """Global batches of `global_batch` sequences (items as `tokenize_sft` takes them), reshuffled each epoch
     (deterministic by seed). Epochs are one stream: a batch may span the end of one shuffle and the start of the
-    next, so no example is dropped. Endless unless num_batches is given."""
+    next, so no example is dropped. Endless unless num_batches is given. `train.step` packs them (`packing`)."""
     data = tokenize_sft(items, tokenizer, seq_len_tokens=seq_len_tokens)
     order, epoch, made = torch.empty(0, dtype=torch.long), 0, 0
     while num_batches is None or made < num_batches:

@@ -16,12 +16,14 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import chat, engine, keep_gathered, runtime
-from .fieldtypes import COUNT, checked_args, optional
+from . import chat, engine, keep_gathered, packing, runtime
+from .data import Batch
+from .fieldtypes import COUNT, bad_value, checked_args, optional
 
 
 @torch.no_grad()
-def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size: int | None = None) -> torch.Tensor:
+def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size: int | None = None,
+           lengths: list[int] | None = None) -> torch.Tensor:
     """The model's fp32 logits for `tokens` [batch, seq]: [batch, seq, vocab] (or [batch, 1, vocab]
     with `last_only`), the same full vocabulary on every tensor-parallel rank.
 
@@ -32,17 +34,55 @@ def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size:
     back to the mode they were in. With Megatron-FSDP the forward all-gathers parameters, so every
     data-parallel rank must call this as often as the others; afterwards
     `engine.settle_param_gathers(chunks)` finishes what the forward prefetched (greedy does).
+
+    `lengths`: row i is its first lengths[i] tokens, the rest padding. The rows then run packed end to end
+    in one forward where the model takes packed rows (`packing.can_pack`), padded otherwise (causal: the
+    padding changes no real position); logits past a row's length are 0 and `last_only` gives each row's
+    last real position.
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    out = chunks[0](tokens, positions, None)
+    if lengths is not None and packing.can_pack(chunks):
+        out = _packed_logits(chunks, tokens, lengths=lengths, last_only=last_only)
+    else:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        out = chunks[0](tokens, positions, None)
+        out = _at_lengths(out, lengths, last_only=last_only)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
-    out = gather_from_tensor_model_parallel_region(out[:, -1:, :] if last_only else out)
+    out = gather_from_tensor_model_parallel_region(out)
     return (out if vocab_size is None else out[..., :vocab_size]).float()
+
+
+def _row_batch(tokens: torch.Tensor, lengths: list[int]) -> Batch:
+    """`tokens` as a Batch whose loss mask ends each row at its length (what `packing` cuts at)."""
+    if len(lengths) != tokens.shape[0] or not all(1 <= n <= tokens.shape[1] for n in lengths):
+        raise bad_value("lengths", lengths, f"{tokens.shape[0]} integers in [1, {tokens.shape[1]}], one per row")
+    mask = (torch.arange(tokens.shape[1]) < torch.tensor(lengths).unsqueeze(1)).float()
+    return Batch(tokens.cpu(), tokens.cpu(), mask)
+
+
+def _packed_logits(chunks, tokens: torch.Tensor, *, lengths: list[int], last_only: bool) -> torch.Tensor:
+    """[b, seq or 1, vocab / tp] from one forward over the rows packed end to end."""
+    mb = packing.pack(_row_batch(tokens, lengths), list(range(len(lengths))), lengths).to(tokens.device)
+    out = chunks[0](mb.tokens, mb.position_ids, None, packed_seq_params=mb.params())[0]   # [T, vocab / tp]
+    if last_only:
+        return out[(mb.cu_seqlens[1:] - 1).long().to(out.device)].unsqueeze(1)
+    full = out.new_zeros(tokens.shape[0] * tokens.shape[1], out.shape[-1])
+    full[mb.flat_index()] = out
+    return full.view(tokens.shape[0], tokens.shape[1], -1)
+
+
+def _at_lengths(out: torch.Tensor, lengths: list[int] | None, *, last_only: bool) -> torch.Tensor:
+    """Padded logits [b, seq, v] as `logits` returns them: zero past each row's length, or its last position."""
+    if lengths is None:
+        return out[:, -1:, :] if last_only else out
+    mask = _row_batch(out[..., 0], lengths).loss_mask.to(out.device)
+    if last_only:
+        return out[torch.arange(out.shape[0], device=out.device), torch.tensor(lengths, device=out.device) - 1].unsqueeze(1)
+    return out * mask.unsqueeze(-1).to(out.dtype)
 
 
 def _my_share(items: list, *, dp_rank: int, dp_size: int) -> tuple[list, int]:

@@ -74,6 +74,13 @@ class NotebookModel:
         """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32")."""
         return EngineConfig(**{"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides})
 
+    @property
+    def packing_attention(self) -> str:
+        """The attention of a notebook that trains packed (`mfsdp_kit.packing` needs the kit's SDPA): "sdpa" on any
+        hardware, unless MFSDP_ATTENTION says otherwise or the folder's sliding window needs megatron's "local"
+        (which trains padded)."""
+        return attention_backend(self.path, on_gpu=True)
+
     def lr(self, xs_lr: float) -> float:
         """A learning rate tuned on the tiny xs model, scaled for this one."""
         return xs_lr * self.lr_scale

@@ -231,6 +231,13 @@ def _nccl_config_file(cfg: EngineConfig):
         yield path
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`. A host tensor bound for a GPU goes through pinned memory without blocking: a copy from
+    pageable memory waits for everything queued on the stream (a host sync every step)."""
+    pin = torch.device(device).type == "cuda" and not t.is_cuda
+    return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+
+
 def set_seed(seed: int) -> None:
     """Seed torch and megatron's RNG tracker (TP ranks get distinct model-parallel streams)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

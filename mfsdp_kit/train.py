@@ -3,7 +3,8 @@
 The loss is the masked per-token mean over the WHOLE global batch: each micro-batch returns
 (sum of masked token losses, token count); megatron sums the counts over micro-batches and
 data-parallel ranks and scales the gradients by 1/total (`calculate_per_token_loss`). That
-makes DDP and FSDP, and any micro-batch split, compute the same gradient.
+makes DDP and FSDP, and any micro-batch split, compute the same gradient - packed micro-batches too
+(`mfsdp_kit.packing`: a token budget instead of a row count, no padding computed, the same sums and counts).
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from . import engine, keep_gathered, runtime
+from . import engine, keep_gathered, packing, runtime
 from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
-from .fieldtypes import COUNT, INDEX, checked_args
+from .fieldtypes import COUNT, INDEX, checked_args, optional
 
 
 @dataclass
@@ -84,36 +85,55 @@ def masked_token_loss(mb: Batch, token_losses: torch.Tensor):
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
+    if isinstance(mb, packing.PackedMicroBatch):
+        return mb.forward(model), packing.loss_func(loss_fn, mb)
     seq = mb.tokens.shape[1]
     position_ids = torch.arange(seq, device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
     output = model(mb.tokens, position_ids, None, labels=mb.labels)
     return output, partial(loss_fn, mb)
 
 
-@checked_args(micro_batch_size=COUNT)
+@checked_args(micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
 def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch_size: int,
-                     forward_only: bool = False, loss_fn=masked_token_loss) -> tuple[float, int, dict]:
+                     forward_only: bool = False, loss_fn=masked_token_loss, max_tokens_per_micro_batch: int | None = None,
+                     packed: bool | None = None) -> tuple[float, int, dict]:
     """Run megatron's schedule on this rank's slice.
 
     Returns (global per-token mean loss, global token count, {logged name: per-token mean}).
-    `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract."""
+    `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract. Packed (`packing`; `packed`
+    None: where the model can) the micro-batches hold at most `max_tokens_per_micro_batch` tokens (None:
+    `micro_batch_size` rows' worth); padded, `micro_batch_size` rows each."""
     means, tokens = _read_logged(*_forward_backward(chunks, batch, micro_batch_size=micro_batch_size,
-                                                    forward_only=forward_only, loss_fn=loss_fn))
+                                                    forward_only=forward_only, loss_fn=loss_fn,
+                                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                                    packed=packed))
     return means.pop("lm loss"), tokens, means
 
 
+def local_micro_batches(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
+                        packed: bool | None = None) -> list:
+    """This rank's micro-batches on its device: packed (`packing.rank_micro_batches`) or padded rows."""
+    device = runtime.current().device
+    tokens = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    if tokens is None:
+        return micro_batches(data_parallel_slice(batch).to(device), micro_batch_size)
+    return [mb.to(device) for mb in packing.rank_micro_batches(batch, max_tokens_per_micro_batch=tokens)]
+
+
 def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_only: bool = False,
-                      loss_fn=masked_token_loss) -> tuple[list[str], torch.Tensor]:
+                      loss_fn=masked_token_loss, max_tokens_per_micro_batch: int | None = None,
+                      packed: bool | None = None) -> tuple[list[str], torch.Tensor]:
     """`forward_backward` up to its numbers, which stay on the device: (logged names, [names, 2] float64
     sums and counts over micro-batches and data-parallel ranks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     rt = runtime.current()
-    local = data_parallel_slice(batch).to(rt.device)
-    mbs = micro_batches(local, micro_batch_size)
+    mbs = local_micro_batches(chunks, batch, micro_batch_size=micro_batch_size,
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     with keep_gathered.held(chunks):   # a no-op unless the model was built with fsdp_keep_gathered
         logged = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
-            num_microbatches=len(mbs), seq_length=local.tokens.shape[1], micro_batch_size=micro_batch_size,
+            num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=micro_batch_size,
             forward_only=forward_only)
         engine.settle_param_gathers(chunks)
     return _reduce_logged(logged, rt.device)
@@ -164,9 +184,10 @@ class PendingStep:
                           step_time_s=time.perf_counter() - self.start_s, skipped=not self.ok, metrics=means)
 
 
-@checked_args(micro_batch_size=COUNT, step_index=INDEX)
+@checked_args(micro_batch_size=COUNT, step_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))
 def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-               scheduler=None, step_index: int = 0, loss_fn=masked_token_loss) -> PendingStep:
+               scheduler=None, step_index: int = 0, loss_fn=masked_token_loss,
+               max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> PendingStep:
     """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
     host: in bf16 on GPUs nothing in it waits for the GPU (`engine.finalize_grads`, `compat.grad_norm`, pinned
     batch copies). So a loop that starts step i+1 before it reads step i (`.result()`) keeps the GPU fed
@@ -176,7 +197,8 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn)
+    names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
+                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     ok, grad_norm, _ = optimizer.step()
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
     if scheduler is not None:
@@ -185,13 +207,16 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
                        lr=optimizer.param_groups[0]["lr"], start_s=start)
 
 
-@checked_args(micro_batch_size=COUNT, step_index=INDEX)
+@checked_args(micro_batch_size=COUNT, step_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))
 def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss, watch: HealthWatch | None = None) -> StepResult:
+         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss, watch: HealthWatch | None = None,
+         max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> StepResult:
     """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read.
-    `watch` (`HealthWatch.of(chunks)`, kept across steps) warns when the run stops learning."""
+    `watch` (`HealthWatch.of(chunks)`, kept across steps) warns when the run stops learning. Packed or padded
+    micro-batches: `forward_backward`."""
     result = start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
-                        step_index=step_index, loss_fn=loss_fn).result()
+                        step_index=step_index, loss_fn=loss_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                        packed=packed).result()
     if watch is not None:
         watch(step_index, result)
     return result
@@ -287,14 +312,15 @@ class History:
         self.memory_bytes.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
-@checked_args(steps=COUNT, micro_batch_size=COUNT, start_step=INDEX)
+@checked_args(steps=COUNT, micro_batch_size=COUNT, start_step=INDEX, max_tokens_per_micro_batch=optional(COUNT))
 def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_batch_size: int,
-        scheduler=None, start_step: int = 0, on_step=None, progress: bool = True) -> History:
+        scheduler=None, start_step: int = 0, on_step=None, progress: bool = True,
+        max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> History:
     """Run `steps` optimizer steps over the iterator `batches`; returns the per-step History.
 
     Progress shows as a tqdm bar on rank 0 in scripts, and as the cluster widget when running
     on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
-    (e.g. to checkpoint); a non-finite loss raises NonFiniteLossError naming the step, and a run that
+    (e.g. to checkpoint); micro-batches packed or padded as `forward_backward` says; a non-finite loss raises NonFiniteLossError naming the step, and a run that
     stops learning (`HealthWatch`) warns once per episode, naming the step.
     """
     from tqdm.auto import tqdm
@@ -306,7 +332,8 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     watch = HealthWatch.of(chunks)
     for i in range(start_step, start_step + steps):
         result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
-                      scheduler=scheduler, step_index=i, watch=watch)
+                      scheduler=scheduler, step_index=i, watch=watch,
+                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
         history.append(result)
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")

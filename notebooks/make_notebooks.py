@@ -130,7 +130,7 @@ print("per-rank FSDP share:", [round(c["FSDP"][0] / c["FSDP"][1], 3) for c in co
 SFT_RECIPE = '''
 %%px
 from transformers import AutoTokenizer
-from mfsdp_kit import data, engine, generate, runtime, widgets
+from mfsdp_kit import data, engine, generate, packing, runtime, widgets
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import fit
@@ -143,10 +143,14 @@ task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's o
 seq = data.seq_len_needed(task.train_pairs(90), tok, multiple_of=16)   # tiny model: 16; a long template: more
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)   # 3e-3 on xs, scaled down for larger models
+# packed: each micro-batch is its sequences end to end, at most micro_batch_size x seq tokens, none of them padding
+# (mfsdp_kit.packing); that needs the kit's SDPA attention, on CPU too
+attention = nbm.packing_attention
+padding = packing.padding_fraction(data.tokenize_sft(task.train_pairs(90), tok, seq_len_tokens=seq))
 
 def prepare(*, fsdp, seed):
     """Model (from the HF folder), optimizer, scheduler and the batch stream, all from `seed`."""
-    cfg = nbm.engine_config(use_megatron_fsdp=fsdp, seed=seed, dtype="fp32")   # fp32: see above
+    cfg = nbm.engine_config(use_megatron_fsdp=fsdp, seed=seed, dtype="fp32", attention_backend=attention)
     runtime.init(cfg)
     model = load(src, cfg)
     opt = engine.build_optimizer(model.chunks, ocfg, cfg)
@@ -177,12 +181,23 @@ the sequence length is what that template needs, and the last check asks only th
     FP32_NOTE,
     md("The recipe, on every rank:"),
     code(SFT_RECIPE),
+    md('''
+Every sequence is padded to `seq` tokens in the global batch every rank holds, but the model never sees the
+padding: `train.fit` packs each micro-batch's sequences end to end in one row (megatron's `PackedSeqParams`, RoPE
+restarting at each sequence, attention within it), and the per-token losses go back to the padded rows, so the
+loss and the gradient are the padded run's. `fit(..., packed=False)` asks for the padded path.
+'''),
+    code('''
+padding, attention = handle.view["padding"][0], handle.view["attention"][0]
+print(f"{padding:.0%} of the padded batches' positions are padding; packed ({attention} attention), none is computed")
+'''),
     md("**DDP**: held-out accuracy before training, then training with a live panel (loss, tokens/s, memory per rank)."),
     code('''
 %%px
 seed = 0
 model, opt, sched, batches = prepare(fsdp=False, seed=seed)
 acc = {"DDP before": accuracy(model)}
+packed = packing.can_pack(model.chunks)   # fit packs where the model can
 '''),
     code(f'''
 panel = widgets.TrainingPanel(handle.ranks, title="DDP")
@@ -246,6 +261,7 @@ if nbm.size:   # a tiny model, on which the notebook's learning rate and step co
 else:          # your folder: it has to learn, at its own pace (and may know the sums already)
     assert fsdp.loss[-1] < fsdp.loss[0] and ddp.loss[-1] < ddp.loss[0]
 assert all(a == acc for a in handle.view["acc"])    # every rank measured the same accuracy
+assert handle.view["packed"][0] or handle.view["attention"][0] == "local"   # packed unless a window needs "local"
 '''),
     *STOP,
 ]

@@ -59,12 +59,26 @@ def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> tor
     return _rotate(t, cos, sin, interleaved)
 
 
+def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
+             cp_rank: int = 0) -> torch.Tensor:
+    """RoPE on packed sequences `t` [total, heads, head_dim] (bounds `cu_seqlens`), positions restarting
+    at each: megatron's unfused `_apply_rotary_pos_emb_thd` (one rank of context), rotation compiled."""
+    if cp_size != 1:
+        raise NotImplementedError(f"the kit's packed RoPE has no context parallelism (cp_size={cp_size})")
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()   # host bounds (`packing.pack`): no sync
+    cos, sin = _cos_sin(freqs, t.dtype)
+    cos, sin = (torch.cat([x[:n] for n in lens]) for x in (cos, sin))
+    return _rotate(t.unsqueeze(1), cos, sin, False).squeeze(1)
+
+
 def install() -> bool:
-    """Fill megatron's fused-RoPE slot with `rope` when TE left it empty; returns whether it did."""
+    """Fill megatron's fused-RoPE slots (padded and packed) with `rope` and `rope_thd` when TE left them
+    empty; returns whether it did."""
     from megatron.core.models.common.embeddings import rope_utils
     if rope_utils.fused_apply_rotary_pos_emb is not None:
         return rope_utils.fused_apply_rotary_pos_emb is rope
     rope_utils.fused_apply_rotary_pos_emb = rope
+    rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
     return True
 
 

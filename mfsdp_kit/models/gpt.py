@@ -125,9 +125,9 @@ def layer_spec(cfg: EngineConfig, num_experts: int | None = None):
     of megatron's SequentialMLP experts when `num_experts`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=num_experts, moe_grouped_gemm=False)
-    if cfg.attention_backend == "sdpa":
-        from .sdpa import SDPAttention
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if cfg.attention_backend != "local":
+        from .flex import core_attention
+        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.attention_backend)
     return spec
 
 

@@ -209,9 +209,9 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
         s = local_layer_spec(config)
         if attention is not None:
             s.submodules.self_attention.module = attention
-        if cfg.attention_backend == "sdpa":
-            from .sdpa import SDPAttention
-            s.submodules.self_attention.submodules.core_attention = SDPAttention
+        if cfg.attention_backend != "local":
+            from .flex import core_attention
+            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.attention_backend)
         return s
     return spec
 

@@ -18,7 +18,8 @@ megatron/core/transformer/dot_product_attention.py):
   mask is used as given, with no causal mask added (as megatron's torch softmax does); a causal
   layer without a mask is `is_causal=True`; one query row (sq == 1) attends to everything;
 - dropout `attention_dropout` (arg, else config) in training only, under megatron's RNG tracker.
-Not supported (raise NotImplementedError naming the feature): packed sequences, attention
+Packed sequences (`packed_seq_params`, megatron's "thd" layout that `mfsdp_kit.packing` builds): one SDPA
+per sequence, causal within it. Not supported (raise NotImplementedError naming the feature): attention
 bias, sliding-window attention, context parallelism, softmax_type other than "vanilla".
 Numerics: a fully masked row gives NaN-free zeros in SDPA but a uniform average in megatron
 (which fills -10000, not -inf); rows with at least one visible key agree.
@@ -80,10 +81,11 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
-        if packed_seq_params is not None:
-            raise _unsupported("packed sequences (packed_seq_params)")
         if attention_bias is not None:
             raise _unsupported("attention_bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params,
+                                attn_mask_type or self.attn_mask_type)
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         # [s, b, heads, hn] -> [b, heads, s, hn] (views; SDPA needs only a unit last-dim stride)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -100,6 +102,28 @@ class SDPAttention(MegatronModule):
                                                  enable_gqa=groups > 1 and mask is None)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], params,
+                mask_type: AttnMaskType) -> Tensor:
+        """Packed sequences ("thd": [t, heads, hn], megatron squeezed the batch of one): one SDPA per sequence,
+        causal within it, so no token sees another sequence and no score is computed across two. The
+        sequences' bounds are `params.cu_seqlens_q` (`packing.pack` keeps them on the host: no sync)."""
+        if params.qkv_format != "thd" or attention_mask is not None:
+            raise _unsupported(f"packed sequences as {params.qkv_format!r} or with an attention_mask",
+                               "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
+        cu = params.cu_seqlens_q.tolist()
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        dropout_p = self.dropout_p if self.training else 0.0
+        causal = mask_type == AttnMaskType.causal
+        outs = []
+        with self._rng(dropout_p):
+            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
+                q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [L, h, hn] -> [1, h, L, hn]
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1,
+                                                     scale=self.softmax_scale, enable_gqa=groups > 1)
+                outs.append(out[0].permute(1, 0, 2))
+        return torch.cat(outs).reshape(query.shape[0], self.hidden_size_per_partition)
 
     @staticmethod
     def _sdpa_mask(attention_mask: Optional[Tensor], mask_type: AttnMaskType, sq: int, sk: int):

@@ -136,9 +136,9 @@ def _sliding_window(arch: str, config: dict, cfg) -> None:
                       "false): if your sequences never exceed the window, set sliding_window to null in config.json",
                       f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
                       "sequence where HF attends over the last sliding_window tokens")
-    if cfg is not None and cfg.attention_backend == "sdpa":
-        raise _refuse(arch, "sliding_window", window, "null with attention_backend='sdpa' (the window works with "
-                      "attention_backend='local')", "the kit's SDPA attention has no sliding-window mask")
+    if cfg is not None and cfg.attention_backend != "local":
+        raise _refuse(arch, "sliding_window", window, f"null with attention_backend={cfg.attention_backend!r} (the "
+                      "window works with attention_backend='local')", "the kit's SDPA attention has no sliding-window mask")
 
 
 def megatron_window(config: dict, bridge_window):

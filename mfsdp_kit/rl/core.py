@@ -265,12 +265,20 @@ def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], 
 
 
 @torch.no_grad()
-@checked_args(micro_batch_size=COUNT)
-def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+@checked_args(micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
+def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
+                   packed: bool | None = None) -> torch.Tensor:
     """log p(label) per position [n, seq] for the whole batch: each data-parallel rank computes
     its slice, then the slices are summed over the data-parallel group (mini-batches later
-    re-slice the batch, so every rank needs every row)."""
+    re-slice the batch, so every rank needs every row). Packed or padded as `train.forward_backward`
+    decides (`packing.token_logprobs`: 0 after each sequence's last loss token)."""
     from megatron.core import parallel_state as ps
+
+    from .. import packing
+    budget = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    if budget is not None:
+        return packing.token_logprobs(chunks, batch, max_tokens_per_micro_batch=budget)
     device = runtime.current().device
     local = data_parallel_slice(batch)
     out = torch.zeros(batch.tokens.shape)
@@ -289,17 +297,20 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int) -> torch.Tens
     return out.cpu()
 
 
-@checked_args(seq_len_tokens=COUNT, micro_batch_size=COUNT)
+@checked_args(seq_len_tokens=COUNT, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
 def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, ref_chunks, seq_len_tokens: int,
-                   pad_id: int, micro_batch_size: int) -> Batch:
+                   pad_id: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
+                   packed: bool | None = None) -> Batch:
     """`rollout_batch` plus old log-probs (the current model, before the update) and reference
-    log-probs (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step)."""
+    log-probs (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step); packed or padded
+    forwards as `token_logprobs` says."""
     n = rollouts.group_size
     batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
                           rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
-    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, micro_batch_size=micro_batch_size)
+    how = dict(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, **how)
     if ref_chunks is not None:
-        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, micro_batch_size=micro_batch_size)
+        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, **how)
     else:
         batch.extras["ref_logprobs"] = batch.extras["old_logprobs"].clone()
     return batch
@@ -325,14 +336,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) 
     raise bad_value("level", level, "'token' | 'sequence'")
 
 
-@checked_args(epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT)
+@checked_args(epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
 def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,
-           scheduler=None) -> list[StepResult]:
+           scheduler=None, max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> list[StepResult]:
     """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices
-    (`train.step` with `loss_fn`); `scheduler` steps once per optimizer step."""
+    (`train.step` with `loss_fn`, packed or padded micro-batches as it says); `scheduler` steps once per
+    optimizer step."""
     per_mb = batch.num_sequences // num_minibatches
     return [step(chunks, optimizer, batch.slice(m * per_mb, (m + 1) * per_mb), micro_batch_size=micro_batch_size,
-                 loss_fn=loss_fn, scheduler=scheduler)
+                 loss_fn=loss_fn, scheduler=scheduler, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                 packed=packed)
             for _ in range(epochs) for m in range(num_minibatches)]
 
 

@@ -39,6 +39,27 @@ def test_rope_matches_megatron_unfused(rot_dim):
         assert torch.equal(outs[1][..., rot_dim:], t[..., rot_dim:])
 
 
+def test_packed_rope_matches_megatron_unfused_thd():
+    """Sequences of 5, 1 and 6 tokens end to end: positions restart at each, as megatron's unfused thd RoPE."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+    from megatron.core import parallel_state as ps
+    g = torch.Generator().manual_seed(0)
+    t, freqs = torch.randn(12, 4, 16, generator=g), torch.rand(6, 1, 1, 16, generator=g) * 6.28
+    cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    weights = torch.randn(t.shape, generator=g)
+    outs, grads = [], []
+    for fn in (lambda x: _apply_rotary_pos_emb_thd(x, cu, freqs, cp_group=ps.get_context_parallel_group()),
+               lambda x: fusions.rope_thd(x, cu, freqs)):
+        x = t.clone().requires_grad_()
+        out = fn(x)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+        grads.append(x.grad)
+    assert (outs[0] - outs[1]).abs().max().item() < TOL and (grads[0] - grads[1]).abs().max().item() < TOL
+    at_zero = fusions.rope(t[5:6].unsqueeze(1), freqs[:1])[:, 0]
+    assert (outs[1][5:6] - at_zero).abs().max().item() < TOL   # the 1-token sequence sits at position 0
+
+
 def test_rope_takes_cos_sin_once_per_freqs_and_again_after_an_in_place_change():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     g = torch.Generator().manual_seed(2)

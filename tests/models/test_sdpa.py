@@ -91,12 +91,36 @@ def test_query_key_layer_scaling_and_explicit_scale():
 def test_unsupported_features_are_named():
     _, sdpa, config = _pair(GPTSpec(hidden_size=64, num_attention_heads=4))
     q, k, v = _qkv(config)
-    with pytest.raises(NotImplementedError, match="packed sequences"):
-        sdpa(q, k, v, None, packed_seq_params=object())
+    from megatron.core.packed_seq_params import PackedSeqParams
+    with pytest.raises(NotImplementedError, match="packed sequences as 'sbhd'"):
+        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(NotImplementedError, match="attention_bias"):
         sdpa(q, k, v, None, attention_bias=torch.zeros(1))
     with pytest.raises(NotImplementedError, match="sliding-window"):
         _pair(GPTSpec(hidden_size=64, num_attention_heads=4), window_size=(4, 0))
+
+
+@pytest.mark.parametrize("heads", CASES.values(), ids=CASES.keys())
+def test_packed_sequences_match_each_sequence_alone(heads):
+    """Sequences of 5, 1, 9 and 3 tokens end to end ("thd"): each sequence's outputs and grads are those of
+    megatron's attention on that sequence alone - no token sees another sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    ref, sdpa, config = _pair(GPTSpec(hidden_size=64, **heads))
+    lens = [5, 1, 9, 3]
+    q, k, v = (x[:, 0] for x in _qkv(config, sq=sum(lens), b=1))   # [t, heads, hn]
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    packed = _run(lambda *a: sdpa(*a, packed_seq_params=params), q, k, v)
+    weights = torch.linspace(-1, 1, packed[0].numel()).reshape(packed[0].shape)   # _run's loss, split by sequence
+    outs, grads = [], [torch.zeros_like(x) for x in (q, k, v)]
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        xs = [x.detach()[a:b].unsqueeze(1).clone().requires_grad_() for x in (q, k, v)]   # [L, b=1, heads, hn]
+        out = ref(*xs, None)[:, 0]
+        (out * weights[a:b]).sum().backward()
+        outs.append(out.detach())
+        for g, x in zip(grads, xs):
+            g[a:b] = x.grad[:, 0]
+    _assert_same((torch.cat(outs), grads), packed)
 
 
 def test_dropout_only_in_training():

@@ -1,0 +1,144 @@
+"""Real (non-padding) tokens/s, padded vs packed, on issue #38's two length mixes.
+
+    torchrun --nproc_per_node 1 bench/packing.py --spec 1.7b --out runs/bench/packing.json
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 1 bench/packing.py --spec tiny --sequences 8 --steps 2 \\
+        --warmup 1 --ways padded,packed-sdpa --mixes rl --max-tokens 32 --out /tmp/packing.json   # CPU
+
+Per mix (`mfsdp_kit.perf.length_mix`: "sft" log-normal lengths, median 300, max --max-tokens; "rl" a
+128-token prompt and a response uniform in [16, 1024]) every way trains on the same --sequences sequences a
+step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP, bf16, fused RoPE/SwiGLU and
+cross-entropy (the kit's GPU settings):
+- padded: micro-batches of --micro-batch-size rows of S positions (`packed=False`);
+- packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
+  more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
+- packed-flex: the same budget, one flex_attention per packed row over a document mask (attention_backend="flex").
+Reported per way: median step time; real tokens/s (tokens up to each sequence's last loss token, what both
+ways train on); positions/s (what the model computes); micro-batches a step; peak memory; the largest
+relative loss difference from the padded way (the same numbers up to bf16 rounding); and per mix the share
+of the padded positions that are padding.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from mfsdp_kit import engine, packing, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.models.gpt import SPECS, gpt_model_fn
+from mfsdp_kit.perf import length_mix
+from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.train import local_micro_batches, step
+
+WAYS = {"padded": ("sdpa", False), "packed-sdpa": ("sdpa", True), "packed-flex": ("flex", True)}
+"""way -> (attention_backend, packed)."""
+
+
+def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_size: int) -> list:
+    """`steps` global batches of `mix`, each padded to the mix's longest possible sequence."""
+    seq = max_tokens if mix == "sft" else min(max_tokens, 128 + 1024)
+    return [length_mix.batch(length_mix.lengths(mix, sequences, seed=s, max_tokens=seq), seq_len_tokens=seq,
+                             vocab_size=vocab_size, seed=s) for s in range(steps)]
+
+
+def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int) -> dict:
+    attention, packed = WAYS[way]
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
+                       fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)
+    seq = batches[0].tokens.shape[1]
+    how = dict(micro_batch_size=micro_batch_size, packed=packed,
+               max_tokens_per_micro_batch=micro_batch_size * seq if packed else None)
+    cuda = torch.cuda.is_available()
+    losses, times = [], []
+    for i, b in enumerate(batches):
+        if i == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
+        times.append(time.perf_counter() - t0)
+    forwards = len(local_micro_batches(chunks, batches[0], **how))
+    engine.release(chunks)
+    runtime.shutdown()
+    step_s = statistics.median(times[warmup:])
+    real = statistics.mean(length_mix.real_tokens(b) for b in batches)
+    computed = real if packed else batches[0].tokens.numel()
+    return dict(step_s=step_s, real_tokens_per_s=real / step_s, positions_per_s=computed / step_s,
+                micro_batches_per_rank=forwards, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                losses=losses)
+
+
+def guarded(way: str, batches: list, **kwargs) -> dict:
+    """`measure`, or {"error": ...} when the way fails (an OOM, a compile error): the next way still runs."""
+    try:
+        return measure(way, batches, **kwargs)
+    except Exception as e:   # noqa: BLE001 (recorded, not hidden: the table and the JSON show it)
+        if runtime.is_initialized():
+            runtime.shutdown()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
+def table(results: dict) -> str:
+    lines = [f"{'mix':<4} {'way':<12} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
+             f"{'peak GiB':>8} {'x padded':>8} {'max rel |dloss|':>15}"]
+    for mix, r in results.items():
+        base = r["ways"].get("padded")
+        base = base if base and "error" not in base else None
+        for way, w in r["ways"].items():
+            if "error" in w:
+                lines.append(f"{mix:<4} {way:<12} FAILED {w['error']}")
+                continue
+            speedup = w["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
+            gap = max(abs(a - b) / abs(b) for a, b in zip(w["losses"], base["losses"])) if base else float("nan")
+            lines.append(f"{mix:<4} {way:<12} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
+                         f"{w['positions_per_s']:12.0f} {w['micro_batches_per_rank']:4d} {w['peak_gib']:8.2f} "
+                         f"{speedup:8.2f} {gap:15.2e}")
+        lines.append(f"{mix:<4} padding: {r['padding_fraction']:.1%} of the padded positions "
+                     f"({r['real_tokens']:.0f} real tokens in {r['positions']} a step)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", default="1.7b", choices=sorted(SPECS))
+    ap.add_argument("--mixes", default="sft,rl", help=f"comma-separated of {','.join(length_mix.MIXES)}")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated of {','.join(WAYS)}")
+    ap.add_argument("--sequences", type=int, default=64, help="sequences per global batch (a step)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="padded rows per micro-batch; x S = the budget")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="the longest sequence of a mix")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, allocator warm-up)")
+    ap.add_argument("--out", default="runs/bench/packing.json")
+    args = ap.parse_args()
+    ways = args.ways.split(",")
+    if bad := [w for w in ways if w not in WAYS]:
+        raise SystemExit(f"--ways: {bad} not allowed; allowed: {','.join(WAYS)}")
+    runtime.init(EngineConfig())
+    spec, results = SPECS[args.spec], {}
+    for mix in args.mixes.split(","):
+        batches = mix_batches(mix, steps=args.warmup + args.steps, sequences=args.sequences, max_tokens=args.max_tokens,
+                              vocab_size=spec.vocab_size)
+        real = statistics.mean(length_mix.real_tokens(b) for b in batches)
+        results[mix] = dict(padding_fraction=statistics.mean(packing.padding_fraction(b) for b in batches),
+                            real_tokens=real, positions=batches[0].tokens.numel(), ways={})
+        for way in ways:
+            results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
+                                                micro_batch_size=args.micro_batch_size, warmup=args.warmup)
+            if dist.get_rank() == 0:
+                write_json(args.out, dict(spec=args.spec, world=dist.get_world_size(), args=vars(args), results=results))
+    if dist.get_rank() == 0:
+        print(f"spec {args.spec}, {dist.get_world_size()} rank(s), {args.sequences} sequences a step, "
+              f"micro-batch {args.micro_batch_size} rows = the packed token budget")
+        print(table(results))
+    runtime.shutdown(destroy_process_group=True)
+
+
+if __name__ == "__main__":
+    main()
