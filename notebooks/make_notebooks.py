@@ -631,7 +631,7 @@ from mfsdp_kit.models.hf import load
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.train import fit
 
-cfg = nbm.engine_config(use_megatron_fsdp=True, seed=0, dtype="fp32")
+cfg = nbm.engine_config(use_megatron_fsdp=True, seed=0, dtype="fp32", attention_backend=nbm.packing_attention)
 device = runtime.init(cfg).device
 tok = AutoTokenizer.from_pretrained(src)
 task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
@@ -650,10 +650,12 @@ sampled token returned with its log-prob. Any other architecture gets `HFRollout
 """),
     code('''
 %%px
+from mfsdp_kit import packing
 ref_dir = sync.save_hf(model.chunks, model.bridge, nbm.out("sft"))
 ref = load(ref_dir, cfg, wrap=False).chunks
 rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device), tok)
 backend = type(rollout).__name__
+packed = packing.can_pack(model.chunks)   # the update's micro-batches run packed (no padding computed)
 gcfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
                        ppo_epochs=2, num_minibatches=2, micro_batch_size=8)
 rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
@@ -682,7 +684,7 @@ with torch.no_grad():
     code('''
 from mfsdp_kit import plots
 history = handle.view["history"][0]
-print(handle.view["backend"][0],
+print(handle.view["backend"][0], "| update packed:", handle.view["packed"][0],
       {k: [round(x, 3) for x in v] for k, v in vars(history).items() if k in ("reward", "kl", "clip_frac")})
 plots.reward_curve(history.reward, window=3)
 '''),

@@ -312,7 +312,9 @@ PY
                   --hf-new-tokens 16 --out "$RESULTS/rollout_7b.json" ;;
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine
+    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_kept)
     grpo_iteration) section grpo_iteration trun bench/grpo_iteration.py --size l --iterations 2 \
+                  --backends "${GRPO_BACKENDS:-hf,continuous,continuous_kept}" \
                   --out "$RESULTS/grpo_iteration.json" ;;
     *) echo "unknown section $s"; status=1 ;;
   esac

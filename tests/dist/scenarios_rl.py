@@ -159,3 +159,35 @@ def refuses_pipeline_parallel() -> dict:
     finally:
         runtime.shutdown()
     return dict(error=None)
+
+
+def grpo_tensor_parallel(*, workdir: str) -> dict:
+    """TP 2 (one replica of two ranks): the kit's engine samples the same rows on both ranks (same seed), the
+    placement gathers over the data-parallel group of one, and the mismatch at T 0.7 is fp32 roundoff (the logits
+    scaled on their vocab-parallel shards)."""
+    import transformers
+
+    from mfsdp_kit.rl.rollout import ContinuousRollout
+    cfg = EngineConfig(use_megatron_fsdp=True, tensor_model_parallel_size=2, seed=0)
+    rt = runtime.init(cfg)
+    src = f"{workdir}/tiny_xs_tp"
+    if rt.rank == 0:
+        from mfsdp_kit.models.tiny import tiny
+        tiny(src, size="xs", seed=0)
+    torch.distributed.barrier()
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    model = load(src, cfg)
+    rollout = ContinuousRollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
+    gcfg = grpo.GRPOConfig(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=4, temperature=0.7,
+                           micro_batch_size=4)
+    pool = data.ArithmeticTask(digits=1).rl_prompts(20)
+    batch = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=pool[:4],
+                         reward=data.verify, samples_per_prompt=2, max_new_tokens=4, temperature=0.7, top_p=1.0,
+                         seed=5)
+    history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
+                       reward_fn=data.verify, gcfg=gcfg, iterations=1, progress=False)
+    per_rank = [None] * 2
+    torch.distributed.all_gather_object(per_rank, (batch.completions, history.logprob_diff_max[0]))
+    runtime.shutdown()
+    return dict(completions=[c for c, _ in per_rank], diff_max=[d for _, d in per_rank])

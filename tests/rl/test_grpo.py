@@ -90,3 +90,16 @@ def test_rollout_and_trainer_logprobs_agree_in_fp32(run):
     for h in (run["history"], run["continuous_history"]):
         assert all(0.0 <= d <= 1e-5 for d in h["logprob_diff_max"]), h["logprob_diff_max"]
         assert all(0.0 <= m <= d for m, d in zip(h["logprob_diff_mean"], h["logprob_diff_max"]))
+
+
+def test_tensor_parallel_ranks_sample_alike_and_score_alike():
+    """GRPO at TP 2 through the kit's engine: both ranks of the replica hold the same samples, and the rollout's
+    log-probs equal the vocab-parallel trainer's at T 0.7 (fp32)."""
+    import tempfile
+
+    from tests.dist import launch
+    with tempfile.TemporaryDirectory() as workdir:
+        r = launch.run("scenarios_rl:grpo_tensor_parallel", nproc=2, workdir=workdir)
+    first, second = r["completions"]
+    assert first == second and len(first) == 8
+    assert all(0.0 <= d <= 1e-5 for d in r["diff_max"]), r["diff_max"]
