@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import collective
+from mfsdp_kit.checkpoint.manager import TENSOR_FORMATS
 from mfsdp_kit import engine, introspect, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
@@ -111,8 +112,10 @@ def main() -> None:
     ap.add_argument("--host-staging", nargs="?", const="on", default="off", choices=("on", "off"),
                     help="CheckpointManager(host_staging=True/False): sync saves copy into reused (pinned) host "
                          "buffers first (default off, the manager's)")
-    ap.add_argument("--tensor-format", default="raw", choices=("raw", "torch_save"),
-                    help="CheckpointManager(tensor_format=...): raw tensor bytes, or DCP's torch.save per tensor (before)")
+    ap.add_argument("--tensor-format", default="standard", choices=TENSOR_FORMATS,
+                    help="CheckpointManager(tensor_format=...): standard (torch.save archives around the tensors' "
+                         "memory; stock torch reads them), raw (tensor bytes alone, format 3), or torch_save (DCP's "
+                         "own torch.save per tensor, format 2)")
     ap.add_argument("--probe-mb", type=int, default=1024, help="MB per rank for the raw disk-write probe (0: skip)")
     ap.add_argument("--root", default=None, help="checkpoint root (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON result path")
@@ -172,6 +175,7 @@ def main() -> None:
                   device=str(rt.device))
     if rt.rank == 0:
         rows = [("wrapper", result["wrapper"]), ("ranks", rt.world_size), ("params", f"{result['params']:,}"),
+                ("format", f"tensor_format={args.tensor_format}"),
                 ("checkpoint", f"{nbytes / 1e6:.2f} MB"),
                 ("save", f"{save:.3f} s  {result['save_gb_per_s']:.3f} GB/s  "
                          f"({result['save_gb_per_s_per_gpu']:.3f} GB/s per rank; target >= 2 per GPU)"),

@@ -1,7 +1,9 @@
-"""The shard files' tensor format, in one process (no process group, a few MB, ~2 s): raw tensor
-items (`rawio`) and DCP's torch.save items (the format before) both round-trip bitwise through the
+"""The shard files' tensor format, in one process (no process group, a few MB, ~2 s): the default items
+(torch.save archives written around the tensors: `torchsave`) are read by stock torch alone, bit for bit;
+raw tensor items (`rawio`, format 3) and DCP's torch.save items (format 2) both round-trip bitwise through the
 kit's reader, the standard DCP metadata marks the raw items (a stock reader refuses them, and still
-reads the old format), and a damaged shard is found by the verify-while-reading load."""
+reads the old format), checkpoints of every format load with today's default manager, and a damaged shard is
+found by the verify-while-reading load."""
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -10,6 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint.rawio import RAW
 from mfsdp_kit.checkpoint.trust import load_metadata
+from tests import stock_torch
 
 
 class Tensors:
@@ -78,3 +81,40 @@ def test_damaged_shard_found_while_reading(tmp_path, tensor_format):
     with pytest.warns(UserWarning, match="instead of the damaged step_000002"):
         info = mgr.load({"t": loaded}, fallback=True)
     assert info["step"] == 1 and _equal(Tensors(1), loaded)
+
+
+def test_stock_torch_reads_the_default_checkpoint_without_the_kit(tmp_path):
+    saved = Tensors(1)
+    path = ckpt.CheckpointManager(tmp_path / "root", write_threads=2).save(1, {"t": saved})
+    assert ckpt.read_meta(path)["format"] == 4
+    assert all(not info.transform_descriptors for info in load_metadata(path / ".metadata").storage_data.values())
+    converted, loaded = stock_torch.read(path, tmp_path / "stock")
+    for name, want in saved.tensors.items():
+        for got in (converted["t"][name], loaded[f"t.{name}"]):
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("tensor_format", ["raw", "torch_save", "standard"])
+def test_every_format_loads_with_the_default_manager(tmp_path, tensor_format):
+    """Checkpoints written before (format 3: raw, 2: torch_save) and now load through the same reader."""
+    ckpt.CheckpointManager(tmp_path, tensor_format=tensor_format).save(1, {"t": Tensors(1), "u": Tensors(5)})
+    loaded, other = Tensors(2), Tensors(3)
+    info = ckpt.CheckpointManager(tmp_path).load({"t": loaded, "u": other})
+    assert info["format"] == {"raw": 3, "torch_save": 2, "standard": 4}[tensor_format]
+    assert _equal(Tensors(1), loaded) and _equal(Tensors(5), other)
+
+
+@pytest.mark.parametrize("where", ["tensor bytes", "archive head"])
+def test_damaged_default_shard_found_while_reading(tmp_path, where):
+    """A flipped bit in a tensor's bytes, or in the zip and pickle bytes before them (then the item no longer
+    matches the kit's own head and goes through torch.load): CheckpointCorruptError naming the file."""
+    mgr = ckpt.CheckpointManager(tmp_path)
+    path = mgr.save(1, {"t": Tensors(1)})
+    info = next(i for i in load_metadata(path / ".metadata").storage_data.values() if i.length > 4 << 20)
+    shard = path / info.relative_path
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[info.offset + (info.length // 2 if where == "tensor bytes" else 100)] ^= 0x10
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{shard} has crc32 \w+, \w+ was saved"):
+        mgr.load({"t": Tensors(2)})

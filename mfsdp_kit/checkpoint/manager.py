@@ -11,7 +11,8 @@ never outlives its check), so a failed save leaves nothing behind and the next o
    goes. Every file a save creates is new (O_EXCL | O_NOFOLLOW): a planted symlink is never followed.
 3. every rank: each component's state dict (`components.collect`), uneven shards marked.
 4. every rank: DCP writes the shards into `.tmp-step_X` (async: in the background, and steps 4's
-   end and 5 run in `wait()`), each tensor as its raw bytes (`rawio`); its writer threads crc32
+   end and 5 run in `wait()`), each tensor a torch.save archive written around its memory (`rawio`,
+   `torchsave`: stock torch reads it); its writer threads crc32
    each file's bytes as they write them (`storage.HashingFileSystem`), so no file is read back.
 5. rank 0 commits (`commit`): meta.json last, rename to `step_X`, then `latest`; steps beyond
    `keep_last` are renamed away and deleted in the background.
@@ -42,10 +43,13 @@ from .errors import CheckpointCorruptError, CheckpointError
 log = logging.getLogger(__name__)
 
 LATEST = committing.LATEST
-FORMAT_VERSION = 3
-"""1: no checksums. 2: meta.json's `checksums` ({file: {bytes, crc32}}). 3: tensor items as raw
-bytes (`rawio`; `tensor_format="torch_save"` still writes 2). Every version loads."""
-TENSOR_FORMATS = ("raw", "torch_save")
+FORMATS = {"standard": 4, "raw": 3, "torch_save": 2}
+"""meta.json's `format` a `tensor_format` writes. 1: no checksums. 2: meta.json's `checksums` ({file: {bytes,
+crc32}}), tensor items DCP's torch.save. 3: tensor items their raw bytes (only the kit reads them). 4: tensor
+items torch.save archives written around the tensors' memory (`torchsave`): stock torch reads them, at
+format 3's speed. Every version loads."""
+FORMAT_VERSION = FORMATS["standard"]
+TENSOR_FORMATS = tuple(FORMATS)
 
 
 def step_dirname(step: int) -> str:
@@ -60,7 +64,7 @@ class CheckpointManager:
 
     def __init__(self, root, *, keep_last: int | None = None, async_save: bool = False,
                  hf_source: str | None = None, write_threads: int | None = None, read_threads: int | None = None,
-                 host_staging: bool = False, tensor_format: str = "raw"):
+                 host_staging: bool = False, tensor_format: str = "standard"):
         """`write_threads`: file-writing threads per rank (DCP's FileSystemWriter thread_count), each
         writing its own file; `read_threads`: threads per rank reading those files at load. None: `io_threads()`.
         `host_staging`: a synchronous save first copies the state into host buffers kept for the
@@ -71,8 +75,10 @@ class CheckpointManager:
         Off by default: on 1 H200 (4.03 GB, one rank, the prune out of the commit) the staged sync save
         was the slower one: 2.64 vs 5.27 GB/s with 8 threads, 2.60 vs 3.28 with 4 (an earlier 2-GPU run, with
         the prune inside the commit, had favoured staging: 1.85 vs 1.31); on CPU it only adds a copy.
-        `tensor_format`: "raw" (each tensor's bytes, `rawio`) or "torch_save" (DCP's torch.save per
-        tensor, the format before, which DCP's stock reader reads too); loads read either."""
+        `tensor_format`: "standard" (each tensor a torch.save archive, as DCP's own writer makes them, written
+        around the tensor's memory: `torchsave`; stock torch's `FileSystemReader` and `dcp_to_torch_save` read
+        it), "raw" (each tensor's bytes alone, format 3: torch's reader refuses them) or "torch_save" (DCP's own
+        torch.save per tensor, the slow writer of format 2); loads read all of them."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last!r} is not allowed; allowed: None or an integer >= 1")
         for name, value in (("write_threads", write_threads), ("read_threads", read_threads)):
@@ -219,7 +225,7 @@ class CheckpointManager:
             self._write_start = time.perf_counter()
             future = storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
                                    process_group=collective.gloo_group() if self.async_save else None, fs=fs,
-                                   raw=self.tensor_format == "raw")
+                                   tensor_format=self.tensor_format)
             submitted = time.perf_counter()
         if self.async_save:
             phases["write.submit"] = submitted - self._write_start
@@ -232,7 +238,7 @@ class CheckpointManager:
         layout = state.layout()
         model = parts.model(components)
         cfg = runtime.current_config() if runtime._current is not None else None
-        return dict(format=FORMAT_VERSION if self.tensor_format == "raw" else 2, step=step, world_size=layout["world_size"], tp=layout["tp"],
+        return dict(format=FORMATS[self.tensor_format], step=step, world_size=layout["world_size"], tp=layout["tp"],
                     pp=layout["pp"], ep=layout["ep"], fsdp=bool(model and model.fsdp), num_chunks=len(model.chunks) if model else 0,
                     components=formats, kit_version=_kit_version(),
                     engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),

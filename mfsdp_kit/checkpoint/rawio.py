@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import integrity
+from . import integrity, torchsave
 from .errors import CheckpointCorruptError, CheckpointError
 
 RAW = "mfsdp_kit.raw/1"
@@ -115,8 +115,9 @@ def write_tensor(stream, t: torch.Tensor, item, pinned: _Pinned) -> int:
     return src.numel()
 
 
-def write_file(writer, planner, name: str, items) -> list:
-    """One shard file: byte items as DCP writes them, then each tensor's raw bytes; its WriteResults."""
+def write_file(writer, planner, name: str, items, *, raw: bool = False) -> list:
+    """One shard file: byte items as DCP writes them, then each tensor as its torch.save archive around its
+    bytes (`torchsave`; `raw`: its bytes alone, marked RAW); its WriteResults."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
@@ -127,22 +128,28 @@ def write_file(writer, planner, name: str, items) -> list:
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
                 info = _StorageInfo(name, offset, stream.tell() - offset)
-            else:
+            elif raw:
                 info = _StorageInfo(name, offset, write_tensor(stream, data, item, pinned), transform_descriptors=[RAW])
+            else:
+                zipped = torchsave.archive(item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes))
+                stream.write(zipped.head)
+                write_tensor(stream, data, item, pinned)
+                stream.write(zipped.tail)
+                info = _StorageInfo(name, offset, stream.tell() - offset)
             results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
     return results
 
 
-def write_data(writer, plan, planner):
+def write_data(writer, plan, planner, *, raw: bool = False):
     """`StorageWriter.write_data` in this format: `writer.thread_count` files, one thread each."""
     from torch.futures import Future
     groups = buckets(plan.items, writer.thread_count)
     names = [f"{plan.storage_data.prefix}{i}.distcp" for i in range(len(groups))]
     if len(groups) <= 1:
-        results = [write_file(writer, planner, n, g) for n, g in zip(names, groups)]
+        results = [write_file(writer, planner, n, g, raw=raw) for n, g in zip(names, groups)]
     else:
         with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-            results = list(pool.map(lambda ng: write_file(writer, planner, *ng), zip(names, groups)))
+            results = list(pool.map(lambda ng: write_file(writer, planner, *ng, raw=raw), zip(names, groups)))
     fut = Future()
     fut.set_result([r for rs in results for r in rs])
     return fut
@@ -262,24 +269,35 @@ class FileReader:
             nbytes = None if nbytes is None else nbytes - n
 
     def read_item(self, f, info, reqs: list, crc: _Crc | None) -> None:
+        """One item, `info.length` bytes from the file's position (the tail of an archive: hashed or skipped)."""
         from torch.distributed.checkpoint.planner import LoadItemType
         if reqs[0].type == LoadItemType.BYTE_IO:
             data = bytearray(info.length)
             read_into(f, memoryview(data), crc, self.path, self.times)
             self.loaded_bytes += [(req, data) for req in reqs]
             return
-        if RAW not in (info.transform_descriptors or ()):  # DCP's own item: a torch.save zip
-            if info.transform_descriptors:
-                raise CheckpointError(f"{self.path}: item {reqs[0].storage_index.fqn} has transforms "
-                                      f"{list(info.transform_descriptors)}; the kit reads none")
-            data = bytearray(info.length)
-            read_into(f, memoryview(data), crc, self.path, self.times)
-            return self.copy_out(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), reqs)
         sizes, dtype = self.reader.chunks[(reqs[0].storage_index.fqn, tuple(reqs[0].storage_index.offset))]
-        numel = math.prod(sizes)
-        if numel * dtype.itemsize != info.length:
+        nbytes, raw = math.prod(sizes) * dtype.itemsize, RAW in (info.transform_descriptors or ())
+        if info.transform_descriptors and not raw:
+            raise CheckpointError(f"{self.path}: item {reqs[0].storage_index.fqn} has transforms "
+                                  f"{list(info.transform_descriptors)}; the kit reads none")
+        if raw and nbytes != info.length:
             raise CheckpointCorruptError(f"{self.path}: item {reqs[0].storage_index.fqn} holds {info.length} bytes, "
-                                         f"a {dtype} {list(sizes)} chunk has {numel * dtype.itemsize}")
+                                         f"a {dtype} {list(sizes)} chunk has {nbytes}")
+        head = b"" if raw else torchsave.head(dtype, sizes)
+        got = bytearray(min(len(head), info.length))
+        read_into(f, memoryview(got), crc, self.path, self.times)
+        if got != head or info.length < len(head) + nbytes:  # not the kit's archive (DCP's torch.save): torch.load
+            rest = bytearray(info.length - len(got))
+            read_into(f, memoryview(rest), crc, self.path, self.times)
+            return self.copy_out(torch.load(io.BytesIO(got + rest), map_location="cpu", weights_only=True), reqs)
+        self.read_tensor(f, nbytes, sizes, dtype, reqs, crc)
+        tail = info.length - len(head) - nbytes
+        if crc is not None:
+            self.skip(f, tail, crc)
+
+    def read_tensor(self, f, nbytes: int, sizes: tuple, dtype, reqs: list, crc: _Crc | None) -> None:
+        """The chunk's `nbytes` from the file's position into the destinations of `reqs`."""
         target = self.planner.resolve_tensor(reqs[0]).detach() if len(reqs) == 1 else None
         whole = target is not None and tuple(target.shape) == sizes and target.dtype == dtype and target.is_contiguous()
         if whole and target.device.type == "cpu":
@@ -287,8 +305,8 @@ class FileReader:
             return self.planner.commit_tensor(reqs[0], target)
         if whole:
             dst, buf = target.reshape(-1).view(torch.uint8), self.pinned.get()
-            for i in range(0, info.length, STAGE_BYTES):
-                n = min(STAGE_BYTES, info.length - i)
+            for i in range(0, nbytes, STAGE_BYTES):
+                n = min(STAGE_BYTES, nbytes - i)
                 read_into(f, byte_view(buf[:n]), crc, self.path, self.times)
                 t0 = time.perf_counter()
                 dst[i:i + n].copy_(buf[:n])  # blocking: the buffer is free again after it

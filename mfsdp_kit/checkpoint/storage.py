@@ -3,11 +3,12 @@
 Every `dcp.load` of the kit is `read(state, path)`: DCP with `trust.SafeReader` (allow-list
 unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values),
 its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another),
-tensor items in either format (`rawio`), shard files crc32'd as they are read.
+tensor items in every format (`rawio`), shard files crc32'd as they are read.
 
 Every `dcp.save` is `write(...)`: DCP's FileSystemWriter, whose `thread_count` threads each
-write a share of the tensors into their own file, as raw bytes (`rawio`; `raw=False`: DCP's
-torch.save per item, the format before). The naive integrity check reads those files
+write a share of the tensors into their own file, each as the torch.save archive stock torch reads,
+written around the tensor's memory (`rawio`, `torchsave`; tensor_format "raw": the bytes alone, which
+only the kit reads; "torch_save": DCP's own torch.save per item, the format before both). The naive integrity check reads those files
 back after the save to crc32 them - a second pass over every byte, started only when the last
 writer is done. Here each writer thread's stream crc32s the bytes on their way to the file, in
 PIECE_BYTES pieces (the piece is still in the CPU cache when it is written), and fsyncs the file
@@ -58,17 +59,19 @@ def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, 
 
 
 def write(state: dict, path: Path, *, async_save: bool = False, process_group=None, thread_count: int = 1,
-          fs: "HashingFileSystem | None" = None, raw: bool = True):
+          fs: "HashingFileSystem | None" = None, tensor_format: str = "standard"):
     """torch DCP save (collective); with `async_save` the future of DCP's background write.
 
     `fs` (a HashingFileSystem) records each written file's size and crc32 and the writer threads'
     seconds. Async: `stage` has already copied `state` to host memory, so DCP's own stager would
     only copy it again (and its copy breaks on CPU tensors and on Megatron-FSDP's uneven shards);
     the background thread coordinates over `process_group` (gloo), never the training group.
-    `raw`: tensor items as raw bytes (`rawio`), else DCP's torch.save per item.
+    `tensor_format`: "standard" (torch.save archives around each tensor's memory: `rawio`, `torchsave`),
+    "raw" (the bytes alone, RAW-marked: only the kit reads them) or "torch_save" (DCP's torch.save per item).
     """
     import torch.distributed.checkpoint as dcp
-    writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem(), raw=raw)
+    writer = HashingWriter(str(path), thread_count=thread_count, fs=fs or HashingFileSystem(),
+                          tensor_format=tensor_format)
     if async_save:
         future = dcp.async_save(state, storage_writer=writer, process_group=process_group,
                                 async_stager=Prestaged())
@@ -181,9 +184,11 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
     `.metadata` DCP writes in `finish` is fsynced by the commit (manager._commit).
     """
 
-    def __init__(self, path: str, *, thread_count: int, fs: HashingFileSystem, raw: bool = True):
+    def __init__(self, path: str, *, thread_count: int, fs: HashingFileSystem, tensor_format: str = "standard"):
         super().__init__(path, thread_count=thread_count, sync_files=False)
-        self.fs, self.raw = fs, raw and rawio.supported()
+        self.fs = fs
+        # "raw" marks its items with a transform descriptor, which torch < 2.7 lacks: torch_save there
+        self.tensor_format = "torch_save" if tensor_format == "raw" and not rawio.supported() else tensor_format
 
     def write_data(self, plan, planner):
         self.fs.marks["data"] = time.perf_counter()
@@ -193,8 +198,8 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
             self.fs.marks["data_done"] = time.perf_counter()
 
     def _write_items(self, plan, planner):
-        if self.raw:
-            return rawio.write_data(self, plan, planner)
+        if self.tensor_format != "torch_save":
+            return rawio.write_data(self, plan, planner, raw=self.tensor_format == "raw")
         # Process-wide while the shards are written (a torch.save elsewhere meanwhile records no
         # per-record crc32 either; torch.load reads such files). torch < 2.6 lacks the switch.
         if not hasattr(torch.serialization, "set_crc32_options"):
@@ -209,7 +214,7 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
 
 class ParallelReader(SafeReader):
     """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
-    both tensor-item formats, verifying shard files while reading them (`rawio.read_data`)."""
+    every tensor-item format, verifying shard files while reading them (`rawio.read_data`)."""
 
     def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None, files=None):
         super().__init__(path)
