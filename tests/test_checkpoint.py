@@ -1,5 +1,5 @@
 """Checkpoints on 2 gloo ranks: bitwise round trip, exact resume in a fresh process, resharding
-to 1 rank and across DDP <-> FSDP, a rank killed mid-save, bad metadata, trust, to_hf; components
+to 1 rank and across DDP <-> FSDP, read by stock torch without the kit, a rank killed mid-save, bad metadata, trust, to_hf; components
 as a dict of torch DCP Stateful objects, the user's own among them."""
 import json
 import os
@@ -13,6 +13,7 @@ from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import commit
 from mfsdp_kit.checkpoint.manager import io_threads
 from mfsdp_kit.checkpoint.restore import checked
+from tests import stock_torch
 from tests.dist import launch
 
 WRAPPERS = ("fsdp", "ddp")
@@ -94,6 +95,18 @@ def test_keep_last_spares_loaded_and_newest(saved, wrapper):
 @pytest.mark.parametrize("case", ["fsdp->fsdp", "fsdp->ddp", "ddp->ddp", "ddp->fsdp"])
 def test_reshard_two_ranks_to_one(single, case):
     assert single[case]["equal"] and single[case]["n"] == 15, single[case]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_stock_torch_reads_the_checkpoint_without_the_kit(saved, work, tmp_path, wrapper):
+    """2 ranks' checkpoint (Megatron-FSDP's uneven shards; DDP's replicated tensors) read by torch alone
+    (`dcp_to_torch_save`, FileSystemReader): the weights equal those rank 0 gathered at the save, bit for bit."""
+    converted, loaded = stock_torch.read(work / wrapper / "step_000005", tmp_path)
+    full = torch.load(work / wrapper / "full_step5.pt", weights_only=True)
+    assert len(full) > 10 and set(converted["model"]["0"]) == set(full)
+    for name, want in full.items():
+        assert torch.equal(converted["model"]["0"][name], want) and torch.equal(loaded[f"model.0.{name}"], want), name
+    assert set(converted) >= {"model", "optimizer", "rng"}
 
 
 def test_killed_save_leaves_previous_checkpoint(single, crashed):

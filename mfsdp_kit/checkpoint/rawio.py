@@ -52,6 +52,10 @@ PIECE_BYTES = 4 << 20
 the bytes the crc32 just read from cache, not from memory."""
 STAGE_BYTES = 64 << 20
 """Pinned buffer per thread between a GPU tensor and the file, either way."""
+DATA_ALIGN = 4096
+"""A tensor's data starts at a multiple of this in its file (zeros between items, in no item), so the copies
+between page cache and tensor memory run page against page."""
+_ZEROS = bytes(DATA_ALIGN)
 
 
 def supported() -> bool:
@@ -132,6 +136,8 @@ def write_file(writer, planner, name: str, items, *, raw: bool = False) -> list:
                 info = _StorageInfo(name, offset, write_tensor(stream, data, item, pinned), transform_descriptors=[RAW])
             else:
                 zipped = torchsave.archive(item.tensor_data.properties.dtype, tuple(item.tensor_data.chunk.sizes))
+                stream.write(_ZEROS[:-(offset + len(zipped.head)) % DATA_ALIGN])
+                offset = stream.tell()
                 stream.write(zipped.head)
                 write_tensor(stream, data, item, pinned)
                 stream.write(zipped.tail)
