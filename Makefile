@@ -6,8 +6,16 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-deps check lab clean mpi
-install: $(STAMP)
+.PHONY: install demo test test-deps check lab clean mpi hooks
+install: $(STAMP) hooks
+
+# The repository's git hooks (scripts/hooks; commit-msg: a subject of at most 72 characters), set only where
+# this folder is a git clone's top (not a tarball, CI's copy without .git, or a folder inside another repository)
+# and core.hooksPath is not set already.
+hooks:
+	@if command -v git >/dev/null && [ "$$(git rev-parse --show-toplevel 2>/dev/null)" = "$$(pwd -P)" ] \
+	  && [ -z "$$(git config core.hooksPath)" ]; then \
+	  git config core.hooksPath scripts/hooks && echo "git hooks: core.hooksPath = scripts/hooks"; fi
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
