@@ -102,6 +102,9 @@ for s in $SECTIONS; do
     checkpoint_shm) CK="--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16 --repeats 5"
                 section checkpoint_fsdp_shm trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt --probe-mb 1024 \
                   --out "$RESULTS/checkpoint_fsdp_shm.json"; rm -rf /dev/shm/mfsdp_ckpt
+                # the format before (raw bytes, which stock torch cannot read), same node: the A/B of the default
+                section checkpoint_fsdp_shm_raw trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
+                  --tensor-format raw --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_raw.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm_staged trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \
                   --host-staging on --probe-mb 0 --out "$RESULTS/checkpoint_fsdp_shm_staged.json"; rm -rf /dev/shm/mfsdp_ckpt
                 section checkpoint_fsdp_shm_t16 trun bench/checkpoint.py --fsdp $CK --root /dev/shm/mfsdp_ckpt \

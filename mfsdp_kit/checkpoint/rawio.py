@@ -1,27 +1,30 @@
-"""DCP shard files whose tensor items are their raw bytes: the kit's writer and reader of them.
+"""DCP shard files written and read around the tensors' own memory: the kit's writer and reader of them.
 
 The format. A checkpoint stays a standard torch DCP checkpoint: `.metadata` is DCP's own pickled
 `Metadata` (written by FileSystemWriter.finish), each rank writes `__<rank>_<i>.distcp` files, and
 each item's `_StorageInfo` (relative_path, offset, length) says where its bytes are. DCP's
 FileSystemWriter stores every tensor item as a `torch.save` zip (a pickle, zip records, the bytes),
-read back with one `torch.load` per item. Here a tensor item is its bytes only: C-contiguous, this
-machine's byte order (little-endian), dtype and shape those of the item's chunk in the metadata
-(`TensorStorageMetadata.properties.dtype`, the `chunks` entry at the item's offsets), and its
-`_StorageInfo.transform_descriptors` is `[RAW]`. Non-tensor items stay DCP's (torch.save bytes,
-read with weights_only). A stock FileSystemReader refuses a raw item (ValueError "Unknown extension
-name='mfsdp_kit.raw'") rather than misread it; this module reads both kinds, so checkpoints
-written before (torch.save items, no descriptor) still load.
+read back with one `torch.load` per item, and so does stock torch's reader. Here a tensor item is that
+same archive (`torchsave`: what torch.save writes with its crc32 off), its data C-contiguous, this
+machine's byte order, dtype and shape those of the item's chunk in the metadata; zeros between items
+start each tensor's data at a multiple of DATA_ALIGN in the file. Non-tensor items stay DCP's (torch.save
+bytes, read with weights_only). Format 3 (`raw=True`, tensor_format "raw") wrote the bytes alone, marked
+`[RAW]` in `_StorageInfo.transform_descriptors`, which a stock FileSystemReader refuses (ValueError
+"Unknown extension name='mfsdp_kit.raw'"); this module reads all three kinds, so checkpoints written before
+still load.
 
 Why. The naive writer (DCP's): per tensor, `.cpu()` into fresh pageable memory (a GPU tensor), a
 clone when the tensor is a view of a larger buffer (every Megatron-FSDP shard is: torch.save would
 write the whole buffer), then torch.save. Here a CPU tensor's memory goes to the file as it is (no
-copy, no pickle), a GPU tensor through one pinned buffer per writer thread (one DMA per
+copy, no pickle: the archive's bytes before and after it are built from dtype and shape), a GPU tensor through one pinned buffer per writer thread (one DMA per
 STAGE_BYTES); the stream crc32s each piece just before writing it (`storage.HashingStream`).
 
 The naive reader: per item, read the slice, `torch.load` it into a new tensor, copy that into the
 destination; and the checksums are a separate read of every file before it. Here each file is read
-once, in offset order, one thread per file: a raw item whose destination is a contiguous CPU tensor
-of the saved chunk (the same layout) is `readinto` that tensor's memory; a GPU destination gets it
+once, in offset order, one thread per file: an item whose first bytes are the archive head the kit
+writes for its chunk (raw items: none) has its data next (any other, DCP's own: torch.load); that data
+is `readinto` the destination's memory when it is a contiguous CPU tensor of the saved chunk (the same
+layout); a GPU destination gets it
 through a pinned buffer; anything else (another layout: a part of the chunk) through a buffer and
 DCP's narrow + copy. Verify while reading: the coordinator, which sees every rank's read plan
 (`assign_checks`), gives each shard file to one rank - the one reading most of it (a file nobody
