@@ -1,5 +1,6 @@
 """The package's shape, checked from source with `ast`: no import cycle, short modules, tests that
-use only public names of the kit and nothing of bench/. Run alone: pytest tests/test_layout.py -s."""
+use only public names of the kit and nothing of bench/, perf/ above the runtime (`PERF_FOR_THE_RUNTIME`).
+Run alone: pytest tests/test_layout.py -s."""
 import ast
 from pathlib import Path
 
@@ -103,3 +104,42 @@ def private_attributes(path: Path) -> list[str]:
     return [f"{node.value.id}.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id in aliases and node.attr.startswith("_")
             and not node.attr.startswith("__")]
+
+
+PERF = f"{PACKAGE}.perf"
+PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile"}
+"""The boundary of perf/ (measuring training: what bench/ and the tests compute). perf sits above the runtime - it
+imports engine, train, models, memory - and the rest of the kit imports only these of its modules: FLOPs and MFU
+(notebook_model) and a trace's intervals and exposed communication (plots), which at import time bring nothing of
+the training stack (their own imports of it are inside the functions that train)."""
+PERF_LIGHT_IMPORTS = {f"{PERF}.timeline", f"{PERF}.flops", f"{PACKAGE}.models.gpt"}
+"""What those modules may import from the kit at module level."""
+
+
+def top_level_kit_imports(name: str) -> set[str]:
+    """The kit modules `name` imports at module level (not inside functions)."""
+    path, modules = kit_modules()[name], kit_modules()
+    tree = ast.parse(path.read_text())
+    body_imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    package = name.rpartition(".")[0]
+    out = set()
+    for node in body_imports:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names} & modules.keys()
+            continue
+        base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+        target = ".".join(base + ([node.module] if node.module else []))
+        out |= ({f"{target}.{a.name}" for a in node.names} & modules.keys()) or ({target} & modules.keys())
+    return out
+
+
+def test_perf_sits_above_the_runtime():
+    graph = import_graph()
+    in_perf = {m for m in graph if m == PERF or m.startswith(PERF + ".")}
+    reached = {m: edges & in_perf for m, edges in graph.items() if m not in in_perf and edges & in_perf}
+    assert reached, "the scan sees no import of perf: it would pass whatever the kit did"
+    bad = {m: sorted(e - PERF_FOR_THE_RUNTIME) for m, e in reached.items() if e - PERF_FOR_THE_RUNTIME}
+    assert not bad, f"modules outside perf/ that import more of it than {sorted(PERF_FOR_THE_RUNTIME)}: {bad}"
+    heavy = {m: sorted(top_level_kit_imports(m) - PERF_LIGHT_IMPORTS) for m in PERF_FOR_THE_RUNTIME}
+    assert not any(heavy.values()), f"perf modules the runtime imports pull in at import time: {heavy}"
+    assert top_level_kit_imports(f"{PERF}.trainers") - PERF_LIGHT_IMPORTS  # the scan sees module-level imports

@@ -9,4 +9,8 @@
 - `roundtrip`: HF -> Megatron -> HF, checked and timed;
 - `hf_folder`: HF folders of a named real shape (Qwen2.5-7B) written by transformers, or only their config and tensor names;
 - `report`: a run's JSON, written where --out says.
+
+The boundary: perf sits above the runtime (it imports engine, train, models, memory), and the rest of the kit
+imports only `flops` (notebook_model's MFU) and `timeline` / `profile`'s trace analysis (plots), which bring
+nothing of the training stack at import time. tests/test_layout.py (`PERF_FOR_THE_RUNTIME`) checks both.
 """
