@@ -1,0 +1,372 @@
+"""gpu_check's sections as data: one `Row` per run (name, script, arguments, what it writes), grouped by the names
+SECTIONS takes. scripts/gpu_check.sh prepares the node and, per name, runs the shell lines this prints:
+
+    python3 scripts/gpu_sections.py --ngpu 2 --results runs/gpu checkpoint_shm   # the lines for one name
+    python3 scripts/gpu_sections.py --list                                       # every name, its rows
+    python3 scripts/gpu_sections.py --json                                       # every row, resolved
+
+A row's `args` is one shell-like string: {ngpu}, {results} and the knobs in KNOBS (environment variables with
+defaults, as gpu_check.sh always took them) are filled in, then it is split as the shell splits words. `writes`
+adds `--out {results}/<writes>` at the end, or where the args say {out}. torchtitan keeps its experiments the same
+way (`OverrideDefinitions`): adding one is adding a row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+LAUNCH = {"trun": "trun", "torchrun1": "torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000))",
+          "python": "python3", "bash": "bash"}
+"""How a row's script starts; `trun` is gpu_check.sh's torchrun over NGPU GPUs (these are shell text, not quoted)."""
+KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": "", "NB_PREWRITE": "1",
+         "NOTEBOOKS": "", "SFT_VARIANTS": "ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused",
+         "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
+         "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept"}
+"""Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    name: str
+    """The section's name in the output: its log is $RESULTS/<name>.log."""
+    script: str
+    """What runs: a bench/ script, or `-m module`, started by `launch`."""
+    args: str = ""
+    """Its arguments (see the module docstring)."""
+    writes: str | None = None
+    """The JSON file it writes under $RESULTS (None: its log only)."""
+    launch: str = "trun"
+    """A key of LAUNCH."""
+    env: str = ""
+    """VAR=value words set for this row only (shell text)."""
+    prefix: str = ""
+    """Shell text before the command (`$IMAGE_ENV`, `env VAR=...`)."""
+    globs: str = ""
+    """Arguments the shell expands at run time (file patterns), after the rest."""
+    after: str = ""
+    """A shell command run after the section (cleanup)."""
+    needs: str = ""
+    """A folder that must exist, else the row fails with a message naming `made_by`, the section that makes it."""
+    made_by: str = ""
+    only_if: str = ""
+    """KNOB=value: run only when the knob has that value."""
+
+
+CK = "--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
+SHM = "--root /dev/shm/mfsdp_ckpt"
+CLEAN_SHM = "rm -rf /dev/shm/mfsdp_ckpt"
+THROUGHPUT = "--spec 1.7b --attention sdpa"
+T = "bench/throughput.py"
+IMPORTS_SH = ('for i in 1 2; do /usr/bin/time -f "run $i: %e s" python3 -X importtime \\\n'
+              '                  -c "import mfsdp_kit, megatron.core" 2> "$0/importtime$i.txt"; tail -1 "$0/importtime$i.txt"; done\n'
+              '                  sort -t"|" -k2 -n -r "$0/importtime2.txt" | head -30')
+
+
+def ckpt(name: str, args: str, writes: str, *, after: str = "") -> Row:
+    return Row(name=name, script="bench/checkpoint.py", args=args, writes=writes, after=after)
+
+
+SECTIONS = {
+    "parity": [Row(name="parity", script="bench/parity.py", args="--dtype bf16", writes="parity.json")],
+    "roundtrip": [Row(name="roundtrip", script="bench/roundtrip.py", args="--size m --dtype bf16", writes="roundtrip.json")],
+    # GRPO, in two steps that share runs/ on one warm node (a call's machine stays warm ~30 s):
+    # grpo_start: 2-digit SFT, then 3-digit SFT rounds until held-out >= 0.2 (reached at 600 steps: 0.233);
+    # saves the start. grpo: GRPO_ITERS iterations of 64 prompts x 16 samples at GRPO_LR, sampling at T 0.5
+    # (near the greedy answer the held-out accuracy scores), from that start, against the gold-SFT control
+    # (as many SFT steps at the same lr from the same start); held-out greedy and sampled accuracy.
+    # GRPO_ARGS adds (or, as later flags win, overrides) bench/sft_grpo.py flags; GRPO_TAG names the log and JSON.
+    "grpo_start": [Row(name="grpo_start", script="bench/sft_grpo.py", writes="grpo_start.json",
+                       args="--size m --sft-steps 400 --rl-digits 3 --heldout 400 --rl-start-accuracy 0.2 "
+                            "--save-rl-start runs/m3d_start --grpo-iterations 0")],
+    "grpo": [Row(name="grpo_{GRPO_TAG}", script="bench/sft_grpo.py", writes="grpo_{GRPO_TAG}.json", needs="runs/m3d_start",
+                 made_by="grpo_start",
+                 args="--size m --skip-sft1 --rl-digits 3 --heldout 400 --rl-sft-steps 0 --init-from runs/m3d_start "
+                      "--save-rl-start /tmp/m3d_copy --ceiling-sft-steps {GRPO_ITERS} --ceiling-sft-lr {GRPO_LR} "
+                      "--grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits "
+                      "--grpo-temperature 0.5 --grpo-lr {GRPO_LR} --grpo-warmup 10 --grpo-iterations {GRPO_ITERS} "
+                      "--grpo-eval-every 30 --grpo-micro-batch-size 256 {GRPO_ARGS}")],
+    # the planned sync (sync_plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
+    "sync": [Row(name="sync", script="bench/sync.py", args="--size l --repeats 5", writes="sync_l.json")],
+    # a 7.6 B Qwen2.5-7B-shaped model (random megatron chunks from the bridge's provider, the rollout built from the
+    # config on the GPU, checked bit-exact against the bridge's export), Megatron-FSDP only, planned path only
+    "sync_7b": [Row(name="sync_7b", script="bench/sync.py", args="--shape qwen2.5-7b --modes fsdp --paths planned --repeats 5",
+                    writes="sync_7b.json")],
+    "offload": [Row(name="offload", script="bench/offload.py", args="--size l --repeats 3", writes="offload_l.json")],
+    "checkpoint": [ckpt("checkpoint_fsdp", f"--fsdp {CK}", "checkpoint_fsdp.json"),
+                   ckpt("checkpoint_fsdp_async", f"--fsdp {CK} --async-save --probe-mb 0", "checkpoint_fsdp_async.json"),
+                   ckpt("checkpoint_fsdp_shm", f"--fsdp {CK} {SHM}", "checkpoint_fsdp_shm.json", after=CLEAN_SHM),
+                   ckpt("checkpoint_ddp", f"{CK} --probe-mb 0", "checkpoint_ddp.json")],
+    # memory-backed storage only: the kit's own save/load path, every phase in the JSON (save_phases_s, load_phases_s);
+    # default (no host staging, background prune, 8 writer/reader threads on GPU nodes), the format before (raw bytes,
+    # which stock torch cannot read: the A/B of the default, same node), staged (the A/B), 16 threads, async
+    "checkpoint_shm": [
+        ckpt("checkpoint_fsdp_shm", f"--fsdp {CK} --repeats 5 {SHM} --probe-mb 1024", "checkpoint_fsdp_shm.json", after=CLEAN_SHM),
+        ckpt("checkpoint_fsdp_shm_raw", f"--fsdp {CK} --repeats 5 {SHM} --tensor-format raw --probe-mb 0",
+             "checkpoint_fsdp_shm_raw.json", after=CLEAN_SHM),
+        ckpt("checkpoint_fsdp_shm_staged", f"--fsdp {CK} --repeats 5 {SHM} --host-staging on --probe-mb 0",
+             "checkpoint_fsdp_shm_staged.json", after=CLEAN_SHM),
+        ckpt("checkpoint_fsdp_shm_t16", f"--fsdp {CK} --repeats 5 {SHM} --threads 16 --read-threads 16 --probe-mb 0",
+             "checkpoint_fsdp_shm_t16.json", after=CLEAN_SHM),
+        ckpt("checkpoint_fsdp_async", f"--fsdp {CK} --repeats 5 --async-save --probe-mb 0 {SHM}",
+             "checkpoint_fsdp_async_shm.json", after=CLEAN_SHM)],
+    # the checkpoint tests that move tensors between GPU and host (items through pinned buffers), ~2 min
+    "gpu_tests_ckpt": [Row(name="gpu_tests_ckpt", script="-m pytest", launch="python",
+                           args="-q -p no:cacheprovider tests/test_checkpoint_format.py tests/test_checkpoint.py "
+                                "-k 'roundtrip or resume or async or io_options or reshard or format'")],
+    # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call), ~1 min
+    # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
+    # controller exit, under the image's Python)
+    "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
+                          args="-q -p no:cacheprovider tests/test_train.py tests/test_gpus.py tests/test_grad_upcast.py "
+                               "tests/test_cluster.py tests/test_keep_gathered.py "
+                               "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them'")],
+    # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
+    # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
+    "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",
+                  writes="architectures_gpu.json")],
+    "gpu_tests": [Row(name="gpu_tests", script="-m pytest", launch="python",   # NCCL, one GPU per rank
+                      args="-q -p no:cacheprovider tests/test_checkpoint.py tests/test_checkpoint_hardening.py")],
+}
+
+
+def throughput(name: str, args: str, *, writes: str | None = None, env: str = "", launch: str = "trun") -> Row:
+    return Row(name=name, script=T, args=f"{THROUGHPUT} {args}", writes=writes or f"{name}.json", env=env, launch=launch)
+
+
+SECTIONS.update({
+    # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
+    # profile of ddp/fsdp/fsdp2; traces: $RESULTS/throughput.<mode>.trace.json.gz
+    "throughput": [throughput("throughput", "--micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 --fused-kernels "
+                              "--profile --modes ddp,fsdp,fsdp2,fsdp-unfused")],
+    # two ways to cut FSDP's per-step all-gathers / their cost (not in the default SECTIONS):
+    # one micro-batch of 16 per rank (weights gathered once per step, not twice), and NCCL's Simple protocol
+    "throughput_mb16": [throughput("throughput_mb16", "--micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 "
+                                   "--fused-kernels --profile --modes ddp,fsdp,fsdp2")],
+    # FSDP's prefetch budget (suggested_communication_unit_size) against its peak memory, at mb 16
+    "throughput_unit": [throughput("throughput_unit", "--micro-batch-size 16 --global-batch 32 --steps 6 --warmup 2 "
+                                   "--fused-kernels --modes fsdp,fsdp-unit-1e9,fsdp2")],
+    "throughput_unit8": [throughput("throughput_unit8", "--micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 "
+                                    "--fused-kernels --modes fsdp,fsdp-unit-1e9,fsdp2")],
+    # the large end (the largest size where all three modes fit): 7b spec, mb 2, where all three modes fit
+    "throughput_7b": [Row(name="throughput_7b", script=T, writes="throughput_7b.json",
+                          args="--spec 7b --attention sdpa --micro-batch-size 2 --global-batch 8 --steps 4 --warmup 2 "
+                               "--fused-kernels --modes ddp,fsdp,fsdp2")],
+    # the same at micro-batch 4 (the kit's defaults since 2026-11-30: fused Adam, 2-layer FSDP unit): MFU at 7b
+    "throughput_7b_mb4": [Row(name="throughput_7b_mb4", script=T, writes="throughput_7b_mb4.json",
+                              args="--spec 7b --attention sdpa --micro-batch-size 4 --global-batch 16 --steps 4 --warmup 2 "
+                                   "--fused-kernels --modes ddp,fsdp,fsdp2")],
+    "throughput_simple": [throughput("throughput_simple", "--micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 "
+                                     "--fused-kernels --modes ddp,fsdp,fsdp2", env="NCCL_PROTO=Simple")],
+    # the eighth set: Megatron-FSDP keeping each unit's gathered weights through the step (fsdp_keep_gathered: one
+    # all-gather per unit per step instead of 2 per micro-batch; same bits, CPU test) beside the three systems and
+    # FSDP2's same trade (fsdp2-keep-gathered), pipelined steps. On one GPU the buffers are not sharded: the gathers
+    # it saves are one-rank copies, so there it measures the hooks' host work (and runs the CUDA path).
+    "levers8": [throughput("levers8", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 --fused-kernels "
+                           "--fused-cross-entropy --repeats 3 --pipelined "
+                           "--modes ddp,fsdp,fsdp-keep-gathered,fsdp2,fsdp2-keep-gathered")],
+    # the FSDP knobs, unfused (docs/results/h200x2/throughput_knobs.json); not in the default SECTIONS
+    "throughput_knobs": [throughput("throughput_knobs", "--micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 "
+                                    "--profile --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,"
+                                    "fsdp-optoffload")],
+    # issue 22's levers, each one knob from the kit's defaults (fused Adam and the 2-layer FSDP unit since
+    # 2026-11-30), all in one run, 3 interleaved repeats (medians); fsdp and fsdp2 profiled in the first round
+    "levers": [throughput("levers", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
+                          "--repeats 3 --profile --profile-modes fsdp,fsdp2 --modes ddp,fsdp,fsdp2,fsdp-foreach-adam,"
+                          "ddp-foreach-adam,fsdp-unit-1e9,fsdp-grad-fp32,fsdp-double-buffer,fsdp-nccl-ub")],
+    # the second set of levers: Megatron-FSDP's all-gathers on their own communicator, high-priority NCCL
+    # streams, megatron's native fused cross-entropy (2026-12-01)
+    "levers2": [throughput("levers2", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
+                           "--repeats 3 --profile --profile-modes fsdp,fsdp-ag-group --modes ddp,fsdp,fsdp2,"
+                           "fsdp-ag-group,fsdp-high-prio,fsdp-ag-group-hp,fsdp-ce-fusion")],
+    # the third set: NCCL's SM budget. Data-parallel collectives capped at 8 / 16 CTAs (Hopper default 32 of 132 SMs),
+    # so the GEMMs they overlap keep more SMs (2026-12-01)
+    "levers3": [throughput("levers3", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
+                           "--repeats 3 --profile --profile-modes fsdp,fsdp-ctas8 "
+                           "--modes ddp,fsdp,fsdp2,fsdp-ctas8,fsdp-ctas16,ddp-ctas8")],
+    # the fourth set, compute side (runs on 1 GPU too; global batch 16 per GPU = 2 micro-batches, as on 2 GPUs):
+    # the kit's cross-entropy on each system, 3 interleaved repeats; fsdp profiled with and without (2026-12-01)
+    "levers4": [throughput("levers4", "--micro-batch-size 8 --global-batch {gb16} --steps 5 --warmup 2 --fused-kernels "
+                           "--repeats 3 --profile --profile-modes fsdp,fsdp-fused-ce "
+                           "--modes ddp,fsdp,fsdp2,ddp-fused-ce,fsdp-fused-ce,fsdp2-fused-ce")],
+    # the fifth set: megatron's finalize_model_grads (a host sync on the token count after backward) against the
+    # kit's engine.finalize_grads, at the kit's GPU settings (fused RoPE/SwiGLU and cross-entropy); 1 GPU or more
+    "levers5": [throughput("levers5", "--micro-batch-size 8 --global-batch {gb16} --steps 5 --warmup 2 --fused-kernels "
+                           "--fused-cross-entropy --repeats 3 --profile --profile-modes fsdp,fsdp-megatron-finalize "
+                           "--modes ddp,fsdp,fsdp2,ddp-megatron-finalize,fsdp-megatron-finalize")],
+    # the sixth set: the same systems as levers5, each step timed alone (synchronized before and after) and as a
+    # loop that starts each step before it reads the last one's loss (--pipelined: train.start_step, no host sync)
+    "levers6": [throughput(f"levers6_{how}", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 "
+                           f"--fused-kernels --fused-cross-entropy --repeats 3 {flag} --modes ddp,fsdp,fsdp2")
+                for how, flag in (("alone", ""), ("pipelined", "--pipelined"))],
+    # the seventh set: Megatron-FSDP's fp32 grads for Adam made a part at a time inside the step (grad_upcast, the
+    # default since 2026-12-01) vs megatron's whole-shard copy held through the step: tokens/s and the step's peak at
+    # 1.37 B; max_model_upcast: the largest 7b-width model of each beside FSDP2's (1 GPU or more)
+    "levers7": [throughput("levers7", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 --fused-kernels "
+                           "--fused-cross-entropy --repeats 3 --modes fsdp,fsdp-upcast-whole,fsdp2")],
+    # (without recompute, and with full recompute: activations then no longer hide the optimizer step's peak)
+    "max_model_upcast": [Row(name=f"max_model_upcast_{rc}", script="bench/max_model.py",
+                             args=f"--spec 7b --modes fsdp,fsdp-upcast-whole,fsdp2 --recompute {rc} --layer-step 2 "
+                                  "--max-trials 8", writes=f"max_model_upcast_{rc}.json") for rc in ("none", "full")],
+    # the same with two micro-batches a step: FSDP2's fp32 grads then also live through a forward
+    "max_model_accum": [Row(name="max_model_accum", script="bench/max_model.py", writes="max_model_accum.json",
+                            args="--spec 7b --modes fsdp,fsdp2 --micro-batches 2 --layer-step 2 --max-trials 8")],
+    # each non-GEMM op of a step alone: megatron's kernel vs the kit's, time, memory held, error (bench/fusions.py)
+    "fusions": [Row(name="fusions", script="bench/fusions.py", launch="torchrun1", writes="fusions.json",
+                    args="--spec 1.7b --micro-batch-size 8")],
+    # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for. The kit's GPU
+    # settings: fused RoPE/SwiGLU and, since levers4 (2026-12-01: +1.9 % tokens/s, -1 GiB peak), fused cross-entropy
+    "headline": [throughput("headline", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
+                            "--fused-cross-entropy --repeats 3 --profile --profile-modes fsdp,fsdp2 --modes ddp,fsdp,fsdp2")],
+    # tokens/s under a memory cap: each system at micro-batch 4 and 16 without recompute and 8 with full
+    # recompute (mb 8 without: the headline section); bench/memory_cap.py picks the best under 40 and 80 GiB
+    "memcap": [*(throughput(f"memcap_mb{mb}", f"--micro-batch-size {mb} --global-batch 32 --steps 4 --warmup 2 "
+                            "--fused-kernels --modes ddp,fsdp,fsdp2") for mb in (4, 16)),
+               throughput("memcap_mb8_recompute", "--micro-batch-size 8 --global-batch 32 --steps 4 --warmup 2 "
+                          "--fused-kernels --modes ddp-recompute,fsdp-recompute,fsdp2-recompute"),
+               Row(name="memory_cap", script="bench/memory_cap.py", launch="python", args="--caps 40 80 {out}",
+                   writes="memory_cap.json", globs='"$RESULTS"/headline.json "$RESULTS"/memcap_mb*.json')],
+    # packed sequences vs padding (issue #38): real tokens/s at 1.37 B on 1 GPU, SFT-like and RL-like length mixes,
+    # padded vs packed (one SDPA per sequence) vs packed through flex_attention, micro-batch budgets equal in
+    # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches
+    # (not in the default SECTIONS)
+    "packing": [Row(name=f"packing_{mix}", script="bench/packing.py", launch="torchrun1", writes=f"packing_{mix}.json",
+                    args=f"--spec 1.7b --mixes {mix} --ways padded,packed-sdpa,packed-flex --sequences 64 "
+                         "--micro-batch-size 8 --steps 5 --warmup 2") for mix in ("sft", "rl")],
+    # the 1-GPU column of the same comparison
+    "throughput1": [throughput("throughput1", "--micro-batch-size 8 --global-batch 16 --steps 6 --warmup 2 "
+                               "--fused-kernels --modes ddp,fsdp,fsdp2", writes="throughput_1gpu.json", launch="torchrun1")],
+    # not in the default SECTIONS: largest 7b-width model, Megatron-FSDP vs DDP (~12 builds of up to ~15 B params)
+    "max_model": [Row(name="max_model", script="bench/max_model.py", args="--spec 7b --max-trials 8", writes="max_model.json")],
+    # the largest 7b-width model, Megatron-FSDP vs FSDP2 (issue 22 item 2)
+    "max_model_fsdp2": [Row(name="max_model_fsdp2", script="bench/max_model.py", writes="max_model_fsdp2.json",
+                            args="--spec 7b --modes fsdp,fsdp2 --layer-step 4 --max-trials 8")],
+})
+SECTIONS.update({
+    # where 02_sft's GPU step goes (32 sequences of 16 tokens in fp32, the notebooks' GPU model by default): the
+    # notebook's recipe per wrapper x attention backend x fused kernels; kernels, host copies and syncs per step
+    "sft_step": [Row(name="sft_step", script="bench/sft_step.py", args="{out} --variants {SFT_VARIANTS}",
+                     writes="sft_step.json")],
+    # where a notebook's set-up goes on the node: the one-time tiny model write (draw, write), then models.hf.load's
+    # phases per wrapper in the notebooks' GPU dtype, the first steps, and cProfile's top functions of the loads
+    "nb_setup": [Row(name="nb_setup", script="bench/notebook_setup.py", args="--profile {NB_SETUP_PROFILE}",
+                     writes="notebook_setup.json")],
+    # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
+    # the notebooks' model is written first, as `make lab` does while JupyterLab starts (its seconds in
+    # notebook_model.log); NB_PREWRITE=0 leaves that to the first notebook, as on a machine without `make lab`
+    "notebooks": [Row(name="notebook_model", script="-m mfsdp_kit.notebook_model", launch="python", only_if="NB_PREWRITE=1"),
+                  Row(name="notebooks", script="bench/notebook_suite.py", launch="python", args="{out} {NOTEBOOKS}",
+                      writes="notebooks.json")],
+    # the same on a folder the kit did not make (tests/user_folder.py: transformers' Llama, a Llama 3 template
+    # trained by tokenizers, no pad token), as MFSDP_MODEL=/path/to/your/folder make lab gives it to the notebooks
+    "notebooks_user": [Row(name="user_folder", script="-m tests.user_folder", launch="python",
+                           args="/tmp/mfsdp_user_llama3 --style llama3"),
+                       Row(name="notebooks_user", script="bench/notebook_suite.py", launch="python",
+                           prefix="env MFSDP_MODEL=/tmp/mfsdp_user_llama3", args="{out} {NOTEBOOKS}",
+                           writes="notebooks_user.json")],
+    # 06_memory's speed table outside nbval (which keeps no output): tokens/s, MFU, memory vs ZeRO
+    "nb_throughput": [Row(name="nb_throughput", script="bench/notebook_throughput.py", writes="notebook_throughput.json")],
+    # MoE (Qwen3-MoE-shaped moe-1.3b, 0.26 B active): DDP vs Megatron-FSDP at expert-parallel size 1 vs 2
+    "moe": [Row(name="moe", script="bench/moe_throughput.py", writes="moe_throughput.json",
+                args="--spec moe-1.3b --micro-batch-size 4 --steps 8 --warmup 2")],
+    # engines up: cluster.start / restart / stop phases with one engine per GPU (not torchrun: the bench starts them)
+    # CS_MODEL (a tiny size): the engines load and train it before restart and stop, as a notebook's do;
+    # $IMAGE_ENV: the image's bytecode settings, as a user's engines start
+    "cluster_start": [Row(name="cluster_start", script="bench/cluster_start.py", launch="python", prefix="$IMAGE_ENV",
+                          args="--n {ngpu} --repeats {CS_REPEATS} --variants {CS_VARIANTS} {CS_MODEL_FLAG} {out}",
+                          writes="cluster_start.json")],
+    # where an engine's imports go (issue 21: engines up fast): -X importtime of the kit + megatron, twice
+    # (the second run finds whatever bytecode the first wrote), the 30 largest cumulative entries; then whether
+    # bytecode is cached where the image keeps its packages, and what CUDA costs an engine before its first kernel
+    "imports": [Row(name="imports", script="-c", launch="bash", args=shlex.quote(IMPORTS_SH).replace("{", "{{")
+                    .replace("}", "}}") + " {results}"),
+                Row(name="pyc_cache", script="bench/pyc_cache.py", launch="python")],
+    # a ~7.6 B HF folder (Qwen2.5-7B shape, random bf16, safetensors shards) written on this node, then
+    # models.hf.load's phases into Megatron-FSDP on every GPU: time, host RSS and GPU memory per rank
+    "load_7b": [Row(name="load_7b", script="bench/load_hf.py", args="--shape qwen2.5-7b --root {LOAD_ROOT} --train-steps 1",
+                    writes="load_7b.json")],
+    # issue 37: HF generate vs the kit's engine (rl.rollout.ContinuousRollout) on one GPU, the floor beside them,
+    # then its bf16 greedy tokens and log-probs against HF's; rollout_7b: the same at the 7 B shape
+    "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python", args="--shape qwen2-1.8b --batches 1,64,256,512",
+                    writes="rollout.json")],
+    "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
+                       args="--shape qwen2-7b --batches 1,64,256 --attention flex --hf-new-tokens 16")],
+    # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
+    # rollout / logprob / update seconds, HF generate against the kit's engine
+    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_kept)
+    "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
+                           args="--size l --iterations 2 --backends {GRPO_BACKENDS}", writes="grpo_iteration.json")],
+})
+DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
+"""The names gpu_check.sh runs when SECTIONS is not set."""
+
+
+def context(*, ngpu: int, results: str, env=os.environ) -> dict:
+    """What a row's `args` may name: {ngpu}, {results}, {gb16} (16 sequences per GPU), the KNOBS (environment or
+    default) and {CS_MODEL_FLAG} (--model CS_MODEL when set)."""
+    ctx = {k: env.get(k, v) for k, v in KNOBS.items()}
+    ctx["GRPO_TAG"] = env.get("GRPO_TAG") or f"lr{ctx['GRPO_LR']}"
+    ctx["CS_MODEL_FLAG"] = f"--model {shlex.quote(ctx['CS_MODEL'])}" if ctx["CS_MODEL"] else ""
+    return {**ctx, "ngpu": ngpu, "results": results, "gb16": 16 * ngpu}
+
+
+def command(row: Row, ctx: dict) -> list[str]:
+    """The row's words after its launcher: script, then its arguments (--out where {out} is, else last)."""
+    out = f"--out {shlex.quote(ctx['results'] + '/' + row.writes.format(**ctx))}" if row.writes else ""
+    args = row.args if "{out}" in row.args or not out else f"{row.args} {{out}}"
+    return shlex.split(row.script) + shlex.split(args.format(**ctx, out=out))
+
+
+def shell_lines(group: str, ctx: dict) -> list[str]:
+    """What gpu_check.sh evaluates for the section `group`: per row `section NAME command`, then its `after`."""
+    lines = []
+    for row in SECTIONS[group]:
+        knob, _, value = row.only_if.partition("=")
+        if knob and ctx[knob] != value:
+            continue
+        name = row.name.format(**ctx)
+        run = " ".join(filter(None, [row.env, "section", shlex.quote(name), row.prefix, LAUNCH[row.launch],
+                                     " ".join(shlex.quote(w) for w in command(row, ctx)), row.globs]))
+        if row.needs:
+            run = (f"if [ -d {row.needs} ]; then {run}; else echo \"{group}: {row.needs} missing: SECTIONS={row.made_by} "
+                   "first\"; status=1; fi")
+        lines += [run] + ([row.after] if row.after else [])
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help="section names (SECTIONS)")
+    ap.add_argument("--ngpu", type=int, default=1)
+    ap.add_argument("--results", default="runs/gpu")
+    ap.add_argument("--list", action="store_true", help="every name and its rows")
+    ap.add_argument("--default", action="store_true", help="print the names run when SECTIONS is not set")
+    ap.add_argument("--json", action="store_true", help="every row as JSON: section, name, command words, writes")
+    args = ap.parse_args(argv)
+    if args.default:
+        print(DEFAULT)
+        return 0
+    ctx = context(ngpu=args.ngpu, results=args.results)
+    if args.json:
+        print(json.dumps([dict(section=group, name=r.name.format(**ctx), launch=r.launch, words=command(r, ctx),
+                               writes=r.writes and r.writes.format(**ctx)) for group, rows in SECTIONS.items()
+                          for r in rows], indent=1))
+        return 0
+    if args.list:
+        for name, rows in SECTIONS.items():
+            print(f"{name}: " + ", ".join(f"{r.name.format(**ctx)} ({r.script}"
+                                          + (f" -> {r.writes.format(**ctx)})" if r.writes else ")") for r in rows))
+        return 0
+    unknown = [n for n in args.names if n not in SECTIONS]
+    if unknown:
+        print(f"unknown section {' '.join(unknown)}; known: {' '.join(SECTIONS)}", file=sys.stderr)
+        return 1
+    print("\n".join(line for n in args.names for line in shell_lines(n, ctx)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
