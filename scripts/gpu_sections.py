@@ -137,6 +137,14 @@ def throughput(name: str, args: str, *, writes: str | None = None, env: str = ""
     return Row(name=name, script=T, args=f"{THROUGHPUT} {args}", writes=writes or f"{name}.json", env=env, launch=launch)
 
 
+def levers(name: str, modes: str, *, batch: str = "32", steps: int = 5, fused_ce: bool = False, profile: str = "",
+           pipelined: bool = False) -> Row:
+    """A set of levers: micro-batch 8, 3 interleaved repeats of `modes`, the first round profiled for `profile`."""
+    return throughput(name, f"--micro-batch-size 8 --global-batch {batch} --steps {steps} --warmup 2 --fused-kernels"
+                      + " --fused-cross-entropy" * fused_ce + " --repeats 3" + " --pipelined" * pipelined
+                      + (f" --profile --profile-modes {profile}" if profile else "") + f" --modes {modes}")
+
+
 SECTIONS.update({
     # headline: fused RoPE/SwiGLU in every mode, fsdp-unfused = the same FSDP without them;
     # profile of ddp/fsdp/fsdp2; traces: $RESULTS/throughput.<mode>.trace.json.gz
@@ -165,48 +173,39 @@ SECTIONS.update({
     # all-gather per unit per step instead of 2 per micro-batch; same bits, CPU test) beside the three systems and
     # FSDP2's same trade (fsdp2-keep-gathered), pipelined steps. On one GPU the buffers are not sharded: the gathers
     # it saves are one-rank copies, so there it measures the hooks' host work (and runs the CUDA path).
-    "levers8": [throughput("levers8", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 --fused-kernels "
-                           "--fused-cross-entropy --repeats 3 --pipelined "
-                           "--modes ddp,fsdp,fsdp-keep-gathered,fsdp2,fsdp2-keep-gathered")],
+    "levers8": [levers("levers8", "ddp,fsdp,fsdp-keep-gathered,fsdp2,fsdp2-keep-gathered", batch="{gb16}", steps=6,
+                        fused_ce=True, pipelined=True)],
     # the FSDP knobs, unfused (docs/results/h200x2/throughput_knobs.json); not in the default SECTIONS
     "throughput_knobs": [throughput("throughput_knobs", "--micro-batch-size 8 --global-batch 32 --steps 6 --warmup 2 "
                                     "--profile --modes ddp,fsdp,fsdp2,fsdp-no-overlap,fsdp-unit2x,fsdp-recompute,"
                                     "fsdp-optoffload")],
     # issue 22's levers, each one knob from the kit's defaults (fused Adam and the 2-layer FSDP unit since
     # 2026-11-30), all in one run, 3 interleaved repeats (medians); fsdp and fsdp2 profiled in the first round
-    "levers": [throughput("levers", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
-                          "--repeats 3 --profile --profile-modes fsdp,fsdp2 --modes ddp,fsdp,fsdp2,fsdp-foreach-adam,"
-                          "ddp-foreach-adam,fsdp-unit-1e9,fsdp-grad-fp32,fsdp-double-buffer,fsdp-nccl-ub")],
+    "levers": [levers("levers", "ddp,fsdp,fsdp2,fsdp-foreach-adam,ddp-foreach-adam,fsdp-unit-1e9,fsdp-grad-fp32,"
+                       "fsdp-double-buffer,fsdp-nccl-ub", profile="fsdp,fsdp2")],
     # the second set of levers: Megatron-FSDP's all-gathers on their own communicator, high-priority NCCL
     # streams, megatron's native fused cross-entropy (2026-12-01)
-    "levers2": [throughput("levers2", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
-                           "--repeats 3 --profile --profile-modes fsdp,fsdp-ag-group --modes ddp,fsdp,fsdp2,"
-                           "fsdp-ag-group,fsdp-high-prio,fsdp-ag-group-hp,fsdp-ce-fusion")],
+    "levers2": [levers("levers2", "ddp,fsdp,fsdp2,fsdp-ag-group,fsdp-high-prio,fsdp-ag-group-hp,fsdp-ce-fusion",
+                        profile="fsdp,fsdp-ag-group")],
     # the third set: NCCL's SM budget. Data-parallel collectives capped at 8 / 16 CTAs (Hopper default 32 of 132 SMs),
     # so the GEMMs they overlap keep more SMs (2026-12-01)
-    "levers3": [throughput("levers3", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
-                           "--repeats 3 --profile --profile-modes fsdp,fsdp-ctas8 "
-                           "--modes ddp,fsdp,fsdp2,fsdp-ctas8,fsdp-ctas16,ddp-ctas8")],
+    "levers3": [levers("levers3", "ddp,fsdp,fsdp2,fsdp-ctas8,fsdp-ctas16,ddp-ctas8", profile="fsdp,fsdp-ctas8")],
     # the fourth set, compute side (runs on 1 GPU too; global batch 16 per GPU = 2 micro-batches, as on 2 GPUs):
     # the kit's cross-entropy on each system, 3 interleaved repeats; fsdp profiled with and without (2026-12-01)
-    "levers4": [throughput("levers4", "--micro-batch-size 8 --global-batch {gb16} --steps 5 --warmup 2 --fused-kernels "
-                           "--repeats 3 --profile --profile-modes fsdp,fsdp-fused-ce "
-                           "--modes ddp,fsdp,fsdp2,ddp-fused-ce,fsdp-fused-ce,fsdp2-fused-ce")],
+    "levers4": [levers("levers4", "ddp,fsdp,fsdp2,ddp-fused-ce,fsdp-fused-ce,fsdp2-fused-ce", batch="{gb16}",
+                        profile="fsdp,fsdp-fused-ce")],
     # the fifth set: megatron's finalize_model_grads (a host sync on the token count after backward) against the
     # kit's engine.finalize_grads, at the kit's GPU settings (fused RoPE/SwiGLU and cross-entropy); 1 GPU or more
-    "levers5": [throughput("levers5", "--micro-batch-size 8 --global-batch {gb16} --steps 5 --warmup 2 --fused-kernels "
-                           "--fused-cross-entropy --repeats 3 --profile --profile-modes fsdp,fsdp-megatron-finalize "
-                           "--modes ddp,fsdp,fsdp2,ddp-megatron-finalize,fsdp-megatron-finalize")],
+    "levers5": [levers("levers5", "ddp,fsdp,fsdp2,ddp-megatron-finalize,fsdp-megatron-finalize", batch="{gb16}",
+                        fused_ce=True, profile="fsdp,fsdp-megatron-finalize")],
     # the sixth set: the same systems as levers5, each step timed alone (synchronized before and after) and as a
     # loop that starts each step before it reads the last one's loss (--pipelined: train.start_step, no host sync)
-    "levers6": [throughput(f"levers6_{how}", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 "
-                           f"--fused-kernels --fused-cross-entropy --repeats 3 {flag} --modes ddp,fsdp,fsdp2")
-                for how, flag in (("alone", ""), ("pipelined", "--pipelined"))],
+    "levers6": [levers(f"levers6_{how}", "ddp,fsdp,fsdp2", batch="{gb16}", steps=6, fused_ce=True,
+                       pipelined=how == "pipelined") for how in ("alone", "pipelined")],
     # the seventh set: Megatron-FSDP's fp32 grads for Adam made a part at a time inside the step (grad_upcast, the
     # default since 2026-12-01) vs megatron's whole-shard copy held through the step: tokens/s and the step's peak at
     # 1.37 B; max_model_upcast: the largest 7b-width model of each beside FSDP2's (1 GPU or more)
-    "levers7": [throughput("levers7", "--micro-batch-size 8 --global-batch {gb16} --steps 6 --warmup 2 --fused-kernels "
-                           "--fused-cross-entropy --repeats 3 --modes fsdp,fsdp-upcast-whole,fsdp2")],
+    "levers7": [levers("levers7", "fsdp,fsdp-upcast-whole,fsdp2", batch="{gb16}", steps=6, fused_ce=True)],
     # (without recompute, and with full recompute: activations then no longer hide the optimizer step's peak)
     "max_model_upcast": [Row(name=f"max_model_upcast_{rc}", script="bench/max_model.py",
                              args=f"--spec 7b --modes fsdp,fsdp-upcast-whole,fsdp2 --recompute {rc} --layer-step 2 "
@@ -219,8 +218,7 @@ SECTIONS.update({
                     args="--spec 1.7b --micro-batch-size 8")],
     # the three systems at their defaults, 3 interleaved repeats: the ratios issue 22 asks for. The kit's GPU
     # settings: fused RoPE/SwiGLU and, since levers4 (2026-12-01: +1.9 % tokens/s, -1 GiB peak), fused cross-entropy
-    "headline": [throughput("headline", "--micro-batch-size 8 --global-batch 32 --steps 5 --warmup 2 --fused-kernels "
-                            "--fused-cross-entropy --repeats 3 --profile --profile-modes fsdp,fsdp2 --modes ddp,fsdp,fsdp2")],
+    "headline": [levers("headline", "ddp,fsdp,fsdp2", fused_ce=True, profile="fsdp,fsdp2")],
     # tokens/s under a memory cap: each system at micro-batch 4 and 16 without recompute and 8 with full
     # recompute (mb 8 without: the headline section); bench/memory_cap.py picks the best under 40 and 80 GiB
     "memcap": [*(throughput(f"memcap_mb{mb}", f"--micro-batch-size {mb} --global-batch 32 --steps 4 --warmup 2 "
