@@ -346,7 +346,7 @@ def test_truncated_shard_names_the_file(step1):
 
 def test_checksums_recorded_and_cheap(faults):
     meta = json.loads((faults["root"] / "step_000001" / "meta.json").read_text())
-    assert meta["format"] == 3 and set(meta["checksums"]) == set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert meta["format"] == 4 and set(meta["checksums"]) == set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
     phases = faults["save"]["phases_s"]
     print("save", round(faults["save"]["save_s"], 3), "s; phases", {k: round(v, 4) for k, v in phases.items()},
           "; bytes", meta["bytes"])
