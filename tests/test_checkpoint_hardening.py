@@ -318,7 +318,7 @@ def test_checkpoint_without_checksums_loads_only_when_trusted(small):
     del meta["checksums"]
     (step / "meta.json").chmod(0o644)
     (step / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ckpt.CheckpointError, match=r"records no checksums \(format 3 always records them: the key "
+    with pytest.raises(ckpt.CheckpointError, match=r"records no checksums \(format 4 always records them: the key "
                                                    r"was removed after the save\).*trust_checkpoint=True"):
         _load_small(step)
     with pytest.warns(UserWarning, match="records no checksums"):
