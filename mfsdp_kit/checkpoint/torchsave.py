@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fieldtypes import bad_value
+
 ALIGN = 64
 """Bytes the start of every record's data is a multiple of (torch's `_get_storage_alignment()` default)."""
 ZIP64 = 0xFFFFFFFF
@@ -162,12 +164,12 @@ def _parts(dtype: torch.dtype, sizes: tuple) -> tuple[bytes, bytes, bytes]:
             out[20] + central_bytes + end_records(len(records), pos, len(central_bytes)))
 
 
-def archive(dtype: torch.dtype, sizes, serialization_id: str | None = None) -> Archive:
+def archive(dtype: torch.dtype, sizes, *, serialization_id: str | None = None) -> Archive:
     """The archive of a contiguous tensor of `dtype` and `sizes` around its data (see the module docstring).
     `serialization_id`: ID_DIGITS decimal digits (default: random, as torch.save's)."""
     sid = serialization_id if serialization_id is not None else f"{secrets.randbelow(10 ** ID_DIGITS):0{ID_DIGITS}d}"
     if len(sid) != ID_DIGITS or not sid.isdigit():
-        raise ValueError(f"serialization_id={sid!r} is not allowed; allowed: {ID_DIGITS} decimal digits")
+        raise bad_value("serialization_id", sid, f"{ID_DIGITS} decimal digits")
     head, before_id, after_id = _parts(dtype, tuple(sizes))
     return Archive(head=head, tail=before_id + sid.encode() + after_id, nbytes=math.prod(sizes) * dtype.itemsize)
 
