@@ -25,7 +25,8 @@ LAUNCH = {"trun": "trun", "torchrun1": "torchrun --nproc_per_node 1 --master_por
 KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": "", "NB_PREWRITE": "1",
          "NOTEBOOKS": "", "SFT_VARIANTS": "ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused",
          "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
-         "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept"}
+         "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept",
+         "ROLLOUT_VARIANTS": "compiled,eager"}
 """Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
 
 
@@ -288,10 +289,11 @@ SECTIONS.update({
                     writes="load_7b.json")],
     # issue 37: HF generate vs the kit's engine (rl.rollout.ContinuousRollout) on one GPU, the floor beside them,
     # then its bf16 greedy tokens and log-probs against HF's; rollout_7b: the same at the 7 B shape
-    "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python", args="--shape qwen2-1.8b --batches 1,64,256,512",
+    "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python",
+                    args="--shape qwen2-1.8b --batches 1,64,256,512 --variants {ROLLOUT_VARIANTS}",
                     writes="rollout.json")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
-                       args="--shape qwen2-7b --batches 1,64,256 --attention flex --hf-new-tokens 16")],
+                       args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine
     # (GRPO_BACKENDS: a subset of hf,continuous,continuous_kept)

@@ -78,7 +78,7 @@ def test_gpu_check_runs_the_rows_by_name(sections):
         "rm -rf /dev/shm/mfsdp_ckpt"]
     assert len(lines) == 12 and lines[-1] == "status=0"
     assert lines[-2] == ("section rollout python3 bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 "
-                         "--out runs/gpu/rollout.json")
+                         "--variants compiled,eager --out runs/gpu/rollout.json")
 
 
 def test_unknown_section_fails_the_run_and_the_rest_still_run():
