@@ -1,11 +1,13 @@
-"""bench/rollout.py end to end on CPU (shape tiny, fp32): both backends time every batch size, beside the floor."""
+"""bench/rollout.py end to end on CPU (shape tiny, fp32): both backends time every batch size, beside the floor,
+and the kit's greedy tokens and log-probs equal HF's (fp32)."""
 from tests.bench.cli import run
 
 
 def test_rollout_bench(tmp_path):
     res = run("rollout.py", "--shape", "tiny", "--batches", "2,4", "--prompt-tokens", "6", "--new-tokens", "70",
-              "--hf-new-tokens", "4", out=tmp_path / "r.json", nproc=1)
+              "--hf-new-tokens", "4", "--variants", "eager", "--agreement-rows", "3", out=tmp_path / "r.json", nproc=1)
     assert res["device"] == "cpu" and [r["sequences"] for r in res["results"]] == [2, 4]
     for r in res["results"]:
         assert r["kit_steps"] == 70 and r["kit_decode_ms_per_step"] > 0 and r["kit_ms_per_step"] > 0 and r["hf_ms_per_step"] > 0, r
         assert r["floor_ms"] > 0 and r["kit_tokens_per_s"] == r["sequences"] / r["kit_ms_per_step"] * 1e3
+    assert res["agreement"]["eager"]["token_agreement"] == 1.0 and res["agreement"]["eager"]["max_logprob_diff"] < 1e-4

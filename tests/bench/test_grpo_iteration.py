@@ -1,0 +1,15 @@
+"""bench/grpo_iteration.py end to end on CPU (size xs, fp32, 1 rank): each backend's iteration split into sync,
+rollout, log-prob and update seconds, with the engine's own counters, and fp32 log-probs that agree."""
+from tests.bench.cli import run
+
+
+def test_grpo_iteration_bench(tmp_path):
+    res = run("grpo_iteration.py", "--size", "xs", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8",
+              "--iterations", "1", "--micro-batch-size", "2", out=tmp_path / "g.json", nproc=1)
+    assert set(res["histories"]) == {"hf", "continuous", "continuous_kept"}
+    for name, h in res["histories"].items():
+        assert all(h[k][0] > 0 for k in ("rollout_s", "logprob_s", "update_s")), name
+        assert 0 <= h["logprob_diff_max"][0] <= 1e-5, (name, h["logprob_diff_max"])
+    assert res["histories"]["hf"]["engine"] == [{}]
+    stats = res["histories"]["continuous"]["engine"][0]
+    assert stats["sequences"] == 4 and stats["steps"] > 0 and stats["seconds"] > 0
