@@ -153,7 +153,7 @@ class EngineConfig:
         _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_types(),
                             TRANSFORMER_RANGES)
         _validate_expert_overrides(self)
-        _lora.check(lora=self.lora, use_megatron_fsdp=self.use_megatron_fsdp)
+        _lora.check(lora=self.lora)
         strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
             raise bad_value("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))

@@ -11,13 +11,10 @@ the only trainable parameters; B = 0 makes the first forward the base model's.
 What the wrappers then do with the frozen base (megatron-core 0.16.1):
 - DDP: no grad buffer for them (distributed_data_parallel.py:112 `if not param.requires_grad: continue`).
 - The optimizer collects only `requires_grad` params (optimizer/__init__.py:147): Adam state for adapters only.
-- Megatron-FSDP refuses to wrap: `_register_fsdp_hooks` calls `register_post_accumulate_grad_hook` on every
-  parameter of every FSDP unit (megatron_fsdp/megatron_fsdp.py:1003-1012, no `requires_grad` filter), and torch
-  raises for a frozen one. Its buffers would cope - parameters are grouped by `requires_grad`
-  (param_and_grad_buffer.py:1378), a group without grads gets no grad or fp32 main-weight buffer (:1965,
-  `only_create_grad_buffer_and_main_weight_buffer_for_param_requires_grad` defaults True at :1559) and the grad
-  hook skips it (megatron_fsdp.py:555) - but the wrap never gets there. So `EngineConfig(lora=...)` asks for
-  DDP (`FSDP_GAP`), and tests/test_lora.py keeps a canary that fails when upstream wraps frozen params.
+- Megatron-FSDP shards the frozen base like any weight but gives it no grad buffer, no fp32 main weights and
+  no optimizer state (param_and_grad_buffer.py:1378 groups params by `requires_grad`, :1965 makes grad and
+  main-weight buffers for groups with grads only). Its wrap alone fails on frozen params, a grad hook torch
+  refuses (megatron_fsdp.py:1007-1012): `compat.fsdp_frozen`, enabled by `apply`, registers none for them.
 
 Megatron fuses what HF keeps apart: q/k/v are one `linear_qkv`, gate/up one `linear_fc1`. One adapter on a
 fused linear shares its A over the fused outputs (rank r for q, k and v together), so HF names are accepted
@@ -82,31 +79,23 @@ class LoRAConfig:
         return [name for name in MEGATRON_TARGETS if name in wanted]
 
 
-FSDP_GAP = ("None when use_megatron_fsdp=True: megatron-core 0.16.1's Megatron-FSDP registers a grad hook on "
-            "every parameter, frozen ones included (megatron_fsdp/megatron_fsdp.py:1007-1012 "
-            "`register_post_accumulate_grad_hook`: RuntimeError for requires_grad=False); use DDP "
-            "(use_megatron_fsdp=False) with use_distributed_optimizer=True for LoRA")
-"""Why LoRA needs DDP here (lora.py's docstring: what else Megatron-FSDP already does for frozen params)."""
-
-
-def check(*, lora, use_megatron_fsdp: bool) -> None:
-    """`EngineConfig.lora`: None or a valid `LoRAConfig`, and not under Megatron-FSDP (`FSDP_GAP`)."""
+def check(*, lora) -> None:
+    """`EngineConfig.lora`: None or a valid `LoRAConfig`."""
     if lora is not None and not isinstance(lora, LoRAConfig):
         raise bad_value("lora", lora, "None | LoRAConfig(rank=..., alpha=..., dropout=..., target_modules=[...])")
     if lora is not None:
         lora.validate()
-    if lora is not None and use_megatron_fsdp:
-        raise bad_value("lora", lora, FSDP_GAP)
 
 
 def apply(chunks: list, *, lora: LoRAConfig) -> list:
     """Adapters into the plain (unwrapped) `chunks`, every other parameter frozen; returns `chunks`.
 
     Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`)."""
-    from .compat import peft as peft_compat
+    from .compat import fsdp_frozen, peft as peft_compat
     from .compat.bridge import import_bridge
     import_bridge()
     peft_compat.enable()
+    fsdp_frozen.enable()   # for a later Megatron-FSDP wrap
     from megatron.bridge.peft.lora import LoRA
     lora.validate()
     peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)

@@ -1,20 +1,22 @@
-"""LoRA through Megatron-Bridge's PEFT: the config, and on 2 gloo ranks (DDP, TP 1 and 2) an exact first forward,
-a frozen base, adapters that train and alone hold optimizer state; Megatron-FSDP's gap, as a canary."""
+"""LoRA through Megatron-Bridge's PEFT: the config, and on 2 gloo ranks (DDP and Megatron-FSDP, TP 1 and 2) an
+exact first forward, a frozen base (sharded under FSDP), adapters that train and alone hold grads, fp32 main
+weights and optimizer state, and the same losses under every layout."""
 import pytest
 
 from mfsdp_kit import lora
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.parity import compare_curves
 from tests.dist import launch
+from tests.test_engine_dist import same_training   # the dense tests' tolerance
+
+LAYOUTS = [(False, 1), (False, 2), (True, 1), (True, 2)]
+IDS = ["ddp-tp1", "ddp-tp2", "fsdp-tp1", "fsdp-tp2"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """TP1xDP2 and TP2xDP1 LoRA training, then Megatron-FSDP asked to wrap a LoRA'd model: one 2-rank job."""
+    """LoRA training under the four layouts (TP2 on 2 ranks: DP 1), one 2-rank job."""
     workdir = str(tmp_path_factory.mktemp("lora"))
-    calls = [["scenarios_lora:train_adapters", dict(tp=1, workdir=workdir)],
-             ["scenarios_lora:train_adapters", dict(tp=2, workdir=workdir)],
-             ["scenarios_lora:fsdp_wraps_frozen", dict(workdir=workdir)]]
+    calls = [["scenarios_lora:train_adapters", dict(fsdp=fsdp, tp=tp, workdir=workdir)] for fsdp, tp in LAYOUTS]
     return launch.run("sequence", nproc=2, calls=calls)
 
 
@@ -37,53 +39,54 @@ def test_hf_names_map_to_megatrons_fused_linears():
 
 
 def test_engine_config_takes_lora_and_round_trips_yaml():
-    cfg = EngineConfig(lora=lora.LoRAConfig(rank=4, alpha=8, target_modules=["o_proj"])).validate()
-    assert EngineConfig.from_yaml(cfg.to_yaml()).lora == cfg.lora
+    cfg = EngineConfig(use_megatron_fsdp=True, lora=lora.LoRAConfig(rank=4, alpha=8, target_modules=["o_proj"]))
+    assert EngineConfig.from_yaml(cfg.validate().to_yaml()).lora == cfg.lora
     assert EngineConfig.from_yaml(EngineConfig().to_yaml()).lora is None
     with pytest.raises(ConfigError, match="lora"):
         EngineConfig(lora={"rank": 4}).validate()
 
 
-def test_lora_under_megatron_fsdp_names_the_gap():
-    with pytest.raises(ConfigError, match=r"lora=.*megatron_fsdp\.py:1007-1012.*use_megatron_fsdp=False"):
-        EngineConfig(use_megatron_fsdp=True, lora=lora.LoRAConfig()).validate()
-
-
-@pytest.mark.parametrize("index", [0, 1], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("index", range(4), ids=IDS)
 def test_first_forward_is_the_base_models(runs, index):
     """B = 0: the LoRA model's logits equal the plain model's, bit for bit."""
     assert runs[index]["init_diff"] == 0.0
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["tp1", "tp2"])
+@pytest.mark.parametrize("index", range(4), ids=IDS)
 def test_base_stays_bit_equal_while_adapters_train(runs, index):
     r = runs[index]
-    assert r["wrapper"] == "DistributedDataParallel"
+    assert r["wrapper"] == ("FullyShardedDataParallel" if LAYOUTS[index][0] else "DistributedDataParallel")
     assert r["frozen_bit_equal"] and r["frozen_changed"] == [] and r["local_frozen_numel"] > 0
-    assert r["adapters"] == 16 and r["adapters_changed"] == r["adapters"]   # 2 layers x 4 linears x (A, B)
+    assert r["adapters"] == 16   # 2 layers x 4 linears x (A, B)
+    assert r["adapters_here"] > 0 and r["adapters_changed"] == r["adapters_here"]   # FSDP: some shards are empty
     assert r["all_trainable_are_adapters"] and len(r["trainable"]) == r["adapters"]
     assert r["losses"][-1] < r["losses"][0]
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["tp1", "tp2"])
-def test_optimizer_holds_adapters_only(runs, index):
-    """Adam's exp_avg over all ranks has one element per adapter weight (distributed optimizer: / DP), none for
-    the frozen base; the DDP buffers hold adapters only (4 B each: fp32)."""
-    r = runs[index]
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_optimizer_and_grads_hold_adapters_only(runs, index):
+    """Adam's exp_avg has one element per adapter weight over all ranks (sharded over DP: rank 0 holds parts of
+    some adapters), none for the frozen base; grad buffers (and Megatron-FSDP's fp32 main weights) hold adapters
+    only, 4 B each."""
+    r, fsdp = runs[index], LAYOUTS[index][0]
+    assert 0 < r["optimizer_params"] <= r["adapters"]
     assert r["state_numel_all_ranks"] * r["dp_size"] == r["trainable_numel_all_ranks"] > 0
     assert r["trainable_numel_all_ranks"] < r["frozen_numel_all_ranks"] / 10
-    per_rank = r["trainable_numel_all_ranks"] // 2   # 2 ranks
-    assert r["memory"]["grads_bytes"] == r["memory"]["params_bytes"] == 4 * per_rank
+    adapters_per_rank = r["trainable_numel_all_ranks"] // 2 // (r["dp_size"] if fsdp else 1)   # 2 ranks
+    assert r["memory"]["grads_bytes"] == 4 * adapters_per_rank
+    assert r["memory"]["main_params_bytes"] == (4 * adapters_per_rank if fsdp else 0)
 
 
-def test_tp2_matches_tp1(runs):
-    report = compare_curves(runs[0]["losses"], runs[1]["losses"], exact_steps=len(runs[0]["losses"]),
-                            reference_grad_norm=runs[0]["grad_norms"], candidate_grad_norm=runs[1]["grad_norms"])
-    print(report)
-    assert report.check()
+@pytest.mark.parametrize("index", [2, 3], ids=IDS[2:])
+def test_fsdp_shards_the_frozen_base(runs, index):
+    """Each frozen weight is held once per TP slice over the DP ranks (DDP: on every rank)."""
+    fsdp, ddp = runs[index], runs[index - 2]
+    assert fsdp["local_frozen_numel"] == fsdp["frozen_numel_all_ranks"] // fsdp["dp_size"]
+    assert ddp["local_frozen_numel"] == ddp["frozen_numel_all_ranks"]
 
 
-def test_megatron_fsdp_still_cannot_wrap_frozen_params(runs):
-    """Canary for `lora.FSDP_GAP`: when this fails, megatron-core's Megatron-FSDP wraps a LoRA'd model; test it
-    (frozen base sharded, no grads, no optimizer state) and drop the ConfigError."""
-    assert runs[2]["error"] == "cannot register a hook on a tensor that doesn't require gradient"
+@pytest.mark.parity
+@pytest.mark.parametrize("ref, cand", [(0, 2), (1, 3), (0, 1), (2, 3)],
+                         ids=["fsdp-vs-ddp-tp1", "fsdp-vs-ddp-tp2", "tp2-vs-tp1-ddp", "tp2-vs-tp1-fsdp"])
+def test_lora_losses_match_across_layouts(runs, ref, cand):
+    assert same_training(runs[ref], runs[cand])

@@ -34,12 +34,12 @@ def _world(cfg: EngineConfig, workdir: str):
     return rt, src
 
 
-def train_adapters(*, tp: int, workdir: str, steps: int = 3, lr: float = 1e-2, targets: list | None = None) -> dict:
-    """Load the tiny model twice (plain and with LoRA; DDP), compare logits, train the adapters a few steps."""
-    spec = lora.LoRAConfig(rank=4, alpha=8, **({"target_modules": targets} if targets else {}))
-    cfg = EngineConfig(tensor_model_parallel_size=tp, seed=3, lora=spec)
+def train_adapters(*, fsdp: bool, tp: int, workdir: str, steps: int = 3, lr: float = 1e-2) -> dict:
+    """Load the tiny model twice (plain and with LoRA), compare logits, train the adapters a few steps."""
+    layout = dict(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=3)
+    cfg = EngineConfig(**layout, lora=lora.LoRAConfig(rank=4, alpha=8))
     rt, src = _world(cfg, workdir)
-    base = load(src, EngineConfig(tensor_model_parallel_size=tp, seed=3))
+    base = load(src, EngineConfig(**layout))
     model = load(src, cfg, wrap=False)
     trainable = lora.trainable_names(model.chunks)
     trainable_numel = sum(p.numel() for c in model.chunks for p in c.parameters() if p.requires_grad)
@@ -51,12 +51,14 @@ def train_adapters(*, tp: int, workdir: str, steps: int = 3, lr: float = 1e-2, t
     for chunks in (model.chunks, base.chunks):
         engine.settle_param_gathers(chunks)
     engine.release(base.chunks)
-    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=lr, clip_grad=0.0), cfg)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=lr, clip_grad=1.0), cfg)
     before = _local_params(model.chunks)
-    batches = data.batches(data.ArithmeticTask(digits=1).train_pairs(40), _tokenizer(src), seq_len_tokens=16, global_batch=8, seed=1)
+    batches = data.batches(data.ArithmeticTask(digits=1).train_pairs(40), _tokenizer(src), seq_len_tokens=16,
+                           global_batch=8, seed=1)
     results = [step(model.chunks, opt, next(batches), micro_batch_size=2, step_index=i) for i in range(steps)]
     after = _local_params(model.chunks)
-    state_numel = sum(t["exp_avg"].numel() for o in inner_optimizers(opt) for t in o.optimizer.state.values())
+    state_numel = sum(local(t["exp_avg"]).numel() for o in inner_optimizers(opt) for t in o.optimizer.state.values())
+    held = [p for o in inner_optimizers(opt) for g in o.optimizer.param_groups for p in g["params"]]
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     frozen = [name for name in before if not lora.is_adapter(name)]
     result = dict(
@@ -64,7 +66,8 @@ def train_adapters(*, tp: int, workdir: str, steps: int = 3, lr: float = 1e-2, t
         losses=[r.loss for r in results], grad_norms=[float(r.grad_norm) for r in results],
         trainable=trainable, all_trainable_are_adapters=all(lora.is_adapter(n) for n in trainable),
         frozen_changed=sorted(set(frozen) & changed),
-        adapters_changed=len(changed - set(frozen)), adapters=len(before) - len(frozen),
+        adapters_changed=len(changed - set(frozen)), adapters=len(before) - len(frozen), optimizer_params=len(held),
+        adapters_here=sum(before[n].numel() > 0 for n in before if n not in frozen),
         frozen_bit_equal=all(torch.equal(before[n], after[n]) for n in frozen),
         state_numel_all_ranks=_sum(state_numel),
         trainable_numel_all_ranks=_sum(trainable_numel), frozen_numel_all_ranks=_sum(frozen_numel),
@@ -78,16 +81,3 @@ def _tokenizer(src: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(src)
 
-
-def fsdp_wraps_frozen(*, workdir: str) -> dict:
-    """Megatron-FSDP asked to wrap a LoRA'd model (EngineConfig refuses it: `lora.FSDP_GAP`): the error it raises."""
-    cfg = EngineConfig(lora=lora.LoRAConfig(rank=4, alpha=8))
-    _, src = _world(cfg, workdir)
-    chunks = load(src, cfg, wrap=False).chunks
-    try:
-        engine.wrap_chunks(EngineConfig(use_megatron_fsdp=True, seed=3), chunks)
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    runtime.shutdown()
-    return dict(error=error)
