@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import lora as _lora
 from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -106,6 +107,8 @@ class EngineConfig:
     applied by `offload.apply_config`; megatron-core 0.16.1's optimizer_cpu_offload fails with
     Megatron-FSDP on DTensor shards). Saves 12 B/param / N on the device, costs 24 B/param / N of
     host<->device copies per step. For all state between steps use `offload.offload`/`reload`."""
+    lora: _lora.LoRAConfig | None = None
+    """Train LoRA adapters only (`lora.LoRAConfig`), the loaded base frozen; None = train every weight."""
 
     # ---- derived views -------------------------------------------------------------------
     @property
@@ -150,6 +153,7 @@ class EngineConfig:
         _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_types(),
                             TRANSFORMER_RANGES)
         _validate_expert_overrides(self)
+        _lora.check(lora=self.lora)
         strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
             raise bad_value("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))
@@ -192,7 +196,8 @@ class EngineConfig:
         for key in d:
             if key not in names:
                 raise bad_value(f"EngineConfig.{key}", d[key], f"one of the fields {names}")
-        return cls(**d)
+        lora = d.get("lora")
+        return cls(**{**d, "lora": _lora.LoRAConfig(**lora) if isinstance(lora, dict) else lora})
 
     def to_yaml(self, path: str | None = None) -> str:
         import yaml

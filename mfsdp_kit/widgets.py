@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig, field_types
+from .lora import LoRAConfig
 
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool))
 """Every on/off switch of EngineConfig, found from its defaults (so a new switch gets a checkbox)."""
@@ -34,6 +35,8 @@ OPTIONAL_INT_FIELDS = tuple(name for name, (hint, default) in field_types(Engine
 CHOICE_FIELDS = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "recompute": RECOMPUTE}
 DICT_FIELDS = ("override_ddp_config", "override_transformer_config")
 """Edited as JSON text, e.g. {"data_parallel_sharding_strategy": "optim_grads"}."""
+SECTION_FIELDS = {"lora": LoRAConfig}
+"""Config sections, edited as JSON text of their fields, e.g. {"rank": 8}; "" means None."""
 ERROR_STYLE = "color:#c62828;font-family:monospace;white-space:pre-wrap"
 
 
@@ -47,6 +50,9 @@ def _field_widget(name: str, value: Any):
         return w.Checkbox(value=value, description=name, style=style, layout=layout, indent=False)
     if name in CHOICE_FIELDS:
         return w.Dropdown(options=CHOICE_FIELDS[name], value=value, description=name, style=style, layout=layout)
+    if name in SECTION_FIELDS:
+        value = "" if value is None else json.dumps(dataclasses.asdict(value))
+        return w.Text(value=value, description=name, style=style, layout=w.Layout(width="620px"), placeholder="None")
     if name in DICT_FIELDS:
         return w.Text(value=json.dumps(value), description=name, style=style, layout=w.Layout(width="620px"))
     # OPTIONAL_INT_FIELDS: "" means None
@@ -55,6 +61,8 @@ def _field_widget(name: str, value: Any):
 
 
 def _parse(name: str, raw: Any) -> Any:
+    if name in SECTION_FIELDS:
+        return _section(name, raw)
     if name in DICT_FIELDS:
         try:
             return json.loads(raw or "{}")
@@ -68,6 +76,20 @@ def _parse(name: str, raw: Any) -> Any:
             raise ConfigError(f"{name}={text!r} is not allowed; allowed: None or an integer")
         return int(text)
     return raw
+
+
+def _section(name: str, raw: Any) -> Any:
+    """None for "" (or "None"), else the section's dataclass made from a JSON object of its fields."""
+    text = str(raw).strip()
+    if text in ("", "None", "null"):
+        return None
+    cls = SECTION_FIELDS[name]
+    allowed = f'"" (None) or a JSON object of {[f.name for f in dataclasses.fields(cls)]}'
+    try:
+        fields = json.loads(text)
+        return cls(**fields)
+    except (json.JSONDecodeError, TypeError):
+        raise ConfigError(f"{name}={text!r} is not allowed; allowed: {allowed}") from None
 
 
 class ConfigForm:
@@ -109,6 +131,8 @@ class ConfigForm:
                 raise ConfigError(f"{name!r} is not allowed; allowed: the fields {list(self.fields)}")
             if name in DICT_FIELDS and isinstance(value, dict):
                 value = json.dumps(value)
+            if name in SECTION_FIELDS and not isinstance(value, str):
+                value = "" if value is None else json.dumps(dataclasses.asdict(value))
             self.fields[name].value = value
         return self
 

@@ -56,19 +56,31 @@ def test_config_form_shows_the_error_and_recovers():
     assert form.value.use_megatron_fsdp is True
 
 
+def test_config_form_edits_the_lora_section():
+    from mfsdp_kit.lora import LoRAConfig
+    form = widgets.config_form(EngineConfig(lora=LoRAConfig(rank=4)))
+    assert form.error is None and form.value.lora == LoRAConfig(rank=4)
+    form.set(lora='{"rank": 2, "target_modules": ["o_proj"]}')
+    assert form.error is None and form.value.lora == LoRAConfig(rank=2, target_modules=["o_proj"])
+    form.set(lora="")
+    assert form.error is None and form.value.lora is None
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("use_distributed_optimizer", False, "use_distributed_optimizer=False"),
     ("override_ddp_config", '{"bucket_sizee": 1}', "bucket_sizee"),
     ("override_ddp_config", "{not json", "JSON object"),
     ("virtual_pipeline_model_parallel_size", "2", "virtual_pipeline_model_parallel_size=2"),
     ("nccl_max_ctas", "eight", "nccl_max_ctas='eight'"),   # an integer-or-None field: a text box, "" = None
+    ("lora", '{"rank": 0}', "lora.rank=0"),                  # a section: JSON of its fields, "" = None
+    ("lora", '{"rnk": 4}', "lora='{\"rnk\": 4}'"),
 ])
 def test_config_form_names_the_field(field, value, needle):
     form = widgets.config_form(EngineConfig(use_megatron_fsdp=True))
     form.set(**{field: value})
     assert needle in form.error
     form.set(**{field: {"use_distributed_optimizer": True, "override_ddp_config": "{}",
-                        "virtual_pipeline_model_parallel_size": "", "nccl_max_ctas": ""}[field]})
+                        "virtual_pipeline_model_parallel_size": "", "nccl_max_ctas": "", "lora": ""}[field]})
     assert form.error is None
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .. import engine
+from .. import engine, lora
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
 from . import fusions, support, vocab
@@ -286,13 +286,16 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     exports). With `verify`, transformers' logits on the same folder are compared with the loaded
     model's on a few fixed sequences (models.verify) and a mismatch raises `VerificationError`;
     the result is `HFModel.verification`. `phases` (`perf.phases.Phases`) times each step under its
-    name: check, provider, build, weights, wrap (what bench/load_hf.py and bench/notebook_setup.py print).
+    name: check, provider, build, weights, lora (with `cfg.lora`: `lora.apply`), wrap (what bench/load_hf.py
+    and bench/notebook_setup.py print).
     `strict=False` loads a folder holding tensors its architecture lacks, listing them (`check_tensors`)."""
     run = phases.run if phases is not None else _untimed
     run("check", check_folder, hf_path, cfg, trust_pickle=trust_pickle, strict=strict)
     bridge, p = run("provider", provider, hf_path, cfg, trust_remote_code=trust_remote_code)
     chunks = run("build", engine.build, cfg, p, wrap=False)
     run("weights", load_weights, bridge, chunks, hf_path, cfg)
+    if cfg.lora is not None:   # before the wrap: the wrappers lay out grad buffers from requires_grad
+        run("lora", lora.apply, chunks, lora=cfg.lora)
     if wrap:
         chunks = run("wrap", engine.wrap_chunks, cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)

@@ -1,0 +1,92 @@
+"""LoRA through Megatron-Bridge's PEFT: the config, and on 2 gloo ranks (DDP and Megatron-FSDP, TP 1 and 2) an
+exact first forward, a frozen base (sharded under FSDP), adapters that train and alone hold grads, fp32 main
+weights and optimizer state, and the same losses under every layout."""
+import pytest
+
+from mfsdp_kit import lora
+from mfsdp_kit.config import ConfigError, EngineConfig
+from tests.dist import launch
+from tests.test_engine_dist import same_training   # the dense tests' tolerance
+
+LAYOUTS = [(False, 1), (False, 2), (True, 1), (True, 2)]
+IDS = ["ddp-tp1", "ddp-tp2", "fsdp-tp1", "fsdp-tp2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """LoRA training under the four layouts (TP2 on 2 ranks: DP 1), one 2-rank job."""
+    workdir = str(tmp_path_factory.mktemp("lora"))
+    calls = [["scenarios_lora:train_adapters", dict(fsdp=fsdp, tp=tp, workdir=workdir)] for fsdp, tp in LAYOUTS]
+    return launch.run("sequence", nproc=2, calls=calls)
+
+
+@pytest.mark.parametrize("bad, field", [(dict(rank=0), "lora.rank"), (dict(alpha=0), "lora.alpha"),
+                                        (dict(dropout=1.0), "lora.dropout"), (dict(rank=2.5), "rank"),
+                                        (dict(target_modules=[]), "lora.target_modules"),
+                                        (dict(target_modules=["qkv"]), "lora.target_modules"),
+                                        (dict(target_modules=["q_proj", "v_proj"]), "lora.target_modules"),
+                                        (dict(target_modules=["gate_proj"]), "lora.target_modules")])
+def test_bad_lora_config_names_the_field(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        lora.LoRAConfig(**bad)
+
+
+def test_hf_names_map_to_megatrons_fused_linears():
+    spec = lora.LoRAConfig(target_modules=["down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    assert spec.megatron_targets() == ["linear_qkv", "linear_fc1", "linear_fc2"]
+    assert lora.LoRAConfig(target_modules=["o_proj", "linear_proj"]).megatron_targets() == ["linear_proj"]
+    assert lora.LoRAConfig().megatron_targets() == list(lora.MEGATRON_TARGETS)
+
+
+def test_engine_config_takes_lora_and_round_trips_yaml():
+    cfg = EngineConfig(use_megatron_fsdp=True, lora=lora.LoRAConfig(rank=4, alpha=8, target_modules=["o_proj"]))
+    assert EngineConfig.from_yaml(cfg.validate().to_yaml()).lora == cfg.lora
+    assert EngineConfig.from_yaml(EngineConfig().to_yaml()).lora is None
+    with pytest.raises(ConfigError, match="lora"):
+        EngineConfig(lora={"rank": 4}).validate()
+
+
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_first_forward_is_the_base_models(runs, index):
+    """B = 0: the LoRA model's logits equal the plain model's, bit for bit."""
+    assert runs[index]["init_diff"] == 0.0
+
+
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_base_stays_bit_equal_while_adapters_train(runs, index):
+    r = runs[index]
+    assert r["wrapper"] == ("FullyShardedDataParallel" if LAYOUTS[index][0] else "DistributedDataParallel")
+    assert r["frozen_bit_equal"] and r["frozen_changed"] == [] and r["local_frozen_numel"] > 0
+    assert r["adapters"] == 16   # 2 layers x 4 linears x (A, B)
+    assert r["adapters_here"] > 0 and r["adapters_changed"] == r["adapters_here"]   # FSDP: some shards are empty
+    assert r["all_trainable_are_adapters"] and len(r["trainable"]) == r["adapters"]
+    assert r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_optimizer_and_grads_hold_adapters_only(runs, index):
+    """Adam's exp_avg has one element per adapter weight over all ranks (sharded over DP: rank 0 holds parts of
+    some adapters), none for the frozen base; grad buffers (and Megatron-FSDP's fp32 main weights) hold adapters
+    only, 4 B each."""
+    r, fsdp = runs[index], LAYOUTS[index][0]
+    assert 0 < r["optimizer_params"] <= r["adapters"]
+    assert r["state_numel_all_ranks"] * r["dp_size"] == r["trainable_numel_all_ranks"] > 0
+    assert r["trainable_numel_all_ranks"] < r["frozen_numel_all_ranks"] / 10
+    adapters_per_rank = r["trainable_numel_all_ranks"] // 2 // (r["dp_size"] if fsdp else 1)   # 2 ranks
+    assert r["memory"]["grads_bytes"] == 4 * adapters_per_rank
+    assert r["memory"]["main_params_bytes"] == (4 * adapters_per_rank if fsdp else 0)
+
+
+@pytest.mark.parametrize("index", [2, 3], ids=IDS[2:])
+def test_fsdp_shards_the_frozen_base(runs, index):
+    """Each frozen weight is held once per TP slice over the DP ranks (DDP: on every rank)."""
+    fsdp, ddp = runs[index], runs[index - 2]
+    assert fsdp["local_frozen_numel"] == fsdp["frozen_numel_all_ranks"] // fsdp["dp_size"]
+    assert ddp["local_frozen_numel"] == ddp["frozen_numel_all_ranks"]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("ref, cand", [(0, 2), (1, 3), (0, 1), (2, 3)],
+                         ids=["fsdp-vs-ddp-tp1", "fsdp-vs-ddp-tp2", "tp2-vs-tp1-ddp", "tp2-vs-tp1-fsdp"])
+def test_lora_losses_match_across_layouts(runs, ref, cand):
+    assert same_training(runs[ref], runs[cand])
