@@ -7,7 +7,8 @@ from tests.bench.cli import run
 
 def test_packing_bench(tmp_path):
     res = run("packing.py", "--spec", "tiny", "--sequences", "8", "--steps", "2", "--warmup", "1", "--dtype", "fp32",
-              "--ways", "padded,packed-sdpa", "--mixes", "sft,rl", "--max-tokens", "64", out=tmp_path / "p.json")
+              "--ways", "padded,packed-sdpa", "--mixes", "sft,rl", "--max-tokens", "64", "--micro-batch-size", "2",
+              out=tmp_path / "p.json")
     assert res["world"] == 2 and list(res["results"]) == ["sft", "rl"]
     for mix in res["results"].values():
         padded, packed = mix["ways"]["padded"], mix["ways"]["packed-sdpa"]
