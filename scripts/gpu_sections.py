@@ -292,6 +292,10 @@ SECTIONS.update({
     "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python",
                     args="--shape qwen2-1.8b --batches 1,64,256,512 --variants {ROLLOUT_VARIANTS}",
                     writes="rollout.json")],
+    # where a decode step's GPU time goes at 256 rows: kernels of the eager engine, the captured step, `pick`
+    "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
+                            args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "
+                                 "--agreement-rows 0 --profile-batch 256")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
