@@ -92,11 +92,12 @@ def apply(chunks: list, *, lora: LoRAConfig) -> list:
 
     Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`)."""
     from .compat import fsdp_frozen, peft as peft_compat
+    from .compat import bridge_model
     from .compat.bridge import import_bridge
     import_bridge()
     peft_compat.enable()
     fsdp_frozen.enable()   # for a later Megatron-FSDP wrap
-    from megatron.bridge.peft.lora import LoRA
+    LoRA = bridge_model.lora_class()
     lora.validate()
     peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     peft(chunks, training=True)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import sync_plan
 from .engine import params_view, unwrap_model
+from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
 from .sync_plan import fsdp_owner
@@ -46,16 +47,16 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
             if fsdp is None:
                 yield task
                 continue
-            bucket = fsdp.param_and_grad_buffer.param_to_param_group[task.param_weight]
+            bucket = megatron_fsdp.unit_of(fsdp, task.param_weight)
             if held != (fsdp, bucket):
                 if held is not None:
-                    held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
+                    megatron_fsdp.release_unit(*held)
                 fsdp.all_gather_and_wait_parameters_ready(params=[task.param_weight], prefetch=False)
                 held = (fsdp, bucket)
             yield dataclasses.replace(task, param_weight=task.param_weight.detach().clone())
     finally:
         if held is not None:
-            held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
+            megatron_fsdp.release_unit(*held)
 
 
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -70,7 +71,7 @@ def _export(chunks, bridge, tasks, *, cpu: bool) -> Iterator[tuple[str, torch.Te
     if any(is_fsdp(c) for c in chunks):
         tasks = _tasks_with_full_params(tasks, chunks)
     live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
-    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
+    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge)
     for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
         tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
         # The bridge can hand back the live parameter itself (TP=1, already on the target
