@@ -26,7 +26,8 @@ KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": 
          "NOTEBOOKS": "", "SFT_VARIANTS": "ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused",
          "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
          "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept",
-         "ROLLOUT_VARIANTS": "compiled,eager"}
+         "ROLLOUT_VARIANTS": "compiled,eager",
+         "PACKING_WAYS": "padded,packed-sdpa,packed-flex"}
 """Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
 
 
@@ -233,8 +234,8 @@ SECTIONS.update({
     # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches
     # (not in the default SECTIONS)
     "packing": [Row(name=f"packing_{mix}", script="bench/packing.py", launch="torchrun1", writes=f"packing_{mix}.json",
-                    args=f"--spec 1.7b --mixes {mix} --ways padded,packed-sdpa,packed-flex --sequences 64 "
-                         "--micro-batch-size 8 --steps 5 --warmup 2") for mix in ("sft", "rl")],
+                    args=f"--spec 1.7b --mixes {mix} --ways {{PACKING_WAYS}} --sequences 64 "
+                         "--micro-batch-size 8 --steps 5 --warmup 2") for mix in ("rl", "sft")],
     # the 1-GPU column of the same comparison
     "throughput1": [throughput("throughput1", "--micro-batch-size 8 --global-batch 16 --steps 6 --warmup 2 "
                                "--fused-kernels --modes ddp,fsdp,fsdp2", writes="throughput_1gpu.json", launch="torchrun1")],

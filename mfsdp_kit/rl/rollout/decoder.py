@@ -155,8 +155,8 @@ class Glue:
 
     def __init__(self, *, compiled: bool):
         if compiled:
-            import torch._dynamo
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+            from torch import _dynamo
+            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 16)
         wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
         self.rope_store, self.gated, self.add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
 
