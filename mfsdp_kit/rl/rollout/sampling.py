@@ -8,18 +8,21 @@ def pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -
     """(token [B], its log-prob [B] fp32) per row of `logits` [B, vocab].
 
     The token: argmax at temperature 0, else a draw from softmax(logits / T) cut to the smallest set of tokens
-    whose probability reaches top_p (HF's TopPLogitsWarper: the top token always stays).
+    whose probability reaches top_p (HF's TopPLogitsWarper: the top token always stays), drawn as
+    argmax(log p - log E) with E ~ Exp(1) per token (the exponential race, gpt-fast's sampler: an exact draw
+    from p in a few elementwise passes, where `torch.multinomial` scans a cumulative sum per row).
     The log-prob: log softmax(logits / T) of the token, before the top-p cut (verl's convention: the trainer
     scores a sampled sequence at the sampling temperature, `rl.core.token_logprobs`); T 0 scores at T 1."""
-    scaled = logits.float() / (temperature or 1.0)
-    logp = torch.log_softmax(scaled, -1)
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), -1)
     if temperature == 0:
         token = logits.argmax(-1)
     else:
-        probs = logp.exp()
+        keep = logp
         if top_p < 1.0:
-            sorted_p, order = probs.sort(-1, descending=True)
+            sorted_p, order = logp.exp().sort(-1, descending=True)
             before = sorted_p.cumsum(-1) - sorted_p   # mass of the tokens ranked above each one
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(before >= top_p, 0.0))
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            cut = torch.zeros_like(logp, dtype=torch.bool).scatter_(-1, order, before >= top_p)
+            keep = logp.masked_fill(cut, float("-inf"))
+        race = torch.empty_like(logp).exponential_(generator=generator).log_()
+        token = (keep - race).argmax(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
