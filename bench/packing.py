@@ -44,7 +44,32 @@ def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_
                              vocab_size=vocab_size, seed=s) for s in range(steps)]
 
 
-def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int) -> dict:
+def step_profile(run) -> dict:
+    """One more step under torch.profiler: where its time goes, the top ops by their own device and host
+    time (ms), and the device's busy kernel time beside the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        run()
+    wall = time.perf_counter() - t0
+    ops = prof.key_averages()
+    top = {key: [dict(op=e.key[:80], calls=e.count, ms=getattr(e, attr) / 1e3) for e in
+                 sorted(ops, key=lambda e: -getattr(e, attr))[:25]]
+           for key, attr in (("device", "self_device_time_total"), ("host", "self_cpu_time_total"))}
+    return dict(wall_s=wall, device_busy_s=sum(e.self_device_time_total for e in ops) / 1e6, **top)
+
+
+def print_profile(name: str, prof: dict) -> None:
+    print(f"-- {name}: step {prof['wall_s']:.3f} s under the profiler, device kernels {prof['device_busy_s']:.3f} s")
+    for key in ("device", "host"):
+        print(f"   top by own {key} time:  ms  calls  op")
+        for r in prof[key]:
+            print(f"   {r['ms']:10.2f} {r['calls']:6d}  {r['op']}")
+
+
+def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
+            profile: bool = False) -> dict:
     attention, packed = WAYS[way]
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
                        fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
@@ -63,6 +88,7 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
         losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
         times.append(time.perf_counter() - t0)
     forwards = len(local_micro_batches(chunks, batches[0], **how))
+    prof = step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss) if profile else None
     engine.release(chunks)
     runtime.shutdown()
     step_s = statistics.median(times[warmup:])
@@ -70,7 +96,7 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     computed = real if packed else batches[0].tokens.numel()
     return dict(step_s=step_s, real_tokens_per_s=real / step_s, positions_per_s=computed / step_s,
                 micro_batches_per_rank=forwards, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                losses=losses)
+                losses=losses, profile=prof)
 
 
 def guarded(way: str, batches: list, **kwargs) -> dict:
@@ -115,6 +141,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, allocator warm-up)")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of each way and print its top ops")
     ap.add_argument("--out", default="runs/bench/packing.json")
     args = ap.parse_args()
     ways = args.ways.split(",")
@@ -130,8 +157,11 @@ def main() -> None:
                             real_tokens=real, positions=batches[0].tokens.numel(), ways={})
         for way in ways:
             results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
-                                                micro_batch_size=args.micro_batch_size, warmup=args.warmup)
+                                                micro_batch_size=args.micro_batch_size, warmup=args.warmup,
+                                                profile=args.profile)
             if dist.get_rank() == 0:
+                if results[mix]["ways"][way].get("profile"):
+                    print_profile(f"{mix} {way}", results[mix]["ways"][way]["profile"])
                 write_json(args.out, dict(spec=args.spec, world=dist.get_world_size(), args=vars(args), results=results))
     if dist.get_rank() == 0:
         print(f"spec {args.spec}, {dist.get_world_size()} rank(s), {args.sequences} sequences a step, "

@@ -18,8 +18,9 @@ megatron/core/transformer/dot_product_attention.py):
   mask is used as given, with no causal mask added (as megatron's torch softmax does); a causal
   layer without a mask is `is_causal=True`; one query row (sq == 1) attends to everything;
 - dropout `attention_dropout` (arg, else config) in training only, under megatron's RNG tracker.
-Packed sequences (`packed_seq_params`, megatron's "thd" layout that `mfsdp_kit.packing` builds): one SDPA
-per sequence, causal within it. Not supported (raise NotImplementedError naming the feature): attention
+Packed sequences (`packed_seq_params`, megatron's "thd" layout that `mfsdp_kit.packing` builds): on a GPU in
+fp16/bf16 one varlen flash-attention call per layer (`models.varlen`), elsewhere one SDPA per sequence; causal
+within each sequence either way. Not supported (raise NotImplementedError naming the feature): attention
 bias, sliding-window attention, context parallelism, softmax_type other than "vanilla".
 Numerics: a fully masked row gives NaN-free zeros in SDPA but a uniform average in megatron
 (which fills -10000, not -inf); rows with at least one visible key agree.
@@ -40,6 +41,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
+
+from . import varlen
 
 
 def _unsupported(feature: str, hint: str = "use the TE spec (TEDotProductAttention)") -> NotImplementedError:
@@ -105,17 +108,23 @@ class SDPAttention(MegatronModule):
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor], params,
                 mask_type: AttnMaskType) -> Tensor:
-        """Packed sequences ("thd": [t, heads, hn], megatron squeezed the batch of one): one SDPA per sequence,
-        causal within it, so no token sees another sequence and no score is computed across two. The
-        sequences' bounds are `params.cu_seqlens_q` (`packing.pack` keeps them on the host: no sync)."""
+        """Packed sequences ("thd": [t, heads, hn], megatron squeezed the batch of one), causal within each, so
+        no token sees another sequence and no score is computed across two: one varlen flash call where
+        `varlen.usable`, else one SDPA per sequence. The sequences' bounds are `params.cu_seqlens_q`
+        (`packing.pack` keeps them on the host: no sync)."""
         if params.qkv_format != "thd" or attention_mask is not None:
             raise _unsupported(f"packed sequences as {params.qkv_format!r} or with an attention_mask",
                                "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
-        cu = params.cu_seqlens_q.tolist()
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal
+        if varlen.usable(query):
+            with self._rng(dropout_p):
+                out = varlen.attention(query, key, value, params, causal=causal, scale=self.softmax_scale,
+                                       dropout_p=dropout_p)
+            return out.reshape(query.shape[0], self.hidden_size_per_partition)
+        cu = params.cu_seqlens_q.tolist()
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         outs = []
         with self._rng(dropout_p):
             for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
