@@ -51,7 +51,7 @@ def test_expert_parallel_must_divide_the_data_parallel_ranks():
 @pytest.mark.parametrize("key", ["expert_model_parallel_size", "expert_tensor_parallel_size"])
 def test_expert_layout_overrides_are_refused(key):
     msg = raises(f"override_transformer_config.{key}", override_transformer_config={key: 2})
-    assert "absent" in msg and ("EngineConfig.expert_model_parallel_size" in msg or "tensor_model_parallel_size" in msg)
+    assert "absent" in msg and ("parallelism.expert_model_parallel_size" in msg or "tensor_model_parallel_size" in msg)
 
 
 def test_fsdp_requires_distributed_optimizer():
@@ -119,24 +119,24 @@ def test_optim_config_validation():
 # The validation battery (bad values a hostile or careless user tried), one row per case: each was accepted, or failed only
 # inside megatron after the process group existed. (config kwargs, field the message must name).
 ENGINE_CASES = [
-    (dict(override_ddp_config={"bucket_size": "big"}), "override_ddp_config.bucket_size"),
-    (dict(override_ddp_config={"overlap_grad_reduce": "yes"}), "override_ddp_config.overlap_grad_reduce"),
-    (dict(override_ddp_config={"bucket_size": -5}), "override_ddp_config.bucket_size"),
-    (dict(use_megatron_fsdp="no"), "use_megatron_fsdp"),
-    (dict(tensor_model_parallel_size=True), "tensor_model_parallel_size"),
+    (dict(override_ddp_config={"bucket_size": "big"}), "wrapper.override_ddp_config.bucket_size"),
+    (dict(override_ddp_config={"overlap_grad_reduce": "yes"}), "wrapper.override_ddp_config.overlap_grad_reduce"),
+    (dict(override_ddp_config={"bucket_size": -5}), "wrapper.override_ddp_config.bucket_size"),
+    (dict(use_megatron_fsdp="no"), "wrapper.use_megatron_fsdp"),
+    (dict(tensor_model_parallel_size=True), "parallelism.tensor_model_parallel_size"),
     (dict(override_transformer_config={"num_layers": "2"}), "override_transformer_config.num_layers"),
     (dict(seed="abc"), "seed"),
     (dict(override_transformer_config={"num_layers": 0}), "override_transformer_config.num_layers"),
     (dict(override_transformer_config={"normalization": "BatchNorm"}), "override_transformer_config.normalization"),
     (dict(override_transformer_config={"hidden_dropout": 1.5}), "override_transformer_config.hidden_dropout"),
-    (dict(virtual_pipeline_model_parallel_size="2"), "virtual_pipeline_model_parallel_size"),
-    (dict(fused_kernels=1), "fused_kernels"),
-    (dict(override_ddp_config={"fsdp_double_buffer": True}), "override_ddp_config.fsdp_double_buffer"),   # CPU
-    (dict(override_ddp_config={"nccl_ub": True}), "override_ddp_config.nccl_ub"),
-    (dict(high_priority_comm=True), "high_priority_comm"),   # CPU: an NCCL option
-    (dict(nccl_max_ctas=8), "nccl_max_ctas"),                # CPU: an NCCL option
-    (dict(nccl_max_ctas="8"), "nccl_max_ctas"),
-    (dict(fsdp_all_gather_group="yes"), "fsdp_all_gather_group"),
+    (dict(virtual_pipeline_model_parallel_size="2"), "parallelism.virtual_pipeline_model_parallel_size"),
+    (dict(fused_kernels=1), "kernels.fused_kernels"),
+    (dict(override_ddp_config={"fsdp_double_buffer": True}), "wrapper.override_ddp_config.fsdp_double_buffer"),   # CPU
+    (dict(override_ddp_config={"nccl_ub": True}), "wrapper.override_ddp_config.nccl_ub"),
+    (dict(high_priority_comm=True), "communication.high_priority_comm"),   # CPU: an NCCL option
+    (dict(nccl_max_ctas=8), "communication.nccl_max_ctas"),                # CPU: an NCCL option
+    (dict(nccl_max_ctas="8"), "communication.nccl_max_ctas"),
+    (dict(fsdp_all_gather_group="yes"), "communication.fsdp_all_gather_group"),
 ]
 OPTIM_CASES = [
     (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
