@@ -225,7 +225,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     tokens_per_s = mbs * seq_len_tokens / step_s   # per rank = per GPU (one GPU per rank)
     low_precision = gpu and nbm.dtype in ("bf16", "fp16")
     report = memory_report(chunks, optimizer)
-    fsdp = runtime.current_config().use_megatron_fsdp
+    fsdp = runtime.current_config().wrapper.use_megatron_fsdp
     return dict(
         model=nbm.choice, dtype=nbm.dtype, fsdp=fsdp, dp_size=dp, micro_batch_size=mbs,
         seq_len_tokens=seq_len_tokens, steps=steps, step_s=step_s, tokens_per_s_per_gpu=tokens_per_s,

@@ -259,7 +259,7 @@ def stream_optimizer(chunks, optimizer) -> None:
 
 
 def apply_config(cfg, chunks, optimizer):
-    """Honour `cfg.optimizer_offload` on a freshly built optimizer; returns it."""
-    if cfg.optimizer_offload:
+    """Honour `cfg.offload.optimizer_offload` on a freshly built optimizer; returns it."""
+    if cfg.offload.optimizer_offload:
         stream_optimizer(chunks, optimizer)
     return optimizer
