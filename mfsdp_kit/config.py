@@ -54,7 +54,7 @@ class EngineConfig:
     `parallelism.tensor_model_parallel_size`, and `cfg.tensor_model_parallel_size` reads it."""
 
     parallelism: Parallelism = field(default_factory=Parallelism)
-    """Data replicate / shard (HSDP), tensor, pipeline, context and expert sizes (`parallel_dims` does the arithmetic)."""
+    """Data replicate / shard (HSDP), tensor, pipeline, context and expert sizes (arithmetic: `parallel_dims`)."""
     wrapper: Wrapper = field(default_factory=Wrapper)
     """DDP or Megatron-FSDP, the distributed optimizer, megatron's DDP-config overrides (sharding strategy)."""
     kernels: Kernels = field(default_factory=Kernels)
@@ -297,7 +297,8 @@ def _validate_communication(comm: Communication, *, on_gpu: bool) -> None:
     if comm.high_priority_comm and not on_gpu:
         raise bad_value("communication.high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
     if comm.nccl_max_ctas is not None and not 1 <= comm.nccl_max_ctas <= NCCL_MAX_CTAS:
-        raise bad_value("communication.nccl_max_ctas", comm.nccl_max_ctas, f"None or an integer in [1, {NCCL_MAX_CTAS}]")
+        raise bad_value("communication.nccl_max_ctas", comm.nccl_max_ctas,
+                        f"None or an integer in [1, {NCCL_MAX_CTAS}]")
     if comm.nccl_max_ctas is not None and not on_gpu:
         raise bad_value("communication.nccl_max_ctas", comm.nccl_max_ctas,
                         "None without a GPU (an NCCL communicator option)")

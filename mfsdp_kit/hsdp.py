@@ -41,8 +41,8 @@ def validate(cfg: Any, *, on_gpu: bool) -> None:
                         "(optimizer/__init__.py:456-459, 'each instance has the duplicated weight gradients'), which "
                         "sharding across instances makes false: the norm was 0.82 against DDP's 1.32 on the same "
                         "step (4 gloo ranks), and clipping follows it")
-    if wrap.use_megatron_fsdp and (cfg.parallelism.expert_model_parallel_size > 1 or cfg.override_transformer_config.get(
-            "num_moe_experts")):
+    experts = cfg.parallelism.expert_model_parallel_size > 1 or cfg.override_transformer_config.get("num_moe_experts")
+    if wrap.use_megatron_fsdp and experts:
         raise bad_value(NAME, k, _NO_EXPERTS)
     if not wrap.use_megatron_fsdp and not wrap.use_distributed_optimizer:
         raise bad_value(NAME, k, "1 without use_distributed_optimizer (megatron: 'Partial DistOpt cannot be used "

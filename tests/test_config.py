@@ -246,11 +246,13 @@ def test_a_flat_keyword_warns_naming_its_new_field_and_still_works(flat):
 def test_the_sectioned_config_makes_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2), wrapper=Wrapper(use_megatron_fsdp=True),
+        cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2),
+                           wrapper=Wrapper(use_megatron_fsdp=True),
                            kernels=Kernels(fused_kernels=True), communication=Communication(),
                            offload=Offload(optimizer_offload=True), dtype="bf16")
         assert (cfg.tensor_model_parallel_size, cfg.use_megatron_fsdp, cfg.optimizer_offload) == (2, True, True)
-        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg and cfg.to_dict()["parallelism"]["tensor_model_parallel_size"] == 2
+        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg
+        assert cfg.to_dict()["parallelism"]["tensor_model_parallel_size"] == 2
 
 
 def test_flat_assignment_and_replace_leave_the_original_alone():

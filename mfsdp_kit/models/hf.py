@@ -94,7 +94,8 @@ def _check_heads(config: dict, tp: int) -> None:
     kv_heads = config.get("num_key_value_heads", heads)
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value % tp:
-            raise ConfigError(f"parallelism.tensor_model_parallel_size={tp} does not divide the model's {name}={value}; "
+            raise ConfigError(f"parallelism.tensor_model_parallel_size={tp} does not divide the model's "
+                              f"{name}={value}; "
                              f"allowed: a divisor of {value}")
 
 

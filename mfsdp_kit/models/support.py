@@ -137,8 +137,9 @@ def _sliding_window(arch: str, config: dict, cfg) -> None:
                       f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
                       "sequence where HF attends over the last sliding_window tokens")
     if cfg is not None and cfg.kernels.attention_backend != "local":
-        raise _refuse(arch, "sliding_window", window, f"null with kernels.attention_backend={cfg.kernels.attention_backend!r} (the "
-                      "window works with attention_backend='local')", "the kit's SDPA attention has no sliding-window mask")
+        raise _refuse(arch, "sliding_window", window, f"null with kernels.attention_backend="
+                      f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local')",
+                      "the kit's SDPA attention has no sliding-window mask")
 
 
 def megatron_window(config: dict, bridge_window):
@@ -212,8 +213,8 @@ def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
     ep = par.expert_model_parallel_size
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep != 1 and not experts:
-        raise bad_value("parallelism.expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose experts "
-                        "expert parallelism could split")
+        raise bad_value("parallelism.expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose "
+                        "experts expert parallelism could split")
     if ep != 1 and experts % ep:
         raise bad_value("parallelism.expert_model_parallel_size", ep, f"a divisor of the model's num_experts={experts} "
                         "(each expert-parallel rank holds num_experts / expert_model_parallel_size experts)")
