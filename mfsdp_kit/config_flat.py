@@ -104,3 +104,8 @@ def leaf_fields(cls: type) -> dict[str, tuple[str, Any, Any]]:
 
 def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def flat_values(cfg: Any) -> dict[str, Any]:
+    """Flat name -> value of every value field of an EngineConfig (what `to_dict` gave before the sections)."""
+    return {name: getattr(cfg, name) for name in leaf_fields(type(cfg))}

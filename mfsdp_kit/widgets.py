@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
-from .config_flat import leaf_fields, nest
+from .config_flat import flat_values, leaf_fields, nest
 from .lora import LoRAConfig
 
 FIELDS = leaf_fields(EngineConfig)
@@ -102,7 +102,7 @@ class ConfigForm:
     def __init__(self, initial: EngineConfig | None = None):
         import ipywidgets as w
         initial = initial or EngineConfig()
-        self.fields = {name: _field_widget(name, getattr(initial, name)) for name in FIELDS}
+        self.fields = {name: _field_widget(name, value) for name, value in flat_values(initial).items()}
         self.status = w.HTML()
         self.widget = w.VBox([*self.fields.values(), self.status])
         self.value: EngineConfig = initial

@@ -1,5 +1,6 @@
 """Every validation error names the field, the bad value and what is allowed."""
 import dataclasses
+import pickle
 import warnings
 
 import pytest
@@ -251,7 +252,7 @@ def test_the_sectioned_config_makes_no_warning():
                            kernels=Kernels(fused_kernels=True), communication=Communication(),
                            offload=Offload(optimizer_offload=True), dtype="bf16")
         assert (cfg.tensor_model_parallel_size, cfg.use_megatron_fsdp, cfg.optimizer_offload) == (2, True, True)
-        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg
+        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg   # to engines
         assert cfg.to_dict()["parallelism"]["tensor_model_parallel_size"] == 2
 
 
