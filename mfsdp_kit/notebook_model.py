@@ -38,6 +38,7 @@ from pathlib import Path
 
 from . import gpus
 from .config import DTYPES, EngineConfig, bad_value
+from .config_flat import nest
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
 TINY_SIZES = ("xs", "s", "m", "mw", "l")
@@ -64,15 +65,16 @@ class NotebookModel:
     """A fresh directory for what the notebook writes (exports, checkpoints): never beside a user's folder."""
     lr_scale: float = 1.0
     attention_backend: str = "local"
-    """`EngineConfig.attention_backend` for this model on this hardware (`attention_backend()`)."""
+    """`EngineConfig.kernels.attention_backend` for this model on this hardware (`attention_backend()`)."""
 
     @property
     def size(self) -> str | None:
         return self.choice if self.choice in TINY_SIZES else None
 
     def engine_config(self, **overrides) -> EngineConfig:
-        """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32")."""
-        return EngineConfig(**{"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides})
+        """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32"):
+        fields, sections, or a section field by its name alone (`use_megatron_fsdp=True`, the notebooks' shorthand)."""
+        return EngineConfig(**nest({"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides}))
 
     @property
     def packing_attention(self) -> str:
