@@ -7,7 +7,7 @@
                            in 4, 1.70 B; written locally from a seed, no download), fp32 on CPU and bf16 on GPUs
         a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
     MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
-    MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.attention_backend`): "sdpa" on GPUs
+    MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.kernels.attention_backend`): "sdpa" on GPUs
                            (unless the folder's config has an active sliding window, which only "local" maps),
                            "local" on CPU.
 
