@@ -77,14 +77,15 @@ class EngineConfig:
     def __post_init__(self):
         hsdp_from_override(self, stacklevel=4)   # the user's frame: __post_init__ < __init__ < accept_flat's
 
-    # ---- derived views -------------------------------------------------------------------
+    # ---- derived views (the arithmetic is ParallelDims') ----------------------------------
     @property
     def model_parallel_size(self) -> int:
+        """tp x pp x cp, what any world must be a multiple of (`ParallelDims.model_parallel`, without a world)."""
         p = self.parallelism
         return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
+        return self.parallel_dims(world_size).dp
 
     def parallel_dims(self, world_size: int) -> ParallelDims:
         """The rank arithmetic of this layout over `world_size` ranks (`ConfigError` if it does not fit)."""
