@@ -90,3 +90,30 @@ def test_fsdp_shards_the_frozen_base(runs, index):
                          ids=["fsdp-vs-ddp-tp1", "fsdp-vs-ddp-tp2", "tp2-vs-tp1-ddp", "tp2-vs-tp1-fsdp"])
 def test_lora_losses_match_across_layouts(runs, ref, cand):
     assert same_training(runs[ref], runs[cand])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("index", [0, 1], ids=IDS[:2])
+def test_adapter_grads_equal_hf_peft(runs, index):
+    """One batch's adapter grads (megatron, after training moved B off 0) == HF peft's on the HF model from the
+    same adapters, in fp32: B per q/k/v and gate/up after the bridge's split, A as the sum over its fused group."""
+    g = runs[index]["grads_vs_peft"]
+    assert g["names"] == g["peft_names"] == 2 * 2 * 7 and g["b_nonzero"]   # 2 layers x 7 HF modules x (A, B)
+    assert g["max_diff"] <= 1e-6 * max(1.0, g["grad_scale"]), g
+
+
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_saved_adapter_loads_in_peft_with_megatrons_logits(runs, index):
+    e = runs[index]["exits"]
+    assert e["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert e["scale"] == 2.0 and e["targets"] == sorted(lora.HF_TO_MEGATRON)
+    assert e["peft"] < 2e-5 * max(1.0, e["logits_scale"]), e
+
+
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_merged_exports_equal_the_lora_model(runs, index):
+    """`save_hf` (merged) loads in transformers, and the rollout sync writes merged weights: both give the LoRA
+    model's logits."""
+    e = runs[index]["exits"]
+    assert e["merged"] < 2e-5 * max(1.0, e["logits_scale"]), e
+    assert e["rollout"] < 2e-5 * max(1.0, e["logits_scale"]), e

@@ -1,16 +1,18 @@
 """LoRA scenarios on the embedded tiny model and arithmetic task (run by launch.run)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, generate, lora, runtime
+from mfsdp_kit import adapters, data, engine, generate, lora, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.introspect import inner_optimizers, local
 from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
-from mfsdp_kit.train import step
+from mfsdp_kit.train import forward_backward, step
 
 
 def _sum(value: int) -> int:
@@ -35,7 +37,9 @@ def _world(cfg: EngineConfig, workdir: str):
 
 
 def train_adapters(*, fsdp: bool, tp: int, workdir: str, steps: int = 3, lr: float = 1e-2) -> dict:
-    """Load the tiny model twice (plain and with LoRA), compare logits, train the adapters a few steps."""
+    """Load the tiny model twice (plain and with LoRA), compare logits, train the adapters a few steps; then
+    (DDP) one more batch's adapter grads against HF peft's, and the trained model out through every exit:
+    `save_adapter` into peft, `save_hf` merged into transformers, the rollout sync into an HF model."""
     layout = dict(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=3)
     cfg = EngineConfig(**layout, lora=lora.LoRAConfig(rank=4, alpha=8))
     rt, src = _world(cfg, workdir)
@@ -73,8 +77,107 @@ def train_adapters(*, fsdp: bool, tp: int, workdir: str, steps: int = 3, lr: flo
         trainable_numel_all_ranks=_sum(trainable_numel), frozen_numel_all_ranks=_sum(frozen_numel),
         local_frozen_numel=_sum(sum(before[n].numel() for n in frozen)),
         dp_size=rt.world_size // tp, memory=memory_report(model.chunks, opt).as_dict())
+    batch = next(batches)
+    tag = f"{'fsdp' if fsdp else 'ddp'}_tp{tp}"
+    if not fsdp:   # DDP: every rank holds each adapter's whole (TP slice of its) grad
+        result["grads_vs_peft"] = _grads_vs_peft(model, batch, src, f"{workdir}/grad_start_{tag}")
+    result["exits"] = _exits(model, src, f"{workdir}/{tag}")
     runtime.shutdown()
     return result
+
+
+def _hf_logits(hf_model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model.eval()(tokens).logits.float()
+
+
+def _exits(model, src: str, out: str) -> dict:
+    """Max |logits diff| against Megatron's of: peft on the base with `save_adapter`'s folder, transformers on
+    `save_hf`'s merged folder, the base HF model after `sync.load_into`; and the folder's file names."""
+    import peft
+    import transformers
+    tokens = torch.randint(0, model.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    want = generate.logits(model.chunks, tokens, vocab_size=model.vocab_size)
+    engine.settle_param_gathers(model.chunks)
+    adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=f"{out}/adapter")
+    sync.save_hf(model.chunks, model.bridge, f"{out}/merged")
+    rollout = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    sync.load_into(rollout, model.chunks, model.bridge)
+    base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with_peft = peft.PeftModel.from_pretrained(base, f"{out}/adapter")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/merged", dtype=torch.float32)
+    diff = {name: (_hf_logits(m, tokens) - want).abs().max().item()
+            for name, m in (("peft", with_peft), ("merged", merged), ("rollout", rollout))}
+    return dict(diff, files=sorted(p.name for p in Path(f"{out}/adapter").iterdir()),
+                scale=with_peft.peft_config["default"].lora_alpha / with_peft.peft_config["default"].r,
+                targets=sorted(with_peft.peft_config["default"].target_modules), logits_scale=want.abs().max().item())
+
+
+def _grads_vs_peft(model, batch, src: str, start: str) -> dict:
+    """This batch's adapter grads (DDP's main_grad after megatron's finalize: the per-token mean over the global
+    batch) in HF names, against peft's on the same batch from the same adapters (`save_adapter`, then
+    `PeftModel.from_pretrained(is_trainable=True)`), fp32. peft keeps one A per q/k/v (gate/up) module where
+    megatron shares one over the fused linear: megatron's A grad is the sum of peft's. The distributed optimizer
+    reduce-scatters grads (each rank's part of the buffer summed, the rest left local): here they are
+    all-reduced (megatron's `force_all_reduce`), so every rank holds every adapter's global grad."""
+    adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=start)
+    for chunk in model.chunks:
+        chunk.zero_grad_buffer()
+    config = engine.unwrap_model(model.chunks[0]).config
+    config.finalize_model_grads_func = lambda *args, force_all_reduce=False, **kw: engine.finalize_grads(
+        *args, force_all_reduce=True, **kw)
+    try:
+        forward_backward(model.chunks, batch, micro_batch_size=2)
+    finally:
+        engine.attach_schedule_hooks(model.chunks)
+    ours = _adapter_grads(model)
+    ref = _peft_grads(src, start, batch)
+    fused = {}
+    for name, grad in ref.items():   # A grads of the modules sharing one megatron A, summed
+        if ".lora_A." in name:
+            key = _fused_key(name)
+            fused[key] = fused.get(key, 0) + grad
+    diffs, scale = {}, max(g.abs().max().item() for g in ref.values())
+    for name, grad in ours.items():
+        expected = fused[_fused_key(name)] if ".lora_A." in name else ref[name]
+        diffs[name] = (grad - expected).abs().max().item()
+    return dict(max_diff=max(diffs.values()), grad_scale=scale, names=len(diffs), peft_names=len(ref),
+                b_nonzero=all(ref[n].abs().max().item() > 0 for n in ref if ".lora_B." in n))
+
+
+def _fused_key(name: str) -> str:
+    """The megatron linear an HF LoRA name's A belongs to: q/k/v_proj -> one key, gate/up_proj -> one key."""
+    for group, key in ((("q_proj", "k_proj", "v_proj"), "qkv"), (("gate_proj", "up_proj"), "fc1")):
+        for part in group:
+            name = name.replace(f".{part}.", f".{key}.")
+    return name
+
+
+def _adapter_grads(model) -> dict[str, torch.Tensor]:
+    """{HF LoRA name: grad}: each adapter's main_grad put in its weight's place for the bridge's own export."""
+    params = [p for c in model.chunks for n, p in c.named_parameters() if lora.is_adapter(n)]
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.main_grad.view_as(p).to(p.dtype)
+        return dict(adapters.export_adapter_weights(model.chunks, model.bridge))
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def _peft_grads(src: str, adapter: str, batch) -> dict[str, torch.Tensor]:
+    """HF peft's LoRA grads of the masked per-token mean loss over the whole batch, names as in the files."""
+    import peft
+    import transformers
+    base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True).train()
+    logits = model(batch.tokens).logits.float()
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
+    mask = batch.loss_mask.float().flatten()
+    ((losses * mask).sum() / mask.sum()).backward()
+    return {n.removeprefix(adapters.PEFT_PREFIX).replace(".default", ""): p.grad
+            for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _tokenizer(src: str):
