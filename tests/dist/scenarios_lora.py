@@ -1,6 +1,7 @@
 """LoRA scenarios on the embedded tiny model and arithmetic task (run by launch.run)."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from mfsdp_kit import adapters, data, engine, generate, lora, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.introspect import inner_optimizers, local
 from mfsdp_kit.memory import memory_report
-from mfsdp_kit.models.hf import load
+from mfsdp_kit.models.hf import expected_tensors, load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import forward_backward, step
 
@@ -184,3 +185,92 @@ def _tokenizer(src: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(src)
 
+
+
+def grpo_with_lora(*, workdir: str, iterations: int = 2) -> dict:
+    """GRPO under LoRA (Megatron-FSDP): the rollout HF model refreshed with merged weights each iteration, the
+    frozen base as the KL reference; the train-inference log-prob mismatch, the base left bit-equal."""
+    import transformers
+
+    from mfsdp_kit.rl import grpo
+    cfg = EngineConfig(use_megatron_fsdp=True, seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
+    rt, src = _world(cfg, workdir)
+    model = load(src, cfg)
+    ref = load(src, EngineConfig(use_megatron_fsdp=True, seed=3), wrap=False).chunks   # the base: LoRA's start
+    tok = _tokenizer(src)
+    rollout = grpo.Rollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
+    opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
+    before = _local_params(model.chunks)
+    gcfg = grpo.GRPOConfig(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
+                           micro_batch_size=8)
+    history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
+                       prompt_pool=data.ArithmeticTask(digits=1).rl_prompts(40), reward_fn=_starts_with_digit, gcfg=gcfg,
+                       iterations=iterations, seq_len_tokens=16, ref_chunks=ref, progress=False)
+    after = _local_params(model.chunks)
+    frozen = [n for n in before if not lora.is_adapter(n)]
+    result = dict(history=vars(history), frozen_bit_equal=all(torch.equal(before[n], after[n]) for n in frozen),
+                  adapters_changed=sum(not torch.equal(before[n], after[n]) for n in before if n not in frozen))
+    runtime.shutdown()
+    return result
+
+
+def _starts_with_digit(prompt: str, completion: str) -> float:
+    """A reward the untrained tiny model earns on some samples of a group and not others (exact match: on none,
+    so every advantage would be 0 and the adapters would not move)."""
+    return float(completion[:1].isdigit())
+
+
+def resume_adapters(*, workdir: str, steps: int = 4, save_at: int = 2) -> dict:
+    """Megatron-FSDP LoRA: a checkpoint at `save_at` holds adapters and their optimizer state only; a fresh
+    build from the base resumes with losses bit-equal to the straight run's; another base is refused."""
+    from mfsdp_kit import checkpoint as ckpt
+    from mfsdp_kit.models.tiny import tiny as write_tiny
+    cfg = EngineConfig(use_megatron_fsdp=True, seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
+    rt, src = _world(cfg, workdir)
+    other = f"{workdir}/tiny_xs_other"
+    if rt.rank == 0:
+        write_tiny(other, size="xs", seed=1)
+    dist.barrier()
+    ocfg = OptimConfig(lr=1e-2, warmup_steps=1)
+    stream = data.batches(data.ArithmeticTask(digits=1).train_pairs(40), _tokenizer(src), seq_len_tokens=16,
+                          global_batch=8, seed=1)
+    batches = [next(stream) for _ in range(steps)]
+
+    def build(path):
+        model = load(path, cfg)
+        opt = engine.build_optimizer(model.chunks, ocfg, cfg)
+        return model, opt, engine.build_scheduler(opt, ocfg, total_steps=steps)
+
+    def train(model, opt, sched, start, stop):
+        return [step(model.chunks, opt, batches[i], micro_batch_size=2, scheduler=sched, step_index=i).loss
+                for i in range(start, stop)]
+
+    model, opt, sched = build(src)
+    manager = ckpt.CheckpointManager(f"{workdir}/ckpt")
+    straight = train(model, opt, sched, 0, save_at)
+    saved = manager.save(save_at, model.chunks, opt, sched)
+    straight += train(model, opt, sched, save_at, steps)
+    keys = list(ckpt.ModelState(model.chunks).state_dict()["0"])
+    engine.release(model.chunks)
+    model, opt, sched = build(src)
+    meta = manager.load(model.chunks, opt, sched)
+    resumed = train(model, opt, sched, save_at, steps)
+    engine.release(model.chunks)
+    model, opt, sched = build(other)
+    try:
+        manager.load(model.chunks, opt, sched)
+        refused = None
+    except ckpt.CheckpointError as e:
+        refused = str(e)
+    from mfsdp_kit.checkpoint.restore import checked
+    on_disk = checked(saved, False)[1].state_dict_metadata   # DCP's key -> metadata, read without unpickling code
+    saved_numel = {k: math.prod(m.size) for k, m in on_disk.items() if hasattr(m, "size")}
+    result = dict(straight=straight[save_at:], resumed=resumed, loaded_step=meta["step"], lora_base=meta["lora_base"],
+                  model_keys=keys, all_adapters=all(lora.is_adapter(k) for k in keys), refused=refused,
+                  src=str(Path(src).resolve()),
+                  saved_model_keys=sorted(k for k in saved_numel if k.startswith("model.")),
+                  saved_numel=sum(saved_numel.values()),
+                  adapter_numel=sum(v for k, v in saved_numel.items() if k.startswith("model.")),
+                  base_numel=sum(math.prod(shape) for shape in expected_tensors(src).values()))
+    runtime.shutdown()
+    return result
