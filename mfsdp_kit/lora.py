@@ -155,6 +155,16 @@ def is_adapter(name: str) -> bool:
     return ".adapter." in f".{name}"
 
 
+def param_counts(chunks) -> dict:
+    """{"trainable": adapter elements, "frozen": base elements} of the whole model (FSDP's DTensors report their
+    global size; under TP, this rank's slice)."""
+    counts = dict(trainable=0, frozen=0)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    return counts
+
+
 def trainable_names(chunks: list) -> list[str]:
     """Names of the parameters with requires_grad, chunk by chunk."""
     return [name for chunk in chunks for name, p in chunk.named_parameters() if p.requires_grad]
