@@ -24,6 +24,7 @@ from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
@@ -45,11 +46,10 @@ def model_folder(size: str, *, positions: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="l")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    options.add_options(p, grpo.GRPOConfig, prefix="", names=dict(prompts_per_iteration="prompts",
+                                                                  samples_per_prompt="samples"),
+                        defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
     p.add_argument("--backends", default="hf,continuous,continuous_kept",
                    help="hf, continuous (cache freed after each rollout), continuous_kept (cache and graphs kept)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
@@ -63,8 +63,7 @@ def main() -> None:
     model = load(src, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-6), cfg)
     pool = data.ArithmeticTask(digits=3).rl_prompts(1000)
-    gcfg = grpo.GRPOConfig(prompts_per_iteration=args.prompts, samples_per_prompt=args.samples,
-                           max_new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size)
+    gcfg = options.build(grpo.GRPOConfig, args, prefix="")
     results = {}
     for name in args.backends.split(","):
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
@@ -78,12 +77,12 @@ def main() -> None:
         del rollout, hf
         torch.cuda.empty_cache() if gpu else None
         if rt.rank == 0:
-            print(f"\n{name}: {args.prompts} prompts x {args.samples} samples, <= {args.max_new_tokens} new tokens")
+            print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, <= {gcfg.max_new_tokens} new tokens")
             print(f"{'it':>3} " + " ".join(f"{k:>10}" for k in SPLIT) + f" {'total s':>8} {'rollout %':>9} "
                   f"{'resp tok':>8} {'tok/s':>8} {'|dlogp| mean':>12} {'max':>8}")
             for i in range(args.iterations):
                 split = [results[name][k][i] for k in SPLIT]
-                n_tok = results[name]["response_tokens"][i] * args.prompts * args.samples
+                n_tok = results[name]["response_tokens"][i] * gcfg.prompts_per_iteration * gcfg.samples_per_prompt
                 print(f"{i:>3} " + " ".join(f"{x:>10.2f}" for x in split) + f" {sum(split):>8.2f} "
                       f"{100 * split[1] / sum(split):>9.1f} {results[name]['response_tokens'][i]:>8.1f} "
                       f"{n_tok / split[1]:>8.0f} {results[name]['logprob_diff_mean'][i]:>12.4f} "

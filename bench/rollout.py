@@ -111,6 +111,55 @@ def agreement(model, kit: ContinuousRollout, rows, new: int, device: str) -> dic
     return dict(token_agreement=same / sum(map(len, ours)), max_logprob_diff=diff)
 
 
+@torch.no_grad()
+def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tokens: int, device: str) -> dict:
+    """Where a decode step's GPU time goes at `batch` rows: the engine run eagerly (its glue compiled, no graphs,
+    so each kernel is seen) under torch.profiler, kernels summed over the call and divided by its decode steps;
+    beside it the captured step alone (graph replays at one slot bucket) and `pick` alone, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+    from mfsdp_kit.rl.rollout.sampling import pick
+    rows = torch.randint(0, vocab - 1, (batch, prompt_tokens), generator=torch.Generator().manual_seed(3)).tolist()
+    kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(cuda_graphs=False, keep_cache=True))
+    kit.generate(rows, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)   # compiles, the cache
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        kit.generate(rows, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
+        sync(device)
+    steps = kit.stats["steps"]
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    table = [dict(kernel=e.key[:90], calls_per_step=e.count / steps, us_per_step=e.self_device_time_total / steps)
+             for e in kernels]
+    kit.release()
+    graphed = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
+    graphed.generate(rows, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    state = graphed._kept
+    slots = min(state.shape[1], 64 * -(-(prompt_tokens + new_tokens // 2) // 64))   # the call's mean bucket
+    step = graphed.step(state, batch, slots)
+    gen = torch.Generator(device=device).manual_seed(0)
+    graph_ms = timed_ms(step, device)
+    logits = step()
+    pick_ms = timed_ms(lambda: pick(logits, temperature=1.0, top_p=1.0, generator=gen), device)
+    graphed.release()
+    total = sum(r["us_per_step"] for r in table) / 1e3
+    print(f"profile at {batch} rows: kernels {total:.2f} ms/step (eager engine), graph replay {graph_ms:.2f} ms "
+          f"at {slots} slots, pick {pick_ms:.3f} ms")
+    print(f"{'us/step':>9} {'calls':>6}  kernel")
+    for r in table[:30]:
+        print(f"{r['us_per_step']:>9.1f} {r['calls_per_step']:>6.1f}  {r['kernel']}")
+    return dict(batch=batch, kernel_ms_per_step=total, graph_ms=graph_ms, graph_slots=slots, pick_ms=pick_ms,
+                kernels=table[:60])
+
+
+def timed_ms(fn, device: str, repeats: int = 50) -> float:
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen2-1.8b", choices=sorted(SHAPES))
@@ -121,6 +170,7 @@ def main() -> None:
     p.add_argument("--variants", default="compiled,eager",
                    help="the kit's variants: compiled (DecodeConfig's default: compiled glue on a GPU), eager")
     p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
+    p.add_argument("--profile-batch", type=int, default=0, help="also profile a decode step at this many rows")
     p.add_argument("--out", default="runs/bench/rollout.json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,11 +218,13 @@ def main() -> None:
     rows = torch.randint(0, vocab - 1, (args.agreement_rows, args.prompt_tokens),
                          generator=torch.Generator().manual_seed(7)).tolist()
     checks = {name: agreement(model, kit, rows, 64, device) for name, kit in kits.items()
-              if any(r["variant"] == name for r in results)}
+              if args.agreement_rows and any(r["variant"] == name for r in results)}
     for name, c in checks.items():
         print(f"greedy vs HF ({dtype}, {args.agreement_rows} rows x 64 tokens, {name}): token agreement "
               f"{c['token_agreement']:.4f}, max |log-prob diff| {c['max_logprob_diff']:.4f}")
-    write_json(args.out, dict(shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
+    prof = (profile_decode(model, vocab, batch=args.profile_batch, prompt_tokens=args.prompt_tokens,
+                           new_tokens=min(args.new_tokens, 64), device=device) if args.profile_batch else None)
+    write_json(args.out, dict(profile=prof, shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results, agreement=checks))
 

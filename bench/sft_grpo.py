@@ -39,6 +39,7 @@ from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.train import fit
 from mfsdp_kit.train import step as train_step
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.report import write_json
 
 
@@ -83,35 +84,29 @@ def _set_lr(opt, lr: float) -> None:
         group["lr"] = lr
 
 
+GRPO_FLAGS = dict(prompts_per_iteration="prompts", samples_per_prompt="samples", num_minibatches="minibatches",
+                  ppo_epochs="epochs", kl_coef="kl", warmup_steps="warmup", adam_beta2="beta2")
+"""The shorter spellings this script's `--grpo-*` flags have always had (docs/benchmarks.md, scripts/gpu_sections.py)."""
+
+
 def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
-    g = ap.add_argument_group("GRPO")
+    """GRPOConfig's and OptimConfig's fields as `--grpo-*` options (perf.options), then the script's own."""
+    options.add_options(ap, grpo.GRPOConfig, prefix="grpo", names=GRPO_FLAGS, skip=("max_new_tokens",),
+                        defaults=dict(prompts_per_iteration=32 if gpu else 8, samples_per_prompt=8 if gpu else 4,
+                                      num_minibatches=2, micro_batch_size=None))   # None: --micro-batch-size
+    options.add_options(ap, OptimConfig, prefix="grpo", names=GRPO_FLAGS, skip=("min_lr", "decay_steps"),
+                        defaults=dict(lr=3e-5, adam_beta2=0.95))
+    g = ap.add_argument_group("GRPO, this script's")
     g.add_argument("--grpo-iterations", type=int, default=60, help="0 = stop after the SFT (e.g. with --save-rl-start)")
-    g.add_argument("--grpo-lr", type=float, default=3e-5)
-    g.add_argument("--grpo-prompts", type=int, default=32 if gpu else 8, help="prompts per iteration")
-    g.add_argument("--grpo-samples", type=int, default=8 if gpu else 4, help="samples per prompt (the group)")
-    g.add_argument("--grpo-minibatches", type=int, default=2, help="optimizer steps per PPO epoch")
-    g.add_argument("--grpo-epochs", type=int, default=1, help="PPO epochs over each iteration's samples")
-    g.add_argument("--grpo-kl", type=float, default=0.0, help="k3 KL weight to the frozen start (0 = no reference)")
-    g.add_argument("--grpo-temperature", type=float, default=1.0)
     g.add_argument("--grpo-reward", choices=sorted(data.REWARDS), default="exact",
                    help="training reward; held-out accuracy is always exact match")
-    g.add_argument("--grpo-min-advantage", type=float, default=None,
-                   help="floor on advantages (0 = push up the better samples only; default: plain GRPO)")
-    g.add_argument("--grpo-warmup", type=int, default=0, help="optimizer steps of linear lr warm-up from 0")
     g.add_argument("--grpo-cosine", action="store_true",
                    help="cosine lr decay to lr/100 over the steps after the warm-up (default: constant lr)")
     g.add_argument("--grpo-prime-sft", type=int, default=0,
                    help="gold-data SFT steps at lr 0 on the GRPO optimizer before GRPO (Adam moments as after SFT)")
-    g.add_argument("--grpo-adam-eps", type=float, default=1e-8)
-    g.add_argument("--grpo-beta2", type=float, default=0.95)
-    g.add_argument("--grpo-clip-grad", type=float, default=1.0, help="max global grad norm (0 = no clipping)")
-    g.add_argument("--grpo-seed", type=int, default=0)
     g.add_argument("--grpo-eval-every", type=int, default=0, help="held-out accuracy every k iterations (0 = off)")
     g.add_argument("--grpo-eval-samples", type=int, default=4,
                    help="samples per held-out prompt for the sampled accuracy at --grpo-temperature (0 = greedy only)")
-    g.add_argument("--grpo-micro-batch-size", type=int, default=None,
-                   help="sequences per forward/backward in GRPO's log-prob and update passes (default: "
-                        "--micro-batch-size); the same gradient, fewer FSDP all-gathers when larger")
 
 
 def parse_args() -> argparse.Namespace:
@@ -184,11 +179,10 @@ def sft_stages(args, cfg, model, tok) -> dict:
 
 def grpo_optimizer(args, cfg, model, tok):
     """The GRPO optimizer and its scheduler (optionally primed with lr-0 SFT steps)."""
-    grpo_steps = args.grpo_iterations * args.grpo_minibatches * args.grpo_epochs
-    gocfg = OptimConfig(lr=args.grpo_lr, clip_grad=args.grpo_clip_grad, warmup_steps=args.grpo_warmup,
-                        decay_steps=grpo_steps - args.grpo_warmup if args.grpo_cosine else None,
-                        min_lr=args.grpo_lr / 100 if args.grpo_cosine else 0.0,
-                        adam_eps=args.grpo_adam_eps, adam_beta2=args.grpo_beta2)
+    grpo_steps = args.grpo_iterations * args.grpo_num_minibatches * args.grpo_ppo_epochs
+    gocfg = options.build(OptimConfig, args, prefix="grpo",
+                          decay_steps=grpo_steps - args.grpo_warmup_steps if args.grpo_cosine else None,
+                          min_lr=args.grpo_lr / 100 if args.grpo_cosine else 0.0)
     opt = engine.build_optimizer(model.chunks, gocfg, cfg)
     if args.grpo_prime_sft:
         _set_lr(opt, 0.0)
@@ -202,15 +196,12 @@ def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
     """GRPO from the current model; held-out accuracy (greedy and sampled) along the way."""
     from transformers import AutoModelForCausalLM
     rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(args.dtype)).to(rt.device), tok)
-    per_rank = args.grpo_prompts * args.grpo_samples // args.grpo_minibatches // rt.dp_size  # sequences/rank/update
-    gcfg = grpo.GRPOConfig(prompts_per_iteration=args.grpo_prompts, samples_per_prompt=args.grpo_samples,
-                           max_new_tokens=args.rl_digits + 3, temperature=args.grpo_temperature,
-                           kl_coef=args.grpo_kl, ppo_epochs=args.grpo_epochs, num_minibatches=args.grpo_minibatches,
-                           micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank),
-                           seed=args.grpo_seed, min_advantage=args.grpo_min_advantage)
+    per_rank = args.grpo_prompts_per_iteration * args.grpo_samples_per_prompt // args.grpo_num_minibatches // rt.dp_size  # sequences/rank/update
+    gcfg = options.build(grpo.GRPOConfig, args, prefix="grpo", max_new_tokens=args.rl_digits + 3,
+                         micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank))
     opt, sched = grpo_optimizer(args, cfg, model, tok)
     ref = None
-    if args.grpo_kl:
+    if args.grpo_kl_coef:
         if not args.save_rl_start:
             raise SystemExit("--grpo-kl > 0 needs --save-rl-start DIR (the frozen reference is loaded from it)")
         ref = load(args.save_rl_start, cfg).chunks
@@ -271,11 +262,11 @@ def report(args, rt, res: dict) -> None:
     sampled = "" if p0 is None else f"; sampled {p0:.3f} -> {p1:.3f} ({100 * (p1 - p0):+.1f})"
     print(f"  {args.grpo_iterations} GRPO iterations ({res['seconds']:.1f} s): held-out greedy {g0:.3f} -> {g1:.3f} "
           f"({100 * (g1 - g0):+.1f} points; target >= +10){sampled}")
-    print(f"  {args.grpo_prompts} prompts x {args.grpo_samples} samples, {args.grpo_minibatches} minibatches x "
-          f"{args.grpo_epochs} epochs, lr {args.grpo_lr:g} (warm-up {args.grpo_warmup}, "
+    print(f"  {args.grpo_prompts_per_iteration} prompts x {args.grpo_samples_per_prompt} samples, {args.grpo_num_minibatches} minibatches x "
+          f"{args.grpo_ppo_epochs} epochs, lr {args.grpo_lr:g} (warm-up {args.grpo_warmup_steps}, "
           f"{'cosine' if args.grpo_cosine else 'constant'}, prime-sft {args.grpo_prime_sft}, "
-          f"eps {args.grpo_adam_eps:g}, beta2 {args.grpo_beta2:g}, clip {args.grpo_clip_grad:g}), "
-          f"kl {args.grpo_kl:g}, T {args.grpo_temperature:g}, reward {args.grpo_reward}, "
+          f"eps {args.grpo_adam_eps:g}, beta2 {args.grpo_adam_beta2:g}, clip {args.grpo_clip_grad:g}), "
+          f"kl {args.grpo_kl_coef:g}, T {args.grpo_temperature:g}, reward {args.grpo_reward}, "
           f"min advantage {args.grpo_min_advantage}")
     print("  held-out by iteration (greedy/sampled):",
           " ".join(f"{i}:{g:.3f}/{'-' if p is None else f'{p:.3f}'}" for i, g, p in curve))

@@ -72,16 +72,16 @@ class EngineConfig:
     recompute: str = "none"
     """Activation recompute: "none" | "selective" (core attention) | "full" (whole layers)."""
     fused_kernels: bool = False
-    """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`):
-    their unfused kernels are ~20 % of a GPU step on the local spec. The first step compiles."""
+    """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
+    local spec runs them unfused. The first step compiles. Measured: docs/benchmarks.md, "throughput" and
+    "levers, fourth set"."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
     (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
-    fp32 (2 GiB per micro-batch of 16 K tokens at vocabulary 32 K) and passes over the copy ~8 times.
+    fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
     Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
-    Measured at 1.37 B on an H200 (docs/benchmarks.md, levers4): kernel time 18.4 -> 2.5 ms per step, +1.9 %
-    tokens/s, -1 GiB peak. Off by default like `fused_kernels`: the first step compiles (seconds), more than a
-    tiny model's run gains."""
+    Measured: docs/benchmarks.md, "levers, fourth set". Off by default like `fused_kernels`: the first step
+    compiles (seconds), more than a tiny model's run gains."""
     fsdp_all_gather_group: bool = False
     """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
     `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one
@@ -235,16 +235,14 @@ class OptimConfig:
     """Max global grad norm (0 = no clipping)."""
     adam_implementation: str = "auto"
     """torch Adam(W)'s kernels (megatron-core 0.16.1 passes no `fused=`): "auto" = "fused" if every param is on a
-    GPU, else torch's choice (CPU unchanged) | "foreach" | "fused". Fused on GPUs: optimizer-step peak -1.3 GiB
-    (FSDP) / -2.4 GiB (DDP), +0.5 / +0.9 % tokens/s, 1.37 B on 2 H200 (docs/benchmarks.md, levers)."""
+    GPU, else torch's choice (CPU unchanged) | "foreach" | "fused". Fused kernels lower the optimizer step's peak
+    and raise tokens/s on GPUs (docs/benchmarks.md, "levers")."""
     grad_upcast: str = "by_part"
-    """How Megatron-FSDP's step gets fp32 grads for Adam from its bf16 grad shard: "by_part" (`grad_upcast`: 256 MiB
-    of fp32 copies at a time inside the step; the same bits) | "whole" (megatron-core 0.16.1: the whole shard
+    """How Megatron-FSDP's step gets fp32 grads for Adam from its bf16 grad shard: "by_part" (`grad_upcast`: a part of
+    fp32 copies at a time inside the step, `grad_upcast.PART_BYTES`; the same bits) | "whole" (megatron-core 0.16.1: the whole shard
     copied when backward ends and held through the step, +4 B per local element at the step's peak). Nothing
-    changes under DDP or with fp32 grads. by_part is the default because it is bit-equal, and on 1 H200 at
-    1.37 B it is +1.0 % tokens/s with an optimizer-step peak 4.85 GiB lower. Its largest 7b-width model is
-    7.96 B params instead of 6.95 B (FSDP2: 8.57 B; with 2 micro-batches a step FSDP2 fits 7.55 B), and 8.77 B
-    (= FSDP2's) with full recompute (docs/benchmarks.md, levers7)."""
+    changes under DDP or with fp32 grads. by_part is the default because it is bit-equal, lowers the optimizer
+    step's peak and raises the largest model that fits (docs/benchmarks.md, "levers, seventh set")."""
 
     def __post_init__(self):
         self.validate()   # when made, as a bad value is made: not at build_optimizer, after the model exists

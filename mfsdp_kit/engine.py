@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 import torch
 
 from . import grad_upcast, hsdp, keep_gathered, lora, runtime
-from .compat import fsdp_unit
+from .compat import fsdp, fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
@@ -33,9 +33,8 @@ ModelFn = Callable[..., torch.nn.Module]
 
 def _wrapper_classes() -> tuple[type, ...]:
     from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
     from megatron.core.transformer.module import Float16Module
-    return DistributedDataParallel, FullyShardedDataParallel, MegatronFSDP, Float16Module
+    return DistributedDataParallel, FullyShardedDataParallel, fsdp.megatron_fsdp_class(), Float16Module
 
 
 def _provide(model_fn: ModelProvider | ModelFn, vp_stage: int | None) -> torch.nn.Module:
@@ -221,9 +220,7 @@ def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
     if torch.cuda.is_available():
         return
     for pipeline in all_gather_pipelines(chunks):
-        while pipeline.param_gather_event_map:
-            bucket_id, bwd = next(iter(pipeline.param_gather_event_map))
-            pipeline.wait_bucket_ready(bucket_id, bwd)
+        fsdp.settle_gathers(pipeline)
 
 
 def release(chunks: Iterable[torch.nn.Module]) -> None:
@@ -241,13 +238,7 @@ def release(chunks: Iterable[torch.nn.Module]) -> None:
     rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
     if rotary is not None:
         rotary.RotaryEmbedding.forward.cache_clear()
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
-    for chunk in chunks:
-        inner = chunk.module if is_fsdp(chunk) else chunk
-        if isinstance(inner, MegatronFSDP):
-            for handle in getattr(inner, "grad_acc_hooks", {}).values():  # absent if its init failed
-                handle.remove()
-            inner.grad_acc_hooks = {}
+    fsdp.remove_grad_hooks(chunks)
 
 
 def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: EngineConfig):

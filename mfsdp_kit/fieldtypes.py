@@ -129,3 +129,19 @@ def checked_args(**ranges: Range):
             return fn(*args, **kwargs)
         return call
     return wrap
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """field name -> the docstring written under it (torchtitan's style), over the class and its dataclass bases."""
+    import ast
+    import textwrap
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                out[node.target.id] = inspect.cleandoc(after.value.value)
+    return out

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import step_pipeline
+from .compat import fsdp_main_grads as main_grads
 from .compat.grad_norm import LATER_SCALE
-from .introspect import inner_optimizers, is_fsdp, local
+from .introspect import inner_optimizers, local
 
 PART_BYTES = 256 * 2**20
 
@@ -62,50 +64,31 @@ def install(chunks: list[torch.nn.Module], optimizer, *, part_bytes: int = PART_
     if installed(chunks):
         return True   # once: a second wrap would step every part once per part
     for buffer in {id(e.buffer): e.buffer for e in entries}.values():
-        buffer.update_main_grads = _skip
+        main_grads.defer(buffer)
     for entry in entries:
         setattr(entry.param, LATER_SCALE, None)
     for opt in inner_optimizers(optimizer):
-        opt.get_main_grads_for_grad_norm = _grads_for_norm(opt, by_param)
-        opt.optimizer.step = _step_in_parts(opt.optimizer, by_param, part_bytes)
+        main_grads.replace_grads_for_norm(opt, _grads_for_norm(opt, by_param))
+    step_pipeline.add(optimizer, stage="grad_upcast",
+                      wrap=lambda step, torch_opt: _step_in_parts(step, torch_opt, by_param, part_bytes))
     return True
 
 
 def installed(chunks: list[torch.nn.Module]) -> bool:
     """Whether these chunks' fp32 grads are made by part in the optimizer step."""
-    return any(is_fsdp(c) and vars(c.module.param_and_grad_buffer).get("update_main_grads") is _skip
-               for c in chunks)
-
-
-def _skip() -> None:
-    """update_main_grads at the end of backward: the fp32 grads are made in the optimizer step instead."""
+    return any(main_grads.deferred(b) for b in main_grads.buffers(chunks) or [])
 
 
 def _entries(chunks) -> list[Entry]:
     """Every optimizer param of every Megatron-FSDP chunk whose bf16 grad megatron would copy to fp32."""
     entries = []
-    for chunk in chunks:
-        if not is_fsdp(chunk):
-            return []
-        buffer = chunk.module.param_and_grad_buffer
-        for name, param in buffer.optimizer_named_parameters:
-            shard = bf16_shard(buffer, param)
+    for buffer in main_grads.buffers(chunks) or []:
+        for name, param in main_grads.optimizer_params(buffer):
+            shard = main_grads.bf16_shard(buffer, param)
             if shard is None or shard.dtype == param.dtype:
                 return []   # fp32 grads: megatron makes no copy
             entries.append(Entry(buffer, name, param, shard.numel() * param.element_size()))
     return entries
-
-
-def bf16_shard(buffer, param) -> torch.Tensor | None:
-    """This rank's shard of `param`'s reduced gradient, in the grad buffer's dtype (a view, no copy); None for
-    a param without a grad buffer. The same item update_main_grads copies."""
-    orig = param.orig_param
-    group = buffer.parameter_groups[buffer.param_to_param_group[orig]]
-    gbuf = group.main_grad_buffer
-    if gbuf is None or group.main_weight_buffer is None:
-        return None
-    sharded = buffer.bucketing_policy.data_parallel_sharding_strategy != "no_shard"
-    return gbuf.get_item(gbuf.param_idx[orig], only_shard=sharded)
 
 
 def _grads_for_norm(opt, by_param):
@@ -118,7 +101,7 @@ def _grads_for_norm(opt, by_param):
         grads = []
         for param in opt.get_parameters():
             entry = by_param[id(param)]
-            grad = bf16_shard(entry.buffer, param)
+            grad = main_grads.bf16_shard(entry.buffer, param)
             if grad.numel() and param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(
                     param, getattr(opt, "tp_group", None)):
                 grads.append(grad)
@@ -138,9 +121,9 @@ def parts(entries: list[Entry], part_bytes: int) -> list[list[Entry]]:
     return out
 
 
-def _step_in_parts(torch_opt: torch.optim.Adam, by_param, part_bytes: int):
-    """torch_opt.step, run once per part with only that part's params holding an fp32 grad."""
-    step = torch_opt.step
+def _step_in_parts(step, torch_opt: torch.optim.Adam, by_param, part_bytes: int):
+    """`step` (torch_opt's), run once per part with only that part's params holding an fp32 grad: the pipeline's
+    `grad_upcast` stage (step_pipeline)."""
     entries = [by_param[id(p)] for g in torch_opt.param_groups for p in g["params"]]
     plan = parts(entries, part_bytes)
 
@@ -157,12 +140,7 @@ def _make_grads(part: list[Entry]) -> None:
     """megatron's update_main_grads over the part's params only (fp32 copies, `param.grad` set), then the clip
     factor applied to them in fp32 as megatron's clip would have."""
     for buffer in {id(e.buffer): e.buffer for e in part}.values():
-        every = buffer.optimizer_named_parameters
-        buffer.optimizer_named_parameters = [(e.name, e.param) for e in part if e.buffer is buffer]
-        try:
-            type(buffer).update_main_grads(buffer)
-        finally:
-            buffer.optimizer_named_parameters = every
+        main_grads.make_main_grads(buffer, named_params=[(e.name, e.param) for e in part if e.buffer is buffer])
     by_scale: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for e in part:
         scale = getattr(e.param, LATER_SCALE)
@@ -177,6 +155,4 @@ def _drop_grads(part: list[Entry]) -> None:
     """Free the part's fp32 grads (megatron's zero_grad drops them the same way)."""
     for e in part:
         e.param.grad = None
-        held = e.buffer.dist_main_grad.get(e.name)
-        if held is not None:
-            held._local_tensor = None
+        main_grads.drop_main_grad(e.buffer, e.name)

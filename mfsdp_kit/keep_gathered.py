@@ -7,7 +7,8 @@ hook) and gathers them again for its backward, in every micro-batch: a step of k
 has no knob to keep them (`no_sync` defers only the gradient reduce-scatter); FSDP2 calls it
 `reshard_after_forward=False`.
 
-How: while a step is `held`, `AllGatherPipeline.release_bucket` does nothing (its lazy variant included), so a unit
+How (the instance patch is `compat.fsdp_gather_hold`, a registry row): while a step is `held`,
+`AllGatherPipeline.release_bucket` does nothing (its lazy variant included), so a unit
 gathered once stays READY_TO_USE, and every later gather of it returns at once (`async_bucket_gather` skips a bucket
 that is not EMPTY). The hold ends where megatron resets the pipeline once the step's gradients are synchronised
 (`finish_grad_sync`), which frees every bucket; the end of the step frees any left (a forward-only step).
@@ -27,40 +28,9 @@ from typing import Iterable, Iterator
 
 import torch
 
+from .compat import fsdp
+from .compat.fsdp_gather_hold import HOLD, install, release_all  # noqa: F401  (the patch itself: compat)
 from .introspect import all_gather_pipelines
-
-HOLD = "_mfsdp_kit_keep_gathered"
-"""Attribute of an `AllGatherPipeline`: absent (not installed), False (megatron's releases), True (held)."""
-
-
-def install(pipeline) -> None:
-    """Route `pipeline.release_bucket` through the hold flag, and end the hold at `pipeline.reset` (once per
-    pipeline; the flag starts off). megatron resets the pipeline when the step's gradients are synchronised
-    (`finish_grad_sync` -> `synchronize_param_gather`), freeing every bucket: that is where a held step lets go."""
-    if hasattr(pipeline, HOLD):
-        return
-    setattr(pipeline, HOLD, False)
-    release, reset = pipeline.release_bucket, pipeline.reset
-
-    def release_unless_held(bucket_id, bwd, lazy: bool = False):
-        if getattr(pipeline, HOLD):
-            return None
-        return release(bucket_id, bwd, lazy=lazy)
-
-    def reset_and_let_go():
-        setattr(pipeline, HOLD, False)
-        return reset()
-    pipeline.release_bucket = release_unless_held   # recycle_unused_buckets calls it through the instance too
-    pipeline.reset = reset_and_let_go
-
-
-def release_all(pipeline) -> None:
-    """Free every gathered bucket (forward and backward keys), as megatron's post-backward hooks would have."""
-    for bucket_id in range(pipeline.num_buckets):
-        for bwd in (False, True):
-            pipeline.release_bucket(bucket_id, bwd)
-    for key in pipeline.bucket_can_be_released:
-        pipeline.bucket_can_be_released[key] = False
 
 
 @contextlib.contextmanager
@@ -81,5 +51,4 @@ def held(chunks: Iterable[torch.nn.Module]) -> Iterator[None]:
 
 def gathered_buckets(chunks: Iterable[torch.nn.Module]) -> int:
     """How many of these chunks' buckets hold gathered weights now (READY_TO_USE or still gathering)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
-    return sum(s != BucketStatus.EMPTY for p in all_gather_pipelines(chunks) for s in p.bucket_status.values())
+    return fsdp.gathered_buckets(all_gather_pipelines(chunks))

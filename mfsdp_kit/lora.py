@@ -97,11 +97,12 @@ def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
     `base_path`: the HF folder the frozen weights came from; its `base_reference` is kept on the chunks
     (`base_of`), so checkpoints name their base and refuse another one."""
     from .compat import fsdp_frozen, peft as peft_compat
+    from .compat import bridge_model
     from .compat.bridge import import_bridge
     import_bridge()
     peft_compat.enable()
     fsdp_frozen.enable()   # for a later Megatron-FSDP wrap
-    from megatron.bridge.peft.lora import LoRA
+    LoRA = bridge_model.lora_class()
     lora.validate()
     peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     peft(chunks, training=True)

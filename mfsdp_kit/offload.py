@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import step_pipeline
+from .compat import fsdp
 from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
                          set_param_view)
 
@@ -206,8 +208,7 @@ def _drop_optimizer_grads(chunks, optimizer) -> None:
     GPUs). They only feed the step that made them; the next step re-creates them. (With the default
     `OptimConfig.grad_upcast="by_part"` the step drops them itself, part by part; this finds none.)"""
     for chunk in chunks:
-        if is_fsdp(chunk):
-            chunk.module.param_and_grad_buffer.dist_main_grad.clear()
+        fsdp.clear_main_grads(chunk)
     for opt in inner_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
@@ -244,16 +245,16 @@ def stream_optimizer(chunks, optimizer) -> None:
     `optimizer.step()` becomes: reload them, step, offload them again. Weights and grads stay
     on the device (a forward/backward needs them), so no guards are installed. The device
     saves (4 + 8) B x params / N between steps and pays 2 x that over PCIe per step."""
-    inner_step = optimizer.step
+    def streamed(inner_step, _owner):
+        def step(*args, **kwargs):
+            reload(chunks, optimizer)
+            try:
+                return inner_step(*args, **kwargs)
+            finally:
+                offload(chunks, optimizer, kinds=OPTIMIZER_KINDS, guard=False)
+        return step
 
-    def step(*args, **kwargs):
-        reload(chunks, optimizer)
-        try:
-            return inner_step(*args, **kwargs)
-        finally:
-            offload(chunks, optimizer, kinds=OPTIMIZER_KINDS, guard=False)
-
-    optimizer.step = step
+    step_pipeline.add(optimizer, stage="offload", wrap=streamed)   # the pipeline's "offload" stage
     offload(chunks, optimizer, kinds=OPTIMIZER_KINDS, guard=False)
 
 

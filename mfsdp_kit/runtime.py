@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import hsdp
+from .compat import startup
 from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
 from .fieldtypes import is_int
 
@@ -71,6 +72,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
          master_port: int | None = None, timeout_s: float = 600.0) -> Runtime:
     """Start torch.distributed + megatron parallel state for `cfg`; idempotent for the same cfg."""
     global _current, _cfg
+    startup.install()   # before megatron's import below: its process-wide compat rows (compat.startup)
     cfg = cfg or EngineConfig()
     if _current is not None:
         if _cfg == cfg:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import lora, sync_plan
 from .engine import params_view, unwrap_model
+from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
 from .sync_plan import fsdp_owner
@@ -52,16 +53,16 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
             if fsdp is None:
                 yield task
                 continue
-            bucket = fsdp.param_and_grad_buffer.param_to_param_group[task.param_weight]
+            bucket = megatron_fsdp.unit_of(fsdp, task.param_weight)
             if held != (fsdp, bucket):
                 if held is not None:
-                    held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
+                    megatron_fsdp.release_unit(*held)
                 fsdp.all_gather_and_wait_parameters_ready(params=[task.param_weight], prefetch=False)
                 held = (fsdp, bucket)
             yield dataclasses.replace(task, param_weight=task.param_weight.detach().clone())
     finally:
         if held is not None:
-            held[0].all_gather_pipeline.release_bucket(held[1], bwd=False)
+            megatron_fsdp.release_unit(*held)
 
 
 @contextlib.contextmanager
@@ -76,11 +77,11 @@ def adapters_gathered(chunks) -> Iterator[None]:
             if fsdp is None:
                 continue
             fsdp.all_gather_and_wait_parameters_ready(params=params, prefetch=False)
-            gathered += [(fsdp, b) for b in {fsdp.param_and_grad_buffer.param_to_param_group[p] for p in params}]
+            gathered += [(fsdp, unit) for unit in {megatron_fsdp.unit_of(fsdp, p) for p in params}]
         yield
     finally:
-        for fsdp, bucket in gathered:
-            fsdp.all_gather_pipeline.release_bucket(bucket, bwd=False)
+        for fsdp, unit in gathered:
+            megatron_fsdp.release_unit(fsdp, unit)
 
 
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,7 +95,7 @@ def _export(chunks, bridge, tasks, *, cpu: bool) -> Iterator[tuple[str, torch.Te
     inner = unwrap_model(list(chunks))
     if any(is_fsdp(c) for c in chunks):
         tasks = _tasks_with_full_params(tasks, chunks)
-    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
+    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge)
     live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
     with adapters_gathered(chunks):
         for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):

@@ -43,6 +43,8 @@ from typing import Callable
 import torch
 
 from . import hsdp
+from .compat import bridge_model
+from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
 
@@ -105,7 +107,7 @@ def recognised() -> dict[type, Callable]:
     if not _RECOGNISED:
         from .compat.bridge import import_bridge
         import_bridge()
-        from megatron.bridge.models.conversion import param_mapping as pm
+        pm = bridge_model.param_mapping()
         _RECOGNISED.update({pm.AutoMapping: _direct_views, pm.DirectMapping: _direct_views,
                             pm.ReplicatedMapping: _direct_views, pm.ColumnParallelMapping: _direct_views,
                             pm.RowParallelMapping: _direct_views, pm.QKVMapping: _qkv_views,
@@ -168,10 +170,7 @@ class Plan:
 
 def fsdp_owner(chunks, param):
     """The MegatronFSDP whose buffers hold `param` (None for DDP / plain chunks)."""
-    for chunk in chunks:
-        if is_fsdp(chunk) and param in chunk.module.param_and_grad_buffer.param_to_param_group:
-            return chunk.module
-    return None
+    return megatron_fsdp.owner(chunks, param)
 
 
 def _key(hf_model, chunks, bridge) -> tuple:
@@ -179,7 +178,7 @@ def _key(hf_model, chunks, bridge) -> tuple:
     chunks or their parameters change. Ids are safe: the plan holds every tensor it names, so none of
     those ids (nor a rollout tensor's storage) can be reused meanwhile. Runs on every sync: a walk of
     the modules' own dicts (0.5 ms for 28 layers; `named_parameters` + `named_buffers` 1.2 ms)."""
-    megatron = tuple(tuple(map(id, c.module.param_and_grad_buffer.param_to_param_group)) if is_fsdp(c)
+    megatron = tuple(megatron_fsdp.param_ids(c.module) if is_fsdp(c)
                      else tuple(id(p) for m in _modules(c) for p in m._parameters.values() if p is not None)
                      for c in chunks)
     hf = tuple((id(t), t.data_ptr()) for m in _modules(hf_model)
@@ -248,7 +247,7 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
     start = time.perf_counter()
     inner = unwrap_model(list(chunks))
     dsts = {**dict(hf_model.named_parameters()), **dict(hf_model.named_buffers())}
-    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge._model_bridge)
+    hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge)
     units: dict[tuple, Unit] = {}
     fallback, planned = [], 0
     for task in tasks:
@@ -263,7 +262,7 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
         if views is None:
             fallback.append(task)
             continue
-        bucket = fsdp.param_and_grad_buffer.param_to_param_group[task.param_weight] if fsdp else None
+        bucket = megatron_fsdp.unit_of(fsdp, task.param_weight) if fsdp else None
         index = next(i for i, c in enumerate(chunks) if is_fsdp(c) and c.module is fsdp) if fsdp else -1
         unit = units.setdefault((index, bucket), Unit(fsdp, bucket, []))
         unit.entries.extend(Entry(n, task.param_weight, dsts[n], v) for n, v in views.items())
@@ -335,7 +334,7 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def conversion_tasks(chunks, bridge) -> list:
     """The bridge's conversion tasks, in model order (call in the compute view)."""
     from .engine import unwrap_model
-    return bridge._model_bridge.build_conversion_tasks(bridge.hf_pretrained, unwrap_model(list(chunks)))
+    return bridge_model.conversion_tasks(bridge, unwrap_model(list(chunks)))
 
 
 def cached(hf_model, chunks, bridge) -> tuple[Plan, bool]:
@@ -366,10 +365,7 @@ def _copy(unit: Unit) -> None:
 
 
 def _gathered(fsdp) -> set[int]:
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
-    pipeline = fsdp.all_gather_pipeline
-    return {b for b in range(pipeline.num_buckets)
-            if pipeline.bucket_status[pipeline.get_bucket_key(b, False)] != BucketStatus.EMPTY}
+    return megatron_fsdp.gathered_units(fsdp)
 
 
 @torch.no_grad()
@@ -386,15 +382,15 @@ def replay(plan: Plan) -> tuple[int, list[str]]:
     try:
         for unit in plan.units:
             if unit.fsdp is not None:
-                pipeline = unit.fsdp.all_gather_pipeline
+                pipeline = megatron_fsdp.pipeline(unit.fsdp)
                 pipeline.all_gather_params(params=[unit.entries[0].param], prefetch=True,
                                            suggested_AG_prefetch_size=1)
                 pipeline.wait_bucket_ready(unit.bucket, False)
             _copy(unit)
             if unit.fsdp is not None:
-                pipeline.release_bucket(unit.bucket, bwd=False)
+                megatron_fsdp.release_unit(unit.fsdp, unit.bucket)
     finally:  # the last prefetch (and any unit left by an error): release what this sync gathered
         for k, fsdp in fsdps.items():
             for bucket in _gathered(fsdp) - before[k]:
-                fsdp.all_gather_pipeline.release_bucket(bucket, bwd=False)
+                megatron_fsdp.release_unit(fsdp, bucket)
     return plan.nbytes, plan.names

@@ -26,7 +26,8 @@ KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": 
          "NOTEBOOKS": "", "SFT_VARIANTS": "ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused",
          "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
          "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept",
-         "ROLLOUT_VARIANTS": "compiled,eager"}
+         "ROLLOUT_VARIANTS": "compiled,eager",
+         "PACKING_WAYS": "padded,packed-sdpa,packed-flex"}
 """Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
 
 
@@ -233,8 +234,8 @@ SECTIONS.update({
     # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches
     # (not in the default SECTIONS)
     "packing": [Row(name=f"packing_{mix}", script="bench/packing.py", launch="torchrun1", writes=f"packing_{mix}.json",
-                    args=f"--spec 1.7b --mixes {mix} --ways padded,packed-sdpa,packed-flex --sequences 64 "
-                         "--micro-batch-size 8 --steps 5 --warmup 2") for mix in ("sft", "rl")],
+                    args=f"--spec 1.7b --mixes {mix} --ways {{PACKING_WAYS}} --sequences 64 "
+                         "--micro-batch-size 8 --steps 5 --warmup 2") for mix in ("rl", "sft")],
     # the 1-GPU column of the same comparison
     "throughput1": [throughput("throughput1", "--micro-batch-size 8 --global-batch 16 --steps 6 --warmup 2 "
                                "--fused-kernels --modes ddp,fsdp,fsdp2", writes="throughput_1gpu.json", launch="torchrun1")],
@@ -299,6 +300,10 @@ SECTIONS.update({
                  writes="lora.json"),
              Row(name="lora_max_model", script="bench/max_model.py", launch="torchrun1", writes="lora_max_model.json",
                  args="--spec 7b --modes fsdp,fsdp-lora16 --layer-step 4 --max-trials 8")],
+    # where a decode step's GPU time goes at 256 rows: kernels of the eager engine, the captured step, `pick`
+    "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
+                            args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "
+                                 "--agreement-rows 0 --profile-batch 256")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

@@ -6,6 +6,12 @@ STARTS_PROCESSES = ("launch", "cluster", "subprocess")
 (ipyparallel engines), subprocess (a script, a server, a browser)."""
 
 
+def pytest_configure(config):
+    """The process-wide installs `runtime.init` makes (compat.startup), before any test module imports megatron."""
+    from mfsdp_kit.compat import startup
+    startup.install()
+
+
 def pytest_collection_modifyitems(items):
     """`make check` runs `-m "not slow"`: the tests that start no process. A module that starts processes
     (or a test that uses the engines' `handle`) is slow as a whole; pytest.ini's marker says so."""

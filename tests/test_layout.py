@@ -143,3 +143,44 @@ def test_perf_sits_above_the_runtime():
     heavy = {m: sorted(top_level_kit_imports(m) - PERF_LIGHT_IMPORTS) for m in PERF_FOR_THE_RUNTIME}
     assert not any(heavy.values()), f"perf modules the runtime imports pull in at import time: {heavy}"
     assert top_level_kit_imports(f"{PERF}.trainers") - PERF_LIGHT_IMPORTS  # the scan sees module-level imports
+
+
+DOOR = f"{PACKAGE}.compat"
+"""The one door into megatron-core's and Megatron-Bridge's internals (docs/design.md, "The door"): only modules
+of this package import Megatron-FSDP's source package or the bridge's submodules, name them in strings, or touch
+the internal attributes below. Everything else asks it (`compat.fsdp`, `compat.bridge`, ...)."""
+INTERNAL_MODULES = ("megatron.core.distributed.fsdp.src", "megatron.bridge.")
+"""Megatron-FSDP's implementation package (what megatron's public adapter wraps) and every bridge submodule
+(`from megatron.bridge import AutoBridge`, the bridge's front door, stays open to all)."""
+INTERNAL_ATTRS = frozenset({
+    # Megatron-FSDP (megatron/core/distributed/fsdp/src/megatron_fsdp/): its buffers, pipelines, hooks
+    "param_and_grad_buffer", "all_gather_pipeline", "bucket_status", "dist_main_grad", "param_to_param_group",
+    "parameter_groups", "optimizer_named_parameters", "update_main_grads", "release_bucket",
+    "param_gather_event_map", "grad_acc_hooks", "is_param_fsdp_distributed", "_replace_param_with_raw_if_needed",
+    "install_optimized_model_weights", "_GLOBAL_MEMORY_BUFFER",
+    # Megatron-Bridge: the model bridge behind AutoBridge and its conversion machinery
+    "_model_bridge", "mapping_registry", "maybe_modify_loaded_hf_weight", "build_conversion_tasks",
+    "load_weights_hf_to_megatron",
+})
+"""Attributes that belong to megatron's or the bridge's internals, however the object was reached."""
+
+
+def door_violations(path: Path) -> list[str]:
+    """Where a file outside the door imports, names or touches megatron's or the bridge's internals."""
+    tree, out = ast.parse(path.read_text()), []
+    internal = lambda name: name.startswith(INTERNAL_MODULES) or name == INTERNAL_MODULES[0]  # noqa: E731
+    out += [f"imports {target}" for target, _ in imports(path) if internal(target + ".") and target != "megatron.bridge"]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in INTERNAL_ATTRS:
+            out.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(INTERNAL_MODULES):
+            out.append(f"line {node.lineno}: {node.value!r}")
+    return out
+
+
+def test_one_door_into_megatron_internals():
+    bad = {name: v for name, path in kit_modules().items()
+           if not (name == DOOR or name.startswith(DOOR + ".")) and (v := door_violations(path))}
+    assert not bad, f"modules outside {DOOR} reaching into megatron's or the bridge's internals: {bad}"
+    inside = [v for name, path in kit_modules().items() if name.startswith(DOOR + ".") for v in door_violations(path)]
+    assert inside, "the scan finds nothing even inside the door: it would pass whatever the kit did"

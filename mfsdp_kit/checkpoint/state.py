@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .. import introspect, lora
+from ..compat import fsdp as megatron_fsdp
 from . import collective
 from .errors import CheckpointError
 
@@ -205,13 +206,12 @@ def mark_uneven_shards(state: dict) -> None:
     DTensor is sharded along one dim of the same 1-D mesh (Megatron-FSDP's DP mesh), one
     all_gather_object of all local shapes gives the same offsets; anything else goes to megatron's.
     """
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.tensor import Shard
     items = dtensors(state)
     meshes = {id(t.device_mesh) for _, t in items}
     if len(meshes) > 1 or any(t.device_mesh.ndim != 1 or type(t.placements[0]) is not Shard for _, t in items):
-        uneven_dtensor.preprocess_state_dict_for_uneven_dtensor(state)
+        megatron_fsdp.preprocess_uneven_dtensors(state)
         return
     if not items:
         return
@@ -255,7 +255,7 @@ def install_compute_weights(chunks) -> None:
     """Megatron-FSDP: copy the (loaded) main weights into the compute weights; a no-op for DDP."""
     for chunk in chunks:
         if introspect.is_fsdp(chunk):
-            chunk.module.install_optimized_model_weights()
+            megatron_fsdp.install_optimized_weights(chunk)
 
 
 def copy_into(live: dict, loaded: dict) -> None:

@@ -23,6 +23,15 @@ import torch
 import torch.distributed as dist
 
 from ..compat.lazy_compile import lazy
+from ..compat.registry import Patch, record
+
+PATCH = Patch(
+    target="megatron.core.models.common.language_module.language_module:LanguageModule.compute_language_model_loss",
+    upstream="megatron/core/models/common/language_module/language_module.py:128-167 (without TE the loss is "
+             "tensor_parallel.vocab_parallel_cross_entropy: an fp32 copy of the logits, line 167; "
+             "tensor_parallel/cross_entropy.py:28), instance patch per model",
+    needed_if="loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)")
+"""The instance patch `install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
 
 @lazy(torch.compile)   # compiled at the first call (Triton on GPU, C++ on CPU)
@@ -95,3 +104,4 @@ def install(model: torch.nn.Module) -> None:
         raise ConfigError(f"fused_cross_entropy=True needs a megatron LanguageModule (GPTModel, ...), got "
                           f"{type(model).__name__}; allowed: False for other models")
     model.compute_language_model_loss = MethodType(_language_model_loss, model)
+    record(PATCH)

@@ -7,6 +7,12 @@ belong to the same sequence and the key is not later; blocks (128 x 128 on GPU) 
 skipped, so the FLOPs stay close to the per-sequence sum. The mask is built once per micro-batch (the first
 layer builds it and keeps it on the `PackedSeqParams` every layer receives).
 
+Packed rows have a new length at every micro-batch. flex compiled with symbolic shapes runs its kernel ~4x
+slower than compiled for the shape (decode probe on an H200, docs/benchmarks.md "packing"), and compiled per
+exact length it would recompile at every micro-batch. So a row of T tokens is padded inside attention to the
+next of 8 lengths per power of two (`bucket`: at most 12.5 % more, a few shapes per run), the padding one more
+sequence of its own that no real token sees, and the output cut back to T.
+
 `EngineConfig(attention_backend="flex")`: padded batches still take `SDPAttention`'s path; only packed
 rows change. Limits (torch 2.13): flex_attention has no backward on CPU ("FlexAttention does not support
 backward on CPU"), so training with it needs a GPU; forwards without grad run on CPU through inductor's
@@ -17,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..compat.lazy_compile import lazy
@@ -28,18 +35,29 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, enable_gqa:
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
-_compiled_flex = lazy(torch.compile)(_flex, dynamic=True)   # row lengths vary: one dynamic-shape compile
+_compiled_flex = lazy(torch.compile)(_flex, dynamic=False)   # one compile per `bucket` length
+SHAPES = 64
+"""dynamo's recompile limit while flex runs: the bucketed lengths a run meets (8 per power of two)."""
+
+
+def bucket(tokens: int) -> int:
+    """`tokens` rounded up to the next multiple of an eighth of its power of two (at least 128: flex's block)."""
+    step = max(128, 1 << max(tokens.bit_length() - 4, 0))
+    return -(-tokens // step) * step
 
 
 def block_mask(params, device: torch.device, *, causal: bool):
-    """The document mask of the row `params.cu_seqlens_q` describes, made once per `params` object."""
+    """The document mask of the row `params.cu_seqlens_q` describes, padded to its `bucket` length (the padding
+    a sequence of its own), made once per `params` object."""
     cached = getattr(params, "_mfsdp_block_mask", None)
     if cached is not None and cached[0] == (device, causal):
         return cached[1]
     from torch.nn.attention.flex_attention import create_block_mask
     cu = params.cu_seqlens_q.long()
-    total = int(cu[-1])
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1]).to(device)
+    real = int(cu[-1])
+    total = bucket(real)
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+    doc = torch.cat([doc, torch.full((total - real,), len(cu) - 1)]).to(device)
 
     def same_sequence(b, h, q, kv):
         return (doc[q] == doc[kv]) & (q >= kv) if causal else doc[q] == doc[kv]
@@ -64,10 +82,14 @@ class FlexAttention(SDPAttention):
             raise _unsupported("training with flex_attention on CPU (torch has no CPU backward for it)",
                                "use attention_backend='sdpa' on CPU")
         mask = block_mask(params, query.device, causal=mask_type == AttnMaskType.causal)
-        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))   # [t, h, hn] -> [1, h, t, hn]
+        t = query.shape[0]
+        pad = (0, 0, 0, 0, 0, mask.seq_lengths[0] - t)   # rows t.. of the bucket: the padding sequence
+        q, k, v = (F.pad(x, pad).permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))   # [1, h, T, hn]
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        from torch import _dynamo
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, SHAPES)
         out = _compiled_flex(q, k, v, mask, self.softmax_scale, groups > 1)
-        return out[0].permute(1, 0, 2).reshape(query.shape[0], self.hidden_size_per_partition)
+        return out[0, :, :t].permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
 
 
 def core_attention(backend: str):

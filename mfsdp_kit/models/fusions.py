@@ -26,6 +26,13 @@ from __future__ import annotations
 import torch
 
 from ..compat.lazy_compile import lazy
+from ..compat.registry import Patch, record
+
+PATCH = Patch(target="megatron.core.models.common.embeddings.rope_utils",
+              upstream="megatron/core/models/common/embeddings/rope_utils.py:20-29 (both fused RoPE slots None "
+                       "without TE), filled by `install`",
+              needed_if="    fused_apply_rotary_pos_emb = None")
+"""The module patch `install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +86,7 @@ def install() -> bool:
         return rope_utils.fused_apply_rotary_pos_emb is rope
     rope_utils.fused_apply_rotary_pos_emb = rope
     rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
+    record(PATCH)
     return True
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import engine, lora
+from ..compat import bridge_model
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
 from . import fusions, support, vocab
@@ -199,11 +200,11 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
     """The layer spec function: the bridge's own where TE is installed, else local (+ SDPA core
     attention if asked) with the architecture's own attention module where its bridge has one
     (OLMoE's QK norm over all heads: `olmoe_provider.OLMoESelfAttention`)."""
-    from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
+    local_layer_spec, transformer_engine_layer_spec = bridge_model.layer_specs()
     from megatron.core.extensions.transformer_engine import HAVE_TE
     if HAVE_TE:
         return transformer_engine_layer_spec if bridge_spec is None else bridge_spec
-    attention = _local_attention_module(bridge_spec)
+    attention = bridge_model.local_attention_module(bridge_spec)
 
     def spec(config):
         s = local_layer_spec(config)
@@ -214,12 +215,6 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
             s.submodules.self_attention.submodules.core_attention = core_attention(cfg.attention_backend)
         return s
     return spec
-
-
-def _local_attention_module(bridge_spec):
-    """The self-attention class an architecture's bridge spec puts in place of megatron's (or None)."""
-    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
-    return OLMoESelfAttention if bridge_spec is olmoe_layer_spec else None
 
 
 def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import bridge_model
+
 DIVISIBLE_BY = 128
 """Megatron's default `make_vocab_size_divisible_by`."""
 
@@ -42,30 +44,22 @@ def configure(provider, vocab_size: int, tp: int) -> None:
         provider.make_vocab_size_divisible_by = DIVISIBLE_BY
 
 
-def hf_vocab_names(model_bridge) -> set[str]:
-    """HF names of the tensors whose rows are vocabulary ids (embedding, lm_head)."""
-    names = set()
-    for mapping in model_bridge.mapping_registry().mappings:
-        if mapping.megatron_param in EMBEDDING_PARAMS and isinstance(mapping.hf_param, str):
-            names.add(mapping.hf_param)
-    return names
+def hf_vocab_names(bridge) -> set[str]:
+    """HF names of the tensors whose rows are vocabulary ids (embedding, lm_head) for an AutoBridge."""
+    return bridge_model.hf_names(bridge, megatron_params=EMBEDDING_PARAMS)
 
 
 def load_padded(bridge, chunks, padded_vocab: int) -> None:
     """bridge.load_hf_weights, with the vocabulary tensors zero-padded to `padded_vocab` rows."""
-    model_bridge = bridge._model_bridge  # a fresh instance per access: keep this one
-    names = hf_vocab_names(model_bridge)
-    original = model_bridge.maybe_modify_loaded_hf_weight
+    names = hf_vocab_names(bridge)
 
-    def pad_rows(hf_param, hf_state_dict):
-        weights = original(hf_param, hf_state_dict)
+    def pad_rows(hf_param, weights):
         if isinstance(hf_param, str) and hf_param in names and weights.shape[0] < padded_vocab:
             pad = weights.new_zeros((padded_vocab - weights.shape[0], *weights.shape[1:]))
             weights = torch.cat([weights, pad])
         return weights
 
-    model_bridge.maybe_modify_loaded_hf_weight = pad_rows
-    model_bridge.load_weights_hf_to_megatron(bridge.hf_pretrained, chunks)
+    bridge_model.load_weights(bridge, chunks, modify=pad_rows)
 
 
 def mask_padded_logits(chunks, vocab_size: int) -> list:

@@ -8,13 +8,13 @@ boundaries, so each phase keeps its own maximum and `overall()` is still the who
 from __future__ import annotations
 
 import gc
-import sys
 import traceback
 from typing import Callable
 
 import torch
 
-from .. import engine, runtime
+from .. import engine, runtime, step_pipeline
+from ..compat import fsdp
 from ..config import ConfigError, EngineConfig
 
 
@@ -46,14 +46,14 @@ class PhasePeaks:
 
 def record_step_phases(optimizer, peaks: PhasePeaks) -> None:
     """Make `optimizer.step()` (called inside train.step) mark the phase boundaries around itself."""
-    inner = optimizer.step
-
-    def step_with_phases(*a, **kw):
-        peaks.before_step()
-        out = inner(*a, **kw)
-        peaks.after_step()
-        return out
-    optimizer.step = step_with_phases
+    def timed(inner, _owner):
+        def step_with_phases(*a, **kw):
+            peaks.before_step()
+            out = inner(*a, **kw)
+            peaks.after_step()
+            return out
+        return step_with_phases
+    step_pipeline.add(optimizer, stage="phase_timing", wrap=timed)   # outermost: the reload and offload count
 
 
 def free_memory() -> None:
@@ -73,12 +73,8 @@ def free_memory() -> None:
     wrapper failed to build, e.g. in an OOM trial of bench/max_model.py); the pool is reset here.
     Unlike `engine.release(chunks)`, which frees the model you hand it, this sweeps the process:
     a benchmark's tool, not something to call while a model you keep is alive."""
-    fsdp = sys.modules.get("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp")
-    engine.release([] if fsdp is None else  # type(): no __getattr__ on odd objects
-                   [obj for obj in gc.get_objects() if issubclass(type(obj), fsdp.MegatronFSDP)])
-    fsdp_utils = sys.modules.get("megatron.core.distributed.fsdp.src.megatron_fsdp.utils")
-    if fsdp_utils is not None:
-        fsdp_utils._GLOBAL_MEMORY_BUFFER = None
+    engine.release(fsdp.live_modules())
+    fsdp.reset_buffer_pool()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

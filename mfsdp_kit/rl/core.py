@@ -53,11 +53,12 @@ class RolloutConfig:
     samples_per_prompt: int = 4
     """Completions per prompt: the group whose rewards are normalised together."""
     max_new_tokens: int = 6
+    """Tokens each completion may add after its prompt (sampling stops earlier at a stop id)."""
     temperature: float = 1.0
-    """Sampling temperature of the rollouts. Below 1 keeps the samples near the mode: where accuracy
-    is scored on the greedy answer, T 0.5 raised it +11.5 points in 180 GRPO iterations on GPU, where
-    T 1 raised only the samples' own accuracy (docs/benchmarks.md, GRPO)."""
+    """Sampling temperature of the rollouts. Below 1 keeps the samples near the mode, which helps where accuracy
+    is scored on the greedy answer (docs/benchmarks.md, "GRPO on GPU")."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 = all)."""
     score_at_temperature: bool = True
     """Score old, reference and current log-probs at the sampling temperature (logits / T, verl's convention:
     the ratio then compares the law the samples came from, and the rollout's log-probs can be checked against
@@ -65,9 +66,14 @@ class RolloutConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL to the reference model (0 = no reference forward)."""
     ppo_epochs: int = 1
+    """Passes of the policy update over each iteration's samples."""
     num_minibatches: int = 1
+    """Optimizer steps per PPO epoch: the iteration's samples are cut into this many minibatches."""
     micro_batch_size: int = 8
+    """Sequences per forward/backward in the log-prob and update passes: the same gradient at any size, fewer
+    FSDP all-gathers when larger."""
     seed: int = 0
+    """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False
     """Move the training state (weights, grads, Adam) to host memory while the rollout model
     samples, and back before the update (`offload.offload` / `offload.reload`)."""

@@ -8,7 +8,7 @@ from mfsdp_kit.compat import inductor_cache
 
 ROW_MAX = """
 import os, sys, torch
-import mfsdp_kit
+from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
 f = torch.compile(lambda x: x.amax(-1))
 x = torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
 assert torch.equal(f(x), x[:, -1]), "wrong row max"

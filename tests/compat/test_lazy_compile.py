@@ -9,6 +9,7 @@ from mfsdp_kit.compat import lazy_compile
 
 PROBE = """
 import sys, torch
+from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
 import mfsdp_kit, megatron.core, mfsdp_kit.engine, mfsdp_kit.models.hf
 import megatron.core.jit as jit
 from mfsdp_kit.compat import lazy_compile, registry

@@ -8,6 +8,7 @@ from mfsdp_kit.compat import lazy_cpp_extension
 
 PROBE = """
 import sys, types
+from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
 import mfsdp_kit, megatron.core
 from mfsdp_kit.compat import lazy_cpp_extension as lazy, registry
 print("imported", int(lazy.DEFERRED in sys.modules), int("setuptools" in sys.modules))

@@ -28,7 +28,7 @@ import torch
 from ... import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_field_types, number_in
-from .decoder import EAGER, LANES, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
+from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
 
@@ -143,10 +143,9 @@ class ContinuousRollout(HFRollout):
         return min(want, fit)
 
     def row_bytes(self, slots: int) -> int:
-        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x (head_dim + LANES) x element size."""
+        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
         c, p = self.model.config, next(self.model.parameters())
-        return (len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * (self.head_dim + LANES)
-                * p.element_size())
+        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
 
     def _kept_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self._kept.kv)
@@ -158,11 +157,11 @@ class ContinuousRollout(HFRollout):
         if self._kept is None or self._kept.shape != (rows, slots):
             self._kept = None
             p = next(self.model.parameters())
-            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim + LANES)
+            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
             kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
                   for _ in self.model.model.layers]
             idx = torch.zeros(rows, dtype=torch.long, device=p.device)
-            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0][..., :self.head_dim]), tok=idx,
+            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx,
                                 pos=idx.clone())
         return self._kept
 
@@ -177,14 +176,13 @@ class ContinuousRollout(HFRollout):
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
         t0 = time.perf_counter()
-        cache = [(k[:batch, :, :slots], v[:batch, :, :slots]) for k, v in state.kv]
         tok, pos = state.tok[:batch], state.pos[:batch]
         gpu = tok.device.type == "cuda"
         glue = self.glue(gpu)
 
         def eager():
-            return decode(self.model, tok, pos, cache, state.rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
-                          glue=glue)
+            return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
+                          clip_qkv=self.clip_qkv, glue=glue)
         fn = eager
         if self.config.cuda_graphs and gpu and not is_moe(self.model):
             fn = captured(eager, pool=state.pool)
@@ -324,16 +322,18 @@ class _Run:
 
     def record(self, cache_rows: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append each live row's new tokens [len(cache_rows), k] up to its first stop id or `max_new_tokens`;
-        a row that ends frees its cache row."""
+        a row that ends frees its cache row. The first stop of every row is found at once (no loop over tokens)."""
+        k = tokens.shape[1]
+        stop = torch.isin(tokens, torch.tensor(sorted(self.stops), dtype=tokens.dtype))
+        first = torch.where(stop.any(1), stop.int().argmax(1) + 1, k + 1).tolist()   # tokens kept up to the stop
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
         for j, r in enumerate(cache_rows):
             i = self.owner[r]
             if i < 0:
                 continue
-            out, lps = self.tokens[i], self.logprobs[i]
-            for t, lp in zip(tokens[j].tolist(), logprobs[j].tolist()):
-                out.append(t)
-                lps.append(lp)
-                if t in self.stops or len(out) >= self.max_new:
-                    self.owner[r] = -1
-                    break
-
+            room = self.max_new - len(self.tokens[i])
+            keep = min(first[j], k, room)
+            self.tokens[i] += tokens[j][:keep]
+            self.logprobs[i] += logprobs[j][:keep]
+            if first[j] <= k or room <= k:
+                self.owner[r] = -1

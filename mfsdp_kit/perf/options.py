@@ -1,0 +1,64 @@
+"""Command-line options made from the kit's config dataclasses, so a bench script never re-spells a config.
+
+The naive script writes one `add_argument` per config field it exposes, with its own type, default and help,
+then copies each parsed value into the config by hand: two more places per field that drift from the dataclass
+(a renamed field, a new allowed value, a changed default). `add_options` instead makes the options from the
+dataclass itself: the flag from the field's name (`--<prefix>-<field>`, or an older spelling the script keeps in
+`names`), the type and choices from its annotation, the help from the docstring written under the field; and
+`build` makes the config from the parsed options. A script changes only what it must: `defaults` (a benchmark's
+own starting point) and `skip` (fields it computes itself).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any, Literal
+
+from ..fieldtypes import field_docs, field_types
+
+
+def _dest(prefix: str, name: str) -> str:
+    return f"{prefix}_{name}" if prefix else name
+
+
+def _parser_type(annotation) -> tuple[Any, tuple | None, bool]:
+    """(argparse type, choices, optional) for a field's annotation."""
+    args = typing.get_args(annotation)
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is Literal:
+        return type(typing.get_args(annotation)[0]), typing.get_args(annotation), optional
+    return (annotation if annotation in (int, float, str) else str), None, optional
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, *, prefix: str, defaults: dict | None = None,
+                names: dict[str, str] | None = None, skip: tuple[str, ...] = (), title: str | None = None) -> None:
+    """One option per field of the dataclass `cls` (less `skip`): `--<prefix>-<field with dashes>` or
+    `--<prefix>-<names[field]>`; defaults from `defaults`, else the field's own."""
+    defaults, names = defaults or {}, names or {}
+    group = parser.add_argument_group(title or f"{cls.__name__} ({prefix})")
+    docs = field_docs(cls)
+    for name, (annotation, default) in field_types(cls).items():
+        if name in skip or default is dataclasses.MISSING:
+            continue
+        flag = "--" + "-".join(filter(None, (prefix, names.get(name, name).replace("_", "-"))))
+        value = defaults.get(name, default)
+        doc = docs.get(name, "").split("\n\n")[0].replace("%", "%%")
+        help_text = f"{doc} ({cls.__name__}.{name}; default {value!r})"
+        if annotation is bool:
+            group.add_argument(flag, dest=_dest(prefix, name), action=argparse.BooleanOptionalAction, default=value,
+                               help=help_text)
+            continue
+        kind, choices, _ = _parser_type(annotation)
+        group.add_argument(flag, dest=_dest(prefix, name), type=kind, choices=choices, default=value, help=help_text)
+
+
+def build(cls: type, args: argparse.Namespace, *, prefix: str, **fixed):
+    """`cls(**options)` from what `add_options(..., cls, prefix=prefix)` parsed, with `fixed` fields set by the
+    script (they win)."""
+    values = {name: getattr(args, _dest(prefix, name)) for name in field_types(cls)
+              if hasattr(args, _dest(prefix, name))}
+    return cls(**{**values, **fixed})
