@@ -68,9 +68,15 @@ def save_adapter(*, chunks, bridge, path, base_path=None) -> Path:
     from safetensors.torch import save_file
     base_path = base_path or (lora.base_of(chunks) or {}).get("path")
     shape = adapter_shape(chunks)
-    weights = {f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in export_adapter_weights(chunks, bridge)}
     path = Path(path)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    verdict = [refusal(path) if rank0 else None]   # rank 0's verdict, on every rank, before the collective export
+    if dist.is_initialized():
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise FileExistsError(verdict[0])
+    weights = {f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in export_adapter_weights(chunks, bridge)}
+    if rank0:
         targets = {name.split(".")[-3] for name in weights}   # ...<module>.lora_A.weight
         config = peft_config(**shape, target_modules=sorted(targets), base_path=base_path)
         with written_aside(path) as tmp:
@@ -81,15 +87,20 @@ def save_adapter(*, chunks, bridge, path, base_path=None) -> Path:
     return path
 
 
+def refusal(path: Path) -> str | None:
+    """Why `save_adapter` may not write `path` (a non-empty folder that is not an earlier adapter), or None."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not (path / CONFIG_FILE).is_file():
+        return (f"{path} exists and is not an adapter folder (no {CONFIG_FILE}): save_adapter replaces only an "
+                "earlier adapter; pass an empty or new folder")
+    return None
+
+
 class written_aside:
     """`with written_aside(path) as tmp:` write the folder's files into `tmp` (a hidden sibling of `path`); on
-    success it is renamed to `path`, replacing an earlier adapter folder; on an exception it is removed."""
+    success it is renamed to `path`, replacing an earlier folder there; on an exception it is removed."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        if self.path.exists() and any(self.path.iterdir()) and not (self.path / CONFIG_FILE).is_file():
-            raise FileExistsError(f"{self.path} exists and is not an adapter folder (no {CONFIG_FILE}): "
-                                  "save_adapter replaces only an earlier adapter; pass an empty or new folder")
 
     def __enter__(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)

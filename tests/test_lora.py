@@ -109,8 +109,10 @@ def test_adapter_grads_equal_hf_peft(runs, index):
 
 @pytest.mark.parametrize("index", range(4), ids=IDS)
 def test_saved_adapter_loads_in_peft_with_megatrons_logits(runs, index):
+    """Saved twice (the second replaces the first; no temporary folder left, nothing of the refused saves written);
+    peft loads it on the base."""
     e = runs[index]["exits"]
-    assert e["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert e["files"] == ["adapter_config.json", "adapter_model.safetensors"] and e["siblings"] == ["adapter", "merged"]
     assert e["scale"] == 2.0 and e["targets"] == sorted(lora.HF_TO_MEGATRON)
     assert e["peft"] < 2e-5 * max(1.0, e["logits_scale"]), e
 
@@ -153,3 +155,12 @@ def test_lora_checkpoint_holds_adapters_and_names_its_base(runs):
 def test_lora_checkpoint_refuses_another_base(runs):
     message = runs[RESUME]["refused"]
     assert message and "tiny_xs_other" in message and "base" in message and "fingerprint" in message
+
+
+@pytest.mark.parametrize("index", [0, 3], ids=[IDS[0], IDS[3]])
+def test_exits_refuse_what_they_cannot_write_by_name(runs, index):
+    """`save_hf(merged=False)` of a LoRA model is a ConfigError naming `merged`; `save_adapter` into a folder that is
+    not an adapter's is refused on every rank before the collective export."""
+    refusals = runs[index]["exits"]["refusals"]
+    assert "merged=False" in refusals["unmerged"] and "save_adapter" in refusals["unmerged"]
+    assert "not an adapter folder" in refusals["foreign"]

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import adapters, data, engine, generate, lora, runtime, sync
-from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig
 from mfsdp_kit.introspect import inner_optimizers, local
 from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models.hf import expected_tensors, load
@@ -101,6 +101,15 @@ def _exits(model, src: str, out: str) -> dict:
     want = generate.logits(model.chunks, tokens, vocab_size=model.vocab_size)
     engine.settle_param_gathers(model.chunks)
     adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=f"{out}/adapter")
+    adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=f"{out}/adapter")   # replaces the first
+    refusals = {}
+    for name, save in (("unmerged", lambda: sync.save_hf(model.chunks, model.bridge, f"{out}/x", merged=False)),
+                       ("foreign", lambda: adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=out))):
+        try:
+            save()
+        except (ConfigError, FileExistsError) as e:
+            refusals[name] = str(e)
+    dist.barrier()   # every rank refused (no rank left in a collective)
     sync.save_hf(model.chunks, model.bridge, f"{out}/merged")
     rollout = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     sync.load_into(rollout, model.chunks, model.bridge)
@@ -109,7 +118,8 @@ def _exits(model, src: str, out: str) -> dict:
     merged = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/merged", dtype=torch.float32)
     diff = {name: (_hf_logits(m, tokens) - want).abs().max().item()
             for name, m in (("peft", with_peft), ("merged", merged), ("rollout", rollout))}
-    return dict(diff, files=sorted(p.name for p in Path(f"{out}/adapter").iterdir()),
+    return dict(diff, files=sorted(p.name for p in Path(f"{out}/adapter").iterdir()), refusals=refusals,
+                siblings=sorted(p.name for p in Path(out).iterdir()),
                 scale=with_peft.peft_config["default"].lora_alpha / with_peft.peft_config["default"].r,
                 targets=sorted(with_peft.peft_config["default"].target_modules), logits_scale=want.abs().max().item())
 
