@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, lora, train
+from mfsdp_kit import data, engine, lora, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
@@ -143,7 +143,7 @@ def parse(argv=None):
 
 def main() -> None:
     args = parse()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    runtime.init(engine_config("full", args))   # the world (nccl | gloo, the device set); each variant re-inits it
     config = hf_config(args.shape)
     box = [None]
     if dist.get_rank() == 0:
@@ -168,7 +168,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
-    dist.destroy_process_group()
+    runtime.shutdown(destroy_process_group=True)
 
 
 if __name__ == "__main__":
