@@ -299,7 +299,7 @@ SECTIONS.update({
     "lora": [Row(name="lora", script="bench/lora.py", launch="torchrun1", args="--shape qwen2.5-7b --root {LOAD_ROOT}",
                  writes="lora.json"),
              Row(name="lora_max_model", script="bench/max_model.py", launch="torchrun1", writes="lora_max_model.json",
-                 args="--spec 7b --modes fsdp,fsdp-lora16 --layer-step 4 --max-trials 8")],
+                 args="--spec 7b --modes fsdp,fsdp-lora16 --layer-step 4 --max-trials 8 --trial-timeout-s 600")],
     # where a decode step's GPU time goes at 256 rows: kernels of the eager engine, the captured step, `pick`
     "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
                             args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "
