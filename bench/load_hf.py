@@ -32,7 +32,7 @@ import torch.distributed as dist
 from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
+from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, pick_root, write_folder
 from mfsdp_kit.perf.phases import Phases, settle
 from mfsdp_kit.perf.report import write_json
 
@@ -41,15 +41,6 @@ def train_steps(chunks, cfg: EngineConfig, *, steps: int, seq_len: int, vocab_si
     batches = data.random_token_batches(steps=steps, global_batch=dist.get_world_size(), seq_len_tokens=seq_len,
                                         vocab_size=vocab_size)
     return [train.step(chunks, opt, b, micro_batch_size=1, step_index=i).loss for i, b in enumerate(batches)]
-
-
-def pick_root(root: str, need_bytes: int) -> Path:
-    """`root` if it has room for the folder (+10 %), else the first of /tmp, runs/ that does."""
-    for candidate in (root, "/tmp", "runs"):
-        Path(candidate).mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(candidate).free > 1.1 * need_bytes:
-            return Path(candidate)
-    raise RuntimeError(f"no room for {need_bytes / 2**30:.1f} GiB under {root}, /tmp or runs/")
 
 
 def table(rows_by_rank: list[list[dict]]) -> str:

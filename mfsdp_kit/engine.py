@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import grad_upcast, hsdp, keep_gathered, runtime
+from . import grad_upcast, hsdp, keep_gathered, lora, runtime
 from .compat import fsdp, fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
@@ -52,7 +52,8 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
 
     `model_fn(pre_process=, post_process=, vp_stage=)` (or a provider's `.provide`) builds one
     chunk. `wrap=False` stops before the data-parallel wrapper (for reference models that
-    only run forward, and for loading weights before sharding).
+    only run forward, and for loading weights before sharding). With `cfg.lora` and `wrap`, the adapters go
+    onto the built model before the wrap (`lora.apply`; `models.hf.load` applies them after loading weights).
     """
     rt = runtime.current()
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size
@@ -74,6 +75,8 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
             from megatron.core.transformer.module import Float16Module
             module = Float16Module(module.config, module)
         chunks.append(module)
+    if wrap and cfg.lora is not None:
+        lora.apply(chunks, lora=cfg.lora)
     return wrap_chunks(cfg, chunks) if wrap else chunks
 
 

@@ -257,7 +257,7 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     chunks = run("build", engine.build, cfg, p, wrap=False)
     run("weights", load_weights, bridge, chunks, hf_path, cfg)
     if cfg.lora is not None:   # before the wrap: the wrappers lay out grad buffers from requires_grad
-        run("lora", lora.apply, chunks, lora=cfg.lora)
+        run("lora", lora.apply, chunks, lora=cfg.lora, base_path=hf_path)
     if wrap:
         chunks = run("wrap", engine.wrap_chunks, cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)

@@ -14,6 +14,7 @@ bridge's own export of the same megatron weights. Nothing may read a weight from
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import zlib
 from pathlib import Path
@@ -38,6 +39,15 @@ SHAPES = {
 }
 POOL_ELEMENTS = 1 << 26
 """64 M bf16 values (128 MiB) drawn once; every weight is a tiling of it from a per-tensor offset."""
+
+
+def pick_root(root: str, need_bytes: int) -> Path:
+    """`root` if it has room for the folder (+10 %), else the first of /tmp, runs/ that does."""
+    for candidate in (root, "/tmp", "runs"):
+        Path(candidate).mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(candidate).free > 1.1 * need_bytes:
+            return Path(candidate)
+    raise RuntimeError(f"no room for {need_bytes / 2**30:.1f} GiB under {root}, /tmp or runs/")
 
 
 def hf_config(shape: str):

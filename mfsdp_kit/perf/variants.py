@@ -18,6 +18,7 @@ import torch
 
 from ..config import EngineConfig
 from ..config_flat import nest
+from ..lora import LoRAConfig
 from ..models.gpt import GPTSpec
 from .flops import layer_params
 
@@ -107,6 +108,10 @@ VARIANTS = {
     # FSDP2's same trade, for a like-for-like comparison: reshard_after_forward=False, and no reshard after the
     # backward of any but the step's last micro-batch (an "fsdp2" entry holds build_fsdp2's options)
     "fsdp2-keep-gathered": ("fsdp2", dict(fsdp2=dict(keep_gathered=True))),
+    # LoRA rank 16 (alpha 32) on every linear of every layer (EngineConfig.lora): the base frozen (bf16 weights
+    # only, sharded under fsdp), grads, fp32 main weights and Adam state for the adapters only (bench/lora.py)
+    "fsdp-lora16": ("fsdp", dict(lora=LoRAConfig(rank=16, alpha=32))),
+    "ddp-lora16": ("ddp", dict(lora=LoRAConfig(rank=16, alpha=32))),
 }
 
 
