@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import data, engine, lora, runtime, train
-from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, pick_root, tensor_shapes, write_folder
@@ -51,8 +51,8 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 
 def engine_config(variant: str, args) -> EngineConfig:
     spec = lora.LoRAConfig(rank=args.rank, alpha=2 * args.rank) if variant == "lora" else None
-    return EngineConfig(use_megatron_fsdp=True, dtype=args.dtype, attention_backend=args.attention,
-                        recompute=args.recompute, lora=spec)
+    return EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), kernels=Kernels(attention_backend=args.attention),
+                        dtype=args.dtype, recompute=args.recompute, lora=spec)
 
 
 def timed_steps(chunks, opt, args, *, vocab_size: int) -> dict:

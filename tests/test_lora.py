@@ -4,7 +4,7 @@ weights and optimizer state, and the same losses under every layout."""
 import pytest
 
 from mfsdp_kit import lora
-from mfsdp_kit.config import ConfigError, EngineConfig
+from mfsdp_kit.config import ConfigError, EngineConfig, Wrapper
 from tests.dist import launch
 from tests.test_engine_dist import same_training   # the dense tests' tolerance
 
@@ -44,7 +44,8 @@ def test_hf_names_map_to_megatrons_fused_linears():
 
 
 def test_engine_config_takes_lora_and_round_trips_yaml():
-    cfg = EngineConfig(use_megatron_fsdp=True, lora=lora.LoRAConfig(rank=4, alpha=8, target_modules=["o_proj"]))
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True),
+                       lora=lora.LoRAConfig(rank=4, alpha=8, target_modules=["o_proj"]))
     assert EngineConfig.from_yaml(cfg.validate().to_yaml()).lora == cfg.lora
     assert EngineConfig.from_yaml(EngineConfig().to_yaml()).lora is None
     with pytest.raises(ConfigError, match="lora"):

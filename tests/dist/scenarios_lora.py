@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import adapters, data, engine, generate, lora, runtime, sync
-from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig
+from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, Parallelism, Wrapper
 from mfsdp_kit.introspect import inner_optimizers, local
 from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models.hf import expected_tensors, load
@@ -41,7 +41,8 @@ def train_adapters(*, fsdp: bool, tp: int, workdir: str, steps: int = 3, lr: flo
     """Load the tiny model twice (plain and with LoRA), compare logits, train the adapters a few steps; then
     (DDP) one more batch's adapter grads against HF peft's, and the trained model out through every exit:
     `save_adapter` into peft, `save_hf` merged into transformers, the rollout sync into an HF model."""
-    layout = dict(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, seed=3)
+    layout = dict(wrapper=Wrapper(use_megatron_fsdp=fsdp), parallelism=Parallelism(tensor_model_parallel_size=tp),
+                  seed=3)
     cfg = EngineConfig(**layout, lora=lora.LoRAConfig(rank=4, alpha=8))
     rt, src = _world(cfg, workdir)
     base = load(src, EngineConfig(**layout))
@@ -203,10 +204,11 @@ def grpo_with_lora(*, workdir: str, iterations: int = 2) -> dict:
     import transformers
 
     from mfsdp_kit.rl import grpo
-    cfg = EngineConfig(use_megatron_fsdp=True, seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
     rt, src = _world(cfg, workdir)
     model = load(src, cfg)
-    ref = load(src, EngineConfig(use_megatron_fsdp=True, seed=3), wrap=False).chunks   # the base: LoRA's start
+    ref = load(src, EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), seed=3),
+               wrap=False).chunks   # the base: LoRA's start
     tok = _tokenizer(src)
     rollout = grpo.Rollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), cfg)
@@ -235,7 +237,7 @@ def resume_adapters(*, workdir: str, steps: int = 4, save_at: int = 2) -> dict:
     build from the base resumes with losses bit-equal to the straight run's; another base is refused."""
     from mfsdp_kit import checkpoint as ckpt
     from mfsdp_kit.models.tiny import tiny as write_tiny
-    cfg = EngineConfig(use_megatron_fsdp=True, seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), seed=3, lora=lora.LoRAConfig(rank=4, alpha=8))
     rt, src = _world(cfg, workdir)
     other = f"{workdir}/tiny_xs_other"
     if rt.rank == 0:
