@@ -27,8 +27,6 @@ The largest model LoRA trains on 1 GPU vs full fine-tuning is bench/max_model.py
 from __future__ import annotations
 
 import argparse
-import math
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -40,7 +38,7 @@ from mfsdp_kit import data, engine, lora, runtime, train
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, pick_root, tensor_shapes, write_folder
+from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
 from mfsdp_kit.perf.peaks import guarded_run
 from mfsdp_kit.perf.report import write_json
 
@@ -145,14 +143,7 @@ def main() -> None:
     args = parse()
     runtime.init(engine_config("full", args))   # the world (nccl | gloo, the device set); each variant re-inits it
     config = hf_config(args.shape)
-    box = [None]
-    if dist.get_rank() == 0:
-        folder_bytes = 2 * sum(math.prod(shape) for shape in tensor_shapes(args.shape).values())   # bf16
-        path = pick_root(args.root, folder_bytes) / f"mfsdp_lora_{args.shape}"
-        shutil.rmtree(path, ignore_errors=True)
-        box = [dict(path=str(path), write=write_folder(path, args.shape, shard_gb=args.shard_gb))]
-    dist.broadcast_object_list(box, src=0)
-    path = Path(box[0]["path"])
+    path, write = write_for_world(f"mfsdp_lora_{args.shape}", args.shape, root=args.root, shard_gb=args.shard_gb)
     results = {}
     for variant in args.variants.split(","):
         run = partial(train_variant, variant, path, args, config.vocab_size)
@@ -162,12 +153,10 @@ def main() -> None:
         print(f"\n{args.shape}, {dist.get_world_size()} rank(s), Megatron-FSDP {args.dtype}, seq {args.seq_len}, "
               f"global batch {args.global_batch}, LoRA rank {args.rank}")
         print(table(results))
-        write_json(args.out, dict(args=vars(args), world=dist.get_world_size(), write=box[0]["write"],
+        write_json(args.out, dict(args=vars(args), world=dist.get_world_size(), write=write,
                                   device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                                   variants=results))
-        if not args.keep:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
+    remove_for_world(path, keep=args.keep)
     runtime.shutdown(destroy_process_group=True)
 
 
