@@ -10,7 +10,7 @@ own function in fp32 on the same values.
 - rope (q of one layer; k is the same shape without GQA): megatron's `_apply_rotary_pos_emb_bshd` eager, that
   function compiled whole (the kit's kernel until 2026-12-01), `models.fusions.rope`.
 - cross_entropy (the logits of one micro-batch): megatron's unfused vocab-parallel one, its 'native' fusion
-  (`cross_entropy_loss_fusion`), `models.cross_entropy` (`EngineConfig.fused_cross_entropy`).
+  (`cross_entropy_loss_fusion`), `models.cross_entropy` (`EngineConfig.kernels.fused_cross_entropy`).
 - rms_norm (one layer's input): torch's RMSNorm (megatron's local spec `WrappedTorchNorm`), and compiled.
 On CPU (`--spec tiny`) the same rows run at toy shapes, for the test; the times then mean nothing.
 """

@@ -23,8 +23,6 @@ counts the mmapped shard pages a rank touched), peak and end GPU memory allocate
 from __future__ import annotations
 
 import argparse
-import shutil
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,7 +30,7 @@ import torch.distributed as dist
 from mfsdp_kit import data, engine, runtime, train
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
+from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
 from mfsdp_kit.perf.phases import Phases, settle
 from mfsdp_kit.perf.report import write_json
 
@@ -41,15 +39,6 @@ def train_steps(chunks, cfg: EngineConfig, *, steps: int, seq_len: int, vocab_si
     batches = data.random_token_batches(steps=steps, global_batch=dist.get_world_size(), seq_len_tokens=seq_len,
                                         vocab_size=vocab_size)
     return [train.step(chunks, opt, b, micro_batch_size=1, step_index=i).loss for i, b in enumerate(batches)]
-
-
-def pick_root(root: str, need_bytes: int) -> Path:
-    """`root` if it has room for the folder (+10 %), else the first of /tmp, runs/ that does."""
-    for candidate in (root, "/tmp", "runs"):
-        Path(candidate).mkdir(parents=True, exist_ok=True)
-        if shutil.disk_usage(candidate).free > 1.1 * need_bytes:
-            return Path(candidate)
-    raise RuntimeError(f"no room for {need_bytes / 2**30:.1f} GiB under {root}, /tmp or runs/")
 
 
 def table(rows_by_rank: list[list[dict]]) -> str:
@@ -82,16 +71,10 @@ def main() -> None:
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    box = [None]
+    path, write = write_for_world(f"mfsdp_load_{args.shape}", args.shape, root=args.root, shard_gb=args.shard_gb)
     if rank == 0:
-        root = pick_root(args.root, 2 * params)
-        path = root / f"mfsdp_load_{args.shape}"
-        shutil.rmtree(path, ignore_errors=True)
-        box = [dict(path=str(path), write=write_folder(path, args.shape, shard_gb=args.shard_gb))]
-        print(f"wrote {path}: {box[0]['write']['params'] / 1e9:.3f} B params, {box[0]['write']['bytes'] / 2**30:.2f} "
-              f"GiB in {box[0]['write']['shards']} shards, {box[0]['write']['seconds']:.1f} s", flush=True)
-    dist.broadcast_object_list(box, src=0)
-    path, write = Path(box[0]["path"]), box[0]["write"]
+        print(f"wrote {path}: {write['params'] / 1e9:.3f} B params, {write['bytes'] / 2**30:.2f} GiB in "
+              f"{write['shards']} shards, {write['seconds']:.1f} s", flush=True)
     settle()
     phases = Phases()
     chunks = hf_models.load(path, cfg, phases=phases).chunks
@@ -114,9 +97,7 @@ def main() -> None:
                    peak_rss_bytes=max(r["peak_rss_bytes"] for g in gathered for r in g["phases"]),
                    gpu_peak_bytes=max(r["gpu_peak_bytes"] for g in gathered for r in g["phases"]))
         write_json(args.out, res)
-        if not args.keep:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
+    remove_for_world(path, keep=args.keep)
     runtime.shutdown(destroy_process_group=True)
 
 

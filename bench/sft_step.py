@@ -3,7 +3,7 @@ the notebooks' model in fp32), timed and profiled per variant.
 
     torchrun --nproc_per_node 1 bench/sft_step.py --variants ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa
 
-A variant is `<ddp|fsdp>-<local|sdpa>[-fused]`: the wrapper, `EngineConfig.attention_backend`, and
+A variant is `<ddp|fsdp>-<local|sdpa>[-fused]`: the wrapper, `EngineConfig.kernels.attention_backend`, and
 `fused_kernels`. At 512 tokens a step the GPU waits for the host (megatron's per-module Python and thousands
 of kernel launches), so the table counts what the host issues: kernels, host<->device copies and syncs per
 step, beside the step time and the GPU's busy time. Every variant trains from the same init on the same

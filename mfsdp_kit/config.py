@@ -1,22 +1,28 @@
 """Configs: what to build and how to shard it.
 
-`EngineConfig` says how a model is parallelised and wrapped; `OptimConfig` how it is
-optimised. `ddp_config(cfg)` turns an `EngineConfig` into megatron's
-`DistributedDataParallelConfig` the way verl's Megatron-FSDP mode does: FSDP defaults
-first, then `override_ddp_config` wins. Every check runs in `validate()`, before any
-process group or GPU work, and names the field, the value and what is allowed.
+`EngineConfig` says how a model is parallelised and wrapped, in sections (torchtitan's job config:
+`config_sections`): `parallelism`, `wrapper`, `kernels`, `communication`, `offload`, with the model's
+numerics (dtype, recompute, seed, TransformerConfig overrides) and `lora` beside them. `OptimConfig` says
+how it is optimised. `ddp_config(cfg)` turns an `EngineConfig` into megatron's
+`DistributedDataParallelConfig` the way verl's Megatron-FSDP mode does: FSDP defaults first, then
+`wrapper.override_ddp_config` wins, and HSDP's instances come from `parallelism.data_parallel_replicate_size`.
+Every check runs in `validate()`, before any process group or GPU work, and names the field (its path),
+the value and what is allowed; the rank arithmetic is `parallel_dims.ParallelDims`'s.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from . import config_overrides
 from . import lora as _lora
+from .config_flat import FLAT_NAMES, accept_flat, hsdp_from_override
+from .config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper  # noqa: F401
 from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
+from .parallel_dims import ParallelDims
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -39,150 +45,114 @@ FSDP_DDP_DEFAULTS = dict(
 )
 
 
+@accept_flat
 @dataclass(kw_only=True)
 class EngineConfig:
-    """How the model is parallelised, wrapped (DDP or Megatron-FSDP) and in which precision."""
+    """How the model is parallelised, wrapped (DDP or Megatron-FSDP) and in which precision: one section per
+    concern (`config_sections`), the model's numerics at the top. The old flat names still work
+    (`config_flat`): `EngineConfig(tensor_model_parallel_size=2)` warns and sets
+    `parallelism.tensor_model_parallel_size`, and `cfg.tensor_model_parallel_size` reads it."""
 
-    tensor_model_parallel_size: int = 1
-    """Ranks that split each layer's matrices (megatron TP)."""
-    pipeline_model_parallel_size: int = 1
-    """Ranks that split the layer stack into stages (megatron PP). Not with Megatron-FSDP."""
-    virtual_pipeline_model_parallel_size: int | None = None
-    """Model chunks per pipeline rank (interleaved schedule); None = one chunk."""
-    context_parallel_size: int = 1
-    """Ranks that split the sequence (megatron CP)."""
-    expert_model_parallel_size: int = 1
-    """Ranks that split an MoE layer's experts (megatron EP): each holds num_experts / EP of them and
-    tokens travel to their experts by all-to-all. EP groups are carved out of the data-parallel
-    ranks, so it must divide tensor*context*data-parallel ranks; expert weights are then sharded
-    (FSDP) or all-reduced (DDP) over the remaining expert-data-parallel ranks only."""
-    use_megatron_fsdp: bool = False
-    """Wrap with Megatron-FSDP (ZeRO-3: params, grads and optimizer state sharded) instead of DDP."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer state over data-parallel ranks (ZeRO-1). Required by Megatron-FSDP."""
-    override_ddp_config: dict = field(default_factory=dict)
-    """Fields of megatron's DistributedDataParallelConfig that win over the kit's defaults."""
-    override_transformer_config: dict = field(default_factory=dict)
-    """Fields of megatron's TransformerConfig set on the model provider before it is built."""
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    """Data replicate / shard (HSDP), tensor, pipeline, context and expert sizes (arithmetic: `parallel_dims`)."""
+    wrapper: Wrapper = field(default_factory=Wrapper)
+    """DDP or Megatron-FSDP, the distributed optimizer, megatron's DDP-config overrides (sharding strategy)."""
+    kernels: Kernels = field(default_factory=Kernels)
+    """Core attention backend, compiled RoPE/SwiGLU, the compiled cross-entropy."""
+    communication: Communication = field(default_factory=Communication)
+    """NCCL tuning of the data-parallel collectives."""
+    offload: Offload = field(default_factory=Offload)
+    """Optimizer state in host memory between steps."""
     dtype: str = "fp32"
     """Compute dtype: "bf16" | "fp16" | "fp32". Main weights and optimizer state stay fp32."""
-    attention_backend: str = "local"
-    """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels; packed rows
-    one SDPA per sequence) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
     recompute: str = "none"
     """Activation recompute: "none" | "selective" (core attention) | "full" (whole layers)."""
-    fused_kernels: bool = False
-    """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
-    local spec runs them unfused. The first step compiles. Measured: docs/benchmarks.md, "throughput" and
-    "levers, fourth set"."""
-    fused_cross_entropy: bool = False
-    """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
-    (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
-    fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
-    Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
-    Measured: docs/benchmarks.md, "levers, fourth set". Off by default like `fused_kernels`: the first step
-    compiles (seconds), more than a tiny model's run gains."""
-    fsdp_all_gather_group: bool = False
-    """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
-    `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one
-    makes the next layer's gather wait behind queued gradient reduce-scatters. Costs one communicator."""
-    fsdp_keep_gathered: bool = False
-    """Keep each FSDP unit's all-gathered weights from its first gather in a step to the end of the step's backward
-    (`keep_gathered`; FSDP2's `reshard_after_forward=False`): one all-gather per unit per step instead of two per
-    micro-batch, same numbers. Costs the whole model's weights in the compute dtype (2 B/param in bf16, not divided
-    by N) through forward and backward. Megatron-FSDP with optim_grads_params and its default allocator only."""
-    high_priority_comm: bool = False
-    """Data-parallel collectives on high-priority CUDA streams (megatron's `high_priority_stream_groups`
-    = ["dp_cp"]): their kernels are scheduled ahead of queued compute kernels. GPU (NCCL) only."""
-    nccl_max_ctas: int | None = None
-    """Most thread blocks (CTAs, one SM each) a data-parallel NCCL collective may run on (megatron's per-communicator
-    `max_ctas`, groups dp_cp and dp; NCCL's Hopper default is 32 of 132 SMs). Collectives that overlap compute take
-    their SMs from the GEMMs beside them; fewer CTAs leave the GEMMs more, and make each collective slower.
-    None: NCCL's choice. GPU (NCCL) only."""
+    override_transformer_config: dict = field(default_factory=dict)
+    """Fields of megatron's TransformerConfig set on the model provider before it is built."""
     seed: int = 1234
     """Seed for parameter init and the per-rank RNG tracker."""
-    optimizer_offload: bool = False
-    """Keep Adam's exp_avg/exp_avg_sq and the fp32 main weights in (pinned) host memory between
-    steps, streamed to the device only for `optimizer.step()` (the kit's `offload.stream_optimizer`,
-    applied by `offload.apply_config`; megatron-core 0.16.1's optimizer_cpu_offload fails with
-    Megatron-FSDP on DTensor shards). Saves 12 B/param / N on the device, costs 24 B/param / N of
-    host<->device copies per step. For all state between steps use `offload.offload`/`reload`."""
     lora: _lora.LoRAConfig | None = None
     """Train LoRA adapters only (`lora.LoRAConfig`), the loaded base frozen; None = train every weight."""
 
-    # ---- derived views -------------------------------------------------------------------
+    def __post_init__(self):
+        hsdp_from_override(self, stacklevel=4)   # the user's frame: __post_init__ < __init__ < accept_flat's
+
+    # ---- derived views (the arithmetic is ParallelDims') ----------------------------------
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        """tp x pp x cp, what any world must be a multiple of (`ParallelDims.model_parallel`, without a world)."""
+        p = self.parallelism
+        return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
+        return self.parallel_dims(world_size).dp
+
+    def parallel_dims(self, world_size: int) -> ParallelDims:
+        """The rank arithmetic of this layout over `world_size` ranks (`ConfigError` if it does not fit)."""
+        return ParallelDims.of(self.parallelism, world_size=world_size)
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self, world_size: int | None = None, on_gpu: bool | None = None) -> "EngineConfig":
-        """Raise `ConfigError` naming the bad field; return self so calls chain."""
-        check_field_types(self)   # a bool is not a size, "no" is not False, "abc" is not a seed
+        """Raise `ConfigError` naming the bad field (by its path: `parallelism.context_parallel_size`); return
+        self so calls chain."""
+        for name, cls in SECTIONS.items():   # a bool is not a size, "no" is not False, "abc" is not a seed
+            if not isinstance(getattr(self, name), cls):
+                raise bad_value(name, getattr(self, name), f"a config_sections.{cls.__name__}")
+            check_field_types(getattr(self, name), prefix=f"{name}.")
+        check_field_types(self)
+        par, wrap = self.parallelism, self.wrapper
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size"):
-            value = getattr(self, name)
-            if value < 1:
-                raise bad_value(name, value, "a positive integer")
+                     "expert_model_parallel_size", "data_parallel_replicate_size"):
+            if getattr(par, name) < 1:
+                raise bad_value(f"parallelism.{name}", getattr(par, name), "a positive integer")
+        if par.data_parallel_shard_size < 1 and par.data_parallel_shard_size != -1:
+            raise bad_value("parallelism.data_parallel_shard_size", par.data_parallel_shard_size,
+                            "-1 (what the world leaves) or a positive integer")
         if not 0 <= self.seed < 2**63:
             raise bad_value("seed", self.seed, "an integer in [0, 2**63)")
-        vpp = self.virtual_pipeline_model_parallel_size
+        vpp = par.virtual_pipeline_model_parallel_size
         if vpp is not None and vpp < 1:
-            raise bad_value("virtual_pipeline_model_parallel_size", vpp, "None or a positive integer")
-        if vpp is not None and vpp > 1 and self.pipeline_model_parallel_size == 1:
-            raise bad_value("virtual_pipeline_model_parallel_size", vpp,
+            raise bad_value("parallelism.virtual_pipeline_model_parallel_size", vpp, "None or a positive integer")
+        if vpp is not None and vpp > 1 and par.pipeline_model_parallel_size == 1:
+            raise bad_value("parallelism.virtual_pipeline_model_parallel_size", vpp,
                        "None or 1 when pipeline_model_parallel_size == 1 (virtual stages interleave pipeline stages)")
-        if self.dtype not in DTYPES:
-            raise bad_value("dtype", self.dtype, " | ".join(DTYPES))
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise bad_value("attention_backend", self.attention_backend, " | ".join(ATTENTION_BACKENDS))
-        if self.recompute not in RECOMPUTE:
-            raise bad_value("recompute", self.recompute, " | ".join(RECOMPUTE))
-        if self.use_megatron_fsdp and not self.use_distributed_optimizer:
-            raise bad_value("use_distributed_optimizer", False,
+        for name, value, allowed in (("dtype", self.dtype, DTYPES), ("recompute", self.recompute, RECOMPUTE),
+                                     ("kernels.attention_backend", self.kernels.attention_backend, ATTENTION_BACKENDS)):
+            if value not in allowed:
+                raise bad_value(name, value, " | ".join(allowed))
+        if wrap.use_megatron_fsdp and not wrap.use_distributed_optimizer:
+            raise bad_value("wrapper.use_distributed_optimizer", False,
                        "True when use_megatron_fsdp=True (Megatron-FSDP steps its shards with the distributed optimizer)")
-        if self.use_megatron_fsdp and self.pipeline_model_parallel_size > 1:
-            raise bad_value("pipeline_model_parallel_size", self.pipeline_model_parallel_size,
+        if wrap.use_megatron_fsdp and par.pipeline_model_parallel_size > 1:
+            raise bad_value("parallelism.pipeline_model_parallel_size", par.pipeline_model_parallel_size,
                        "1 when use_megatron_fsdp=True: megatron-core 0.16.1's Megatron-FSDP adapter shards one "
                        "model chunk over data-parallel ranks and does not implement pipeline-parallel stages; "
                        "use DDP for pipeline parallelism")
-        _validate_overrides("override_ddp_config", self.override_ddp_config, _ddp_types(), DDP_RANGES)
-        _validate_overrides("override_transformer_config", self.override_transformer_config, _transformer_types(),
-                            TRANSFORMER_RANGES)
-        _validate_expert_overrides(self)
+        config_overrides.check(override_ddp_config=wrap.override_ddp_config,
+                               override_transformer_config=self.override_transformer_config)
         _lora.check(lora=self.lora)
-        strategy = self.override_ddp_config.get("data_parallel_sharding_strategy")
+        strategy = wrap.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
-            raise bad_value("override_ddp_config.data_parallel_sharding_strategy", strategy, " | ".join(SHARDING_STRATEGIES))
-        if world_size is not None and world_size % self.model_parallel_size:
-            raise bad_value("world_size", world_size,
-                       f"a multiple of tensor*pipeline*context parallel sizes = {self.tensor_model_parallel_size}"
-                       f"*{self.pipeline_model_parallel_size}*{self.context_parallel_size} = {self.model_parallel_size}")
+            raise bad_value("wrapper.override_ddp_config.data_parallel_sharding_strategy", strategy,
+                            " | ".join(SHARDING_STRATEGIES))
         if world_size is not None:
-            _validate_expert_world(self, world_size)
+            self.parallel_dims(world_size)   # world, experts and HSDP instances divide as megatron needs
         on_gpu = _cuda_available() if on_gpu is None else on_gpu
-        if self.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        if wrap.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
             raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
                        "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
                        "with compute on several CUDA streams)")
-        if self.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
-            raise bad_value("override_ddp_config.preserve_fp32_weights", False, f"True with dtype={self.dtype!r}: "
-                            "megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 asserts)")
-        if self.fsdp_keep_gathered:
+        if wrap.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
+            raise bad_value("wrapper.override_ddp_config.preserve_fp32_weights", False, f"True with dtype="
+                            f"{self.dtype!r}: megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 "
+                            "asserts)")
+        if wrap.fsdp_keep_gathered:
             _validate_keep_gathered(self)
         from . import hsdp
-        hsdp.validate(self, world_size=world_size, on_gpu=on_gpu)
-        if self.high_priority_comm and not on_gpu:
-            raise bad_value("high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
-        if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= NCCL_MAX_CTAS:
-            raise bad_value("nccl_max_ctas", self.nccl_max_ctas, f"None or an integer in [1, {NCCL_MAX_CTAS}]")
-        if self.nccl_max_ctas is not None and not on_gpu:
-            raise bad_value("nccl_max_ctas", self.nccl_max_ctas, "None without a GPU (an NCCL communicator option)")
-        for key in [k for k in GPU_ONLY_DDP_KEYS if self.override_ddp_config.get(k) and not on_gpu]:
-            raise bad_value(f"override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
+        hsdp.validate(self, on_gpu=on_gpu)
+        _validate_communication(self.communication, on_gpu=on_gpu)
+        for key in [k for k in GPU_ONLY_DDP_KEYS if wrap.override_ddp_config.get(k) and not on_gpu]:
+            raise bad_value(f"wrapper.override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
                             "megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
         return self
 
@@ -192,12 +162,19 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
+        """From `to_dict`'s nested dict, or a flat one written before the sections (each flat key warns)."""
         names = [f.name for f in dataclasses.fields(cls)]
-        for key in d:
-            if key not in names:
-                raise bad_value(f"EngineConfig.{key}", d[key], f"one of the fields {names}")
-        lora = d.get("lora")
-        return cls(**{**d, "lora": _lora.LoRAConfig(**lora) if isinstance(lora, dict) else lora})
+        kwargs = dict(d)
+        for key, value in d.items():
+            if key not in names and key not in FLAT_NAMES:
+                close = difflib.get_close_matches(key, names + list(FLAT_NAMES), n=3)
+                raise bad_value(f"EngineConfig.{key}", value, f"one of the fields {names}"
+                                + (f"; did you mean {close}?" if close else ""))
+            if key in SECTIONS and isinstance(value, dict):
+                kwargs[key] = _section_from_dict(key, value)
+        if isinstance(kwargs.get("lora"), dict):
+            kwargs["lora"] = _lora.LoRAConfig(**kwargs["lora"])
+        return cls(**kwargs)
 
     def to_yaml(self, path: str | None = None) -> str:
         import yaml
@@ -276,8 +253,10 @@ def ddp_config(cfg: EngineConfig):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     cfg.validate()
-    kwargs: dict[str, Any] = dict(use_distributed_optimizer=cfg.use_distributed_optimizer)
-    if cfg.use_megatron_fsdp:
+    kwargs: dict[str, Any] = dict(use_distributed_optimizer=cfg.wrapper.use_distributed_optimizer)
+    if cfg.parallelism.data_parallel_replicate_size > 1:   # HSDP (hsdp.py); megatron's default is 1
+        kwargs.update(num_distributed_optimizer_instances=cfg.parallelism.data_parallel_replicate_size)
+    if cfg.wrapper.use_megatron_fsdp:
         kwargs.update(FSDP_DDP_DEFAULTS)
         if not _cuda_available():
             # gloo has no PREMUL_SUM reduce op (megatron_fsdp/param_and_grad_buffer.py:4748).
@@ -285,111 +264,47 @@ def ddp_config(cfg: EngineConfig):
             # shards (megatron_fsdp.py:274-279): compat.cpu makes its coalesced all-gathers
             # synchronous, and engine.settle_param_gathers waits on any it leaves pending.
             kwargs.update(gradient_reduce_div_fusion=False, overlap_grad_reduce=False, overlap_param_gather=False)
-    kwargs.update(cfg.override_ddp_config)
+    kwargs.update(cfg.wrapper.override_ddp_config)
     return DistributedDataParallelConfig(**kwargs)
 
 
 # ---- helpers -------------------------------------------------------------------------------
+def _section_from_dict(name: str, values: dict):
+    cls = SECTIONS[name]
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            raise bad_value(f"EngineConfig.{name}.{key}", values[key], f"one of the fields {fields}"
+                            + (f"; did you mean {close}?" if close else ""))
+    return cls(**values)
+
+
 def _validate_keep_gathered(cfg: EngineConfig) -> None:
     """fsdp_keep_gathered holds what optim_grads_params would free, in buckets of megatron's default allocator."""
-    strategy = cfg.override_ddp_config.get("data_parallel_sharding_strategy", "optim_grads_params")
-    if not cfg.use_megatron_fsdp or strategy != "optim_grads_params":
-        raise bad_value("fsdp_keep_gathered", True, "False unless use_megatron_fsdp=True with data_parallel_sharding_"
-                        f"strategy 'optim_grads_params' (got use_megatron_fsdp={cfg.use_megatron_fsdp}, {strategy!r}): "
-                        "only then are gathered weights freed between forward and backward")
-    for key in [k for k in GPU_ONLY_DDP_KEYS if cfg.override_ddp_config.get(k)]:
-        raise bad_value("fsdp_keep_gathered", True, f"False with override_ddp_config.{key}=True: megatron's double "
-                        "buffer has two bucket slots for all units, so it cannot keep every unit gathered")
+    wrap = cfg.wrapper
+    strategy = wrap.override_ddp_config.get("data_parallel_sharding_strategy", "optim_grads_params")
+    if not wrap.use_megatron_fsdp or strategy != "optim_grads_params":
+        raise bad_value("wrapper.fsdp_keep_gathered", True, "False unless use_megatron_fsdp=True with data_parallel_"
+                        f"sharding_strategy 'optim_grads_params' (got use_megatron_fsdp={wrap.use_megatron_fsdp}, "
+                        f"{strategy!r}): only then are gathered weights freed between forward and backward")
+    for key in [k for k in GPU_ONLY_DDP_KEYS if wrap.override_ddp_config.get(k)]:
+        raise bad_value("wrapper.fsdp_keep_gathered", True, f"False with override_ddp_config.{key}=True: megatron's "
+                        "double buffer has two bucket slots for all units, so it cannot keep every unit gathered")
 
 
-EXPERT_LAYOUT_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size")
-"""TransformerConfig fields that must agree with the process groups `runtime.init` builds: a model
-built with EP 2 over groups of EP 1 routes tokens to experts no rank holds."""
-
-
-def _validate_expert_overrides(cfg: EngineConfig) -> None:
-    """One path to expert parallelism: the EngineConfig field, never the transformer override."""
-    for key in EXPERT_LAYOUT_KEYS:
-        if key in cfg.override_transformer_config:
-            allowed = ("absent: set EngineConfig.expert_model_parallel_size instead (runtime.init builds the "
-                       "expert-parallel groups from it and the model config follows)" if key.startswith("expert_model")
-                       else "absent: the expert tensor-parallel size is tensor_model_parallel_size (the kit's "
-                            "runtime builds expert groups with megatron's default)")
-            raise bad_value(f"override_transformer_config.{key}", cfg.override_transformer_config[key], allowed)
-
-
-def _validate_expert_world(cfg: EngineConfig, world_size: int) -> None:
-    """megatron carves EP groups out of the tp*cp*dp ranks of a pipeline stage
-    (parallel_state.initialize_model_parallel: world % (etp*ep*pp), here etp = tp)."""
-    ep = cfg.expert_model_parallel_size
-    if ep == 1 or world_size % cfg.model_parallel_size:
-        return
-    per_stage = cfg.tensor_model_parallel_size * cfg.context_parallel_size * cfg.data_parallel_size(world_size)
-    if per_stage % (cfg.tensor_model_parallel_size * ep):
-        raise bad_value("expert_model_parallel_size", ep,
-                        f"a size with tensor_model_parallel_size * expert_model_parallel_size dividing the "
-                        f"{per_stage} tensor*context*data-parallel ranks of a pipeline stage (world_size="
-                        f"{world_size})")
+def _validate_communication(comm: Communication, *, on_gpu: bool) -> None:
+    """NCCL options: each needs a GPU, and max_ctas NCCL's range."""
+    if comm.high_priority_comm and not on_gpu:
+        raise bad_value("communication.high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
+    if comm.nccl_max_ctas is not None and not 1 <= comm.nccl_max_ctas <= NCCL_MAX_CTAS:
+        raise bad_value("communication.nccl_max_ctas", comm.nccl_max_ctas,
+                        f"None or an integer in [1, {NCCL_MAX_CTAS}]")
+    if comm.nccl_max_ctas is not None and not on_gpu:
+        raise bad_value("communication.nccl_max_ctas", comm.nccl_max_ctas,
+                        "None without a GPU (an NCCL communicator option)")
 
 
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
-
-
-@functools.cache
-def _ddp_types() -> dict[str, tuple[Any, Any]]:
-    from megatron.core.distributed import DistributedDataParallelConfig
-    return field_types(DistributedDataParallelConfig)
-
-
-@functools.cache
-def _transformer_types() -> dict[str, tuple[Any, Any]]:
-    from megatron.core.transformer import TransformerConfig
-    return field_types(TransformerConfig)
-
-
-def _at_least(lo: int, *, none_ok: bool = False) -> tuple[Callable[[Any], bool], str]:
-    """For integer fields (the type check runs first)."""
-    return (lambda v: v >= lo), (f"None or an integer >= {lo}" if none_ok else f"an integer >= {lo}")
-
-
-def _probability() -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: 0 <= v <= 1), "a number in [0, 1]"
-
-
-def _positivefinite() -> tuple[Callable[[Any], bool], str]:
-    return (lambda v: finite(v) and v > 0), "a finite number > 0"
-
-
-DDP_RANGES = dict(
-    bucket_size=_at_least(1, none_ok=True),                    # elements per gradient bucket
-    num_distributed_optimizer_instances=_at_least(1),
-    suggested_communication_unit_size=_at_least(1, none_ok=True),
-)
-"""Ranges of override_ddp_config values (checked after the type; None passes where it is the default)."""
-TRANSFORMER_RANGES = dict(
-    num_layers=_at_least(1), hidden_size=_at_least(1), num_attention_heads=_at_least(1),
-    num_query_groups=_at_least(1, none_ok=True), ffn_hidden_size=_at_least(1, none_ok=True),
-    kv_channels=_at_least(1, none_ok=True), hidden_dropout=_probability(), attention_dropout=_probability(),
-    layernorm_epsilon=_positivefinite(), init_method_std=_positivefinite(),
-)
-"""Ranges of override_transformer_config values where the sane range is obvious."""
-
-
-def _validate_overrides(field_name: str, overrides: dict, types_: dict[str, tuple[Any, Any]],
-                        ranges: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
-    """Known keys only (with close matches), each value of the megatron field's type and in its range."""
-    if not isinstance(overrides, dict):
-        raise bad_value(field_name, overrides, "a dict of field -> value")
-    allowed = list(types_)
-    for key, value in overrides.items():
-        if key not in types_:
-            close = difflib.get_close_matches(key, allowed, n=3)
-            hint = f"did you mean {close}?" if close else f"see the {len(allowed)} fields of the megatron config"
-            raise ConfigError(f"{field_name}: unknown key {key!r}; {hint} (allowed: {', '.join(sorted(allowed))})")
-        tp, default = types_[key]
-        if err := type_error(f"{field_name}.{key}", value, tp, default):
-            raise err
-        if key in ranges and value is not None and not ranges[key][0](value):
-            raise bad_value(f"{field_name}.{key}", value, ranges[key][1])

@@ -111,7 +111,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
 
     from . import data, engine, generate, runtime, sync
     from .checkpoint import CheckpointManager
-    from .config import EngineConfig, OptimConfig
+    from .config import EngineConfig, OptimConfig, Wrapper
     from .memory import memory_report, zero_formula_bytes
     from .models.hf import load
     from .models.tiny import tiny
@@ -120,7 +120,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     on_gpu = torch.cuda.is_available()
     recipe = dict(GPU if on_gpu else CPU)
     recipe["steps"] = steps or recipe["steps"]
-    cfg = EngineConfig(use_megatron_fsdp=True, seed=0)
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), seed=0)
     rt = runtime.init(cfg)
     src = os.environ.get("MODEL") or str(out / f"tiny_{recipe['size']}")
     if "MODEL" not in os.environ and rt.rank == 0:

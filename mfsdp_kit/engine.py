@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import grad_upcast, hsdp, keep_gathered, runtime
+from . import grad_upcast, hsdp, keep_gathered, lora, runtime
 from .compat import fsdp, fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
@@ -52,15 +52,16 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
 
     `model_fn(pre_process=, post_process=, vp_stage=)` (or a provider's `.provide`) builds one
     chunk. `wrap=False` stops before the data-parallel wrapper (for reference models that
-    only run forward, and for loading weights before sharding).
+    only run forward, and for loading weights before sharding). With `cfg.lora` and `wrap`, the adapters go
+    onto the built model before the wrap (`lora.apply`; `models.hf.load` applies them after loading weights).
     """
     rt = runtime.current()
-    vpp = cfg.virtual_pipeline_model_parallel_size
+    vpp = cfg.parallelism.virtual_pipeline_model_parallel_size
     stages = list(range(vpp)) if vpp else [None]
     chunks = []
     for vp_stage in stages:
         module = _provide(model_fn, vp_stage)
-        if cfg.fused_cross_entropy:
+        if cfg.kernels.fused_cross_entropy:
             from .models import cross_entropy
             cross_entropy.install(module)
         for p in module.parameters():  # megatron's get_model: TP attributes on every param
@@ -74,6 +75,8 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
             from megatron.core.transformer.module import Float16Module
             module = Float16Module(module.config, module)
         chunks.append(module)
+    if wrap and cfg.lora is not None:
+        lora.apply(chunks, lora=cfg.lora)
     return wrap_chunks(cfg, chunks) if wrap else chunks
 
 
@@ -81,7 +84,7 @@ def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.
     """Wrap built chunks (e.g. after loading weights into them) and attach the schedule hooks."""
     chunks = [wrap_chunk(cfg, c, index=i) for i, c in enumerate(chunks)]
     attach_schedule_hooks(chunks)
-    if cfg.fsdp_keep_gathered:   # train steps then hold what they gather (keep_gathered.held)
+    if cfg.wrapper.fsdp_keep_gathered:   # train steps then hold what they gather (keep_gathered.held)
         for pipeline in all_gather_pipelines(chunks):
             keep_gathered.install(pipeline)
     return chunks
@@ -124,7 +127,7 @@ def wrap_chunk(cfg: EngineConfig, module: torch.nn.Module, *, index: int = 0) ->
     config = unwrap_model(module).config
     hsdp.check_model(cfg, config)
     dcfg = ddp_config(cfg)
-    if cfg.use_megatron_fsdp:
+    if cfg.wrapper.use_megatron_fsdp:
         if dcfg.suggested_communication_unit_size is None:   # megatron's own default is 1e9 (compat.fsdp_unit)
             dcfg.suggested_communication_unit_size = fsdp_unit.unit_elements(
                 module, sharding_strategy=dcfg.data_parallel_sharding_strategy)
@@ -239,7 +242,7 @@ def release(chunks: Iterable[torch.nn.Module]) -> None:
 
 
 def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: EngineConfig):
-    """Megatron's optimizer (Adam, distributed when `cfg.use_distributed_optimizer`) for `chunks`."""
+    """Megatron's optimizer (Adam, distributed when `cfg.wrapper.use_distributed_optimizer`) for `chunks`."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     ocfg.validate()
     # The optimizer collects `chunk.parameters()`: for FSDP they must be the sharded (DTensor)
@@ -249,7 +252,7 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         optimizer="adam", lr=ocfg.lr, min_lr=ocfg.min_lr, weight_decay=ocfg.weight_decay,
         adam_beta1=ocfg.adam_beta1, adam_beta2=ocfg.adam_beta2, adam_eps=ocfg.adam_eps,
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
-        params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.use_distributed_optimizer)
+        params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.wrapper.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
     set_adam_implementation(optimizer, ocfg.adam_implementation)
     if ocfg.grad_upcast == "by_part":

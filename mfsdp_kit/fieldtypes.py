@@ -63,11 +63,12 @@ def type_error(field_name: str, value: Any, tp: Any, default: Any = dataclasses.
     return bad_value(field_name, value, known[1])
 
 
-def check_field_types(obj: Any) -> None:
-    """Every field of dataclass `obj` holds what its annotation says (as far as `kind` knows)."""
+def check_field_types(obj: Any, *, prefix: str = "") -> None:
+    """Every field of dataclass `obj` holds what its annotation says (as far as `kind` knows); the error names
+    the field as `prefix` + name (a config section: "parallelism.")."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        if err := type_error(f.name, getattr(obj, f.name), hints[f.name], f.default):
+        if err := type_error(prefix + f.name, getattr(obj, f.name), hints[f.name], f.default):
             raise err
 
 

@@ -1,5 +1,5 @@
 """Megatron-FSDP's gathered weights kept from a step's first forward to the end of its backward
-(`EngineConfig.fsdp_keep_gathered`): one all-gather per FSDP unit per step instead of two per micro-batch.
+(`EngineConfig.wrapper.fsdp_keep_gathered`): one all-gather per FSDP unit per step instead of two per micro-batch.
 
 Under optim_grads_params, megatron-core 0.16.1 frees a unit's gathered weights after its forward (a post-forward
 hook) and gathers them again for its backward, in every micro-batch: a step of k micro-batches gathers each layer

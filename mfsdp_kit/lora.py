@@ -22,7 +22,10 @@ only as whole fused groups (q_proj with k_proj and v_proj), never one of them al
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .fieldtypes import bad_value, check_field_types, finite
 
@@ -87,10 +90,12 @@ def check(*, lora) -> None:
         lora.validate()
 
 
-def apply(chunks: list, *, lora: LoRAConfig) -> list:
+def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
     """Adapters into the plain (unwrapped) `chunks`, every other parameter frozen; returns `chunks`.
 
-    Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`)."""
+    Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`).
+    `base_path`: the HF folder the frozen weights came from; its `base_reference` is kept on the chunks
+    (`base_of`), so checkpoints name their base and refuse another one."""
     from .compat import fsdp_frozen, peft as peft_compat
     from .compat import bridge_model
     from .compat.bridge import import_bridge
@@ -101,12 +106,64 @@ def apply(chunks: list, *, lora: LoRAConfig) -> list:
     lora.validate()
     peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     peft(chunks, training=True)
+    if base_path is not None:
+        reference = base_reference(base_path=base_path)
+        for chunk in chunks:
+            chunk.mfsdp_lora_base = reference
     return chunks
+
+
+def has_adapters(chunks) -> bool:
+    """Whether any chunk (wrapped or not) holds LoRA adapters."""
+    return any(is_adapter(name) for chunk in chunks for name, _ in chunk.named_parameters())
+
+
+def base_of(chunks) -> dict | None:
+    """The `base_reference` `apply` kept on these chunks (wrapped or not), or None (no LoRA, or no base path)."""
+    for module in list(chunks)[:1]:
+        while not hasattr(module, "mfsdp_lora_base") and hasattr(module, "module"):   # through the wrappers
+            module = module.module
+        return getattr(module, "mfsdp_lora_base", None)
+    return None
+
+
+FINGERPRINT_BLOCK_BYTES = 1 << 20
+"""Bytes read from each of a safetensors file's first, middle and last block (1 MiB each)."""
+
+
+def base_reference(*, base_path) -> dict:
+    """{"path": absolute folder, "fingerprint": sha256 hex} of an HF base folder.
+
+    The fingerprint hashes config.json and, per *.safetensors file (in name order), its name, size, header (every
+    tensor's name, dtype, shape and offsets) and three 1 MiB blocks of its data: 3 MiB read per file, not the
+    whole model (14 GB at 7 B), yet any other model (another fine-tune of the same shapes included) differs in
+    those blocks. A base copied elsewhere keeps its fingerprint; its path is only a hint to the reader."""
+    path = Path(base_path).resolve()
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(json.dumps([file.name, size]).encode() + f.read(header))
+            for start in sorted({8 + header, max(8 + header, size // 2), max(8 + header, size - FINGERPRINT_BLOCK_BYTES)}):
+                f.seek(start)
+                digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
+    return dict(path=str(path), fingerprint=digest.hexdigest())
 
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter name (wrapped or not) belongs to a LoRA adapter."""
     return ".adapter." in f".{name}"
+
+
+def param_counts(chunks) -> dict:
+    """{"trainable": adapter elements, "frozen": base elements} of the whole model (FSDP's DTensors report their
+    global size; under TP, this rank's slice)."""
+    counts = dict(trainable=0, frozen=0)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            counts["trainable" if p.requires_grad else "frozen"] += p.numel()
+    return counts
 
 
 def trainable_names(chunks: list) -> list[str]:

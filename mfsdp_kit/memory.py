@@ -6,6 +6,9 @@ Adam with mixed precision keeps per parameter (the ZeRO paper's accounting):
     = 16 bytes/param either way. Sharding over N data-parallel ranks:
     DDP + distributed optimizer (ZeRO-1):       weights + grads + K/N   (bf16: 4 + 12/N)
     Megatron-FSDP optim_grads_params (ZeRO-3):  16/N
+LoRA (`lora_formula_bytes`): the frozen base keeps its weights only (bf16 2 B, fp32 4 B; / N under FSDP, whole
+under DDP); the adapters, a fraction f of it (~0.5 % at rank 16 on a 7 B model), take the 16 B above. A 7 B model
+in bf16 on 1 GPU: full 16 x 7e9 = 112 GB; LoRA 2 x 7e9 + 16 x 4e7 = 14.6 GB.
 Megatron keeps grads in fp32 buffers by default in FSDP, so measured grads can exceed the
 paper's 2 B; the report measures the buffers themselves (distinct storages), not the formula.
 """
@@ -94,6 +97,13 @@ def zero_formula_bytes(*, num_params: int, dp_size: int, fsdp: bool, dtype: str)
     if fsdp:
         return (weights + grads + optimizer) * num_params // dp_size
     return (weights + grads) * num_params + optimizer * num_params // dp_size
+
+
+def lora_formula_bytes(*, num_base_params: int, num_adapter_params: int, dp_size: int, fsdp: bool, dtype: str) -> int:
+    """Model-state bytes per rank of a LoRA model: the frozen base's weights, plus the ZeRO formula of the adapters."""
+    weights = 4 if dtype == "fp32" else 2
+    base = weights * num_base_params // (dp_size if fsdp else 1)
+    return base + zero_formula_bytes(num_params=num_adapter_params, dp_size=dp_size, fsdp=fsdp, dtype=dtype)
 
 
 def format_table(reports: dict[str, MemoryReport], *, dtype: str) -> str:

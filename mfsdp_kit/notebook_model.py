@@ -7,7 +7,7 @@
                            in 4, 1.70 B; written locally from a seed, no download), fp32 on CPU and bf16 on GPUs
         a directory        your own Hugging Face folder, used in place (fp32 on CPU, bf16 on GPUs)
     MFSDP_DTYPE=fp32|bf16|fp16 overrides the compute dtype of either.
-    MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.attention_backend`): "sdpa" on GPUs
+    MFSDP_ATTENTION=local|sdpa overrides the core attention (`EngineConfig.kernels.attention_backend`): "sdpa" on GPUs
                            (unless the folder's config has an active sliding window, which only "local" maps),
                            "local" on CPU.
 
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from . import gpus
 from .config import DTYPES, EngineConfig, bad_value
+from .config_flat import nest
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
 TINY_SIZES = ("xs", "s", "m", "mw", "l")
@@ -64,15 +65,16 @@ class NotebookModel:
     """A fresh directory for what the notebook writes (exports, checkpoints): never beside a user's folder."""
     lr_scale: float = 1.0
     attention_backend: str = "local"
-    """`EngineConfig.attention_backend` for this model on this hardware (`attention_backend()`)."""
+    """`EngineConfig.kernels.attention_backend` for this model on this hardware (`attention_backend()`)."""
 
     @property
     def size(self) -> str | None:
         return self.choice if self.choice in TINY_SIZES else None
 
     def engine_config(self, **overrides) -> EngineConfig:
-        """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32")."""
-        return EngineConfig(**{"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides})
+        """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32"):
+        fields, sections, or a section field by its name alone (`use_megatron_fsdp=True`, the notebooks' shorthand)."""
+        return EngineConfig(**nest({"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides}))
 
     @property
     def packing_attention(self) -> str:
@@ -225,7 +227,7 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     tokens_per_s = mbs * seq_len_tokens / step_s   # per rank = per GPU (one GPU per rank)
     low_precision = gpu and nbm.dtype in ("bf16", "fp16")
     report = memory_report(chunks, optimizer)
-    fsdp = runtime.current_config().use_megatron_fsdp
+    fsdp = runtime.current_config().wrapper.use_megatron_fsdp
     return dict(
         model=nbm.choice, dtype=nbm.dtype, fsdp=fsdp, dp_size=dp, micro_batch_size=mbs,
         seq_len_tokens=seq_len_tokens, steps=steps, step_s=step_s, tokens_per_s_per_gpu=tokens_per_s,

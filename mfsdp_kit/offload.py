@@ -238,7 +238,7 @@ def _stats(nbytes: int, seconds: float, by_kind: dict) -> dict:
     return dict(bytes=nbytes, seconds=seconds, gb_per_s=nbytes / max(seconds, 1e-9) / 1e9, bytes_by_kind=by_kind)
 
 
-# ---- per-step optimizer offload (EngineConfig.optimizer_offload) -----------------------------------
+# ---- per-step optimizer offload (EngineConfig.offload.optimizer_offload) -----------------------------------
 def stream_optimizer(chunks, optimizer) -> None:
     """Keep Adam's exp_avg/exp_avg_sq and the fp32 main weights on the host between steps.
 
@@ -259,7 +259,7 @@ def stream_optimizer(chunks, optimizer) -> None:
 
 
 def apply_config(cfg, chunks, optimizer):
-    """Honour `cfg.optimizer_offload` on a freshly built optimizer; returns it."""
-    if cfg.optimizer_offload:
+    """Honour `cfg.offload.optimizer_offload` on a freshly built optimizer; returns it."""
+    if cfg.offload.optimizer_offload:
         stream_optimizer(chunks, optimizer)
     return optimizer

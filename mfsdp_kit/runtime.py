@@ -19,10 +19,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import hsdp
 from .compat import startup
 from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
+from .config_sections import Communication
 from .fieldtypes import is_int
+from .parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
         store = _rendezvous(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
                             world_size=world_size, timeout=timeout, agent=agent)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    _init_megatron(cfg)
+    _init_megatron(cfg, cfg.parallel_dims(world_size))
     set_seed(cfg.seed)
     from megatron.core import parallel_state as ps
     _current = Runtime(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device,
@@ -200,36 +201,36 @@ def loopback_interface() -> str | None:
     return None
 
 
-def _init_megatron(cfg: EngineConfig) -> None:
+def _init_megatron(cfg: EngineConfig, dims: ParallelDims) -> None:
     from megatron.core import parallel_state as ps
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    with _nccl_config_file(cfg) as nccl_config:
+    comm = cfg.communication
+    with _nccl_config_file(comm) as nccl_config:
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-            context_parallel_size=cfg.context_parallel_size,
-            expert_model_parallel_size=cfg.expert_model_parallel_size,   # expert TP = TP (megatron's default)
-            num_distributed_optimizer_instances=hsdp.instances(cfg),   # > 1: HSDP's groups (hsdp.py)
-            create_all_gather_group=cfg.use_megatron_fsdp and cfg.fsdp_all_gather_group,
-            high_priority_stream_groups=["dp_cp"] if cfg.high_priority_comm else None,
+            tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+            virtual_pipeline_model_parallel_size=cfg.parallelism.virtual_pipeline_model_parallel_size,
+            context_parallel_size=dims.cp,
+            expert_model_parallel_size=dims.ep,   # expert TP = TP (megatron's default)
+            num_distributed_optimizer_instances=dims.dp_replicate,   # > 1: HSDP's groups (hsdp.py)
+            create_all_gather_group=cfg.wrapper.use_megatron_fsdp and comm.fsdp_all_gather_group,
+            high_priority_stream_groups=["dp_cp"] if comm.high_priority_comm else None,
             nccl_communicator_config_path=nccl_config,
         )
 
 
 @contextlib.contextmanager
-def _nccl_config_file(cfg: EngineConfig):
-    """megatron reads per-communicator NCCL options from a YAML file only: write one for `cfg.nccl_max_ctas` (the
+def _nccl_config_file(comm: Communication):
+    """megatron reads per-communicator NCCL options from a YAML file only: write one for `comm.nccl_max_ctas` (the
     data-parallel groups, which Megatron-FSDP's gathers and reduce-scatters and DDP's reductions use), else None."""
-    if cfg.nccl_max_ctas is None:
+    if comm.nccl_max_ctas is None:
         yield None
         return
     import yaml
     with tempfile.TemporaryDirectory(prefix="mfsdp_nccl_") as tmp:
         path = os.path.join(tmp, "nccl.yaml")
         with open(path, "w") as f:
-            yaml.safe_dump({group: {"max_ctas": cfg.nccl_max_ctas} for group in ("dp_cp", "dp")}, f)
+            yaml.safe_dump({group: {"max_ctas": comm.nccl_max_ctas} for group in ("dp_cp", "dp")}, f)
         yield path
 
 

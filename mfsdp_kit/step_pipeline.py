@@ -1,7 +1,7 @@
 """The optimizer step as one pipeline of named stages, composed in one stated order.
 
 Three features change what `optimizer.step()` does: the fp32 grads made a part at a time (`grad_upcast`), the
-optimizer state streamed from host memory (`offload.stream_optimizer`, `EngineConfig.optimizer_offload`), and
+optimizer state streamed from host memory (`offload.stream_optimizer`, `EngineConfig.offload.optimizer_offload`), and
 the memory peak of the step measured apart from forward/backward (`perf.peaks.record_step_phases`). The naive
 way, each replacing `step` with a wrapper of whatever `step` is now, makes the order the order of the calls, and
 nobody states it: timing installed before offload would not measure the reload. Here each feature adds a stage

@@ -7,6 +7,11 @@ for FSDP each parameter's bucket (one FSDP unit) is all-gathered by Megatron-FSD
 before its conversion task runs, copied out, and released: extra memory is one unit plus one
 tensor, never the whole model. Every rank must iterate the stream (the gathers are collective).
 
+LoRA (`cfg.lora`): the bridge merges each adapted weight as it converts it, W + (alpha / r) B A, so every export
+here (the rollout sync, `save_hf`) is of the merged model. Under Megatron-FSDP the adapters are sharded like any
+weight: `adapters_gathered` all-gathers every adapter bucket for the whole export (they are small; the base
+units still go one at a time), because the bridge reads them while converting the base weight they belong to.
+
 `load_into` (the rollout path, run every RL iteration) does not convert tensor by tensor: it
 replays a `sync_plan` built once per rollout model (views of the gathered buckets, copied in
 place, the next unit's gather in flight meanwhile) and leaves to the bridge only what the plan
@@ -14,6 +19,7 @@ does not know.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -23,7 +29,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import sync_plan
+from . import lora, sync_plan
 from .engine import params_view, unwrap_model
 from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
@@ -59,6 +65,25 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
             megatron_fsdp.release_unit(*held)
 
 
+@contextlib.contextmanager
+def adapters_gathered(chunks) -> Iterator[None]:
+    """Inside the block, every FSDP chunk's LoRA adapters show their full values in the compute view (one
+    all-gather of their buckets, released at the end). No-op for DDP and for models without adapters."""
+    gathered = []
+    try:
+        for inner in unwrap_model([c for c in chunks if is_fsdp(c)]):
+            params = [p for name, p in inner.named_parameters() if lora.is_adapter(name)]
+            fsdp = fsdp_owner(chunks, params[0]) if params else None
+            if fsdp is None:
+                continue
+            fsdp.all_gather_and_wait_parameters_ready(params=params, prefetch=False)
+            gathered += [(fsdp, unit) for unit in {megatron_fsdp.unit_of(fsdp, p) for p in params}]
+        yield
+    finally:
+        for fsdp, unit in gathered:
+            megatron_fsdp.release_unit(fsdp, unit)
+
+
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every HF weight, from DDP or Megatron-FSDP chunks, any TP."""
     with params_view(chunks, "compute"):  # name lookup and bucket lookup both use the compute params
@@ -70,13 +95,14 @@ def _export(chunks, bridge, tasks, *, cpu: bool) -> Iterator[tuple[str, torch.Te
     inner = unwrap_model(list(chunks))
     if any(is_fsdp(c) for c in chunks):
         tasks = _tasks_with_full_params(tasks, chunks)
-    live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
     hf_vocab, vocab_names = bridge.hf_pretrained.config.vocab_size, vocab.hf_vocab_names(bridge)
-    for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
-        tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
-        # The bridge can hand back the live parameter itself (TP=1, already on the target
-        # device): copy it, or a later optimizer step would change what was exported.
-        yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+    live = {p.untyped_storage().data_ptr() for c in inner for p in c.parameters()}
+    with adapters_gathered(chunks):
+        for name, tensor in bridge.export_hf_weights(inner, cpu=cpu, show_progress=False, conversion_tasks=tasks):
+            tensor = vocab.trim(name, tensor, hf_vocab, vocab_names)  # padded vocabulary rows never leave
+            # The bridge can hand back the live parameter itself (TP=1, already on the target
+            # device): copy it, or a later optimizer step would change what was exported.
+            yield name, tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
 
 
 @torch.no_grad()
@@ -118,12 +144,18 @@ def load_into(hf_model: torch.nn.Module, chunks, bridge, *, planned: bool = True
                 bridge=len(seen) - n_planned, plan_built=built, plan_s=plan.build_s if built else 0.0)
 
 
-def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30) -> Path:
+def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30, merged: bool = True) -> Path:
     """Write an HF folder (config, tokenizer, safetensors shards + index) that `transformers` loads.
 
     Collective: every rank streams the weights; rank 0 writes. `shard_bytes` bounds each file.
+    A LoRA model's weights are written merged (W + (alpha / r) B A: a plain model, no peft needed to load it);
+    for the adapters alone use `adapters.save_adapter` (its base is the folder the model was loaded from).
     """
     from safetensors.torch import save_file
+    if not merged and lora.has_adapters(chunks):
+        from .fieldtypes import bad_value
+        raise bad_value("merged", merged, "True: a LoRA model is saved merged; adapters.save_adapter writes the "
+                        "adapters alone, and their base is the unchanged folder the model was loaded from")
     path = Path(path)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if rank0:

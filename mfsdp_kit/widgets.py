@@ -21,15 +21,18 @@ import html
 import json
 from typing import Any
 
-from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig, field_types
+from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
+from .config_flat import flat_values, leaf_fields, nest
 from .lora import LoRAConfig
 
-BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if isinstance(f.default, bool))
+FIELDS = leaf_fields(EngineConfig)
+"""Every value field of EngineConfig and its sections, by its flat name (unique across sections): one widget each."""
+BOOL_FIELDS = tuple(name for name, (_, _, default) in FIELDS.items() if isinstance(default, bool))
 """Every on/off switch of EngineConfig, found from its defaults (so a new switch gets a checkbox)."""
-INT_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig)
-                   if isinstance(f.default, int) and f.name not in BOOL_FIELDS)
+INT_FIELDS = tuple(name for name, (_, _, default) in FIELDS.items()
+                   if isinstance(default, int) and name not in BOOL_FIELDS)
 """Every integer field (parallel sizes, seed), found the same way: a new size is never a text box."""
-OPTIONAL_INT_FIELDS = tuple(name for name, (hint, default) in field_types(EngineConfig).items()
+OPTIONAL_INT_FIELDS = tuple(name for name, (_, hint, default) in FIELDS.items()
                             if default is None and hint == (int | None))
 """Integer-or-None fields (virtual_pipeline_model_parallel_size, nccl_max_ctas): a text box where "" means None."""
 CHOICE_FIELDS = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "recompute": RECOMPUTE}
@@ -99,7 +102,7 @@ class ConfigForm:
     def __init__(self, initial: EngineConfig | None = None):
         import ipywidgets as w
         initial = initial or EngineConfig()
-        self.fields = {f.name: _field_widget(f.name, getattr(initial, f.name)) for f in dataclasses.fields(initial)}
+        self.fields = {name: _field_widget(name, value) for name, value in flat_values(initial).items()}
         self.status = w.HTML()
         self.widget = w.VBox([*self.fields.values(), self.status])
         self.value: EngineConfig = initial
@@ -111,7 +114,7 @@ class ConfigForm:
     def validate(self) -> str | None:
         """Build and validate the config from the fields; show the result; return the error text."""
         try:
-            cfg = EngineConfig(**{n: _parse(n, f.value) for n, f in self.fields.items()})
+            cfg = EngineConfig(**nest({n: _parse(n, f.value) for n, f in self.fields.items()}))
             cfg.validate(on_gpu=False)
         except ConfigError as e:
             self.error = str(e)

@@ -1,4 +1,4 @@
-"""Write the course notebooks (01_wrap .. 07_profile, widgets_demo) without outputs.
+"""Write the course notebooks (01_wrap .. 08_lora, widgets_demo) without outputs.
 
 The notebooks are generated so their source stays reviewable as plain Python: edit this file,
 run `python notebooks/make_notebooks.py`, commit both. Every notebook follows 00_cluster: a
@@ -821,8 +821,141 @@ print("ok:", ", ".join(f"{k} exposed {b['exposed_comm_s'] * 1e3:.1f} of {b['comm
     *STOP,
 ]
 
+# -------------------------------------------------------------------------------------------------
+LORA = [
+    md("""
+# 08 · LoRA under Megatron-FSDP
+
+`EngineConfig(lora=LoRAConfig(rank=8, alpha=16))` puts low-rank adapters on every linear of every layer
+(megatron's `linear_qkv`, `linear_proj`, `linear_fc1`, `linear_fc2`; HF names such as `q_proj` are accepted too)
+through Megatron-Bridge's PEFT, before the wrap: W x + (alpha / r) B A x, with B = 0 at the start. The base is
+frozen, and Megatron-FSDP still shards it (ZeRO-3 over the base too); only A and B have grads, fp32 main weights
+and Adam state. Here: the trainable fraction, a few steps on the embedded task, the memory per rank against full
+fine-tuning, and the adapter exported for HF `peft`, which reproduces the Megatron model's logits.
+"""),
+    code(START + "\nfrom mfsdp_kit import plots"),
+    FP32_NOTE,
+    md("The recipe, on every rank: one builder for both runs, LoRA (`lora_spec`) or full fine-tuning (`None`)."),
+    code("""
+%%px
+import torch
+from transformers import AutoTokenizer
+from mfsdp_kit import adapters, data, engine, generate, lora, runtime
+from mfsdp_kit.config import OptimConfig
+from mfsdp_kit.memory import memory_report
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.train import fit, step
+
+steps, global_batch = 40, 32
+micro_batch_size = global_batch // world_size
+tok = AutoTokenizer.from_pretrained(src)
+task = data.ArithmeticTask(digits=1, tokenizer=tok)   # prompts in the model's own chat template
+seq = data.seq_len_needed(task.train_pairs(90), tok, multiple_of=16)
+spec = lora.LoRAConfig(rank=8, alpha=16)   # all four linears of every layer
+
+def prepare(*, lora_spec, lr):
+    cfg = nbm.engine_config(use_megatron_fsdp=True, dtype="fp32", lora=lora_spec)
+    runtime.init(cfg)
+    model = load(src, cfg)
+    ocfg = OptimConfig(lr=nbm.lr(lr), warmup_steps=5)
+    opt = engine.build_optimizer(model.chunks, ocfg, cfg)
+    return model, opt, engine.build_scheduler(opt, ocfg, total_steps=steps)
+
+def batches():
+    return data.batches(task.train_pairs(90), tok, seq_len_tokens=seq, global_batch=global_batch, seed=0)
+"""),
+    md("""
+First, for comparison, full fine-tuning of the same model: one step, for its memory per rank (Adam's state exists
+after a step). `engine.release` lets a Megatron-FSDP model go before the next one is built.
+"""),
+    code("""
+%%px
+full, full_opt, _ = prepare(lora_spec=None, lr=3e-3)
+step(full.chunks, full_opt, next(batches()), micro_batch_size=micro_batch_size)
+full_memory = memory_report(full.chunks, full_opt).as_dict()
+engine.release(full.chunks)
+del full, full_opt
+"""),
+    md("Now wrap with LoRA. The adapters are a small fraction of the model:"),
+    code("""
+%%px
+model, opt, sched = prepare(lora_spec=spec, lr=1e-2)   # adapters learn at a higher rate than full fine-tuning
+counts = lora.param_counts(model.chunks)
+fraction = counts["trainable"] / (counts["trainable"] + counts["frozen"])
+print(f"rank {rank}: {type(model.chunks[0]).__name__}, trainable {counts['trainable']:,} of "
+      f"{counts['trainable'] + counts['frozen']:,} parameters ({fraction:.1%})")
+"""),
+    md("Train the adapters a few steps:"),
+    code("""
+%%px
+losses = fit(model.chunks, opt, batches(), steps=steps, micro_batch_size=micro_batch_size, scheduler=sched,
+             progress=False).loss
+lora_memory = memory_report(model.chunks, opt).as_dict()
+print(f"rank {rank}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+"""),
+    md("""
+Model state per rank, measured (bars) and predicted (black marks): full fine-tuning's ZeRO-3 formula, and
+LoRA's, the frozen base's weights / N plus the ZeRO-3 formula of the adapters (`memory.lora_formula_bytes`).
+"""),
+    code("""
+from mfsdp_kit.memory import lora_formula_bytes, zero_formula_bytes
+
+counts, n = handle.view["counts"][0], len(handle.ranks)
+reports = {"full fine-tuning": handle.view["full_memory"][0], "LoRA r=8": handle.view["lora_memory"][0]}
+formula = {"full fine-tuning": zero_formula_bytes(num_params=counts["trainable"] + counts["frozen"], dp_size=n,
+                                                  fsdp=True, dtype="fp32"),
+           "LoRA r=8": lora_formula_bytes(num_base_params=counts["frozen"], num_adapter_params=counts["trainable"],
+                                          dp_size=n, fsdp=True, dtype="fp32")}
+print(f"trainable fraction {handle.view['fraction'][0]:.2%}")
+for name, r in reports.items():
+    print(f"{name:>17}: {r['model_state_bytes'] / 2**20:.3f} MiB per rank (formula {formula[name] / 2**20:.3f} MiB), "
+          f"optimizer state {r['optimizer_states_bytes'] / 2**20:.3f} MiB")
+plots.memory_breakdown(reports, formula, title="model state per rank: full fine-tuning vs LoRA")
+"""),
+    md("""
+Export the adapter as HF `peft` writes one (`adapter_config.json`, `adapter_model.safetensors`; megatron's fused
+q/k/v and gate/up adapters split into the HF modules' by the bridge's own mapping), and the Megatron model's logits
+on a few sequences to compare with:
+"""),
+    code("""
+%%px
+adapter_dir = adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=nbm.out("lora_adapter"))
+ids = [tok(p, add_special_tokens=False)["input_ids"] for p, _ in task.rl_prompts(4)]
+tokens = torch.tensor([row[:min(map(len, ids))] for row in ids])   # 4 prompts, cut to the shortest
+want = generate.logits(model.chunks, tokens, vocab_size=model.vocab_size)
+engine.settle_param_gathers(model.chunks)
+print(f"rank {rank}: wrote {sorted(p.name for p in adapter_dir.iterdir())}")
+"""),
+    md("Load it with `peft` on the base model, in this kernel, as any HF user would:"),
+    code("""
+import peft, torch, transformers
+
+base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+peft_model = peft.PeftModel.from_pretrained(base, str(handle.view["adapter_dir"][0])).eval()
+tokens, want = handle.view["tokens"][0], handle.view["want"][0]
+with torch.no_grad():
+    got = peft_model(tokens).logits
+diff = (got - want).abs().max().item()
+print(f"peft vs Megatron logits: max |diff| {diff:.2e} (logits up to {want.abs().max().item():.2f})")
+"""),
+    md("""
+The check: the adapters are a small fraction of the model and learn; LoRA holds less per rank than full
+fine-tuning, its optimizer state a small fraction of full fine-tuning's; peft's logits equal Megatron's (fp32).
+"""),
+    code("""
+losses = handle.view["losses"][0]
+assert handle.view["fraction"][0] < 0.25
+assert sum(losses[-5:]) < sum(losses[:5]), losses
+lora_r, full_r = reports["LoRA r=8"], reports["full fine-tuning"]
+assert lora_r["model_state_bytes"] < full_r["model_state_bytes"], (lora_r, full_r)
+assert lora_r["optimizer_states_bytes"] < 0.3 * full_r["optimizer_states_bytes"], (lora_r, full_r)
+assert diff <= 1e-4 * max(1.0, want.abs().max().item()), diff
+"""),
+    *STOP,
+]
+
 NOTEBOOKS = {"01_wrap": WRAP, "02_sft": SFT, "03_sync": SYNC, "04_checkpoint": CKPT, "05_grpo": GRPO,
-             "06_memory": MEMORY, "07_profile": PROFILE,
+             "06_memory": MEMORY, "07_profile": PROFILE, "08_lora": LORA,
              "widgets_demo": WIDGETS}
 
 

@@ -12,7 +12,8 @@ mkdir -p .whl
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 for pkg in megatron-core==0.16.1 megatron-bridge==0.3.1 transformers==4.57.3 huggingface-hub==0.36.0 \
-           tokenizers==0.22.1 omegaconf==2.3.0 einops psutil pytest pluggy iniconfig; do
+           tokenizers==0.22.1 omegaconf==2.3.0 einops psutil pytest pluggy iniconfig \
+           peft==0.21.2 accelerate==1.16.0; do   # peft: 08_lora and bench/lora.py load the adapter with it
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     "${plat[@]}" -d .whl "$pkg"
 done

@@ -293,6 +293,13 @@ SECTIONS.update({
     "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python",
                     args="--shape qwen2-1.8b --batches 1,64,256,512 --variants {ROLLOUT_VARIANTS}",
                     writes="rollout.json")],
+    # issue 40: LoRA rank 16 on every linear vs full fine-tuning on 1 GPU, the Qwen2.5-7B-shaped folder of load_7b
+    # (written under LOAD_ROOT, removed after): peak GiB, tokens/s, optimizer state against 12 B per trainable param;
+    # then the largest 7b-width GPT each trains on 1 GPU (max_model's search, the fsdp-lora16 variant)
+    "lora": [Row(name="lora", script="bench/lora.py", launch="torchrun1", args="--shape qwen2.5-7b --root {LOAD_ROOT}",
+                 writes="lora.json"),
+             Row(name="lora_max_model", script="bench/max_model.py", launch="torchrun1", writes="lora_max_model.json",
+                 args="--spec 7b --modes fsdp,fsdp-lora16 --layer-step 4 --max-trials 8 --trial-timeout-s 600")],
     # where a decode step's GPU time goes at 256 rows: kernels of the eager engine, the captured step, `pick`
     "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
                             args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "

@@ -1,7 +1,15 @@
 """Every validation error names the field, the bad value and what is allowed."""
+import dataclasses
+import pickle
+import warnings
+
 import pytest
 
 from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, ddp_config
+from mfsdp_kit.config_flat import FLAT_NAMES
+from mfsdp_kit.config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper
+from mfsdp_kit.fieldtypes import field_docs
+from mfsdp_kit.parallel_dims import ParallelDims
 
 
 def raises(match, **kwargs):
@@ -51,7 +59,7 @@ def test_expert_parallel_must_divide_the_data_parallel_ranks():
 @pytest.mark.parametrize("key", ["expert_model_parallel_size", "expert_tensor_parallel_size"])
 def test_expert_layout_overrides_are_refused(key):
     msg = raises(f"override_transformer_config.{key}", override_transformer_config={key: 2})
-    assert "absent" in msg and ("EngineConfig.expert_model_parallel_size" in msg or "tensor_model_parallel_size" in msg)
+    assert "absent" in msg and ("parallelism.expert_model_parallel_size" in msg or "tensor_model_parallel_size" in msg)
 
 
 def test_fsdp_requires_distributed_optimizer():
@@ -119,24 +127,24 @@ def test_optim_config_validation():
 # The validation battery (bad values a hostile or careless user tried), one row per case: each was accepted, or failed only
 # inside megatron after the process group existed. (config kwargs, field the message must name).
 ENGINE_CASES = [
-    (dict(override_ddp_config={"bucket_size": "big"}), "override_ddp_config.bucket_size"),
-    (dict(override_ddp_config={"overlap_grad_reduce": "yes"}), "override_ddp_config.overlap_grad_reduce"),
-    (dict(override_ddp_config={"bucket_size": -5}), "override_ddp_config.bucket_size"),
-    (dict(use_megatron_fsdp="no"), "use_megatron_fsdp"),
-    (dict(tensor_model_parallel_size=True), "tensor_model_parallel_size"),
+    (dict(override_ddp_config={"bucket_size": "big"}), "wrapper.override_ddp_config.bucket_size"),
+    (dict(override_ddp_config={"overlap_grad_reduce": "yes"}), "wrapper.override_ddp_config.overlap_grad_reduce"),
+    (dict(override_ddp_config={"bucket_size": -5}), "wrapper.override_ddp_config.bucket_size"),
+    (dict(use_megatron_fsdp="no"), "wrapper.use_megatron_fsdp"),
+    (dict(tensor_model_parallel_size=True), "parallelism.tensor_model_parallel_size"),
     (dict(override_transformer_config={"num_layers": "2"}), "override_transformer_config.num_layers"),
     (dict(seed="abc"), "seed"),
     (dict(override_transformer_config={"num_layers": 0}), "override_transformer_config.num_layers"),
     (dict(override_transformer_config={"normalization": "BatchNorm"}), "override_transformer_config.normalization"),
     (dict(override_transformer_config={"hidden_dropout": 1.5}), "override_transformer_config.hidden_dropout"),
-    (dict(virtual_pipeline_model_parallel_size="2"), "virtual_pipeline_model_parallel_size"),
-    (dict(fused_kernels=1), "fused_kernels"),
-    (dict(override_ddp_config={"fsdp_double_buffer": True}), "override_ddp_config.fsdp_double_buffer"),   # CPU
-    (dict(override_ddp_config={"nccl_ub": True}), "override_ddp_config.nccl_ub"),
-    (dict(high_priority_comm=True), "high_priority_comm"),   # CPU: an NCCL option
-    (dict(nccl_max_ctas=8), "nccl_max_ctas"),                # CPU: an NCCL option
-    (dict(nccl_max_ctas="8"), "nccl_max_ctas"),
-    (dict(fsdp_all_gather_group="yes"), "fsdp_all_gather_group"),
+    (dict(virtual_pipeline_model_parallel_size="2"), "parallelism.virtual_pipeline_model_parallel_size"),
+    (dict(fused_kernels=1), "kernels.fused_kernels"),
+    (dict(override_ddp_config={"fsdp_double_buffer": True}), "wrapper.override_ddp_config.fsdp_double_buffer"),   # CPU
+    (dict(override_ddp_config={"nccl_ub": True}), "wrapper.override_ddp_config.nccl_ub"),
+    (dict(high_priority_comm=True), "communication.high_priority_comm"),   # CPU: an NCCL option
+    (dict(nccl_max_ctas=8), "communication.nccl_max_ctas"),                # CPU: an NCCL option
+    (dict(nccl_max_ctas="8"), "communication.nccl_max_ctas"),
+    (dict(fsdp_all_gather_group="yes"), "communication.fsdp_all_gather_group"),
 ]
 OPTIM_CASES = [
     (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
@@ -205,3 +213,107 @@ def test_nccl_max_ctas_range(ctas):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)   # callers' `except ValueError` keeps working
+
+
+# ---- sections, the rank arithmetic, the old flat names (issue 39, item 2) ----------------------------------
+def test_every_field_of_every_section_is_documented():
+    for cls in (EngineConfig, *SECTIONS.values()):
+        docs = field_docs(cls)
+        undocumented = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not undocumented, (cls.__name__, undocumented)
+    assert set(FLAT_NAMES) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+
+
+def test_validate_names_a_section_field_by_its_path():
+    msg = raises(r"^parallelism\.context_parallel_size=0 ", parallelism=Parallelism(context_parallel_size=0))
+    assert "positive integer" in msg
+    raises(r"^kernels\.attention_backend='flash' ", kernels=Kernels(attention_backend="flash"))
+    raises(r"^parallelism=\{", parallelism={"tensor_model_parallel_size": 2})   # a dict is not a section
+
+
+@pytest.mark.parametrize("flat", sorted(FLAT_NAMES))
+def test_a_flat_keyword_warns_naming_its_new_field_and_still_works(flat):
+    path = FLAT_NAMES[flat]
+    section, name = path.split(".")
+    value = getattr(EngineConfig(), flat)   # the default, through the flat read
+    value = {"tensor_model_parallel_size": 2, "use_megatron_fsdp": True, "attention_backend": "sdpa"}.get(flat, value)
+    with pytest.warns(DeprecationWarning, match=rf"EngineConfig\({flat}=\.\.\.\) is deprecated: set {path} ") as w:
+        cfg = EngineConfig(**{flat: value})
+    assert w[0].filename == __file__   # the warning points at the caller's line
+    assert getattr(getattr(cfg, section), name) == value and getattr(cfg, flat) == value
+    assert cfg == EngineConfig(**{section: SECTIONS[section](**{name: value})})
+
+
+def test_the_sectioned_config_makes_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2),
+                           wrapper=Wrapper(use_megatron_fsdp=True),
+                           kernels=Kernels(fused_kernels=True), communication=Communication(),
+                           offload=Offload(optimizer_offload=True), dtype="bf16")
+        assert (cfg.tensor_model_parallel_size, cfg.use_megatron_fsdp, cfg.optimizer_offload) == (2, True, True)
+        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg   # to engines
+        assert cfg.to_dict()["parallelism"]["tensor_model_parallel_size"] == 2
+
+
+def test_flat_assignment_and_replace_leave_the_original_alone():
+    cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        other = dataclasses.replace(cfg, attention_backend="sdpa")   # what scenarios and bench scripts do
+    other.tensor_model_parallel_size = 4                             # a new section, not a shared one
+    assert (cfg.tensor_model_parallel_size, cfg.attention_backend) == (2, "local")
+    assert (other.parallelism.tensor_model_parallel_size, other.kernels.attention_backend) == (4, "sdpa")
+
+
+def test_a_flat_dict_written_before_the_sections_still_loads():
+    old = {"tensor_model_parallel_size": 2, "use_megatron_fsdp": True, "nccl_max_ctas": None, "dtype": "bf16"}
+    with pytest.warns(DeprecationWarning, match="parallelism.tensor_model_parallel_size"):
+        cfg = EngineConfig.from_dict(old)
+    assert cfg == EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2),
+                               wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16")
+    with pytest.raises(ConfigError, match=r"EngineConfig\.parallelism\.tensor_parallel_size=2 .*did you mean"):
+        EngineConfig.from_dict({"parallelism": {"tensor_parallel_size": 2}})
+
+
+def test_parallel_dims_does_the_rank_arithmetic():
+    dims = ParallelDims(world=16, tp=2, dp_replicate=2)   # 2 nodes x 8 GPUs, TP 2, HSDP across the nodes
+    assert (dims.dp, dims.dp_shard, dims.dp_cp, dims.model_parallel, dims.hsdp) == (8, 4, 8, 2, True)
+    assert dims.dp_replicate * dims.dp_shard * dims.tp * dims.pp == dims.world
+    cp = ParallelDims(world=8, cp=2)                      # a replica shards over its data x context ranks
+    assert (cp.dp, cp.dp_cp, cp.dp_shard, cp.hsdp) == (4, 8, 8, False)
+    moe = EngineConfig(parallelism=Parallelism(expert_model_parallel_size=2, tensor_model_parallel_size=2))
+    assert moe.parallel_dims(8).expert_dp == 2 and moe.data_parallel_size(8) == moe.parallel_dims(8).dp == 4
+
+
+@pytest.mark.parametrize("dims, named", [
+    (dict(world=6, tp=2, cp=2), "world_size=6 .*2\\*1\\*2 = 4"),
+    (dict(world=4, tp=2, ep=4), "parallelism.expert_model_parallel_size=4 .*world_size=4"),
+    (dict(world=4, dp_replicate=3), "parallelism.data_parallel_replicate_size=3 .*a divisor of the 4 data x context"),
+    (dict(world=8, tp=2, ep=2, dp_replicate=4), "data_parallel_replicate_size=4 .*experts' 2 data-parallel ranks"),
+    (dict(world=8, dp_replicate=2, dp_shard=2), "parallelism.data_parallel_shard_size=2 .*-1 or 4"),
+])
+def test_parallel_dims_refuses_what_does_not_divide(dims, named):
+    with pytest.raises(ConfigError, match=named):
+        ParallelDims(**dims)
+
+
+def test_hsdp_as_fields_equals_the_old_override_path():
+    old_key = {"num_distributed_optimizer_instances": 2, "overlap_grad_reduce": False}
+    with pytest.warns(DeprecationWarning, match="parallelism.data_parallel_replicate_size"):
+        old = EngineConfig(use_megatron_fsdp=True, override_ddp_config=old_key)
+    new = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, override_ddp_config={"overlap_grad_reduce": False}),
+                       parallelism=Parallelism(data_parallel_replicate_size=2))
+    assert old == new and old_key["num_distributed_optimizer_instances"] == 2   # the caller's dict is untouched
+    for cfg in (old, new):
+        cfg.validate(world_size=4, on_gpu=False)
+        d = ddp_config(cfg)
+        assert (d.num_distributed_optimizer_instances, d.overlap_grad_reduce, d.use_megatron_fsdp) == (2, False, True)
+        assert cfg.parallel_dims(4).dp_shard == 2
+    assert ddp_config(EngineConfig()).num_distributed_optimizer_instances == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        both = EngineConfig(parallelism=Parallelism(data_parallel_replicate_size=2),
+                            override_ddp_config={"num_distributed_optimizer_instances": 4})
+    with pytest.raises(ConfigError, match="num_distributed_optimizer_instances=4 .*absent: set parallelism.data_par"):
+        both.validate(on_gpu=False)

@@ -106,7 +106,7 @@ def test_an_hf_moe_model_under_hsdp_is_refused_at_wrap():
     moe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4)
     dense = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     cfg = EngineConfig(use_megatron_fsdp=True, override_ddp_config=HSDP)
-    with pytest.raises(ConfigError, match="num_distributed_optimizer_instances=2 .* MoE experts"):
+    with pytest.raises(ConfigError, match="data_parallel_replicate_size=2 .* MoE experts"):
         hsdp.check_model(cfg, moe)
     hsdp.check_model(cfg, dense)
     hsdp.check_model(EngineConfig(use_megatron_fsdp=True), moe)

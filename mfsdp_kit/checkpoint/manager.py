@@ -240,6 +240,7 @@ class CheckpointManager:
         cfg = runtime.current_config() if runtime._current is not None else None
         return dict(format=FORMATS[self.tensor_format], step=step, world_size=layout["world_size"], tp=layout["tp"],
                     pp=layout["pp"], ep=layout["ep"], fsdp=bool(model and model.fsdp), num_chunks=len(model.chunks) if model else 0,
+                    lora_base=model.lora_base if model else None,
                     components=formats, kit_version=_kit_version(),
                     engine_config=cfg.to_dict() if cfg else None, saved_at=time.time(),
                     hf_source=hf_source or extra.get("hf_source") or self.hf_source, extra=extra,

@@ -148,6 +148,10 @@ def to_hf(checkpoint_dir, out_dir, hf_source=None, *, trust_checkpoint: bool = F
     checkpoint_dir = Path(checkpoint_dir)
     meta, metadata = checked(checkpoint_dir, trust_checkpoint)
     hf_source = hf_source or meta.get("hf_source")
+    if meta.get("lora_base"):
+        raise CheckpointError(f"{checkpoint_dir} holds LoRA adapters only (base: {meta['lora_base']['path']}): load "
+                              "the base with EngineConfig.lora and this checkpoint, then sync.save_hf (merged) or "
+                              "adapters.save_adapter")
     if not hf_source:
         raise CheckpointError(f"{checkpoint_dir / integrity.META} records no hf_source; pass hf_source= (the HF "
                               "folder the model was loaded from)")

@@ -45,7 +45,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import introspect
+from .. import introspect, lora
 from ..compat import fsdp as megatron_fsdp
 from . import collective
 from .errors import CheckpointError
@@ -86,14 +86,16 @@ def model_state(chunks, *, mp_prefix: str = "") -> dict:
     """{chunk index: {canonical name: tensor}}: FSDP DTensor shards or DDP's full tensors.
 
     The values are the live parameter tensors (or DTensor views of them), so a DCP load
-    writes into the model in place.
+    writes into the model in place. A LoRA model's state is its adapters only: the frozen base is the HF
+    folder it was loaded from (`ModelState.lora_base`), never written again.
     """
-    out = {}
+    out, adapters_only = {}, lora.has_adapters(chunks)
     for i, chunk in enumerate(chunks):
         sd = chunk.state_dict_for_save_checkpoint() if hasattr(chunk, "state_dict_for_save_checkpoint") \
             else chunk.state_dict(keep_vars=True)
         out[f"{mp_prefix}{i}"] = {checkpoint_name(canonical(k), chunk): v for k, v in sorted(sd.items())
-                                  if torch.is_tensor(v) and not k.endswith("_extra_state")}
+                                  if torch.is_tensor(v) and not k.endswith("_extra_state")
+                                  and (lora.is_adapter(k) or not adapters_only)}
     return out
 
 
@@ -290,6 +292,27 @@ class ModelState:
 
     def strict_prefix(self) -> str:
         return mp_prefix(self.chunks)
+
+    @property
+    def lora_base(self) -> dict | None:
+        """A LoRA model's base, {"path", "fingerprint"} (`lora.base_reference`); None without adapters."""
+        return (lora.base_of(self.chunks) or dict(path=None, fingerprint=None)) if lora.has_adapters(self.chunks) else None
+
+    def accepts(self, meta: dict, path) -> bool:
+        """Adapters load only onto the base they were trained on (and a full model's weights never onto adapters)."""
+        saved, mine = meta.get("lora_base"), self.lora_base
+        if saved is None and mine is None:
+            return True
+        if saved is None or mine is None:
+            raise CheckpointError(f"{path} holds {'a full model' if saved is None else 'LoRA adapters only'}, this "
+                                  f"model {'has LoRA adapters' if saved is None else 'has none'}: load it into a "
+                                  f"model built {'without' if saved is None else 'with'} EngineConfig.lora")
+        if saved["fingerprint"] != mine["fingerprint"]:
+            raise CheckpointError(f"{path} holds LoRA adapters trained on the base {saved['path']} (fingerprint "
+                                  f"{str(saved['fingerprint'])[:12]}); this model's base is {mine['path']} (fingerprint "
+                                  f"{str(mine['fingerprint'])[:12]}): load the model from the base the adapters "
+                                  "were trained on")
+        return True
 
 
 class OptimizerState:

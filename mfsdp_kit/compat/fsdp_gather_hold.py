@@ -1,6 +1,6 @@
 """An instance patch of Megatron-FSDP's all-gather pipeline: its releases skipped while a step holds it.
 
-`keep_gathered` (EngineConfig.fsdp_keep_gathered) keeps each FSDP unit gathered from a step's first forward to
+`keep_gathered` (EngineConfig.wrapper.fsdp_keep_gathered) keeps each FSDP unit gathered from a step's first forward to
 the end of its backward. megatron-core 0.16.1 has no knob for that (`DistributedDataParallelConfig` has no
 `reshard_after_forward`, which only its torch-FSDP2 config knows): `AllGatherPipeline.release_bucket`
 (megatron_fsdp/param_and_grad_buffer.py:3649) frees a unit after every forward and backward. `install` routes

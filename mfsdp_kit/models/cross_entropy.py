@@ -1,4 +1,4 @@
-"""Cross-entropy from the logits in their own dtype, in compiled kernels (`EngineConfig.fused_cross_entropy`).
+"""Cross-entropy from the logits in their own dtype, in compiled kernels (`EngineConfig.kernels.fused_cross_entropy`).
 
 megatron-core's vocab-parallel cross-entropy without Transformer Engine (tensor_parallel/cross_entropy.py)
 first copies the [tokens, vocab] logits to fp32, then runs max, subtract, exp, sum and divide over that copy,

@@ -71,5 +71,5 @@ class FlexAttention(SDPAttention):
 
 
 def core_attention(backend: str):
-    """The core-attention class of `EngineConfig.attention_backend` "sdpa" or "flex"."""
+    """The core-attention class of `EngineConfig.kernels.attention_backend` "sdpa" or "flex"."""
     return {"sdpa": SDPAttention, "flex": FlexAttention}[backend]

@@ -91,7 +91,7 @@ def install() -> bool:
 
 
 def transformer_settings(fused_kernels: bool, model_config, *, overrides: dict) -> dict:
-    """TransformerConfig fields for `EngineConfig.fused_kernels` on `model_config` (the kwargs dict
+    """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
     the fields `overrides` sets: explicit overrides win. Installs the RoPE kernel first:
     TransformerConfig checks the slot when apply_rope_fusion is set. Raises ConfigError when neither

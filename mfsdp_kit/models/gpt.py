@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from ..introspect import torch_dtype
-from . import fusions
+from . import transformer_settings
 
 
 @dataclass(kw_only=True)
@@ -27,7 +26,7 @@ class GPTSpec:
     """Longest sequence the position embedding covers."""
     num_experts: int | None = None
     """MoE: routed experts per layer (every layer's MLP becomes a megatron MoE layer, experts split
-    over `EngineConfig.expert_model_parallel_size` ranks); None = a dense MLP."""
+    over `EngineConfig.parallelism.expert_model_parallel_size` ranks); None = a dense MLP."""
     moe_ffn_hidden_size: int | None = None
     """Width of one expert's SwiGLU MLP; None = ffn_hidden_size."""
     moe_router_topk: int = 2
@@ -83,29 +82,18 @@ MOE_SPECS = {
 
 
 def transformer_config(spec: GPTSpec, cfg: EngineConfig):
-    """megatron TransformerConfig for `spec` under `cfg` (parallel sizes, dtype, overrides)."""
+    """megatron TransformerConfig for `spec` under `cfg` (`transformer_settings`: parallel sizes, dtype, overrides)."""
     from megatron.core.transformer import TransformerConfig
-    dtype = torch_dtype(cfg.dtype)
-    recompute = {"none": {}, "selective": dict(recompute_granularity="selective"),
-                 "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size, expert_model_parallel_size=cfg.expert_model_parallel_size,
-        sequence_parallel=False, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
-        use_cpu_initialization=True, gradient_accumulation_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False,
-        **recompute[cfg.recompute], **_moe_settings(spec),
+        add_bias_linear=False, **_moe_settings(spec),
     )
-    kwargs.update(cfg.override_transformer_config)
-    kwargs.update(fusions.transformer_settings(cfg.fused_kernels, kwargs, overrides=cfg.override_transformer_config))
+    # the local layer spec always (te_spec=False); CPU init: every layout starts from the same weights
+    kwargs.update(transformer_settings.engine_settings(cfg, te_spec=False, moe=bool(spec.num_experts),
+                                                       cpu_initialization=True))
+    kwargs.update(transformer_settings.fused_kernel_settings(cfg, kwargs, te_spec=False))
     return TransformerConfig(**kwargs)
 
 
@@ -116,18 +104,18 @@ def _moe_settings(spec: GPTSpec) -> dict:
     if not spec.num_experts:
         return {}
     return dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size or spec.ffn_hidden_size,
-                moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                moe_router_load_balancing_type="none", moe_permute_fusion=False)
+                moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="alltoall",
+                moe_router_load_balancing_type="none")   # the TE-only fusions: transformer_settings.MOE_TE_ONLY
 
 
 def layer_spec(cfg: EngineConfig, num_experts: int | None = None):
-    """Local (no Transformer Engine) layer spec; core attention per `cfg.attention_backend`; a MoE MLP
+    """Local (no Transformer Engine) layer spec; core attention per `cfg.kernels.attention_backend`; a MoE MLP
     of megatron's SequentialMLP experts when `num_experts`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=num_experts, moe_grouped_gemm=False)
-    if cfg.attention_backend != "local":
+    if cfg.kernels.attention_backend != "local":
         from .flex import core_attention
-        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.attention_backend)
+        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
     return spec
 
 

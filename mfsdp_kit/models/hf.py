@@ -11,8 +11,9 @@ weight shards, so the first forward already uses them (the Megatron-Bridge #3397
 a loaded checkpoint without effect until the first step - cannot happen). The cost: each rank
 holds one full unsharded copy of its TP slice while loading.
 
-Without Transformer Engine, what the bridge's providers switch on but only TE has is switched off
-(FUSIONS_OFF, MOE_TE_ONLY), and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF);
+Megatron's settings come from `transformer_settings.engine_settings`, as the GPT path's do: without Transformer
+Engine, what the bridge's providers switch on but only TE has is switched off there (FUSIONS_OFF, MOE_TE_ONLY),
+and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF);
 architecture-specific attention modules are kept on the local spec (OLMoE), a vocabulary TP does
 not divide is padded (`models.vocab`), and `load(..., verify=True)` compares the result with
 transformers' logits (`models.verify`).
@@ -29,26 +30,7 @@ from .. import engine, lora
 from ..compat import bridge_model
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
-from . import fusions, support, vocab
-
-FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
-                   masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
-"""Fused kernels that need Transformer Engine or Apex; off on the local spec."""
-
-NATIVE_CE_FUSION_OFF = dict(cross_entropy_loss_fusion=False)
-"""The bridge's providers switch on megatron's "native" fused cross-entropy, which without TE is torch.compile of
-four functions (fusions/fused_cross_entropy.py). Measured: no faster at vocabulary 32768 and 2 GiB more peak on
-2 H200 (docs/benchmarks.md, levers2), and its compile costs each process 2.2 s at its first step (CPU, warm
-compile cache), i.e. in every notebook. Off, megatron's unfused vocab-parallel cross entropy computes the same
-fp32 loss, as megatron-core's own default; `override_transformer_config={"cross_entropy_loss_fusion": True}`
-turns it back on."""
-
-MOE_TE_ONLY = dict(moe_permute_fusion=False, moe_grouped_gemm=False, moe_router_fusion=False)
-"""MoE fusions the Qwen3-MoE and OLMoE bridges switch on that exist only with Transformer Engine:
-`moe_permute_fusion` imports TE's fused_permute (megatron-core 0.16.1 transformer_config.py:1834,
-an ImportError without TE), `moe_grouped_gemm` builds TEGroupedMLP. Off, the experts run as
-megatron's SequentialMLP (one local matmul per expert) with unfused permutation: the same math."""
-
+from . import support, transformer_settings, vocab
 
 @dataclass
 class HFModel:
@@ -101,7 +83,7 @@ def check_folder(hf_path, cfg: EngineConfig | None = None, *, trust_pickle: bool
     except ConfigError as e:
         raise ConfigError(f"{config_file}: {e}") from None
     if cfg is not None:
-        _check_heads(config, cfg.tensor_model_parallel_size)
+        _check_heads(config, cfg.parallelism.tensor_model_parallel_size)
     if _check_weights(path, trust_pickle=trust_pickle):
         check_tensors(path, strict=strict)
     return config
@@ -112,7 +94,8 @@ def _check_heads(config: dict, tp: int) -> None:
     kv_heads = config.get("num_key_value_heads", heads)
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value % tp:
-            raise ConfigError(f"tensor_model_parallel_size={tp} does not divide the model's {name}={value}; "
+            raise ConfigError(f"parallelism.tensor_model_parallel_size={tp} does not divide the model's "
+                              f"{name}={value}; "
                              f"allowed: a divisor of {value}")
 
 
@@ -210,9 +193,9 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
         s = local_layer_spec(config)
         if attention is not None:
             s.submodules.self_attention.module = attention
-        if cfg.attention_backend != "local":
+        if cfg.kernels.attention_backend != "local":
             from .flex import core_attention
-            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.attention_backend)
+            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
         return s
     return spec
 
@@ -223,35 +206,19 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     import_bridge()
     from megatron.bridge import AutoBridge
     from megatron.core.extensions.transformer_engine import HAVE_TE
-    dtype = torch_dtype(cfg.dtype)
-    bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=dtype, trust_remote_code=trust_remote_code)
+    bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch_dtype(cfg.dtype),
+                                           trust_remote_code=trust_remote_code)
     p = bridge.to_megatron_provider(load_weights=False)
     p.transformer_layer_spec = _layer_spec(cfg, getattr(p, "transformer_layer_spec", None))
-    settings = dict(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size, expert_model_parallel_size=cfg.expert_model_parallel_size,
-        sequence_parallel=False,
-        bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16", params_dtype=dtype, pipeline_dtype=dtype,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=not torch.cuda.is_available(),
-    )
-    if not HAVE_TE:
-        settings.update(FUSIONS_OFF, **NATIVE_CE_FUSION_OFF)
-        if getattr(p, "num_moe_experts", None):
-            settings.update(MOE_TE_ONLY)
-    if cfg.recompute != "none":
-        settings.update(recompute_granularity=cfg.recompute)
-        if cfg.recompute == "full":
-            settings.update(recompute_method="uniform", recompute_num_layers=1)
-    settings.update(cfg.override_transformer_config)
+    settings = transformer_settings.engine_settings(
+        cfg, te_spec=HAVE_TE, moe=bool(getattr(p, "num_moe_experts", None)),
+        cpu_initialization=not torch.cuda.is_available())
     for key, value in settings.items():
         setattr(p, key, value)
-    if not HAVE_TE:  # after the overrides: which fusions apply depends on the model's final settings
-        for key, value in fusions.transformer_settings(cfg.fused_kernels, p,
-                                                       overrides=cfg.override_transformer_config).items():
-            setattr(p, key, value)
-    vocab.configure(p, p.vocab_size, cfg.tensor_model_parallel_size)
+    # after the overrides: which fusions apply depends on the model's final settings
+    for key, value in transformer_settings.fused_kernel_settings(cfg, p, te_spec=HAVE_TE).items():
+        setattr(p, key, value)
+    vocab.configure(p, p.vocab_size, cfg.parallelism.tensor_model_parallel_size)
     p.window_size = support.megatron_window(bridge.hf_pretrained.config.to_dict(), getattr(p, "window_size", None))
     p.finalize()
     return bridge, p
@@ -261,7 +228,7 @@ def load_weights(bridge, chunks, hf_path, cfg: EngineConfig) -> None:
     """The HF folder's weights into the unwrapped `chunks`: the bridge's own load, or, where TP
     needs a padded vocabulary, the padded load with the padded logits masked."""
     hf_vocab = bridge.hf_pretrained.config.vocab_size
-    padded = vocab.padded_size(hf_vocab, cfg.tensor_model_parallel_size)
+    padded = vocab.padded_size(hf_vocab, cfg.parallelism.tensor_model_parallel_size)
     if padded != hf_vocab:
         vocab.load_padded(bridge, chunks, padded)
         vocab.mask_padded_logits(chunks, hf_vocab)
@@ -290,7 +257,7 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     chunks = run("build", engine.build, cfg, p, wrap=False)
     run("weights", load_weights, bridge, chunks, hf_path, cfg)
     if cfg.lora is not None:   # before the wrap: the wrappers lay out grad buffers from requires_grad
-        run("lora", lora.apply, chunks, lora=cfg.lora)
+        run("lora", lora.apply, chunks, lora=cfg.lora, base_path=hf_path)
     if wrap:
         chunks = run("wrap", engine.wrap_chunks, cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)

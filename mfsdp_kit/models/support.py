@@ -136,9 +136,10 @@ def _sliding_window(arch: str, config: dict, cfg) -> None:
                       "false): if your sequences never exceed the window, set sliding_window to null in config.json",
                       f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
                       "sequence where HF attends over the last sliding_window tokens")
-    if cfg is not None and cfg.attention_backend != "local":
-        raise _refuse(arch, "sliding_window", window, f"null with attention_backend={cfg.attention_backend!r} (the "
-                      "window works with attention_backend='local')", "the kit's SDPA attention has no sliding-window mask")
+    if cfg is not None and cfg.kernels.attention_backend != "local":
+        raise _refuse(arch, "sliding_window", window, f"null with kernels.attention_backend="
+                      f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local')",
+                      "the kit's SDPA attention has no sliding-window mask")
 
 
 def megatron_window(config: dict, bridge_window):
@@ -208,22 +209,23 @@ def _moe(arch: str, config: dict, cfg) -> None:
 
 
 def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
-    ep = cfg.expert_model_parallel_size
+    par = cfg.parallelism
+    ep = par.expert_model_parallel_size
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep != 1 and not experts:
-        raise bad_value("expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose experts "
-                        "expert parallelism could split")
+        raise bad_value("parallelism.expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose "
+                        "experts expert parallelism could split")
     if ep != 1 and experts % ep:
-        raise bad_value("expert_model_parallel_size", ep, f"a divisor of the model's num_experts={experts} "
+        raise bad_value("parallelism.expert_model_parallel_size", ep, f"a divisor of the model's num_experts={experts} "
                         "(each expert-parallel rank holds num_experts / expert_model_parallel_size experts)")
-    if experts and arch != "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
-        raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
+    if experts and arch != "OlmoeForCausalLM" and par.tensor_model_parallel_size != 1:
+        raise bad_value("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size,
                         f"1 for {arch} (MoE): megatron-core 0.16.1 requires sequence parallelism with MoE and "
                         "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable: "
                         "it splits every forward's sequence over the TP ranks (tensor_parallel/mappings.py:70 needs "
                         "a length divisible by TP), which greedy decoding (one token longer per step) and the data "
                         "path do not guarantee. Use expert_model_parallel_size to split the experts instead")
-    if arch == "OlmoeForCausalLM" and cfg.tensor_model_parallel_size != 1:
-        raise bad_value("tensor_model_parallel_size", cfg.tensor_model_parallel_size,
+    if arch == "OlmoeForCausalLM" and par.tensor_model_parallel_size != 1:
+        raise bad_value("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size,
                         "1 for OlmoeForCausalLM: its QK norm spans all heads and the bridge's OLMoE attention "
                         "normalises only the heads of its own tensor-parallel rank")

@@ -10,15 +10,20 @@ writing runs at memory speed, not at the RNG's: a 7.6 B folder is 15 GB and take
 Megatron-Bridge to build a provider and its conversion tasks (it orders them by the index's names)
 when the weights themselves do not matter, e.g. timing a sync whose result is checked against the
 bridge's own export of the same megatron weights. Nothing may read a weight from such a folder.
+
+`write_for_world(name, shape, ...)` is the benchmarks' way to get one folder every rank reads: rank 0 writes it
+under a root with room (`pick_root`) and every rank gets its path; `remove_for_world` removes it at the end.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 SHAPES = {
     # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
@@ -38,6 +43,38 @@ SHAPES = {
 }
 POOL_ELEMENTS = 1 << 26
 """64 M bf16 values (128 MiB) drawn once; every weight is a tiling of it from a per-tensor offset."""
+
+
+def pick_root(root: str, need_bytes: int) -> Path:
+    """`root` if it has room for the folder (+10 %), else the first of /tmp, runs/ that does."""
+    for candidate in (root, "/tmp", "runs"):
+        Path(candidate).mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(candidate).free > 1.1 * need_bytes:
+            return Path(candidate)
+    raise RuntimeError(f"no room for {need_bytes / 2**30:.1f} GiB under {root}, /tmp or runs/")
+
+
+def write_for_world(name: str, shape: str, *, root: str, shard_gb: float) -> tuple[Path, dict]:
+    """(path, `write_folder`'s dict) on every rank: rank 0 writes `shape` as the folder `name` under `root` (or
+    where `pick_root` finds room for its bf16 weights), replacing an earlier one. Collective where a process
+    group exists."""
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        need_bytes = 2 * sum(s.numel() for s in tensor_shapes(shape).values())   # bf16
+        path = pick_root(root, need_bytes) / name
+        shutil.rmtree(path, ignore_errors=True)
+        box = [dict(path=str(path), write=write_folder(path, shape, shard_gb=shard_gb))]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return Path(box[0]["path"]), box[0]["write"]
+
+
+def remove_for_world(path: Path, *, keep: bool) -> None:
+    """After every rank is done with `write_for_world`'s folder, rank 0 removes it unless `keep`. Collective."""
+    if dist.is_initialized():
+        dist.barrier()
+    if not keep and (not dist.is_initialized() or dist.get_rank() == 0):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def hf_config(shape: str):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import engine, runtime, sync
-from ..config import EngineConfig, OptimConfig
+from ..config import EngineConfig, OptimConfig, Parallelism, Wrapper
 from ..data import random_token_batches
 from ..generate import logits
 from ..introspect import torch_dtype
@@ -32,7 +32,8 @@ def roundtrip(*, arch: str, size: str, tp: int, fsdp: bool, dtype: str, workdir:
     world; rank 0's dict holds every number (and `exported_file`, the weights after one step)."""
     import transformers
     from safetensors.torch import save_file
-    cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, dtype=dtype, seed=3)
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=fsdp), parallelism=Parallelism(tensor_model_parallel_size=tp),
+                       dtype=dtype, seed=3)
     rt = runtime.init(cfg)
     src = f"{workdir}/src_{arch}_{size}"
     if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):

@@ -73,7 +73,7 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     rt = runtime.current()
     model = gpt_model_fn(spec, cfg)(pre_process=True, post_process=True)
-    if cfg.fused_cross_entropy:  # as engine.build does for the megatron wrappers
+    if cfg.kernels.fused_cross_entropy:  # as engine.build does for the megatron wrappers
         from ..models import cross_entropy
         cross_entropy.install(model)
     for p in model.parameters():

@@ -17,6 +17,8 @@ import json
 import torch
 
 from ..config import EngineConfig
+from ..config_flat import nest
+from ..lora import LoRAConfig
 from ..models.gpt import GPTSpec
 from .flops import layer_params
 
@@ -106,6 +108,10 @@ VARIANTS = {
     # FSDP2's same trade, for a like-for-like comparison: reshard_after_forward=False, and no reshard after the
     # backward of any but the step's last micro-batch (an "fsdp2" entry holds build_fsdp2's options)
     "fsdp2-keep-gathered": ("fsdp2", dict(fsdp2=dict(keep_gathered=True))),
+    # LoRA rank 16 (alpha 32) on every linear of every layer (EngineConfig.lora): the base frozen (bf16 weights
+    # only, sharded under fsdp), grads, fp32 main weights and Adam state for the adapters only (bench/lora.py)
+    "fsdp-lora16": ("fsdp", dict(lora=LoRAConfig(rank=16, alpha=32))),
+    "ddp-lora16": ("ddp", dict(lora=LoRAConfig(rank=16, alpha=32))),
 }
 
 
@@ -154,7 +160,7 @@ def engine_config(mode: str, spec: GPTSpec, *, dtype: str, attention: str, recom
         # Initialise on the GPU: CPU init of billions of parameters takes minutes.
         override_transformer_config=dict(use_cpu_initialization=False) if torch.cuda.is_available() else {})
     fields["override_transformer_config"].update(overrides.pop("override_transformer_config", {}))
-    return EngineConfig(**{**fields, **overrides})
+    return EngineConfig(**nest({**fields, **overrides}))   # VARIANTS rows name fields by their flat names
 
 
 # ---- the command line of the benchmarks that compare variants (bench/throughput.py, max_model.py) ----
@@ -164,13 +170,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--attention", default="sdpa", choices=["local", "sdpa"])
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    ap.add_argument("--fused-kernels", action="store_true", help="EngineConfig.fused_kernels: compiled RoPE + SwiGLU")
+    ap.add_argument("--fused-kernels", action="store_true",
+                    help="EngineConfig.kernels.fused_kernels: compiled RoPE + SwiGLU")
     ap.add_argument("--fused-cross-entropy", action="store_true",
-                    help="EngineConfig.fused_cross_entropy: the loss from the bf16 logits in compiled kernels")
+                    help="EngineConfig.kernels.fused_cross_entropy: the loss from the bf16 logits in compiled kernels")
     ap.add_argument("--fsdp-overrides", default='{"overlap_param_gather": true}',
-                    help="JSON for EngineConfig.override_ddp_config in the fsdp modes")
+                    help="JSON for EngineConfig.wrapper.override_ddp_config in the fsdp modes")
     ap.add_argument("--ddp-overrides", default='{"overlap_grad_reduce": true}',
-                    help="JSON for EngineConfig.override_ddp_config in the ddp mode")
+                    help="JSON for EngineConfig.wrapper.override_ddp_config in the ddp mode")
     ap.add_argument("--timeout-s", type=float, default=600.0)
 
 

@@ -1,10 +1,11 @@
 """perf.hf_folder on the CPU smoke shape: the index names exactly the model's tensors, the weights
-load into transformers with the shapes the config implies, and weights=False writes names only."""
+load into transformers with the shapes the config implies, and weights=False writes names only; the benchmarks'
+write_for_world / remove_for_world (one process, no process group here)."""
 import json
 
 import torch
 
-from mfsdp_kit.perf.hf_folder import tensor_shapes, write_folder
+from mfsdp_kit.perf.hf_folder import remove_for_world, tensor_shapes, write_folder, write_for_world
 
 
 def test_folder_with_and_without_weights(tmp_path):
@@ -23,3 +24,16 @@ def test_folder_with_and_without_weights(tmp_path):
     index = json.loads((tmp_path / "names" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(shapes) and names["shards"] == 0
     assert not list((tmp_path / "names").glob("*.safetensors"))
+
+
+def test_write_for_world_replaces_then_removes(tmp_path):
+    stale = tmp_path / "mfsdp_x_small"
+    stale.mkdir()
+    (stale / "left_over").write_text("an earlier run's")
+    path, write = write_for_world("mfsdp_x_small", "small", root=str(tmp_path), shard_gb=0.0002)
+    assert path == stale and not (path / "left_over").exists() and (path / "config.json").is_file()
+    assert write["shards"] >= 2 and write["bytes"] == 2 * sum(s.numel() for s in tensor_shapes("small").values())
+    remove_for_world(path, keep=True)
+    assert path.is_dir()
+    remove_for_world(path, keep=False)
+    assert not path.exists()

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from mfsdp_kit.config_flat import flat_values
 from mfsdp_kit.models.gpt import SPECS
 from mfsdp_kit.perf.flops import flops_per_token, layer_params, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, record_step_phases
@@ -59,12 +60,13 @@ def test_variant_configs():
     assert cfg["fsdp-keep-gathered"].fsdp_keep_gathered and not cfg["fsdp"].fsdp_keep_gathered
     assert fsdp2_options("fsdp2-keep-gathered", spec) == {"keep_gathered": True} and not fsdp2_options("fsdp2", spec)
     assert cfg["fsdp2-keep-gathered"] == cfg["fsdp2"]   # its option is build_fsdp2's, not an EngineConfig field
+    assert cfg["fsdp-lora16"].lora.rank == cfg["ddp-lora16"].lora.rank == 16 and cfg["fsdp"].lora is None
     for m, c in cfg.items():  # each variant changes only what it names
         base = cfg[VARIANTS[m][0]]
-        changed = {k for k, v in c.to_dict().items() if v != base.to_dict()[k]}
+        changed = {k for k, v in flat_values(c).items() if v != flat_values(base)[k]}
         assert changed <= {"override_ddp_config", "recompute", "optimizer_offload", "fused_kernels",
                            "fsdp_all_gather_group", "high_priority_comm", "override_transformer_config",
-                           "nccl_max_ctas", "fused_cross_entropy", "fsdp_keep_gathered"}, (m, changed)
+                           "nccl_max_ctas", "fused_cross_entropy", "fsdp_keep_gathered", "lora"}, (m, changed)
         assert c.dtype == "bf16" and c.attention_backend == "sdpa" and not c.fused_kernels
     fused = {m: engine_config(m, spec, **{**SETTINGS, "fused_kernels": True}).fused_kernels for m in VARIANTS}
     assert fused == {m: m != "fsdp-unfused" for m in VARIANTS}
