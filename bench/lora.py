@@ -100,13 +100,13 @@ def train_variant(variant: str, path: Path, args, vocab_size: int, peaks) -> dic
 
 def table(results: dict) -> str:
     gib = 2**30
-    lines = [f"{'variant':<8}{'params':>12}{'trainable':>12}{'peak GiB':>10}{'tokens/s':>10}"
+    lines = [f"{'variant':<8}{'params':>15}{'trainable':>15}{'peak GiB':>10}{'tokens/s':>10}"
              f"{'optim GiB':>11}{'formula':>9}{'state GiB':>11}{'formula':>9}  error"]
     for name, r in results.items():
         if r.get("error"):
             lines.append(f"{name:<8}{'':>83}  {r['error'][:80]}")
             continue
-        lines.append(f"{name:<8}{r['trainable'] + r['frozen']:>12,}{r['trainable']:>12,}{r['peak_bytes'] / gib:>10.2f}"
+        lines.append(f"{name:<8}{r['trainable'] + r['frozen']:>15,}{r['trainable']:>15,}{r['peak_bytes'] / gib:>10.2f}"
                      f"{r['tokens_per_s']:>10.0f}{r['optimizer_state_bytes'] / gib:>11.3f}"
                      f"{r['optimizer_formula_bytes'] / gib:>9.3f}{r['model_state_bytes'] / gib:>11.2f}"
                      f"{r['model_state_formula_bytes'] / gib:>9.2f}")

@@ -12,6 +12,8 @@ cross-entropy (the kit's GPU settings):
 - packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
   more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
 - packed-flex: the same budget, one flex_attention per packed row over a document mask (attention_backend="flex").
+A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows hold no padding, so a budget
+above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
 Reported per way: median step time; real tokens/s (tokens up to each sequence's last loss token, what both
 ways train on); positions/s (what the model computes); micro-batches a step; peak memory; the largest
 relative loss difference from the padded way (the same numbers up to bf16 rounding); and per mix the share
@@ -35,6 +37,14 @@ from mfsdp_kit.train import local_micro_batches, step
 
 WAYS = {"padded": ("sdpa", False), "packed-sdpa": ("sdpa", True), "packed-flex": ("flex", True)}
 """way -> (attention_backend, packed)."""
+
+
+def parse_way(way: str) -> tuple[str, bool, int | None] | None:
+    """"packed-sdpa@11520" -> (attention_backend, packed, token budget or None); None if not a way."""
+    name, at, tokens = way.partition("@")
+    if name not in WAYS or (at and not (tokens.isdigit() and WAYS[name][1])):
+        return None
+    return (*WAYS[name], int(tokens) if at else None)
 
 
 def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_size: int) -> list:
@@ -70,7 +80,7 @@ def print_profile(name: str, prof: dict) -> None:
 
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
             profile: bool = False) -> dict:
-    attention, packed = WAYS[way]
+    attention, packed, tokens = parse_way(way)
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
                        fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
     runtime.init(cfg)
@@ -78,7 +88,7 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)
     seq = batches[0].tokens.shape[1]
     how = dict(micro_batch_size=micro_batch_size, packed=packed,
-               max_tokens_per_micro_batch=micro_batch_size * seq if packed else None)
+               max_tokens_per_micro_batch=(tokens or micro_batch_size * seq) if packed else None)
     cuda = torch.cuda.is_available()
     losses, times = [], []
     for i, b in enumerate(batches):
@@ -111,18 +121,18 @@ def guarded(way: str, batches: list, **kwargs) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [f"{'mix':<4} {'way':<12} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
+    lines = [f"{'mix':<4} {'way':<18} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
              f"{'peak GiB':>8} {'x padded':>8} {'max rel |dloss|':>15}"]
     for mix, r in results.items():
         base = r["ways"].get("padded")
         base = base if base and "error" not in base else None
         for way, w in r["ways"].items():
             if "error" in w:
-                lines.append(f"{mix:<4} {way:<12} FAILED {w['error']}")
+                lines.append(f"{mix:<4} {way:<18} FAILED {w['error']}")
                 continue
             speedup = w["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
             gap = max(abs(a - b) / abs(b) for a, b in zip(w["losses"], base["losses"])) if base else float("nan")
-            lines.append(f"{mix:<4} {way:<12} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
+            lines.append(f"{mix:<4} {way:<18} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
                          f"{w['positions_per_s']:12.0f} {w['micro_batches_per_rank']:4d} {w['peak_gib']:8.2f} "
                          f"{speedup:8.2f} {gap:15.2e}")
         lines.append(f"{mix:<4} padding: {r['padding_fraction']:.1%} of the padded positions "
@@ -134,7 +144,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="1.7b", choices=sorted(SPECS))
     ap.add_argument("--mixes", default="sft,rl", help=f"comma-separated of {','.join(length_mix.MIXES)}")
-    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated of {','.join(WAYS)}")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"comma-separated of {','.join(WAYS)}; a packed way may add @TOKENS, its micro-batch budget")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per global batch (a step)")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="padded rows per micro-batch; x S = the budget")
     ap.add_argument("--max-tokens", type=int, default=2048, help="the longest sequence of a mix")
@@ -145,8 +156,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/packing.json")
     args = ap.parse_args()
     ways = args.ways.split(",")
-    if bad := [w for w in ways if w not in WAYS]:
-        raise SystemExit(f"--ways: {bad} not allowed; allowed: {','.join(WAYS)}")
+    if bad := [w for w in ways if parse_way(w) is None]:
+        raise SystemExit(f"--ways: {bad} not allowed; allowed: {','.join(WAYS)}, a packed one with @TOKENS")
     runtime.init(EngineConfig())
     spec, results = SPECS[args.spec], {}
     for mix in args.mixes.split(","):
