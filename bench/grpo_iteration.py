@@ -5,7 +5,7 @@ rollout engine (`rl.rollout.ContinuousRollout`), the same model, prompts and see
     python bench/grpo_iteration.py --size xs --prompts 4 --samples 2 --max-new-tokens 16 --iterations 1  # CPU
 
 The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrained, so its responses run long
-(its positions are raised to 1024 in config.json for that), 64 prompts x 8 samples of the 3-digit arithmetic
+(written with 1024 positions for that), 64 prompts x 8 samples of the 3-digit arithmetic
 task, up to 512 new tokens at T 1. Each iteration is split into sync (weights into the rollout model), rollout,
 logprob (old log-probs) and update seconds (`GRPOHistory`), with the mean response length and the
 train-inference log-prob mismatch. Prints a table per backend and writes JSON; `plots.iteration_time` draws it.
@@ -13,8 +13,6 @@ train-inference log-prob mismatch. Prints a table per backend and writes JSON; `
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 import torch
 import torch.distributed as dist
@@ -36,9 +34,7 @@ def model_folder(size: str, *, positions: int) -> str:
     """A tiny model of `size` written once per run on rank 0, with `positions` rotary positions."""
     src = f"/tmp/mfsdp_grpo_iteration_{size}"
     if runtime.current().rank == 0:
-        tiny(src, size=size, seed=0)
-        cfg = pathlib.Path(src, "config.json")
-        cfg.write_text(json.dumps(dict(json.loads(cfg.read_text()), max_position_embeddings=positions)))
+        tiny(src, size=size, seed=0, positions=positions)
     dist.barrier()
     return src
 

@@ -113,6 +113,15 @@ def number_in(low: float, high: float = math.inf, *, low_open: bool = False) -> 
     return ok, f"a number in {'(' if low_open else '['}{low}, {high}]"
 
 
+def check_fields(obj: Any, **ranges: Range) -> None:
+    """A dataclass's fields' types (`check_field_types`), then each field named in `ranges` against its range:
+    the first bad one raises `bad_value`'s ConfigError (field, value, allowed)."""
+    check_field_types(obj)
+    for name, (ok, allowed) in ranges.items():
+        if not ok(getattr(obj, name)):
+            raise bad_value(name, getattr(obj, name), allowed)
+
+
 def checked_args(**ranges: Range):
     """Decorator: the arguments named in `ranges` are checked when the function is called, before its body runs,
     with `bad_value`'s message (argument, value, allowed). Arguments left at their default are not checked."""

@@ -104,13 +104,16 @@ def _check(field: str, value: str, allowed) -> None:
         raise bad_value(field, value, ", ".join(map(repr, allowed)))
 
 
-def hf_config(*, arch: str = "qwen2", size: str = "xs"):
-    """The transformers config of a tiny model (fp32, untied embeddings, padded vocab)."""
+def hf_config(*, arch: str = "qwen2", size: str = "xs", positions: int = MAX_POSITION_EMBEDDINGS):
+    """The transformers config of a tiny model (fp32, untied embeddings, padded vocab); `positions`: its
+    max_position_embeddings in tokens (longer rollouts need more)."""
     _check("arch", arch, ARCHS)
     _check("size", size, tuple(SIZES))
+    if not (isinstance(positions, int) and positions > 0):
+        raise bad_value("positions", positions, "a positive integer (tokens)")
     from transformers import LlamaConfig, Qwen2Config
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    return cls(**SIZES[size], vocab_size=len(vocab()), max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+    return cls(**SIZES[size], vocab_size=len(vocab()), max_position_embeddings=positions,
                tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -145,11 +148,13 @@ def state_dict(*, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> dict[
     return {name: _tensor(name, p.shape, seed) for name, p in model.state_dict().items()}
 
 
-def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0) -> pathlib.Path:
-    """Write a loadable HF folder at `path` (created if missing) and return it as a Path."""
+def tiny(path, *, arch: str = "qwen2", size: str = "xs", seed: int = 0,
+         positions: int = MAX_POSITION_EMBEDDINGS) -> pathlib.Path:
+    """Write a loadable HF folder at `path` (created if missing) and return it as a Path; `positions` as
+    `hf_config`'s (the weights do not depend on it: RoPE has none)."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
-    config = hf_config(arch=arch, size=size)
+    config = hf_config(arch=arch, size=size, positions=positions)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config.architectures = [_model_class(arch).__name__]

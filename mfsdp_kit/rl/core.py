@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import offload, runtime
 from ..config import bad_value
-from ..fieldtypes import COUNT, INDEX, checked_args, check_field_types, is_int, number_in, optional
+from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
 from .rollout import RolloutBackend
 from .rollout.placement import ReplicaPlacement
@@ -79,15 +79,12 @@ class RolloutConfig:
     samples, and back before the update (`offload.offload` / `offload.reload`)."""
 
     def __post_init__(self):
-        """Checked when made (each field's type, `fieldtypes.check_field_types`, then these ranges), not in the
+        """Checked when made (each field's type, `fieldtypes.check_fields`), not in the
         middle of the first iteration."""
-        check_field_types(self)
-        for name, (ok, allowed) in dict(
-                prompts_per_iteration=COUNT, samples_per_prompt=COUNT, max_new_tokens=COUNT, ppo_epochs=COUNT,
-                num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX, temperature=number_in(0, low_open=True),
-                top_p=number_in(0, 1, low_open=True), kl_coef=number_in(0)).items():
-            if not ok(getattr(self, name)):
-                raise bad_value(name, getattr(self, name), allowed)
+        check_fields(self, prompts_per_iteration=COUNT, samples_per_prompt=COUNT, max_new_tokens=COUNT,
+                     ppo_epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX,
+                     temperature=number_in(0, low_open=True), top_p=number_in(0, 1, low_open=True),
+                     kl_coef=number_in(0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -72,6 +72,19 @@ def test_bad_args_name_the_field(tmp_path, field, kwargs):
     assert not (tmp_path / "cache").exists()
 
 
+def test_positions_reach_the_config_and_leave_the_weights(tmp_path, xs_path):
+    """`positions` is the written config's max_position_embeddings; the weights are the default folder's; a bad
+    value is refused by name before anything is written."""
+    from safetensors.torch import load_file
+    path = tiny(tmp_path / "long", positions=1024)
+    assert AutoModelForCausalLM.from_pretrained(path).config.max_position_embeddings == 1024
+    a, b = load_file(path / "model.safetensors"), load_file(xs_path / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"positions=0 .*allowed.*positive integer"):
+        tiny(tmp_path / "bad", positions=0)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cached_names_the_knob_when_it_cannot_write(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -1,8 +1,8 @@
 """The kit's rollout engine: continuous batching over a slot KV cache, one CUDA graph per batch and slot bucket.
 
 The naive loop (HF `generate`, as `HFRollout` calls it) pads every prompt of a call into one batch, grows a
-dynamic cache and launches every kernel of every step from Python: ~70 ms a step on 1 H200 whatever the batch
-(issue 37), and a batch runs until its longest row ends, however many rows have stopped. Here:
+dynamic cache and launches every kernel of every step from Python: a step costs the same whatever the batch
+(docs/benchmarks.md, rollout), and a batch runs until its longest row ends, however many rows have stopped. Here:
   - the KV cache holds `rows` sequences of `slots` slots (`decoder.py`); rows are sized from the device's free
     memory (`DecodeConfig.cache_memory_fraction`, vLLM's gpu_memory_utilization) and the cache is freed after
     each call unless `keep_cache`, so the policy update gets the memory back;
@@ -27,7 +27,7 @@ import torch
 
 from ... import chat
 from ...config import bad_value
-from ...fieldtypes import COUNT, check_field_types, number_in
+from ...fieldtypes import COUNT, check_fields, number_in
 from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
@@ -56,11 +56,8 @@ class DecodeConfig:
     of freeing them after each call for the policy update."""
 
     def __post_init__(self):
-        check_field_types(self)
-        for name, (ok, allowed) in dict(max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
-                                        cache_memory_fraction=number_in(0, 1, low_open=True)).items():
-            if not ok(getattr(self, name)):
-                raise bad_value(name, getattr(self, name), allowed)
+        check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
+                     cache_memory_fraction=number_in(0, 1, low_open=True))
 
 
 @dataclass

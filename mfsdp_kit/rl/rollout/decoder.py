@@ -4,16 +4,15 @@ The naive way (HF `forward` with a `DynamicCache`) launches ~25 kernels per laye
 and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the weights are the HF model's own, regrouped once in place (`fuse_projections`): q/k/v of a layer
     become views of one [q + k + v, hidden] tensor and gate/up views of one [2 * ffn, hidden] tensor, so
-    a step runs one GEMM for each group (measured at 256 rows on an H200: 6.8 against 16.7 us for q/k/v);
+    a step runs one GEMM for each group, not three or two;
     the HF modules still work and `sync.load_into` still copies into them by name, into the views;
   - the cache is one K and one V tensor per layer, [rows, kv_heads, slots, head_dim]; row r holds one
     sequence from slot 0, so rows of different lengths share a step (continuous batching, `continuous.py`);
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - decode attention is one SDPA per layer in the grouped-query layout (q [b, heads, 1, D] against the cache's
-    kv_heads, `enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: on an H200
-    at 256 rows this runs cuDNN's kernel at 39-66 us per layer for 192-448 slots, against 64-104 us for the
-    G query heads laid out as G query rows over a visibility lane (head_dim 136, which cuDNN pads to 192);
-    flex_attention's block mask costs 43 us to build per step and its kernel is slower here;
+    kv_heads, `enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: on a GPU
+    cuDNN's kernel, faster than a visibility-lane layout (head_dim padded past 128) and than flex_attention,
+    whose block mask alone costs more than the kernel (docs/benchmarks.md, rollout);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
     functions (`Glue`), compiled on a GPU for each batch size.
 Every function computes the HF model's own function: tests/rl/test_continuous.py compares greedy tokens
@@ -149,8 +148,8 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, t
 
 class Glue:
     """The decode step's elementwise functions, each `torch.compile`d when `compiled`, for each batch size the
-    engine runs (at most 10 power-of-two buckets, so dynamo's recompile limit is raised to hold them): at 256 rows
-    on an H200, act * up takes 4.3 us compiled for the shape, 9.8 us compiled with a symbolic batch, 14 us eager.
+    engine runs (at most 10 power-of-two buckets, so dynamo's recompile limit is raised to hold them): compiled
+    for the shape a kernel runs at about half its time with a symbolic batch (docs/benchmarks.md, rollout).
     Eager elsewhere (CPU tests): the same functions."""
 
     def __init__(self, *, compiled: bool):
