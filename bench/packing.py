@@ -22,6 +22,7 @@ of the padded positions that are padding.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -54,15 +55,19 @@ def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_
                              vocab_size=vocab_size, seed=s) for s in range(steps)]
 
 
-def step_profile(run) -> dict:
+def step_profile(run, *, trace: str | None = None) -> dict:
     """One more step under torch.profiler: where its time goes, the top ops by their own device and host
-    time (ms), and the device's busy kernel time beside the step's wall time."""
+    time (ms), and the device's busy kernel time beside the step's wall time; `trace`: also write the
+    step's chrome trace there (perf.timeline reads it)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         run()
     wall = time.perf_counter() - t0
+    if trace:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace)
     ops = prof.key_averages()
     top = {key: [dict(op=e.key[:80], calls=e.count, ms=getattr(e, attr) / 1e3) for e in
                  sorted(ops, key=lambda e: -getattr(e, attr))[:25]]
@@ -79,7 +84,7 @@ def print_profile(name: str, prof: dict) -> None:
 
 
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, trace: str | None = None) -> dict:
     attention, packed, tokens = parse_way(way)
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
                        fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
@@ -98,7 +103,8 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
         losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
         times.append(time.perf_counter() - t0)
     forwards = len(local_micro_batches(chunks, batches[0], **how))
-    prof = step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss) if profile else None
+    prof = (step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss, trace=trace)
+            if profile else None)
     engine.release(chunks)
     runtime.shutdown()
     step_s = statistics.median(times[warmup:])
@@ -153,6 +159,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, allocator warm-up)")
     ap.add_argument("--profile", action="store_true", help="profile one more step of each way and print its top ops")
+    ap.add_argument("--trace-dir", default=None, help="with --profile: write each way's chrome trace here")
     ap.add_argument("--out", default="runs/bench/packing.json")
     args = ap.parse_args()
     ways = args.ways.split(",")
@@ -169,7 +176,8 @@ def main() -> None:
         for way in ways:
             results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
                                                 micro_batch_size=args.micro_batch_size, warmup=args.warmup,
-                                                profile=args.profile)
+                                                profile=args.profile, trace=args.trace_dir and
+                                                f"{args.trace_dir}/{mix}_{way}.json")
             if dist.get_rank() == 0:
                 if results[mix]["ways"][way].get("profile"):
                     print_profile(f"{mix} {way}", results[mix]["ways"][way]["profile"])

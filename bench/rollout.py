@@ -160,6 +160,11 @@ def timed_ms(fn, device: str, repeats: int = 50) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+VARIANTS = {"compiled": {}, "eager": dict(compile_glue=False), "reduce-overhead": dict(graph_mode="reduce-overhead")}
+"""The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, compiled glue
+on a GPU), eager (glue eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead"))."""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen2-1.8b", choices=sorted(SHAPES))
@@ -168,7 +173,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--hf-new-tokens", type=int, default=32, help="HF generate is ~70 ms a step: fewer steps")
     p.add_argument("--variants", default="compiled,eager",
-                   help="the kit's variants: compiled (DecodeConfig's default: compiled glue on a GPU), eager")
+                   help=f"the kit's variants, comma-separated of {','.join(VARIANTS)}")
     p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
     p.add_argument("--profile-batch", type=int, default=0, help="also profile a decode step at this many rows")
     p.add_argument("--out", default="runs/bench/rollout.json")
@@ -179,8 +184,9 @@ def main() -> None:
     layers, hidden, heads, kv, ffn, vocab = SHAPES[args.shape]
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bandwidth = copy_bandwidth(device)
-    kits = {v: ContinuousRollout(model, NoTokenizer(vocab - 1),
-                                 config=DecodeConfig(compile_glue=v == "compiled", keep_cache=True))
+    if bad := [v for v in args.variants.split(",") if v not in VARIANTS]:
+        raise SystemExit(f"--variants: {bad} not allowed; allowed: {','.join(VARIANTS)}")
+    kits = {v: ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True, **VARIANTS[v]))
             for v in args.variants.split(",")}
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")

@@ -89,6 +89,8 @@ def test_bad_config_is_refused_by_name():
         DecodeConfig(check_every=0)
     with pytest.raises(ConfigError, match="max_batch_size"):
         DecodeConfig(max_batch_size=0)
+    with pytest.raises(ConfigError, match="graph_mode='graphs' .*'capture' \\| 'reduce-overhead'"):
+        DecodeConfig(graph_mode="graphs")
 
 
 def test_default_backend_is_the_engine_where_it_runs(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -49,6 +50,11 @@ class DecodeConfig:
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
     cuda_graphs: bool = True
     """Replay each decode step as a CUDA graph on a GPU (dense models)."""
+    graph_mode: Literal["capture", "reduce-overhead"] = "capture"
+    """How a step becomes a CUDA graph: "capture" (the step recorded with torch.cuda.CUDAGraph, one graph per
+    batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
+    `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
+    docs/benchmarks.md, rollout)."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     keep_cache: bool = False
@@ -89,6 +95,7 @@ class ContinuousRollout(HFRollout):
         self.clip_qkv = getattr(c, "clip_qkv", None)
         self._kept: _Cache | None = None
         self._glue: Glue | None = None
+        self._compiled = None
         self.stats: dict = {}
         """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds."""
 
@@ -182,11 +189,31 @@ class ContinuousRollout(HFRollout):
                           clip_qkv=self.clip_qkv, glue=glue)
         fn = eager
         if self.config.cuda_graphs and gpu and not is_moe(self.model):
-            fn = captured(eager, pool=state.pool)
-            state.pool = fn.pool
+            if self.config.graph_mode == "reduce-overhead":
+                fn = self.compiled_step(state, tok, pos, slots)
+            else:
+                fn = captured(eager, pool=state.pool)
+                state.pool = fn.pool
         state.steps[(batch, slots)] = fn
         self.stats["capture_s"] = self.stats.get("capture_s", 0.0) + time.perf_counter() - t0
         return fn
+
+    def compiled_step(self, state: _Cache, tok: torch.Tensor, pos: torch.Tensor, slots: int):
+        """The step through `torch.compile(decode, mode="reduce-overhead")` (`graph_mode`): one compile per batch
+        and slot bucket; the cache tensors are marked static so inductor's graphs may write them in place."""
+        from torch import _dynamo
+        if self._compiled is None:
+            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(decode, mode="reduce-overhead", dynamic=False)
+        for t in (*[x for kv in state.kv for x in kv], *state.rope):
+            _dynamo.mark_static_address(t)
+
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
+                                  clip_qkv=self.clip_qkv, glue=EAGER)
+        run()   # compiles and records now, not inside the timed loop
+        return run
 
     def glue(self, gpu: bool) -> Glue:
         """The decode step's elementwise functions: compiled once per engine on a GPU (`compile_glue`)."""
