@@ -63,7 +63,8 @@ class Kernels:
 
     attention_backend: str = "local"
     """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels; packed rows
-    one SDPA per sequence) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
+    through varlen flash on a GPU, one SDPA per sequence on CPU) | "flex" ("sdpa", packed rows through one
+    flex_attention: GPU for training)."""
     fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
     local spec runs them unfused. The first step compiles. Measured: docs/benchmarks.md, "throughput" and

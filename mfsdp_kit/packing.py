@@ -15,7 +15,8 @@ stays padded - every rank holds it, loss functions read it - but the forwards se
 - `pack`: one micro-batch is ONE row of its sequences end to end ([1, T], megatron's "thd" layout) with
   `PackedSeqParams` (cu_seqlens kept on the host: megatron's RoPE splits by them, a device copy would cost
   a sync per layer). megatron restarts RoPE at each sequence (`models.fusions.rope_thd` when fused);
-  `models.sdpa.SDPAttention` attends within each, one SDPA per sequence (`models.flex`: one flex_attention).
+  `models.sdpa.SDPAttention` attends within each: one varlen flash call on a GPU (`models.varlen`), one SDPA
+  per sequence on CPU (`models.flex`: one flex_attention).
   The per-token losses come back scattered into the padded rows (zeros elsewhere), so a loss function gets
   exactly the tensors the padded run gives it: sums over tokens, counts over micro-batches and ranks, and
   hence the gradient (megatron's `calculate_per_token_loss`) are the padded run's within roundoff.

@@ -230,7 +230,7 @@ SECTIONS.update({
                Row(name="memory_cap", script="bench/memory_cap.py", launch="python", args="--caps 40 80 {out}",
                    writes="memory_cap.json", globs='"$RESULTS"/headline.json "$RESULTS"/memcap_mb*.json')],
     # packed sequences vs padding (issue #38): real tokens/s at 1.37 B on 1 GPU, SFT-like and RL-like length mixes,
-    # padded vs packed (one SDPA per sequence) vs packed through flex_attention, micro-batch budgets equal in
+    # padded vs packed (varlen flash attention) vs packed through flex_attention, micro-batch budgets equal in
     # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches
     # (not in the default SECTIONS)
     "packing": [Row(name=f"packing_{mix}", script="bench/packing.py", launch="torchrun1", writes=f"packing_{mix}.json",

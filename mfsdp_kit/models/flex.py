@@ -1,7 +1,7 @@
 """Packed rows through torch's `flex_attention`: one compiled kernel over a document block mask.
 
-`SDPAttention` runs a packed row as one SDPA per sequence: exact FLOPs, but a kernel launch per sequence,
-layer and direction, and short sequences leave a fused kernel's tiles mostly idle. `flex_attention` takes
+`SDPAttention` runs a packed row as one varlen flash call on a GPU (`models.varlen`, the faster of the two
+there: docs/benchmarks.md, packing) and as one SDPA per sequence on CPU. `flex_attention` takes
 the whole row at once with a `BlockMask` (torchtitan's document masking): a query attends to a key iff both
 belong to the same sequence and the key is not later; blocks (128 x 128 on GPU) that cross sequences are
 skipped, so the FLOPs stay close to the per-sequence sum. The mask is built once per micro-batch (the first
