@@ -504,9 +504,9 @@ loss per step and each rank's latest numbers (here fed by a made-up run).
 import warnings
 warnings.filterwarnings("ignore")          # megatron's import-time notes about Apex / Transformer Engine
 from mfsdp_kit import widgets
-from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.config import EngineConfig, Wrapper
 
-form = widgets.config_form(EngineConfig(use_megatron_fsdp=True))
+form = widgets.config_form(EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True)))
 form.set(tensor_model_parallel_size=0)     # as if typed: the error shows under the fields
 form
 '''),
