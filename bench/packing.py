@@ -56,31 +56,37 @@ def mix_batches(mix: str, *, steps: int, sequences: int, max_tokens: int, vocab_
 
 
 def step_profile(run, *, trace: str | None = None) -> dict:
-    """One more step under torch.profiler: where its time goes, the top ops by their own device and host
-    time (ms), and the device's busy kernel time beside the step's wall time; `trace`: also write the
-    step's chrome trace there (perf.timeline reads it)."""
+    """One more step under torch.profiler: the top host ops by their own time (ms), and from the trace's
+    kernel intervals (`perf.timeline`) the device's busy and idle time in the step and its top kernels.
+    `trace`: also keep the step's chrome trace there."""
+    import tempfile
     from torch.profiler import ProfilerActivity, profile
+    from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         run()
     wall = time.perf_counter() - t0
-    if trace:
-        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
-        prof.export_chrome_trace(trace)
-    ops = prof.key_averages()
-    top = {key: [dict(op=e.key[:80], calls=e.count, ms=getattr(e, attr) / 1e3) for e in
-                 sorted(ops, key=lambda e: -getattr(e, attr))[:25]]
-           for key, attr in (("device", "self_device_time_total"), ("host", "self_cpu_time_total"))}
-    return dict(wall_s=wall, device_busy_s=sum(e.self_device_time_total for e in ops) / 1e6, **top)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace or os.path.join(tmp, "trace.json")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        prof.export_chrome_trace(path)
+        timeline = timeline_summary(gpu_activities(read_trace(path)), wall_s=wall, steps=1, top=20)
+    host = [dict(op=e.key[:80], calls=e.count, ms=e.self_cpu_time_total / 1e3)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]]
+    return dict(wall_s=wall, timeline=timeline, host=host)
 
 
 def print_profile(name: str, prof: dict) -> None:
-    print(f"-- {name}: step {prof['wall_s']:.3f} s under the profiler, device kernels {prof['device_busy_s']:.3f} s")
-    for key in ("device", "host"):
-        print(f"   top by own {key} time:  ms  calls  op")
-        for r in prof[key]:
-            print(f"   {r['ms']:10.2f} {r['calls']:6d}  {r['op']}")
+    t = prof["timeline"]
+    print(f"-- {name}: step {prof['wall_s']:.3f} s under the profiler; device busy {t['gpu_busy_s']:.3f} s, "
+          f"idle {t['gpu_idle_s']:.3f} s")
+    print("   top kernels:     ms  calls  kernel")
+    for k in t["top_kernels"]:
+        print(f"   {k['s_per_step'] * 1e3:17.2f} {k['calls']:6d}  {k['name'][:90]}")
+    print("   top host ops by own time:  ms  calls  op")
+    for r in prof["host"]:
+        print(f"   {r['ms']:10.2f} {r['calls']:6d}  {r['op']}")
 
 
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,

@@ -72,10 +72,22 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     at each: megatron's unfused `_apply_rotary_pos_emb_thd` (one rank of context), rotation compiled."""
     if cp_size != 1:
         raise NotImplementedError(f"the kit's packed RoPE has no context parallelism (cp_size={cp_size})")
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()   # host bounds (`packing.pack`): no sync
-    cos, sin = _cos_sin(freqs, t.dtype)
-    cos, sin = (torch.cat([x[:n] for n in lens]) for x in (cos, sin))
+    cos, sin = _packed_cos_sin(cu_seqlens, freqs, t.dtype)
     return _rotate(t.unsqueeze(1), cos, sin, False).squeeze(1)
+
+
+def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+    """cos and sin at each packed token's position (restarting per sequence), made once per row: kept on the
+    row's `cu_seqlens` tensor, which every layer's q and k receive (a row of n sequences would otherwise cost
+    2n slices and 2 concatenations per call, 4 calls a layer)."""
+    key = (id(freqs), None if freqs.is_inference() else freqs._version, dtype, freqs.device)
+    cached = getattr(cu_seqlens, "_mfsdp_rope", None)
+    if cached is not None and cached[0] == key and key[1] is not None:
+        return cached[1], cached[2]
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()   # host bounds (`packing.pack`): no sync
+    cos, sin = (torch.cat([x[:n] for n in lens]) for x in _cos_sin(freqs, dtype))
+    cu_seqlens._mfsdp_rope = (key, cos, sin)
+    return cos, sin
 
 
 def install() -> bool:

@@ -58,6 +58,10 @@ def test_packed_rope_matches_megatron_unfused_thd():
     assert (outs[0] - outs[1]).abs().max().item() < TOL and (grads[0] - grads[1]).abs().max().item() < TOL
     at_zero = fusions.rope(t[5:6].unsqueeze(1), freqs[:1])[:, 0]
     assert (outs[1][5:6] - at_zero).abs().max().item() < TOL   # the 1-token sequence sits at position 0
+    made = cu._mfsdp_rope   # every later layer's call on this row reuses the row's cos and sin ...
+    assert torch.equal(fusions.rope_thd(t, cu, freqs), outs[1]) and cu._mfsdp_rope is made
+    freqs.mul_(0.5)          # ... until its freqs change
+    assert not torch.equal(fusions.rope_thd(t, cu, freqs), outs[1]) and cu._mfsdp_rope is not made
 
 
 def test_rope_takes_cos_sin_once_per_freqs_and_again_after_an_in_place_change():
