@@ -63,5 +63,6 @@ def attention(query: Tensor, key: Tensor, value: Tensor, params, *, causal: bool
               dropout_p: float) -> Tensor:
     """[t, h, hn] attention within each sequence of the packed row `params` describes."""
     cu = device_bounds(params, query.device)
+    longest = params.max_seqlen_q or int((params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).max())   # host
     q, k, v = (x.contiguous() for x in (query, key, value))
-    return VarlenFlash.apply(q, k, v, cu, int(params.max_seqlen_q), causal, scale, dropout_p)
+    return VarlenFlash.apply(q, k, v, cu, int(longest), causal, scale, dropout_p)
