@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from mfsdp_kit import checkpoint as ckpt
+from mfsdp_kit.checkpoint import rawio
 from mfsdp_kit.checkpoint.rawio import RAW
 from mfsdp_kit.checkpoint.trust import load_metadata
 from tests import stock_torch
@@ -118,3 +119,38 @@ def test_damaged_default_shard_found_while_reading(tmp_path, where):
     shard.write_bytes(bytes(data))
     with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{shard} has crc32 \w+, \w+ was saved"):
         mgr.load({"t": Tensors(2)})
+
+
+class Aliased(Tensors):
+    """Tensors plus a weight and a view of part of it, as Megatron's distributed optimizer holds an fp32
+    weight's main-param shard: two items whose destinations share memory."""
+
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        weight = torch.randn(64, 1000, generator=torch.Generator().manual_seed(seed + 100))
+        self.tensors.update(weight=weight, main_param=weight.view(-1)[1000:30000])
+
+
+def test_aliased_destinations_are_read_through_a_buffer(tmp_path):
+    """Read straight into shared memory, one reader thread could hash what another wrote there meanwhile
+    (damage unseen): those items, and only those, go through a private buffer, and the damage is found."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    mgr = ckpt.CheckpointManager(tmp_path, write_threads=4, read_threads=4)
+    path = mgr.save(1, {"t": Aliased(1)})
+    planner, into = DefaultLoadPlanner(), {"t": Aliased(2).state_dict()}
+    planner.set_up_planner(into, load_metadata(path / ".metadata"), True)
+    shared = rawio.shared_destinations(planner.create_local_plan().items, planner)
+    assert sorted(i.fqn for i in shared) == ["t.main_param", "t.weight"]
+    loaded = Aliased(2)
+    mgr.load({"t": loaded})
+    assert _equal(Aliased(1), loaded)
+    info = load_metadata(path / ".metadata").storage_data
+    weight = next(i for k, i in info.items() if k.fqn == "t.weight")
+    shard = path / weight.relative_path
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[weight.offset + weight.length // 2] ^= 0x10   # in the weight's bytes, outside its main-param view
+    shard.write_bytes(bytes(data))
+    for _ in range(5):
+        with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{shard} has crc32 \w+, \w+ was saved"):
+            mgr.load({"t": Aliased(3)})

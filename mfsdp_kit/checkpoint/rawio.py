@@ -29,7 +29,8 @@ through a pinned buffer; anything else (another layout: a part of the chunk) thr
 DCP's narrow + copy. Verify while reading: the coordinator, which sees every rank's read plan
 (`assign_checks`), gives each shard file to one rank - the one reading most of it (a file nobody
 reads: rank i % world) - and that rank crc32s the whole file as it reads it (the bytes between its
-items too), then compares with meta.json. So the bytes are read once, but a damaged file is found
+items too), then compares with meta.json. Items whose destinations share memory (`shared_destinations`)
+are read through a private buffer, so the hash is of the bytes read, never of another thread's. So the bytes are read once, but a damaged file is found
 after (some of) its bytes were copied into the state: the load then raises
 CheckpointCorruptError on every rank before any component's `load_state_dict` runs.
 """
@@ -190,6 +191,34 @@ def assign_checks(plans: list, storage_data: dict, names) -> list:
     return [dataclasses.replace(p, storage_data=files) for p, files in zip(plans, mine)]
 
 
+def shared_destinations(items, planner) -> set:
+    """Storage indices of the tensor items whose destination memory another item of `items` fills too.
+
+    Megatron's distributed optimizer keeps an fp32 weight's main-param shard as a view of the weight,
+    so `optimizer...param` and the model's `...weight` land in the same bytes, read by two reader
+    threads. Read straight into that memory, a file's crc32 could hash what the other thread wrote
+    there between this thread's read and its hash (intact bytes over damaged ones: damage unseen).
+    These items go through a private buffer: the hash covers exactly the bytes read."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+    spans = []
+    for req in items:
+        if req.type != LoadItemType.TENSOR:
+            continue
+        t = planner.resolve_tensor(req).detach()
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        spans.append((start, start + extent * t.element_size(), req.storage_index))
+    shared, reach, reacher = set(), -1, None
+    for start, end, index in sorted(spans, key=lambda s: (s[0], s[1])):
+        if start < reach:   # overlaps the item reaching furthest so far
+            shared.update((index, reacher))
+        if end > reach:
+            reach, reacher = end, index
+    return shared
+
+
 class _Crc:
     """A running crc32 that counts its bytes and its seconds (into `times["checksum"]`)."""
 
@@ -222,8 +251,8 @@ def read_into(f, view: memoryview, crc: _Crc | None, path, times: dict) -> None:
 class FileReader:
     """Reads one shard file's items for `reader` (a `storage.ParallelReader`) in offset order."""
 
-    def __init__(self, reader, name: str, items: list, planner, expected: dict | None):
-        self.reader, self.planner, self.expected = reader, planner, expected
+    def __init__(self, reader, name: str, items: list, planner, expected: dict | None, shared: frozenset = frozenset()):
+        self.reader, self.planner, self.expected, self.shared = reader, planner, expected, shared
         self.path = reader.fs.concat_path(reader.path, name)
         self.items, self.pinned, self.loaded_bytes, self.scratch = items, _Pinned(), [], None
         self.times = dict.fromkeys(("file_read", "checksum", "copy"), 0.0)
@@ -309,7 +338,7 @@ class FileReader:
         """The chunk's `nbytes` from the file's position into the destinations of `reqs`."""
         target = self.planner.resolve_tensor(reqs[0]).detach() if len(reqs) == 1 else None
         whole = target is not None and tuple(target.shape) == sizes and target.dtype == dtype and target.is_contiguous()
-        if whole and target.device.type == "cpu":
+        if whole and target.device.type == "cpu" and reqs[0].storage_index not in self.shared:
             read_into(f, byte_view(target), crc, self.path, self.times)
             return self.planner.commit_tensor(reqs[0], target)
         if whole:
@@ -374,8 +403,9 @@ def read_data(reader, plan, planner):
     for item in plan.items:
         per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
     names = sorted(set(per_file) | checks)
-    readers = [FileReader(reader, n, per_file.get(n, []), planner, reader.checksums[n] if n in checks else None)
-               for n in names]
+    shared = frozenset(shared_destinations(plan.items, planner))
+    readers = [FileReader(reader, n, per_file.get(n, []), planner, reader.checksums[n] if n in checks else None,
+                          shared) for n in names]
     if len(readers) <= 1 or reader.threads <= 1:
         loaded = [r.run() for r in readers]
     else:
