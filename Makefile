@@ -58,7 +58,7 @@ test-deps: install $(LAB_STAMP) $(UI_STAMP) mpi
 
 test: test-deps
 	rm -f runs/test_times.tsv
-	$(TIMED) pytest $(BIN)/python -m pytest -q tests
+	$(TIMED) pytest $(BIN)/python -m pytest -q --durations=60 tests
 	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/)
 	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -m parity tests
 	$(TIMED) "portable 02_sft" env $(PORTABLE) $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
