@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit.checkpoint import rawio
+from mfsdp_kit.checkpoint import rawread
 from mfsdp_kit.checkpoint.rawio import RAW
 from mfsdp_kit.checkpoint.trust import load_metadata
 from tests import stock_torch
@@ -139,7 +139,7 @@ def test_aliased_destinations_are_read_through_a_buffer(tmp_path):
     path = mgr.save(1, {"t": Aliased(1)})
     planner, into = DefaultLoadPlanner(), {"t": Aliased(2).state_dict()}
     planner.set_up_planner(into, load_metadata(path / ".metadata"), True)
-    shared = rawio.shared_destinations(planner.create_local_plan().items, planner)
+    shared = rawread.shared_destinations(planner.create_local_plan().items, planner)
     assert sorted(i.fqn for i in shared) == ["t.main_param", "t.weight"]
     loaded = Aliased(2)
     mgr.load({"t": loaded})

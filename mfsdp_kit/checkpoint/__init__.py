@@ -12,7 +12,7 @@
 
 Layout of one checkpoint, `root/step_000010/`: torch DCP files (`*.distcp`, `.metadata`; each
 tensor item the torch.save archive stock torch reads - `dcp_to_torch_save` opens a kit checkpoint
-without the kit - written around the tensor's memory: `torchsave`, `rawio`, which also read the raw
+without the kit - written around the tensor's memory: `torchsave`, `rawio`; `rawread` also reads the raw
 items of format 3 and DCP's own torch.save items) holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors (and
 `<name>...` of every other component that holds tensors), `scheduler.json` (`<name>.json` of every
 component without tensors), and `meta.json` (written last, by rank 0: step, world size, tp/pp,

@@ -11,7 +11,7 @@ check against bit rot and truncation, not a signature (who may write the files i
 `trust.check_trusted`'s job). A load checks every file's size on every rank before anything is
 read; each file's crc32 is checked by one rank: the small ones (`.metadata`, `<name>.json`) before
 anything is read (file i on rank i % world size), each shard file by the rank that reads most of
-it, as it reads it (`rawio`: the bytes are read once in total).
+it, as it reads it (`rawread`: the bytes are read once in total).
 
 Contained: DCP's `.metadata` says, per item, which file holds its bytes (`relative_path`), and DCP
 joins that to the folder as it is: `"../../secret"` or an absolute path reads any file the user can
@@ -165,7 +165,7 @@ def verify(path, meta: dict, *, rank: int = 0, world: int = 1, threads: int = 4,
            trusted: bool = False) -> None:
     """Sizes of all files, crc32 of this rank's share (`threads` files at a time); CheckpointCorruptError
     naming file and checkpoint. `shards=False`: the shard files' crc32 is left to the read, which
-    hashes them as it reads them (`rawio`); their sizes are still checked here. No checksums at all:
+    hashes them as it reads them (`rawread`); their sizes are still checked here. No checksums at all:
     a CheckpointError unless `trusted` (trust_checkpoint=True), then a warning."""
     path = Path(path)
     recorded = meta.get("checksums")

@@ -3,7 +3,7 @@
 Every `dcp.load` of the kit is `read(state, path)`: DCP with `trust.SafeReader` (allow-list
 unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values),
 its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another),
-tensor items in every format (`rawio`), shard files crc32'd as they are read.
+tensor items in every format (`rawread`), shard files crc32'd as they are read.
 
 Every `dcp.save` is `write(...)`: DCP's FileSystemWriter, whose `thread_count` threads each
 write a share of the tensors into their own file, each as the torch.save archive stock torch reads,
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from . import integrity, rawio
+from . import integrity, rawio, rawread
 from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
@@ -40,7 +40,7 @@ def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, 
          files=None) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
     `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
-    reading it, on one rank (`rawio.assign_checks`); CheckpointCorruptError (inside DCP's
+    reading it, on one rank (`rawread.assign_checks`); CheckpointCorruptError (inside DCP's
     CheckpointException) when one differs. `phases` (a dict) gets this rank's seconds of plan
     (DCP's planning and its collectives), data (`read_data`: the reader threads), finish (DCP's
     last barrier) and, per file (mean over files), file_read, checksum, copy (into the
@@ -214,7 +214,7 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
 
 class ParallelReader(SafeReader):
     """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
-    every tensor-item format, verifying shard files while reading them (`rawio.read_data`)."""
+    every tensor-item format, verifying shard files while reading them (`rawread.read_data`)."""
 
     def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None, files=None):
         super().__init__(path)
@@ -233,18 +233,18 @@ class ParallelReader(SafeReader):
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.chunks = rawio.chunk_table(metadata)
+        self.chunks = rawread.chunk_table(metadata)
 
     def prepare_global_plan(self, plans):
         plans = super().prepare_global_plan(plans)
         if not self.checksums:
             return plans
-        return rawio.assign_checks(plans, self.storage_data, self.checksums)
+        return rawread.assign_checks(plans, self.storage_data, self.checksums)
 
     def read_data(self, plan, planner):
         self.marks["data"] = time.perf_counter()
         try:
-            return rawio.read_data(self, plan, planner)
+            return rawread.read_data(self, plan, planner)
         finally:
             self.marks["data_done"] = time.perf_counter()
 
