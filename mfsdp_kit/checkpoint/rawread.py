@@ -5,9 +5,9 @@ destination; and the checksums are a separate read of every file before it. Here
 once, in offset order, one thread per file: an item whose first bytes are the archive head the kit
 writes for its chunk (raw items: none) has its data next (any other, DCP's own: torch.load); that data
 is `readinto` the destination's memory when it is a contiguous CPU tensor of the saved chunk (the same
-layout) that no other item fills too (`shared_destinations`); a GPU or shared destination gets it through
-a per-thread buffer; anything else (another layout: a part of the chunk) through a buffer and DCP's
-narrow + copy.
+layout), unless that read is hashed and another item fills the same memory too (`shared_destinations`);
+a GPU or such a shared destination gets it through a per-thread buffer; anything else (another layout:
+a part of the chunk) through a buffer and DCP's narrow + copy.
 
 Verify while reading: the coordinator, which sees every rank's read plan (`assign_checks`), gives each
 shard file to one rank - the one reading most of it (a file nobody reads: rank i % world) - and that
@@ -205,7 +205,8 @@ class FileReader:
         """The chunk's `nbytes` from the file's position into the destinations of `reqs`."""
         target = self.planner.resolve_tensor(reqs[0]).detach() if len(reqs) == 1 else None
         whole = target is not None and tuple(target.shape) == sizes and target.dtype == dtype and target.is_contiguous()
-        if whole and target.device.type == "cpu" and reqs[0].storage_index not in self.shared:
+        hashed_shared = crc is not None and reqs[0].storage_index in self.shared
+        if whole and target.device.type == "cpu" and not hashed_shared:
             read_into(f, byte_view(target), crc, self.path, self.times)
             return self.planner.commit_tensor(reqs[0], target)
         if whole:
@@ -270,7 +271,7 @@ def read_data(reader, plan, planner):
     for item in plan.items:
         per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
     names = sorted(set(per_file) | checks)
-    shared = frozenset(shared_destinations(plan.items, planner))
+    shared = frozenset(shared_destinations(plan.items, planner)) if checks else frozenset()   # only hashed reads race
     readers = [FileReader(reader, n, per_file.get(n, []), planner, reader.checksums[n] if n in checks else None,
                           shared) for n in names]
     if len(readers) <= 1 or reader.threads <= 1:
