@@ -15,9 +15,10 @@ cross-entropy (the kit's GPU settings):
 A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows hold no padding, so a budget
 above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
 Reported per way: median step time; real tokens/s (tokens up to each sequence's last loss token, what both
-ways train on); positions/s (what the model computes); micro-batches a step; peak memory; the largest
-relative loss difference from the padded way (the same numbers up to bf16 rounding); and per mix the share
-of the padded positions that are padding.
+ways train on); positions/s (what the model computes); micro-batches a step; peak memory; cudaMallocs per timed
+step (new allocator segments: shapes that change every forward make them in fixed segments, see
+`runtime.expandable_segments`); the largest relative loss difference from the padded way (the same numbers up
+to bf16 rounding); and per mix the share of the padded positions that are padding.
 """
 from __future__ import annotations
 
@@ -102,12 +103,15 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
                max_tokens_per_micro_batch=(tokens or micro_batch_size * seq) if packed else None)
     cuda = torch.cuda.is_available()
     losses, times = [], []
+    mallocs = 0
     for i, b in enumerate(batches):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
+            mallocs = -torch.cuda.memory_stats()["num_device_alloc"]
         t0 = time.perf_counter()
         losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
         times.append(time.perf_counter() - t0)
+    mallocs += torch.cuda.memory_stats()["num_device_alloc"] if cuda else 0
     forwards = len(local_micro_batches(chunks, batches[0], **how))
     prof = (step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss, trace=trace)
             if profile else None)
@@ -117,7 +121,7 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     real = statistics.mean(length_mix.real_tokens(b) for b in batches)
     computed = real if packed else batches[0].tokens.numel()
     return dict(step_s=step_s, real_tokens_per_s=real / step_s, positions_per_s=computed / step_s,
-                micro_batches_per_rank=forwards, peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                micro_batches_per_rank=forwards, mallocs_per_step=mallocs / max(1, len(batches) - warmup), peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                 losses=losses, profile=prof)
 
 
@@ -134,7 +138,7 @@ def guarded(way: str, batches: list, **kwargs) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"{'mix':<4} {'way':<18} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
-             f"{'peak GiB':>8} {'x padded':>8} {'max rel |dloss|':>15}"]
+             f"{'peak GiB':>8} {'mallocs':>7} {'x padded':>8} {'max rel |dloss|':>15}"]
     for mix, r in results.items():
         base = r["ways"].get("padded")
         base = base if base and "error" not in base else None
@@ -146,6 +150,7 @@ def table(results: dict) -> str:
             gap = max(abs(a - b) / abs(b) for a, b in zip(w["losses"], base["losses"])) if base else float("nan")
             lines.append(f"{mix:<4} {way:<18} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
                          f"{w['positions_per_s']:12.0f} {w['micro_batches_per_rank']:4d} {w['peak_gib']:8.2f} "
+                         f"{w['mallocs_per_step']:7.1f} "
                          f"{speedup:8.2f} {gap:15.2e}")
         lines.append(f"{mix:<4} padding: {r['padding_fraction']:.1%} of the padded positions "
                      f"({r['real_tokens']:.0f} real tokens in {r['positions']} a step)")

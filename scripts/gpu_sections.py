@@ -27,7 +27,8 @@ KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": 
          "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
          "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept",
          "ROLLOUT_VARIANTS": "compiled,eager",
-         "PACKING_WAYS": "padded,packed-sdpa,packed-flex", "PACKING_ARGS": ""}
+         "PACKING_WAYS": "padded,packed-sdpa,packed-flex", "PACKING_SFT_WAYS": "padded,packed-sdpa,packed-flex",
+         "PACKING_ARGS": ""}
 """Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
 
 
@@ -232,10 +233,11 @@ SECTIONS.update({
     # packed sequences vs padding (issue #38): real tokens/s at 1.37 B on 1 GPU, SFT-like and RL-like length mixes,
     # padded vs packed (varlen flash attention) vs packed through flex_attention, micro-batch budgets equal in
     # positions (8 rows x S, throughput1's micro-batch); peak memory and the padding fraction of the padded batches
-    # (not in the default SECTIONS)
+    # (not in the default SECTIONS). The RL mix's ways are PACKING_WAYS, the SFT mix's PACKING_SFT_WAYS.
     "packing": [Row(name=f"packing_{mix}", script="bench/packing.py", launch="torchrun1", writes=f"packing_{mix}.json",
-                    args=f"--spec 1.7b --mixes {mix} --ways {{PACKING_WAYS}} --sequences 64 "
-                         "--micro-batch-size 8 --steps 5 --warmup 2 {PACKING_ARGS}") for mix in ("rl", "sft")],
+                    args=f"--spec 1.7b --mixes {mix} --ways {{{knob}}} --sequences 64 "
+                         "--micro-batch-size 8 --steps 5 --warmup 2 {PACKING_ARGS}")
+                for mix, knob in (("rl", "PACKING_WAYS"), ("sft", "PACKING_SFT_WAYS"))],
     # the 1-GPU column of the same comparison
     "throughput1": [throughput("throughput1", "--micro-batch-size 8 --global-batch 16 --steps 6 --warmup 2 "
                                "--fused-kernels --modes ddp,fsdp,fsdp2", writes="throughput_1gpu.json", launch="torchrun1")],
