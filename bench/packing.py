@@ -16,9 +16,9 @@ A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows
 above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
 Reported per way: median step time; real tokens/s (tokens up to each sequence's last loss token, what both
 ways train on); positions/s (what the model computes); micro-batches a step; peak memory; cudaMallocs per timed
-step (new allocator segments: shapes that change every forward make them in fixed segments, see
-`runtime.expandable_segments`); the largest relative loss difference from the padded way (the same numbers up
-to bf16 rounding); and per mix the share of the padded positions that are padding.
+step (new allocator segments: packed shapes change every forward); the largest relative loss difference from
+the padded way (the same numbers up to bf16 rounding); and per mix the share of the padded positions that are
+padding.
 """
 from __future__ import annotations
 

@@ -92,7 +92,6 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     grad_norm.enable_on_device()   # and once more for the norm itself and the clip test: none left
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
-        expandable_segments(cfg)
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -122,22 +121,6 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
                        pp_rank=ps.get_pipeline_model_parallel_rank())
     _cfg = cfg
     return _current
-
-
-def expandable_segments(cfg: EngineConfig) -> bool:
-    """Turn on torch's expandable CUDA memory segments, unless the process configured its allocator
-    (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF: the user's choice wins) or `cfg` asks for Megatron-FSDP's
-    `nccl_ub` (its NCCL buffers live in a MemPool that expandable segments break). Returns whether it did.
-
-    Why: packed micro-batches (`packing`) change shape on every forward. In fixed segments the allocator kept
-    carving new blocks (~19 cudaMallocs a step, none freed) and a packed RL step at 1.37 B on 1 H200 took
-    0.95-1.2 s; with expandable segments 0.77 s, for the same kernels (docs/benchmarks.md, packing)."""
-    if any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")) or \
-            cfg.wrapper.override_ddp_config.get("nccl_ub"):
-        return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")   # no public setter; the env var is read once, at CUDA's start
-    return True
 
 
 # ---- rendezvous ------------------------------------------------------------------------------

@@ -65,16 +65,3 @@ def test_loopback_interface_is_found_and_loopback_addresses_are_recognised():
     assert name is not None and name in dict(socket.if_nameindex()).values()
     assert runtime.is_loopback("127.0.0.1") and runtime.is_loopback("localhost") and runtime.is_loopback("::1")
     assert not runtime.is_loopback("192.0.2.7")
-
-
-def test_expandable_segments_unless_the_allocator_was_configured(monkeypatch):
-    """Packed micro-batches change shape every forward: runtime turns on expandable segments, except where the
-    user configured the allocator or Megatron-FSDP's nccl_ub needs fixed segments."""
-    from mfsdp_kit import runtime
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(var, raising=False)
-    assert runtime.expandable_segments(EngineConfig())
-    from mfsdp_kit.config_sections import Wrapper
-    assert not runtime.expandable_segments(EngineConfig(wrapper=Wrapper(override_ddp_config=dict(nccl_ub=True))))
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    assert not runtime.expandable_segments(EngineConfig())
