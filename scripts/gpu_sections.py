@@ -238,6 +238,10 @@ SECTIONS.update({
                     args=f"--spec 1.7b --mixes {mix} --ways {{{knob}}} --sequences 64 "
                          "--micro-batch-size 8 --steps 5 --warmup 2 {PACKING_ARGS}")
                 for mix, knob in (("rl", "PACKING_WAYS"), ("sft", "PACKING_SFT_WAYS"))],
+    # the attention kernels for one packed RL row alone (FA2 varlen, cuDNN ragged, per sequence, padded dense):
+    # agreement with an fp32 reference and TFLOP/s, to pick the packed path's kernel (not in the default SECTIONS)
+    "varlen_kernels": [Row(name="varlen_kernels", script="bench/varlen_kernels.py", launch="python",
+                           args="--mix rl --budget 9216 --heads 16 --head-dim 128", writes="varlen_kernels.json")],
     # the 1-GPU column of the same comparison
     "throughput1": [throughput("throughput1", "--micro-batch-size 8 --global-batch 16 --steps 6 --warmup 2 "
                                "--fused-kernels --modes ddp,fsdp,fsdp2", writes="throughput_1gpu.json", launch="torchrun1")],
