@@ -121,8 +121,8 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     real = statistics.mean(length_mix.real_tokens(b) for b in batches)
     computed = real if packed else batches[0].tokens.numel()
     return dict(step_s=step_s, real_tokens_per_s=real / step_s, positions_per_s=computed / step_s,
-                micro_batches_per_rank=forwards, mallocs_per_step=mallocs / max(1, len(batches) - warmup), peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                losses=losses, profile=prof)
+                micro_batches_per_rank=forwards, mallocs_per_step=mallocs / max(1, len(batches) - warmup),
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, losses=losses, profile=prof)
 
 
 def guarded(way: str, batches: list, **kwargs) -> dict:
