@@ -9,7 +9,8 @@ causal within each, [tokens, heads, head_dim]. Kernels:
 - flash: torch's FlashAttention-2 varlen (`models.varlen.VarlenFlash`, what packed rows use on a GPU today);
 - cudnn: cuDNN's ragged attention, `aten::_cudnn_attention_forward/_backward` with the row's cum_seq bounds
   (the nested-tensor path; not used by the model yet: this bench says whether it can be);
-- per-sequence: one SDPA per sequence (the CPU path of `models.sdpa.SDPAttention`);
+- per-sequence: one SDPA per sequence (`models.sdpa.per_sequence`, SDPAttention's path off the GPU; also the
+  fp32 reference);
 - dense: the same sequences padded to the longest and run through causal SDPA, what the padded path pays.
 Reported per kernel: max |difference| from the fp32 per-sequence reference (output and the three input
 gradients, on real tokens), forward and forward + backward ms, and TFLOP/s of the useful (causal, real-token)
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mfsdp_kit.models.sdpa import per_sequence
 from mfsdp_kit.models.varlen import VarlenFlash
 from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json
@@ -67,13 +69,6 @@ class RaggedCudnn(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def per_sequence(q, k, v, lens: list[int], scale: float):
-    """One causal SDPA per sequence of the row (SDPAttention's CPU path)."""
-    outs = [F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in xs), is_causal=True, scale=scale)
-            for xs in zip(q.split(lens), k.split(lens), v.split(lens))]
-    return torch.cat([o.transpose(0, 1) for o in outs])
-
-
 def dense(q, k, v, lens: list[int], scale: float):
     """The sequences padded to the longest, causal SDPA over [n, heads, longest, hn], real tokens back."""
     longest, n = max(lens), len(lens)
@@ -92,7 +87,7 @@ def kernel_fn(name: str, lens: list[int], device, scale: float):
     longest = max(lens)
     return {"flash": lambda q, k, v: VarlenFlash.apply(q, k, v, cu, longest, True, scale, 0.0),
             "cudnn": lambda q, k, v: RaggedCudnn.apply(q, k, v, cu, longest, scale),
-            "per-sequence": lambda q, k, v: per_sequence(q, k, v, lens, scale),
+            "per-sequence": lambda q, k, v: per_sequence(q, k, v, lens, causal=True, scale=scale),
             "dense": lambda q, k, v: dense(q, k, v, lens, scale)}[name]
 
 
@@ -152,7 +147,7 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, grad = (torch.randn(t, h, hn, generator=gen).to(device, dtype) for _ in range(4))
     ref_in = [x.float().requires_grad_() for x in (q, k, v)]
-    ref_out = per_sequence(*ref_in, lens, scale)
+    ref_out = per_sequence(*ref_in, lens, causal=True, scale=scale)
     ref_out.backward(grad.float())
     ref = [ref_out.detach(), *(x.grad for x in ref_in)]
     flops = useful_flops(lens, heads=h, head_dim=hn)

@@ -49,6 +49,19 @@ def _unsupported(feature: str, hint: str = "use the TE spec (TEDotProductAttenti
     return NotImplementedError(f"SDPAttention does not support {feature}; {hint}")
 
 
+def per_sequence(query: Tensor, key: Tensor, value: Tensor, lens: list[int], *, causal: bool, scale: float,
+                 dropout_p: float = 0.0) -> Tensor:
+    """Attention within each sequence of a packed row ([t, heads, hn], sequence lengths `lens`): one SDPA per
+    sequence, grouped KV heads as they are (fewer key than query heads); [t, heads, hn] out."""
+    outs = []
+    for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [L, h, hn] -> [1, h, L, hn]
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        outs.append(out[0].permute(1, 0, 2))
+    return torch.cat(outs)
+
+
 class SDPAttention(MegatronModule):
     """Drop-in for megatron's `DotProductAttention`: [sq, b, np, hn] q/k/v -> [sq, b, np * hn]."""
 
@@ -115,7 +128,6 @@ class SDPAttention(MegatronModule):
         if params.qkv_format != "thd" or attention_mask is not None:
             raise _unsupported(f"packed sequences as {params.qkv_format!r} or with an attention_mask",
                                "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal
         if varlen.usable(query):
@@ -125,14 +137,9 @@ class SDPAttention(MegatronModule):
             return out.reshape(query.shape[0], self.hidden_size_per_partition)
         cu = params.cu_seqlens_q.tolist()
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        outs = []
         with self._rng(dropout_p):
-            for q, k, v in zip(query.split(lens), key.split(lens), value.split(lens)):
-                q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))   # [L, h, hn] -> [1, h, L, hn]
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal and q.shape[2] > 1,
-                                                     scale=self.softmax_scale, enable_gqa=groups > 1)
-                outs.append(out[0].permute(1, 0, 2))
-        return torch.cat(outs).reshape(query.shape[0], self.hidden_size_per_partition)
+            out = per_sequence(query, key, value, lens, causal=causal, scale=self.softmax_scale, dropout_p=dropout_p)
+        return out.reshape(query.shape[0], self.hidden_size_per_partition)
 
     @staticmethod
     def _sdpa_mask(attention_mask: Optional[Tensor], mask_type: AttnMaskType, sq: int, sk: int):
