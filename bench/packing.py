@@ -14,11 +14,14 @@ cross-entropy (the kit's GPU settings):
 - packed-flex: the same budget, one flex_attention per packed row over a document mask (attention_backend="flex").
 A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows hold no padding, so a budget
 above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
-Reported per way: median step time; real tokens/s (tokens up to each sequence's last loss token, what both
-ways train on); positions/s (what the model computes); micro-batches a step; peak memory; cudaMallocs per timed
-step (new allocator segments: packed shapes change every forward); the largest relative loss difference from
-the padded way (the same numbers up to bf16 rounding); and per mix the share of the padded positions that are
-padding.
+Reported per way: median step time (`train.step`: each step read before the next starts); real tokens/s
+(tokens up to each sequence's last loss token, what both ways train on); positions/s (what the model computes);
+micro-batches a step; peak memory; cudaMallocs per timed step (new allocator segments: packed shapes change every
+forward); the largest relative loss difference from the padded way (the same numbers up to bf16 rounding); the
+mean step time when the timed batches run again through `train.run_steps` (each step issued before the last is
+read, as `rl.core.update` runs the policy update: a step's opening host work overlaps the last one's GPU work),
+and its speed-up; and per mix the share of the padded positions that are padding. --keep-gathered: every way
+with `wrapper.fsdp_keep_gathered`.
 """
 from __future__ import annotations
 
@@ -32,10 +35,11 @@ import torch.distributed as dist
 
 from mfsdp_kit import engine, packing, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config_sections import Kernels, Wrapper
 from mfsdp_kit.models.gpt import SPECS, gpt_model_fn
 from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.train import local_micro_batches, step
+from mfsdp_kit.train import local_micro_batches, run_steps, step
 
 WAYS = {"padded": ("sdpa", False), "packed-sdpa": ("sdpa", True), "packed-flex": ("flex", True)}
 """way -> (attention_backend, packed)."""
@@ -91,10 +95,11 @@ def print_profile(name: str, prof: dict) -> None:
 
 
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
-            profile: bool = False, trace: str | None = None) -> dict:
+            keep_gathered: bool = False, profile: bool = False, trace: str | None = None) -> dict:
     attention, packed, tokens = parse_way(way)
-    cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, attention_backend=attention, seed=0,
-                       fused_kernels=dtype != "fp32", fused_cross_entropy=dtype != "fp32")   # the kit's GPU settings
+    fused = dtype != "fp32"   # the kit's GPU settings
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, fsdp_keep_gathered=keep_gathered), dtype=dtype, seed=0,
+                       kernels=Kernels(attention_backend=attention, fused_kernels=fused, fused_cross_entropy=fused))
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)
@@ -112,6 +117,10 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
         losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
         times.append(time.perf_counter() - t0)
     mallocs += torch.cuda.memory_stats()["num_device_alloc"] if cuda else 0
+    # the same batches again, each step issued before the last is read (`run_steps`, as `rl.core.update` runs)
+    t0 = time.perf_counter()
+    piped = run_steps(chunks, opt, batches[warmup:], start_index=len(batches), **how)
+    piped_s = (time.perf_counter() - t0) / len(piped)
     forwards = len(local_micro_batches(chunks, batches[0], **how))
     prof = (step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss, trace=trace)
             if profile else None)
@@ -121,6 +130,8 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     real = statistics.mean(length_mix.real_tokens(b) for b in batches)
     computed = real if packed else batches[0].tokens.numel()
     return dict(step_s=step_s, real_tokens_per_s=real / step_s, positions_per_s=computed / step_s,
+                pipelined_step_s=piped_s, pipelined_real_tokens_per_s=real / piped_s,
+                pipelined_losses=[r.loss for r in piped],
                 micro_batches_per_rank=forwards, mallocs_per_step=mallocs / max(1, len(batches) - warmup),
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, losses=losses, profile=prof)
 
@@ -138,7 +149,7 @@ def guarded(way: str, batches: list, **kwargs) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"{'mix':<4} {'way':<18} {'step s':>7} {'real tok/s':>11} {'positions/s':>12} {'mbs':>4} "
-             f"{'peak GiB':>8} {'mallocs':>7} {'x padded':>8} {'max rel |dloss|':>15}"]
+             f"{'peak GiB':>8} {'mallocs':>7} {'x padded':>8} {'max rel |dloss|':>15} {'piped s':>7} {'x padded':>8}"]
     for mix, r in results.items():
         base = r["ways"].get("padded")
         base = base if base and "error" not in base else None
@@ -147,11 +158,12 @@ def table(results: dict) -> str:
                 lines.append(f"{mix:<4} {way:<18} FAILED {w['error']}")
                 continue
             speedup = w["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
+            piped = w["pipelined_real_tokens_per_s"] / base["pipelined_real_tokens_per_s"] if base else float("nan")
             gap = max(abs(a - b) / abs(b) for a, b in zip(w["losses"], base["losses"])) if base else float("nan")
             lines.append(f"{mix:<4} {way:<18} {w['step_s']:7.3f} {w['real_tokens_per_s']:11.0f} "
                          f"{w['positions_per_s']:12.0f} {w['micro_batches_per_rank']:4d} {w['peak_gib']:8.2f} "
                          f"{w['mallocs_per_step']:7.1f} "
-                         f"{speedup:8.2f} {gap:15.2e}")
+                         f"{speedup:8.2f} {gap:15.2e} {w['pipelined_step_s']:7.3f} {piped:8.2f}")
         lines.append(f"{mix:<4} padding: {r['padding_fraction']:.1%} of the padded positions "
                      f"({r['real_tokens']:.0f} real tokens in {r['positions']} a step)")
     return "\n".join(lines)
@@ -169,6 +181,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, allocator warm-up)")
+    ap.add_argument("--keep-gathered", action="store_true",
+                    help="every way with wrapper.fsdp_keep_gathered (each FSDP unit gathered once a step)")
     ap.add_argument("--profile", action="store_true", help="profile one more step of each way and print its top ops")
     ap.add_argument("--trace-dir", default=None, help="with --profile: write each way's chrome trace here")
     ap.add_argument("--out", default="runs/bench/packing.json")
@@ -187,7 +201,7 @@ def main() -> None:
         for way in ways:
             results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
                                                 micro_batch_size=args.micro_batch_size, warmup=args.warmup,
-                                                profile=args.profile, trace=args.trace_dir and
+                                                keep_gathered=args.keep_gathered, profile=args.profile, trace=args.trace_dir and
                                                 f"{args.trace_dir}/{mix}_{way}.json")
             if dist.get_rank() == 0:
                 if results[mix]["ways"][way].get("profile"):

@@ -8,13 +8,15 @@ One row of the mix's sequences (`perf.length_mix`, as drawn, until the next woul
 causal within each, [tokens, heads, head_dim]. Kernels:
 - flash: torch's FlashAttention-2 varlen (`models.varlen.VarlenFlash`, what packed rows use on a GPU today);
 - cudnn: cuDNN's ragged attention, `aten::_cudnn_attention_forward/_backward` with the row's cum_seq bounds
-  (the nested-tensor path; not used by the model yet: this bench says whether it can be);
+  (the nested-tensor path; not used by the model yet: this bench says whether it can be); cudnn-i64 the same
+  with int64 bounds (nested tensors' offsets are int64);
 - per-sequence: one SDPA per sequence (`models.sdpa.per_sequence`, SDPAttention's path off the GPU; also the
   fp32 reference);
 - dense: the same sequences padded to the longest and run through causal SDPA, what the padded path pays.
 Reported per kernel: max |difference| from the fp32 per-sequence reference (output and the three input
 gradients, on real tokens), forward and forward + backward ms, and TFLOP/s of the useful (causal, real-token)
-FLOPs: forward 2 x 2 x sum(L^2)/2 x heads x head_dim, backward 2.5x that. A kernel that fails records its error.
+FLOPs: forward 2 x 2 x sum(L^2)/2 x heads x head_dim, backward 2.5x that. A kernel that fails records its error
+(prefixed by the direction that raised it).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from mfsdp_kit.models.varlen import VarlenFlash
 from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json
 
-KERNELS = ("flash", "cudnn", "per-sequence", "dense")
-GPU_ONLY = ("flash", "cudnn")
+KERNELS = ("flash", "cudnn", "cudnn-i64", "per-sequence", "dense")
+GPU_ONLY = ("flash", "cudnn", "cudnn-i64")
 
 
 def row_lengths(mix: str, *, budget: int, seed: int = 0) -> list[int]:
@@ -87,6 +89,7 @@ def kernel_fn(name: str, lens: list[int], device, scale: float):
     longest = max(lens)
     return {"flash": lambda q, k, v: VarlenFlash.apply(q, k, v, cu, longest, True, scale, 0.0),
             "cudnn": lambda q, k, v: RaggedCudnn.apply(q, k, v, cu, longest, scale),
+            "cudnn-i64": lambda q, k, v: RaggedCudnn.apply(q, k, v, cu.long(), longest, scale),
             "per-sequence": lambda q, k, v: per_sequence(q, k, v, lens, causal=True, scale=scale),
             "dense": lambda q, k, v: dense(q, k, v, lens, scale)}[name]
 
@@ -113,8 +116,14 @@ def timed_ms(fn, *, repeats: int, cuda: bool) -> float:
 def measure(name: str, q, k, v, grad, ref: list, *, lens, scale: float, repeats: int) -> dict:
     fn = kernel_fn(name, lens, q.device, scale)
     ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = fn(*ins)
-    out.backward(grad)
+    try:
+        out = fn(*ins)
+    except Exception as e:
+        raise RuntimeError(f"forward: {type(e).__name__}: {e}") from e
+    try:
+        out.backward(grad)
+    except Exception as e:
+        raise RuntimeError(f"backward: {type(e).__name__}: {e}") from e
     got = [out.detach(), *(x.grad for x in ins)]
     diffs = [(a.float() - b).abs().max().item() for a, b in zip(got, ref)]
     cuda = q.is_cuda

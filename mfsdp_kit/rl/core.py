@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import offload, runtime
 from ..config import bad_value
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
-from ..train import Batch, StepResult, data_parallel_slice, micro_batches, step
+from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
 from .rollout.placement import ReplicaPlacement
 
@@ -343,13 +343,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) 
 def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,
            scheduler=None, max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> list[StepResult]:
     """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices
-    (`train.step` with `loss_fn`, packed or padded micro-batches as it says); `scheduler` steps once per
-    optimizer step."""
+    (`train.step` with `loss_fn`, packed or padded micro-batches as it says; each issued before the last is read,
+    `train.run_steps`); `scheduler` steps once per optimizer step."""
     per_mb = batch.num_sequences // num_minibatches
-    return [step(chunks, optimizer, batch.slice(m * per_mb, (m + 1) * per_mb), micro_batch_size=micro_batch_size,
-                 loss_fn=loss_fn, scheduler=scheduler, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                 packed=packed)
-            for _ in range(epochs) for m in range(num_minibatches)]
+    minibatches = (batch.slice(m * per_mb, (m + 1) * per_mb) for _ in range(epochs) for m in range(num_minibatches))
+    return run_steps(chunks, optimizer, minibatches, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
+                     scheduler=scheduler, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
 
 
 # ---- metrics and the outer loop --------------------------------------------------------------

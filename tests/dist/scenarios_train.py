@@ -88,7 +88,7 @@ def nonfinite_stops(*, fsdp: bool, workdir: str, bad_step: int = 2) -> dict:
 
 
 def start_step_pipelined(*, fsdp: bool, workdir: str) -> dict:
-    """train.start_step in a loop that starts step i+1 before it reads step i, grads clipped (clip_grad 0.05),
+    """train.run_steps (step i+1 started before step i is read), grads clipped (clip_grad 0.05),
     against `step` on a twin model: (loss, grad norm) per step of each."""
     from mfsdp_kit import train
     cfg, model, tok = _setup(fsdp=fsdp, workdir=workdir)
@@ -96,13 +96,7 @@ def start_step_pipelined(*, fsdp: bool, workdir: str) -> dict:
     opts = [engine.build_optimizer(m.chunks, OptimConfig(lr=1e-3, clip_grad=0.05), cfg) for m in (model, twin)]
     stream = data.batches(data.ArithmeticTask(digits=1).train_pairs(40), tok, seq_len_tokens=16, global_batch=8)
     batches = [next(stream) for _ in range(3)]   # an endless stream
-    piped, pending = [], None
-    for i, b in enumerate(batches):
-        started = train.start_step(model.chunks, opts[0], b, micro_batch_size=4, step_index=i)
-        if pending is not None:
-            piped.append(pending.result())
-        pending = started
-    piped.append(pending.result())
+    piped = train.run_steps(model.chunks, opts[0], batches, micro_batch_size=4)
     alone = [train.step(twin.chunks, opts[1], b, micro_batch_size=4, step_index=i) for i, b in enumerate(batches)]
     runtime.shutdown()
     return dict(piped=[(r.loss, r.grad_norm) for r in piped], alone=[(r.loss, r.grad_norm) for r in alone])
