@@ -6,8 +6,8 @@
 
 Per mix (`mfsdp_kit.perf.length_mix`: "sft" log-normal lengths, median 300, max --max-tokens; "rl" a
 128-token prompt and a response uniform in [16, 1024]) every way trains on the same --sequences sequences a
-step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP, bf16, fused RoPE/SwiGLU and
-cross-entropy (the kit's GPU settings):
+step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP (--wrapper), bf16, fused
+RoPE/SwiGLU and cross-entropy (the kit's GPU settings):
 - padded: micro-batches of --micro-batch-size rows of S positions (`packed=False`);
 - packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
   more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
@@ -21,7 +21,7 @@ forward); the largest relative loss difference from the padded way (the same num
 mean step time when the timed batches run again through `train.run_steps` (each step issued before the last is
 read, as `rl.core.update` runs the policy update: a step's opening host work overlaps the last one's GPU work),
 and its speed-up; and per mix the share of the padded positions that are padding. --keep-gathered: every way
-with `wrapper.fsdp_keep_gathered`.
+with `wrapper.fsdp_keep_gathered`; --wrapper ddp: megatron DDP instead of Megatron-FSDP (what its hooks cost).
 """
 from __future__ import annotations
 
@@ -95,10 +95,12 @@ def print_profile(name: str, prof: dict) -> None:
 
 
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
-            keep_gathered: bool = False, profile: bool = False, trace: str | None = None) -> dict:
+            wrapper: str = "fsdp", keep_gathered: bool = False, profile: bool = False,
+            trace: str | None = None) -> dict:
     attention, packed, tokens = parse_way(way)
     fused = dtype != "fp32"   # the kit's GPU settings
-    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, fsdp_keep_gathered=keep_gathered), dtype=dtype, seed=0,
+    wrap = Wrapper(use_megatron_fsdp=wrapper == "fsdp", fsdp_keep_gathered=keep_gathered)
+    cfg = EngineConfig(wrapper=wrap, dtype=dtype, seed=0,
                        kernels=Kernels(attention_backend=attention, fused_kernels=fused, fused_cross_entropy=fused))
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
@@ -181,6 +183,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles, allocator warm-up)")
+    ap.add_argument("--wrapper", default="fsdp", choices=["fsdp", "ddp"],
+                    help="Megatron-FSDP (the kit's) or megatron DDP: the same steps without FSDP's per-module hooks")
     ap.add_argument("--keep-gathered", action="store_true",
                     help="every way with wrapper.fsdp_keep_gathered (each FSDP unit gathered once a step)")
     ap.add_argument("--profile", action="store_true", help="profile one more step of each way and print its top ops")
@@ -201,7 +205,8 @@ def main() -> None:
         for way in ways:
             results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
                                                 micro_batch_size=args.micro_batch_size, warmup=args.warmup,
-                                                keep_gathered=args.keep_gathered, profile=args.profile, trace=args.trace_dir and
+                                                wrapper=args.wrapper, keep_gathered=args.keep_gathered,
+                                                profile=args.profile, trace=args.trace_dir and
                                                 f"{args.trace_dir}/{mix}_{way}.json")
             if dist.get_rank() == 0:
                 if results[mix]["ways"][way].get("profile"):

@@ -8,8 +8,9 @@ One row of the mix's sequences (`perf.length_mix`, as drawn, until the next woul
 causal within each, [tokens, heads, head_dim]. Kernels:
 - flash: torch's FlashAttention-2 varlen (`models.varlen.VarlenFlash`, what packed rows use on a GPU today);
 - cudnn: cuDNN's ragged attention, `aten::_cudnn_attention_forward/_backward` with the row's cum_seq bounds
-  (the nested-tensor path; not used by the model yet: this bench says whether it can be); cudnn-i64 the same
-  with int64 bounds (nested tensors' offsets are int64);
+  (the nested-tensor path, backward through torch's own derivative of the op; not used by the model: on
+  1 H200 with torch 2.11 it ran at 0.4 TFLOP/s with NaN dq/dk, docs/benchmarks.md); cudnn-i64 the same with
+  int64 bounds (nested tensors' offsets are int64);
 - per-sequence: one SDPA per sequence (`models.sdpa.per_sequence`, SDPAttention's path off the GPU; also the
   fp32 reference);
 - dense: the same sequences padded to the longest and run through causal SDPA, what the padded path pays.
@@ -50,25 +51,10 @@ def useful_flops(lens: list[int], *, heads: int, head_dim: int) -> float:
     return 2 * 2 * sum(n * n / 2 for n in lens) * heads * head_dim
 
 
-class RaggedCudnn(torch.autograd.Function):
-    """cuDNN's ragged causal attention: q/k/v [t, h, hn], `cu` the row's int32 bounds on the device."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest: int, scale: float):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
-        ctx.args = (longest, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
-        longest, scale = ctx.args
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device), cu, cu, longest,
-            longest, 0.0, True, scale=scale)
-        return dq, dk, dv, None, None, None
+def ragged_cudnn(q, k, v, cu, longest: int, scale: float):
+    """cuDNN's ragged causal attention over q/k/v [t, h, hn] with the row's bounds `cu` on the device."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 def dense(q, k, v, lens: list[int], scale: float):
@@ -88,8 +74,8 @@ def kernel_fn(name: str, lens: list[int], device, scale: float):
     cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
     longest = max(lens)
     return {"flash": lambda q, k, v: VarlenFlash.apply(q, k, v, cu, longest, True, scale, 0.0),
-            "cudnn": lambda q, k, v: RaggedCudnn.apply(q, k, v, cu, longest, scale),
-            "cudnn-i64": lambda q, k, v: RaggedCudnn.apply(q, k, v, cu.long(), longest, scale),
+            "cudnn": lambda q, k, v: ragged_cudnn(q, k, v, cu, longest, scale),
+            "cudnn-i64": lambda q, k, v: ragged_cudnn(q, k, v, cu.long(), longest, scale),
             "per-sequence": lambda q, k, v: per_sequence(q, k, v, lens, causal=True, scale=scale),
             "dense": lambda q, k, v: dense(q, k, v, lens, scale)}[name]
 
