@@ -10,10 +10,7 @@ step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP (
 RoPE/SwiGLU and cross-entropy (the kit's GPU settings):
 - padded: micro-batches of --micro-batch-size rows of S positions (`packed=False`);
 - packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
-  more positions than a padded micro-batch, so activation memory under the padded run's; varlen flash attention
-  (`models.varlen`) on each row;
-- packed-grouped: the same budget, each packed row's sequences grouped by length, dense causal SDPA per group
-  (`kernels.packed_attention="grouped"`, `models.bucketed`);
+  more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
 - packed-flex: the same budget, one flex_attention per packed row over a document mask (attention_backend="flex").
 A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows hold no padding, so a budget
 above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
@@ -44,16 +41,14 @@ from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.train import local_micro_batches, run_steps, step
 
-WAYS = {"padded": ("sdpa", "varlen", False), "packed-sdpa": ("sdpa", "varlen", True),
-        "packed-grouped": ("sdpa", "grouped", True), "packed-flex": ("flex", "varlen", True)}
-"""way -> (attention_backend, packed_attention, packed)."""
+WAYS = {"padded": ("sdpa", False), "packed-sdpa": ("sdpa", True), "packed-flex": ("flex", True)}
+"""way -> (attention_backend, packed)."""
 
 
-def parse_way(way: str) -> tuple[str, str, bool, int | None] | None:
-    """"packed-sdpa@11520" -> (attention_backend, packed_attention, packed, token budget or None); None if not
-    a way."""
+def parse_way(way: str) -> tuple[str, bool, int | None] | None:
+    """"packed-sdpa@11520" -> (attention_backend, packed, token budget or None); None if not a way."""
     name, at, tokens = way.partition("@")
-    if name not in WAYS or (at and not (tokens.isdigit() and WAYS[name][2])):
+    if name not in WAYS or (at and not (tokens.isdigit() and WAYS[name][1])):
         return None
     return (*WAYS[name], int(tokens) if at else None)
 
@@ -102,12 +97,11 @@ def print_profile(name: str, prof: dict) -> None:
 def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
             wrapper: str = "fsdp", keep_gathered: bool = False, profile: bool = False,
             trace: str | None = None) -> dict:
-    attention, packed_attention, packed, tokens = parse_way(way)
+    attention, packed, tokens = parse_way(way)
     fused = dtype != "fp32"   # the kit's GPU settings
     wrap = Wrapper(use_megatron_fsdp=wrapper == "fsdp", fsdp_keep_gathered=keep_gathered)
     cfg = EngineConfig(wrapper=wrap, dtype=dtype, seed=0,
-                       kernels=Kernels(attention_backend=attention, packed_attention=packed_attention,
-                                       fused_kernels=fused, fused_cross_entropy=fused))
+                       kernels=Kernels(attention_backend=attention, fused_kernels=fused, fused_cross_entropy=fused))
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)

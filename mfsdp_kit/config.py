@@ -27,7 +27,6 @@ from .parallel_dims import ParallelDims
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("local", "sdpa", "flex")
-PACKED_ATTENTION = ("varlen", "grouped")
 BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")
@@ -118,13 +117,9 @@ class EngineConfig:
             raise bad_value("parallelism.virtual_pipeline_model_parallel_size", vpp,
                        "None or 1 when pipeline_model_parallel_size == 1 (virtual stages interleave pipeline stages)")
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("recompute", self.recompute, RECOMPUTE),
-                                     ("kernels.attention_backend", self.kernels.attention_backend, ATTENTION_BACKENDS),
-                                     ("kernels.packed_attention", self.kernels.packed_attention, PACKED_ATTENTION)):
+                                     ("kernels.attention_backend", self.kernels.attention_backend, ATTENTION_BACKENDS)):
             if value not in allowed:
                 raise bad_value(name, value, " | ".join(allowed))
-        if self.kernels.packed_attention == "grouped" and self.kernels.attention_backend != "sdpa":
-            raise bad_value("kernels.packed_attention", "grouped", f"'varlen' with attention_backend="
-                            f"{self.kernels.attention_backend!r} (grouped packed rows run through 'sdpa')")
         if wrap.use_megatron_fsdp and not wrap.use_distributed_optimizer:
             raise bad_value("wrapper.use_distributed_optimizer", False,
                        "True when use_megatron_fsdp=True (Megatron-FSDP steps its shards with the distributed optimizer)")

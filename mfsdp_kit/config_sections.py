@@ -65,10 +65,6 @@ class Kernels:
     """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels; packed rows
     through varlen flash on a GPU, one SDPA per sequence on CPU) | "flex" ("sdpa", packed rows through one
     flex_attention: GPU for training)."""
-    packed_attention: str = "varlen"
-    """How "sdpa" attends within the sequences of a packed row: "varlen" (FlashAttention-2's varlen kernels on a
-    GPU in fp16/bf16, one SDPA per sequence elsewhere: `models.varlen`) | "grouped" (the sequences grouped by
-    length and right-padded within a group, dense causal SDPA per group, on any device: `models.bucketed`)."""
     fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
     local spec runs them unfused. The first step compiles. Measured: docs/benchmarks.md, "throughput" and

@@ -228,9 +228,6 @@ def test_validate_names_a_section_field_by_its_path():
     msg = raises(r"^parallelism\.context_parallel_size=0 ", parallelism=Parallelism(context_parallel_size=0))
     assert "positive integer" in msg
     raises(r"^kernels\.attention_backend='flash' ", kernels=Kernels(attention_backend="flash"))
-    assert "varlen | grouped" in raises(r"^kernels\.packed_attention='dense' ", kernels=Kernels(packed_attention="dense"))
-    raises(r"^kernels\.packed_attention='grouped' .*'varlen' with attention_backend='flex'",
-           kernels=Kernels(attention_backend="flex", packed_attention="grouped"))
     raises(r"^parallelism=\{", parallelism={"tensor_model_parallel_size": 2})   # a dict is not a section
 
 

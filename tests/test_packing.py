@@ -4,7 +4,6 @@ import torch
 
 from mfsdp_kit import engine, packing, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.config_sections import Kernels
 from mfsdp_kit.data import Batch
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.parity import compare_curves
@@ -68,17 +67,15 @@ def world():
     runtime.shutdown()
 
 
-@pytest.mark.parametrize("packed_attention", ["varlen", "grouped"])
 @pytest.mark.parametrize("heads", [dict(num_attention_heads=4), dict(num_attention_heads=4, num_query_groups=2)],
                          ids=["mha", "gqa"])
-def test_gpt_on_a_packed_row_gives_the_padded_losses_and_grads(world, heads, packed_attention):
+def test_gpt_on_a_packed_row_gives_the_padded_losses_and_grads(world, heads):
     """The kit's GPT (RoPE, SDPA), one rank: per-token losses of a packed row, unpacked, equal the padded
     batch's on every loss token (RoPE restarts, no attention across sequences), and so do the gradients of
-    the masked sum; padding positions are exact zeros. Packed rows one SDPA per sequence (varlen off the GPU)
-    or grouped by length (`models.bucketed`)."""
+    the masked sum; padding positions are exact zeros."""
     spec = GPTSpec(hidden_size=64, vocab_size=128, seq_len_tokens=24, **heads)
     b = length_mix.batch([(3, 24), (1, 5), (10, 17), (2, 2)], seq_len_tokens=24, vocab_size=128, seed=2)
-    cfg = EngineConfig(kernels=Kernels(attention_backend="sdpa", packed_attention=packed_attention))
+    cfg = EngineConfig(attention_backend="sdpa")
     model = engine.build(cfg, gpt_model_fn(spec, cfg), wrap=False)[0]
     losses, grads = {}, {}
     for how in ("padded", "packed"):

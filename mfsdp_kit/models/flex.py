@@ -70,10 +70,6 @@ class FlexAttention(SDPAttention):
         return out[0].permute(1, 0, 2).reshape(query.shape[0], self.hidden_size_per_partition)
 
 
-def core_attention(backend: str, packed_attention: str = "varlen"):
-    """The core-attention class of `EngineConfig.kernels.attention_backend` "sdpa" or "flex", packed rows as
-    `kernels.packed_attention` says ("sdpa" only: flex has its own)."""
-    cls = {"sdpa": SDPAttention, "flex": FlexAttention}[backend]
-    if packed_attention == cls.packed_attention:
-        return cls
-    return type(f"{cls.__name__}Grouped", (cls,), {"packed_attention": packed_attention})
+def core_attention(backend: str):
+    """The core-attention class of `EngineConfig.kernels.attention_backend` "sdpa" or "flex"."""
+    return {"sdpa": SDPAttention, "flex": FlexAttention}[backend]

@@ -115,8 +115,7 @@ def layer_spec(cfg: EngineConfig, num_experts: int | None = None):
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=num_experts, moe_grouped_gemm=False)
     if cfg.kernels.attention_backend != "local":
         from .flex import core_attention
-        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend,
-                                                                                   cfg.kernels.packed_attention)
+        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
     return spec
 
 

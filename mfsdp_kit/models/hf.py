@@ -195,8 +195,7 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
             s.submodules.self_attention.module = attention
         if cfg.kernels.attention_backend != "local":
             from .flex import core_attention
-            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend,
-                                                                                cfg.kernels.packed_attention)
+            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
         return s
     return spec
 

@@ -42,7 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
-from . import bucketed, varlen
+from . import varlen
 
 
 def _unsupported(feature: str, hint: str = "use the TE spec (TEDotProductAttention)") -> NotImplementedError:
@@ -64,9 +64,6 @@ def per_sequence(query: Tensor, key: Tensor, value: Tensor, lens: list[int], *, 
 
 class SDPAttention(MegatronModule):
     """Drop-in for megatron's `DotProductAttention`: [sq, b, np, hn] q/k/v -> [sq, b, np * hn]."""
-
-    packed_attention = "varlen"
-    """How packed rows run (`EngineConfig.kernels.packed_attention`; `models.flex.core_attention` sets it)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -133,11 +130,6 @@ class SDPAttention(MegatronModule):
                                "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
         dropout_p = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal
-        if self.packed_attention == "grouped" and causal:
-            with self._rng(dropout_p):
-                out = bucketed.attention(query, key, value, params, causal=causal, scale=self.softmax_scale,
-                                         dropout_p=dropout_p)
-            return out.reshape(query.shape[0], self.hidden_size_per_partition)
         if varlen.usable(query):
             with self._rng(dropout_p):
                 out = varlen.attention(query, key, value, params, causal=causal, scale=self.softmax_scale,
