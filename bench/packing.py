@@ -10,7 +10,8 @@ step, padded to the mix's longest possible sequence S. Ways, all Megatron-FSDP (
 RoPE/SwiGLU and cross-entropy (the kit's GPU settings):
 - padded: micro-batches of --micro-batch-size rows of S positions (`packed=False`);
 - packed-sdpa: micro-batches of at most --micro-batch-size x S tokens (`max_tokens_per_micro_batch`): never
-  more positions than a padded micro-batch, so activation memory under the padded run's; one SDPA per sequence;
+  more positions than a padded micro-batch, so activation memory under the padded run's; varlen flash attention
+  (`models.varlen`) on each row on a GPU;
 - packed-flex: the same budget, one flex_attention per packed row over a document mask (attention_backend="flex").
 A packed way may name its own budget in tokens, `packed-sdpa@11520`: packed rows hold no padding, so a budget
 above the padded micro-batch's positions can still peak under the padded run's memory (the table shows both).
