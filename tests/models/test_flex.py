@@ -34,6 +34,15 @@ def test_flex_packed_logits_equal_sdpa_per_sequence():
     assert diff < 1e-5 and out["flex"].abs().sum() > 0
 
 
+def test_flex_runs_eagerly_where_inductor_has_no_cpu_kernel(monkeypatch):
+    """Under ATEN_CPU_CAPABILITY=default (as without AVX2) inductor refuses to compile flex_attention for a CPU:
+    the packed forward runs torch's eager flex instead, with the same logits as one SDPA per sequence."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")   # inductor reads it at each compile
+    from mfsdp_kit.models import flex
+    assert flex._flex_for(torch.device("cpu")) is flex._flex
+    test_flex_packed_logits_equal_sdpa_per_sequence()
+
+
 def test_training_with_flex_on_cpu_is_refused_by_name():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
