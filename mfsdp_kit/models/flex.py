@@ -10,7 +10,8 @@ layer builds it and keeps it on the `PackedSeqParams` every layer receives).
 `EngineConfig(attention_backend="flex")`: padded batches still take `SDPAttention`'s path; only packed
 rows change. Limits (torch 2.13): flex_attention has no backward on CPU ("FlexAttention does not support
 backward on CPU"), so training with it needs a GPU; forwards without grad run on CPU through inductor's
-C++ path (eagerly where inductor has no flex kernel for the CPU: `_flex_for`). No attention dropout (flex has none): refused when training with it.
+C++ path (eagerly where inductor has no flex kernel for the CPU: `flex_kernel`). No attention dropout (flex
+has none): refused when training with it.
 """
 from __future__ import annotations
 
@@ -23,23 +24,26 @@ from ..compat.lazy_compile import lazy
 from .sdpa import SDPAttention, _unsupported
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, enable_gqa: bool) -> Tensor:
+def eager_flex(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float, enable_gqa: bool) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
-_compiled_flex = lazy(torch.compile)(_flex, dynamic=True)   # row lengths vary: one dynamic-shape compile
+compiled_flex = lazy(torch.compile)(eager_flex, dynamic=True)   # row lengths vary: one dynamic-shape compile
 
 
-def _flex_for(device: torch.device):
+def flex_kernel(device: torch.device):
     """The compiled flex_attention, or torch's eager one (its reference math: slower, the same numbers) on a CPU
     that inductor has no flex kernel for: without AVX2, under ATEN_CPU_CAPABILITY=default, on macOS
     (`check_cpu_supported`, torch 2.13; compiling there raises "torch.compile on current platform is not
     supported for CPU")."""
     if device.type != "cpu":
-        return _compiled_flex
-    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
-    return _compiled_flex if check_cpu_supported() else _flex
+        return compiled_flex
+    try:
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+    except ImportError:   # another torch: compile, as before this check existed
+        return compiled_flex
+    return compiled_flex if check_cpu_supported() else eager_flex
 
 
 def block_mask(params, device: torch.device, *, causal: bool):
@@ -77,7 +81,7 @@ class FlexAttention(SDPAttention):
         mask = block_mask(params, query.device, causal=mask_type == AttnMaskType.causal)
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))   # [t, h, hn] -> [1, h, t, hn]
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        out = _flex_for(query.device)(q, k, v, mask, self.softmax_scale, groups > 1)
+        out = flex_kernel(query.device)(q, k, v, mask, self.softmax_scale, groups > 1)
         return out[0].permute(1, 0, 2).reshape(query.shape[0], self.hidden_size_per_partition)
 
 

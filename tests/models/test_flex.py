@@ -39,7 +39,7 @@ def test_flex_runs_eagerly_where_inductor_has_no_cpu_kernel(monkeypatch):
     the packed forward runs torch's eager flex instead, with the same logits as one SDPA per sequence."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")   # inductor reads it at each compile
     from mfsdp_kit.models import flex
-    assert flex._flex_for(torch.device("cpu")) is flex._flex
+    assert flex.flex_kernel(torch.device("cpu")) is flex.eager_flex
     test_flex_packed_logits_equal_sdpa_per_sequence()
 
 
