@@ -13,6 +13,7 @@ train-inference log-prob mismatch. Prints a table per backend and writes JSON; `
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,8 @@ from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf import options
-from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.rl import grpo
+from mfsdp_kit.perf.report import provenance, write_json
+from mfsdp_kit.rl import core, grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
@@ -39,6 +40,75 @@ def model_folder(size: str, *, positions: int) -> str:
     return src
 
 
+PEAK_TFLOPS, HBM_TBPS = 790.0, 4.8
+"""The floors' rates on an H200: bf16 GEMMs as measured (docs/benchmarks.md) and HBM bandwidth."""
+
+
+def floors(*, params: int, train_tokens: float, new_tokens: float, decode_steps: int, sync_bytes: float) -> dict:
+    """Seconds each pass cannot beat on one H200: FLOPs of its real tokens at PEAK_TFLOPS (forward 2N, forward +
+    backward 6N per token, attention's few % left out), a decode step's weight read at HBM_TBPS, a copy's read
+    and write."""
+    flops = PEAK_TFLOPS * 1e12
+    return dict(sync_s=2 * sync_bytes / (HBM_TBPS * 1e12),
+                rollout_s=max(2 * params * new_tokens / flops, decode_steps * 2 * params / (HBM_TBPS * 1e12)),
+                logprob_s=2 * params * train_tokens / flops, update_s=6 * params * train_tokens / flops)
+
+
+def split_table(name: str, result: dict, gcfg, *, params: int, prompt_tokens: float) -> list[dict]:
+    """Print one backend's per-iteration split with each pass's floor and its MFU on real tokens; returns the
+    rows (seconds, floors, MFU) for the JSON."""
+    rows = []
+    print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, "
+          f"<= {gcfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor / MFU beside each pass "
+          f"(MFU: model FLOPs of real tokens / 989 TFLOP/s)")
+    print(f"{'it':>3} " + " ".join(f"{k[:-2]:>17}" for k in SPLIT) + f" {'total s':>8} {'resp tok':>8} "
+          f"{'|dlogp| mean':>12} {'tail s':>7}")
+    samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
+    for i in range(len(result["rollout_s"])):
+        engine = result["engine"][i] if i < len(result["engine"]) else {}
+        new = result["response_tokens"][i] * samples
+        floor = floors(params=params, train_tokens=new + prompt_tokens * samples, new_tokens=new,
+                       decode_steps=engine.get("steps", 0), sync_bytes=(result["sync_bytes"] or [0])[i])
+        split = {k: result[k][i] for k in SPLIT}
+        tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
+        mfu = {k: floor[k] / max(split[k], 1e-9) * PEAK_TFLOPS / 989 for k in ("logprob_s", "update_s")}
+        print(f"{i:>3} " + " ".join(f"{split[k]:>6.2f} ({floor[k]:.2f}" + (f" {100 * mfu[k]:>3.0f}%)" if k in mfu
+                                                                          else "     )") for k in SPLIT) +
+              f" {sum(split.values()):>8.2f} {result['response_tokens'][i]:>8.1f} "
+              f"{result['logprob_diff_mean'][i]:>12.4f} {tail:>7.2f}")
+        if engine:
+            print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in engine.items() if k != "by_batch"))
+            print("     by batch (steps, s): " + ", ".join(f"{b}: {v['steps']} {v['seconds']:.2f}"
+                                                        for b, v in engine.get("by_batch", {}).items()))
+        rows.append(dict(iteration=i, seconds=split, total_s=sum(split.values()), floors=floor,
+                         mfu=mfu, tail_s=tail))
+    return rows
+
+
+def profiled(history_fn, *, iterations: int):
+    """Run `history_fn(on_iteration)` with torch.profiler recording the last iteration only (CUDA); returns
+    (history, the last iteration's phase breakdown or None on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    from mfsdp_kit.perf.kernel_mix import breakdown, format_breakdown
+    from mfsdp_kit.perf.timeline import read_trace
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def start_last(i, _metrics):
+        if i == iterations - 2:
+            prof.start()
+    history = history_fn(start_last if iterations > 1 else None)
+    if iterations < 2:
+        return history, None
+    prof.stop()
+    path = "/tmp/mfsdp_grpo_iteration_trace.json"
+    prof.export_chrome_trace(path)
+    rows = breakdown(read_trace(path))
+    print("\nwhere the last iteration's time goes (s; host gap: no kernel running)")
+    print(format_breakdown(rows))
+    return history, rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="l")
@@ -48,6 +118,7 @@ def main() -> None:
                         defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
     p.add_argument("--backends", default="hf,continuous,continuous_kept",
                    help="hf, continuous (cache freed after each rollout), continuous_kept (cache and graphs kept)")
+    p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
@@ -59,36 +130,34 @@ def main() -> None:
     model = load(src, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-6), cfg)
     pool = data.ArithmeticTask(digits=3).rl_prompts(1000)
+    prompt_tokens = sum(map(len, core.prompt_ids(tok, pool))) / len(pool)
     gcfg = options.build(grpo.GRPOConfig, args, prefix="")
     results = {}
     for name in args.backends.split(","):
+        t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
         rollout = (HFRollout(hf, tok) if name == "hf" else
                    ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name == "continuous_kept")))
+        setup_s = time.perf_counter() - t0
+        params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)
         engine_stats = []
-        history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
-                           reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations, progress=False,
-                           on_iteration=lambda *_: engine_stats.append(dict(getattr(rollout, "stats", {}))))
-        results[name] = dict(vars(history), engine=engine_stats)
+
+        def run(on_iteration):
+            def record(i, m):
+                engine_stats.append(dict(getattr(rollout, "stats", {})))
+                if on_iteration is not None:
+                    on_iteration(i, m)
+            return grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
+                            prompt_pool=pool, reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations,
+                            progress=False, on_iteration=record)
+        history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
+        results[name] = dict(vars(history), engine=engine_stats, rollout_setup_s=setup_s, phases=phases)
+        if rt.rank == 0:
+            results[name]["table"] = split_table(name, results[name], gcfg, params=params, prompt_tokens=prompt_tokens)
         del rollout, hf
         torch.cuda.empty_cache() if gpu else None
-        if rt.rank == 0:
-            print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, <= {gcfg.max_new_tokens} new tokens")
-            print(f"{'it':>3} " + " ".join(f"{k:>10}" for k in SPLIT) + f" {'total s':>8} {'rollout %':>9} "
-                  f"{'resp tok':>8} {'tok/s':>8} {'|dlogp| mean':>12} {'max':>8}")
-            for i in range(args.iterations):
-                split = [results[name][k][i] for k in SPLIT]
-                n_tok = results[name]["response_tokens"][i] * gcfg.prompts_per_iteration * gcfg.samples_per_prompt
-                print(f"{i:>3} " + " ".join(f"{x:>10.2f}" for x in split) + f" {sum(split):>8.2f} "
-                      f"{100 * split[1] / sum(split):>9.1f} {results[name]['response_tokens'][i]:>8.1f} "
-                      f"{n_tok / split[1]:>8.0f} {results[name]['logprob_diff_mean'][i]:>12.4f} "
-                      f"{results[name]['logprob_diff_max'][i]:>8.3f}")
-                if engine_stats[i]:
-                    print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                                   for k, v in engine_stats[i].items()))
     if rt.rank == 0:
-        write_json(args.out, dict(args=vars(args), device=torch.cuda.get_device_name() if gpu else "cpu",
-                                  histories=results))
+        write_json(args.out, dict(args=vars(args), **provenance(), histories=results))
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -137,7 +137,7 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
     step = graphed.step(state, batch, slots)
     gen = torch.Generator(device=device).manual_seed(0)
     graph_ms = timed_ms(step, device)
-    logits = step()
+    logits = model.lm_head(step())
     pick_ms = timed_ms(lambda: pick(logits, temperature=1.0, top_p=1.0, generator=gen), device)
     graphed.release()
     total = sum(r["us_per_step"] for r in table) / 1e3

@@ -26,7 +26,7 @@ from .parallel_dims import ParallelDims
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-ATTENTION_BACKENDS = ("local", "sdpa", "flex")
+ATTENTION_BACKENDS = ("auto", "local", "sdpa", "flex")
 BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")

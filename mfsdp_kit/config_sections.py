@@ -61,10 +61,11 @@ class Wrapper:
 class Kernels:
     """Which kernels compute attention, the MLP's activation, RoPE and the loss."""
 
-    attention_backend: str = "local"
-    """Core attention: "local" (megatron's DotProductAttention) | "sdpa" (torch's fused kernels; packed rows
-    through varlen flash on a GPU, one SDPA per sequence on CPU) | "flex" ("sdpa", packed rows through one
-    flex_attention: GPU for training)."""
+    attention_backend: str = "auto"
+    """Core attention: "auto" ("sdpa" on a GPU, so batches are packed by default, unless the model has a sliding
+    window; "local" on CPU: `models.support.attention_backend`) | "local" (megatron's DotProductAttention: padded
+    batches only) | "sdpa" (torch's fused kernels; packed rows through varlen flash on a GPU, one SDPA per sequence
+    on CPU) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
     fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
     local spec runs them unfused. The first step compiles. Measured: docs/benchmarks.md, "throughput" and

@@ -187,12 +187,13 @@ def can_pack(chunks) -> bool:
 
 
 def budget(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-           packed: bool | None = None) -> int | None:
+           packed: bool | None = None, forward_only: bool = False) -> int | None:
     """The token budget of a packed call, or None for the padded path.
 
-    packed None: packed where the model can (`can_pack`), else padded; True: packed or an error; False:
-    padded. The default budget is `micro_batch_size` rows of the batch's length: a packed micro-batch then
-    never holds more tokens than a padded one computes, so its memory stays under the padded run's."""
+    packed None: packed where the model can (`can_pack`; where it cannot, `padded_note` says why once), else
+    padded; True: packed or an error; False: padded. The default budget comes from the device's memory
+    (`memory_budget`: what the activations of a training or of a no-grad micro-batch may take), at least the
+    batch's row length; on CPU it is `micro_batch_size` rows of the batch's length."""
     if packed not in (None, True, False):
         raise bad_value("packed", packed, "None (where the model can) | True | False")
     if packed is False:
@@ -201,8 +202,79 @@ def budget(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_
         if packed or max_tokens_per_micro_batch is not None:
             raise bad_value("packed", True, "False, or a model with attention_backend='sdpa' and "
                             "pipeline_model_parallel_size=1 (packed rows need the kit's SDPA attention)")
+        padded_note(chunks)
         return None
-    return max_tokens_per_micro_batch or micro_batch_size * batch.tokens.shape[1]
+    if max_tokens_per_micro_batch is not None:
+        return max_tokens_per_micro_batch
+    tokens = memory_budget(chunks, forward_only=forward_only)
+    return micro_batch_size * batch.tokens.shape[1] if tokens is None else max(tokens, batch.tokens.shape[1])
+
+
+_NOTED: set[str] = set()
+
+
+def padded_note(chunks) -> None:
+    """One line on rank 0, once per reason and process: why this model's micro-batches are padded."""
+    from megatron.core import parallel_state as ps
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        why = "pipeline_model_parallel_size > 1 (megatron's pipeline sends fixed shapes)"
+    else:
+        why = ("megatron's 'local' attention takes no packed rows (kernels.attention_backend='auto' picks it on CPU "
+               "and for sliding-window models; 'sdpa' packs)")
+    if why not in _NOTED and runtime.current().rank == 0:
+        print(f"mfsdp_kit: padded micro-batches: {why}", flush=True)
+    _NOTED.add(why)
+
+
+# ---- the token budget from memory -------------------------------------------------------------
+MEMORY_FRACTION = 0.5
+"""Share of the device memory that no tensor holds (when a model first asks) a micro-batch's activations may take.
+The rest is headroom: Adam's state, made at the first optimizer step, the allocator's blocks cut for other
+(ragged) shapes, a kept rollout cache."""
+
+
+def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -> int:
+    """Bytes one token's activations take on one rank (tensor-parallel splits divided out), for megatron's pre-norm
+    layer with fused attention (no sequence x sequence term; Korthikanti et al. 2022), compute dtype e bytes:
+
+      training, kept for the backward per layer: the two norm inputs 2h and outputs 2h, q/k/v out (h + 2gd, alive
+      through v), q and k rotated (h + gd), attention out h, fc1 out (2 if gated else 1) f, fc2 in f
+      -> e (8h + 3gd + 3f) for a gated MLP; the loss: logits e V, megatron's fp32 copy, exp and grad 12 V;
+      no grad: one layer's widest tensors at a time, e (5h + 3gd + 3f), and the loss's (e + 8) V.
+    h hidden, g kv heads, d head dim, f ffn width, V vocabulary. Measured at 1.37 B on an H200: ~2.5 MB a
+    token in training, this formula 2.0 (docs/benchmarks.md, "GRPO iteration")."""
+    tp = config.tensor_model_parallel_size
+    e = config.params_dtype.itemsize if hasattr(config.params_dtype, "itemsize") else 4
+    h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size // tp
+    gd = config.num_query_groups * d // tp
+    mlp = (2 if config.gated_linear_unit else 1) * f + f
+    layers = config.num_layers // config.pipeline_model_parallel_size
+    if forward_only:
+        return e * (5 * h + 3 * gd + mlp) + (e + 8) * vocab_size // tp
+    return layers * e * (8 * h + 3 * gd + mlp) + (e + 12) * vocab_size // tp
+
+
+def memory_budget(chunks, *, forward_only: bool) -> int | None:
+    """Tokens per micro-batch whose activations (`activation_bytes_per_token`) fit in `MEMORY_FRACTION` of the
+    device memory no tensor holds, in multiples of 256, the minimum over all ranks (every rank must plan alike);
+    decided at a model's first call and kept (same plans after). None on CPU (host memory is not what limits a
+    CPU run; the padded rule keeps CPU runs as they were)."""
+    import torch.distributed as dist
+    device = runtime.current().device
+    if device.type != "cuda":
+        return None
+    first = chunks[0]
+    kept = getattr(first, "_kit_token_budget", {})
+    if forward_only not in kept:
+        from .engine import unwrap_model
+        model = unwrap_model(chunks)[0]
+        free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
+        per_token = activation_bytes_per_token(model.config, vocab_size=model.vocab_size, forward_only=forward_only)
+        n = torch.tensor([int(MEMORY_FRACTION * free // per_token) // 256 * 256], device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN)
+        kept[forward_only] = max(256, int(n.item()))
+        first._kit_token_budget = kept
+    return kept[forward_only]
 
 
 def rank_micro_batches(batch: Batch, *, max_tokens_per_micro_batch: int) -> list[PackedMicroBatch]:

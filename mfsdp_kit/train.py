@@ -112,11 +112,12 @@ def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch
 
 
 def local_micro_batches(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                        packed: bool | None = None) -> list:
+                        packed: bool | None = None, forward_only: bool = False) -> list:
     """This rank's micro-batches on its device: packed (`packing.rank_micro_batches`) or padded rows."""
     device = runtime.current().device
     tokens = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
-                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
+                            forward_only=forward_only)
     if tokens is None:
         return micro_batches(data_parallel_slice(batch).to(device), micro_batch_size)
     return [mb.to(device) for mb in packing.rank_micro_batches(batch, max_tokens_per_micro_batch=tokens)]
@@ -130,7 +131,8 @@ def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_on
     from megatron.core.pipeline_parallel import get_forward_backward_func
     rt = runtime.current()
     mbs = local_micro_batches(chunks, batch, micro_batch_size=micro_batch_size,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
+                              forward_only=forward_only)
     with keep_gathered.held(chunks):   # a no-op unless the model was built with fsdp_keep_gathered
         logged = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,

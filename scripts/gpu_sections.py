@@ -126,6 +126,7 @@ SECTIONS = {
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
                           args="-q -p no:cacheprovider tests/test_train.py tests/test_gpus.py tests/test_grad_upcast.py "
                                "tests/test_cluster.py tests/test_keep_gathered.py tests/models/test_varlen.py "
+                               "tests/rl/test_continuous.py "
                                "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
@@ -316,7 +317,7 @@ SECTIONS.update({
     # rollout / logprob / update seconds, HF generate against the kit's engine
     # (GRPO_BACKENDS: a subset of hf,continuous,continuous_kept)
     "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
-                           args="--size l --iterations 2 --backends {GRPO_BACKENDS}", writes="grpo_iteration.json")],
+                           args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS}", writes="grpo_iteration.json")],
 })
 DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
 """The names gpu_check.sh runs when SECTIONS is not set."""

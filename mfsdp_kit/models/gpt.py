@@ -8,6 +8,7 @@ import torch
 
 from ..config import EngineConfig
 from . import transformer_settings
+from .support import attention_backend
 
 
 @dataclass(kw_only=True)
@@ -113,9 +114,10 @@ def layer_spec(cfg: EngineConfig, num_experts: int | None = None):
     of megatron's SequentialMLP experts when `num_experts`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=num_experts, moe_grouped_gemm=False)
-    if cfg.kernels.attention_backend != "local":
+    backend = attention_backend(cfg)
+    if backend != "local":
         from .flex import core_attention
-        spec.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
+        spec.submodules.self_attention.submodules.core_attention = core_attention(backend)
     return spec
 
 

@@ -179,7 +179,7 @@ def check_tensors(hf_path, *, strict: bool = True) -> None:
                               "The folder's config.json does not describe these weights (or they were saved transposed)")
 
 
-def _layer_spec(cfg: EngineConfig, bridge_spec):
+def _layer_spec(cfg: EngineConfig, bridge_spec, hf_config: dict):
     """The layer spec function: the bridge's own where TE is installed, else local (+ SDPA core
     attention if asked) with the architecture's own attention module where its bridge has one
     (OLMoE's QK norm over all heads: `olmoe_provider.OLMoESelfAttention`)."""
@@ -188,14 +188,15 @@ def _layer_spec(cfg: EngineConfig, bridge_spec):
     if HAVE_TE:
         return transformer_engine_layer_spec if bridge_spec is None else bridge_spec
     attention = bridge_model.local_attention_module(bridge_spec)
+    backend = support.attention_backend(cfg, hf_config)
 
     def spec(config):
         s = local_layer_spec(config)
         if attention is not None:
             s.submodules.self_attention.module = attention
-        if cfg.kernels.attention_backend != "local":
+        if backend != "local":
             from .flex import core_attention
-            s.submodules.self_attention.submodules.core_attention = core_attention(cfg.kernels.attention_backend)
+            s.submodules.self_attention.submodules.core_attention = core_attention(backend)
         return s
     return spec
 
@@ -209,7 +210,8 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch_dtype(cfg.dtype),
                                            trust_remote_code=trust_remote_code)
     p = bridge.to_megatron_provider(load_weights=False)
-    p.transformer_layer_spec = _layer_spec(cfg, getattr(p, "transformer_layer_spec", None))
+    p.transformer_layer_spec = _layer_spec(cfg, getattr(p, "transformer_layer_spec", None),
+                                           bridge.hf_pretrained.config.to_dict())
     settings = transformer_settings.engine_settings(
         cfg, te_spec=HAVE_TE, moe=bool(getattr(p, "num_moe_experts", None)),
         cpu_initialization=not torch.cuda.is_available())

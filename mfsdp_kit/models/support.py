@@ -16,6 +16,8 @@ naming the architecture or field, its value, and why:
 """
 from __future__ import annotations
 
+import torch
+
 from ..config import ConfigError, EngineConfig, bad_value
 
 VERIFIED = ("LlamaForCausalLM", "MistralForCausalLM", "OlmoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -127,6 +129,18 @@ def active_window(config: dict) -> int | None:
     return window
 
 
+def attention_backend(cfg: EngineConfig, config: dict | None = None) -> str:
+    """The core attention `cfg.kernels.attention_backend` names, "auto" resolved: "sdpa" on a GPU (the model then
+    takes packed rows: `packing`), unless the HF `config` has an active sliding window, which only megatron's
+    "local" attention reproduces; "local" on CPU, where the kit's checks compare megatron's own kernels at fp32."""
+    chosen = cfg.kernels.attention_backend
+    if chosen != "auto":
+        return chosen
+    from .. import runtime
+    on_gpu = runtime.current().device.type == "cuda" if runtime.is_initialized() else torch.cuda.is_available()
+    return "sdpa" if on_gpu and active_window(config or {}) is None else "local"
+
+
 def _sliding_window(arch: str, config: dict, cfg) -> None:
     window = active_window(config)
     if window is None:
@@ -136,9 +150,9 @@ def _sliding_window(arch: str, config: dict, cfg) -> None:
                       "false): if your sequences never exceed the window, set sliding_window to null in config.json",
                       f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
                       "sequence where HF attends over the last sliding_window tokens")
-    if cfg is not None and cfg.kernels.attention_backend != "local":
+    if cfg is not None and attention_backend(cfg, config) != "local":
         raise _refuse(arch, "sliding_window", window, f"null with kernels.attention_backend="
-                      f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local')",
+                      f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local' or 'auto')",
                       "the kit's SDPA attention has no sliding-window mask")
 
 

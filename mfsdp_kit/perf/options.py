@@ -23,12 +23,22 @@ def _dest(prefix: str, name: str) -> str:
     return f"{prefix}_{name}" if prefix else name
 
 
+def _optional_bool(text: str) -> bool | None:
+    """A `bool | None` field's option value: true | false | none."""
+    values = {"true": True, "false": False, "none": None}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed true | false | none")
+    return values[text.lower()]
+
+
 def _parser_type(annotation) -> tuple[Any, tuple | None, bool]:
     """(argparse type, choices, optional) for a field's annotation."""
     args = typing.get_args(annotation)
     optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
     if optional:
         annotation = next(a for a in args if a is not type(None))
+    if optional and annotation is bool:   # --packed true | false | none
+        return _optional_bool, None, optional
     if typing.get_origin(annotation) is Literal:
         return type(typing.get_args(annotation)[0]), typing.get_args(annotation), optional
     return (annotation if annotation in (int, float, str) else str), None, optional

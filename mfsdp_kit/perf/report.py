@@ -16,6 +16,29 @@ def write_json(path: str | Path, obj: Any, *, default: Callable[[Any], Any] | No
     return path
 
 
+def provenance() -> dict:
+    """Which code and machine made a result: the git commit (with "+dirty" for uncommitted changes; $MFSDP_COMMIT
+    where the tree travelled without its .git, as to a GPU node), the UTC date and the device (GPU name or "cpu")."""
+    import os
+    import datetime
+    import subprocess
+
+    import torch
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = os.environ.get("MFSDP_COMMIT") or git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty = "MFSDP_COMMIT" not in os.environ and bool(git("status", "--porcelain", "--untracked-files=no"))
+    return dict(commit=commit + ("+dirty" if dirty else ""),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+
+
 def cell(result: dict, fmt: Callable[[dict], str]) -> str:
     """`fmt(result)`, or "-" for a run that failed or has no value for this row (not profiled, no baseline)."""
     if "error" in result:

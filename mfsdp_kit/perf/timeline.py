@@ -12,6 +12,19 @@ from __future__ import annotations
 import gzip
 import json
 from collections import namedtuple
+from contextlib import contextmanager
+
+PHASE_MARK = "mfsdp_kit::phase "
+"""The profiler range name of a phase (`phase`), read back by `perf.kernel_mix.breakdown`."""
+
+
+@contextmanager
+def phase(name: str):
+    """Mark a host range as phase `name` for `perf.kernel_mix.breakdown` (free unless torch.profiler records)."""
+    from torch.profiler import record_function
+    with record_function(PHASE_MARK + name):
+        yield
+
 
 GpuActivity = namedtuple("GpuActivity", "name kind start_us end_us")
 """One kernel, memcpy or memset of a trace; kind = "nccl" | "compute" | "memcpy"."""

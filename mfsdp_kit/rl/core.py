@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .. import offload, runtime
 from ..config import bad_value
+from ..perf.timeline import phase
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
@@ -72,6 +73,13 @@ class RolloutConfig:
     micro_batch_size: int = 8
     """Sequences per forward/backward in the log-prob and update passes: the same gradient at any size, fewer
     FSDP all-gathers when larger."""
+    max_tokens_per_micro_batch: int | None = None
+    """Tokens per packed micro-batch of the update (None: from the device's memory, `packing.memory_budget`; the
+    log-prob passes, which keep no activations, take their own larger budget). Padded models use
+    `micro_batch_size` rows instead."""
+    packed: bool | None = None
+    """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
+    False (padded rows of `micro_batch_size`)."""
     seed: int = 0
     """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False
@@ -83,6 +91,7 @@ class RolloutConfig:
         middle of the first iteration."""
         check_fields(self, prompts_per_iteration=COUNT, samples_per_prompt=COUNT, max_new_tokens=COUNT,
                      ppo_epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX,
+                     max_tokens_per_micro_batch=optional(COUNT),
                      temperature=number_in(0, low_open=True), top_p=number_in(0, 1, low_open=True),
                      kl_coef=number_in(0))
 
@@ -192,12 +201,13 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
     reward, stats = as_reward(reward), {}
     if refresh:
         t0 = time.perf_counter()
-        nbytes = backend.refresh(chunks, bridge)["bytes"]
+        with phase("sync"):
+            nbytes = backend.refresh(chunks, bridge)["bytes"]
         stats.update(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
     placement = getattr(backend, "placement", None) or ReplicaPlacement()
     share = placement.share(prompts)
     t0 = time.perf_counter()
-    with offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
+    with phase("rollout"), offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
         completions = backend.sample([p for p, _ in share], n=samples_per_prompt, max_new_tokens=max_new_tokens,
                                      temperature=temperature, top_p=top_p, seed=seed + placement.replica())
         texts = [backend.tokenizer.decode(c) for c in completions]
@@ -279,7 +289,7 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_pe
 
     from .. import packing
     budget = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
-                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed, forward_only=True)
     if budget is not None:
         return packing.token_logprobs(chunks, batch, max_tokens_per_micro_batch=budget)
     device = runtime.current().device

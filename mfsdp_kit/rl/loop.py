@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..perf.timeline import phase
 from . import core
 from .core import RolloutBatch, RolloutConfig
 from .scoring import mismatch, scored_at
@@ -28,12 +29,15 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
     models = list(chunks) + list(ref_chunks or [])
     with scored_at(models, temperature=cfg.temperature if cfg.score_at_temperature else 1.0):
         t0 = time.perf_counter()
-        batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                    pad_id=pad_id, micro_batch_size=cfg.micro_batch_size)
+        with phase("logprobs"):
+            batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
+                                        pad_id=pad_id, micro_batch_size=cfg.micro_batch_size, packed=cfg.packed)
         t1 = time.perf_counter()
-        results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
-                              num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
-                              scheduler=scheduler, loss_fn=loss_fn)
+        with phase("update"):
+            results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
+                                  num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
+                                  scheduler=scheduler, loss_fn=loss_fn, packed=cfg.packed,
+                                  max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     t2 = time.perf_counter()
     return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **mismatch(kept.logprobs, batch),
                 **core.update_metrics(results))

@@ -32,6 +32,7 @@ from ...fieldtypes import COUNT, check_fields, number_in
 from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
+from .timing import ChunkTimer
 
 
 @dataclass(kw_only=True)
@@ -127,6 +128,7 @@ class ContinuousRollout(HFRollout):
         try:
             return run.loop()
         finally:
+            self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
             if not cfg.keep_cache:
                 self.release()
@@ -175,7 +177,7 @@ class ContinuousRollout(HFRollout):
 
     def step(self, state: _Cache, batch: int, slots: int):
         """A decode step over the first `batch` rows and `slots` slots: reads `state.tok`/`state.pos`, writes the
-        rows' K, V, returns logits [batch, vocab]. Idempotent (it rewrites the same slots with the same values),
+        rows' K, V, returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the same slots with the same values),
         so its warm-up and capture leave the cache as they found it."""
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
@@ -203,15 +205,16 @@ class ContinuousRollout(HFRollout):
         and slot bucket; the cache tensors are marked static so inductor's graphs may write them in place."""
         from torch import _dynamo
         if self._compiled is None:
-            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
             self._compiled = torch.compile(decode, mode="reduce-overhead", dynamic=False)
         for t in (*[x for kv in state.kv for x in kv], *state.rope):
             _dynamo.mark_static_address(t)
 
         def run():
             torch.compiler.cudagraph_mark_step_begin()
-            return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                                  clip_qkv=self.clip_qkv, glue=EAGER)
+            # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
+            with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
+                return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
+                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER)
         run()   # compiles and records now, not inside the timed loop
         return run
 
@@ -269,6 +272,7 @@ class _Run:
         self.tokens: list[list[int]] = [[] for _ in rows]
         self.logprobs: list[list[float]] = [[] for _ in rows]
         self.batch = batch_bucket(min(len(rows), n_rows), rows=n_rows)
+        self.timer = ChunkTimer(state.tok.device)
 
     def loop(self) -> tuple[list[list[int]], list[list[float]]]:
         while self.queue or self.live():
@@ -331,13 +335,14 @@ class _Run:
         top = max(self.length[r] for r in live)
         left = max(self.max_new - len(self.tokens[self.owner[r]]) for r in live)
         slots = st.shape[1]
-        sampled = []
+        sampled, head = [], self.engine.model.lm_head
         for k in range(min(cfg.check_every, left)):
-            logits = self.engine.step(st, b, min(slots, bucketed(top + k + 1, cfg.slot_bucket)))()
-            tok, logp = pick(logits, **self.sample)
+            hidden = self.engine.step(st, b, min(slots, bucketed(top + k + 1, cfg.slot_bucket)))()
+            tok, logp = pick(head(hidden), **self.sample)
             st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
             sampled.append((tok, logp))
         self.engine.stats["steps"] += len(sampled)
+        self.timer.mark(b, len(sampled))
         tokens = torch.stack([t for t, _ in sampled], 1).cpu()
         logprobs = torch.stack([p for _, p in sampled], 1).cpu()
         for r in live:

@@ -14,7 +14,8 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     cuDNN's kernel, faster than a visibility-lane layout (head_dim padded past 128) and than flex_attention,
     whose block mask alone costs more than the kernel (docs/benchmarks.md, rollout);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`), compiled on a GPU for each batch size.
+    functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes;
+  - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
 Every function computes the HF model's own function: tests/rl/test_continuous.py compares greedy tokens
 with `generate` for every architecture in SUPPORTED, written by transformers itself.
 """
@@ -140,24 +141,45 @@ def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
     return act(gate) * up
 
 
-def add_rms(x: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, norm(x + delta)): the residual add and the next RMSNorm in one pass when compiled."""
+def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): the residual add and the next RMSNorm in one pass when compiled."""
     x = x + delta
-    return x, rms(norm, x)
+    return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Glue:
-    """The decode step's elementwise functions, each `torch.compile`d when `compiled`, for each batch size the
-    engine runs (at most 10 power-of-two buckets, so dynamo's recompile limit is raised to hold them): compiled
-    for the shape a kernel runs at about half its time with a symbolic batch (docs/benchmarks.md, rollout).
-    Eager elsewhere (CPU tests): the same functions."""
+    """The decode step's elementwise functions, each `torch.compile`d when `compiled` (on a GPU), once for every
+    batch and cache size: the batch and cache dimensions are symbolic (`maybe_mark_dynamic`; a batch of 1 takes
+    its own static graph), so no batch bucket compiles again and dynamo's recompile limit is never reached.
+    `fullgraph=True`: a function that cannot compile whole raises instead of running eager glue in silence. Eager
+    elsewhere (CPU tests): the same functions."""
 
     def __init__(self, *, compiled: bool):
-        if compiled:
-            from torch import _dynamo
-            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 16)
-        wrap = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
-        self.rope_store, self.gated, self.add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
+        self.compiled = compiled
+        wrap = (lambda f: torch.compile(f, fullgraph=True)) if compiled else (lambda f: f)
+        self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
+
+    def _dynamic(self, *tensors: torch.Tensor) -> None:
+        if self.compiled:
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+    def rope_store(self, q, k, v, cos, sin, k_rows, v_rows, where) -> torch.Tensor:
+        self._dynamic(q, k, v, cos, sin, k_rows, v_rows, where)
+        return self._rope_store(q, k, v, cos, sin, k_rows, v_rows, where)
+
+    def gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
+        self._dynamic(gate_up)
+        return self._gated(gate_up, act)
+
+    def add_rms(self, x: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms` with an HF RMSNorm module's weight and epsilon (another norm: its module, eagerly)."""
+        eps = getattr(norm, "variance_epsilon", None)
+        if eps is None:
+            x = x + delta
+            return x, norm(x)
+        self._dynamic(x, delta)
+        return self._add_rms(x, delta, norm.weight, eps)
 
 
 EAGER = Glue(compiled=False)
@@ -193,7 +215,8 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
            clip_qkv: float | None, glue: Glue) -> torch.Tensor:
     """One token per row: `tok` [b] at position `pos` [b] written into slot pos[r] of cache row r (the first b
     rows of `cache`'s whole [rows, kv_heads, all slots, D] tensors), attending to slots <= pos[r] among the first
-    `slots` (every row's pos < slots). Logits [b, vocab]."""
+    `slots` (every row's pos < slots). Returns the final norm's output [b, hidden]: `hf_model.lm_head` of it is the
+    logits, computed outside a CUDA graph so no graph keeps a [b, vocab] output of its own."""
     m = hf_model.model
     b = tok.shape[0]
     k0 = cache[0][0]
@@ -214,7 +237,7 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out.reshape(b, -1)), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
-    return hf_model.lm_head(h)
+    return h
 
 
 def _scale(layer, head_dim: int) -> float:
