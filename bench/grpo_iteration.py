@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import data, engine, runtime
-from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
@@ -116,13 +116,15 @@ def main() -> None:
     options.add_options(p, grpo.GRPOConfig, prefix="", names=dict(prompts_per_iteration="prompts",
                                                                   samples_per_prompt="samples"),
                         defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
-    p.add_argument("--backends", default="hf,continuous,continuous_kept",
-                   help="hf, continuous (cache freed after each rollout), continuous_kept (cache and graphs kept)")
+    p.add_argument("--backends", default="hf,continuous",
+                   help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call)")
+    p.add_argument("--fused-kernels", action="store_true", help="EngineConfig.kernels.fused_kernels=True")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
-    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16" if gpu else "fp32", seed=0)
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32", seed=0,
+                       kernels=Kernels(fused_kernels=args.fused_kernels))   # else the defaults a user gets
     rt = runtime.init(cfg)
     src = model_folder(args.size, positions=1024)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,7 +139,7 @@ def main() -> None:
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
         rollout = (HFRollout(hf, tok) if name == "hf" else
-                   ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name == "continuous_kept")))
+                   ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name != "continuous_freed")))
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)
         engine_stats = []

@@ -25,10 +25,10 @@ LAUNCH = {"trun": "trun", "torchrun1": "torchrun --nproc_per_node 1 --master_por
 KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": "", "NB_PREWRITE": "1",
          "NOTEBOOKS": "", "SFT_VARIANTS": "ddp-local,fsdp-local,ddp-sdpa,fsdp-sdpa,ddp-sdpa-fused,fsdp-sdpa-fused",
          "NB_SETUP_PROFILE": "40", "CS_REPEATS": "3", "CS_VARIANTS": "plain,preload,noimport", "CS_MODEL": "",
-         "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "hf,continuous,continuous_kept",
+         "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "continuous",
          "ROLLOUT_VARIANTS": "compiled,eager",
          "PACKING_WAYS": "padded,packed-sdpa,packed-flex", "PACKING_SFT_WAYS": "padded,packed-sdpa,packed-flex",
-         "PACKING_ARGS": ""}
+         "PACKING_ARGS": "", "GRPO_ITER_ARGS": ""}
 """Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
 
 
@@ -315,9 +315,10 @@ SECTIONS.update({
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine
-    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_kept)
+    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_freed; GRPO_ITER_ARGS: more options, e.g. --fused-kernels)
     "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
-                           args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS}", writes="grpo_iteration.json")],
+                           args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
+                           writes="grpo_iteration.json")],
 })
 DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
 """The names gpu_check.sh runs when SECTIONS is not set."""

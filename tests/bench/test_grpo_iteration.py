@@ -6,7 +6,7 @@ from tests.bench.cli import run
 def test_grpo_iteration_bench(tmp_path):
     res = run("grpo_iteration.py", "--size", "xs", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8",
               "--iterations", "1", "--micro-batch-size", "2", out=tmp_path / "g.json", nproc=1)
-    assert set(res["histories"]) == {"hf", "continuous", "continuous_kept"}
+    assert set(res["histories"]) == {"hf", "continuous"}
     for name, h in res["histories"].items():
         assert all(h[k][0] > 0 for k in ("rollout_s", "logprob_s", "update_s")), name
         assert 0 <= h["logprob_diff_max"][0] <= 1e-5, (name, h["logprob_diff_max"])

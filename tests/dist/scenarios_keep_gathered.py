@@ -40,8 +40,9 @@ def train(*, keep: bool, dtype: str = "bf16", recompute: str = "none", layers: i
     losses, grad norms, this rank's main weights (bits), the buckets gathered per step, the most buckets gathered
     at once, the buckets still gathered after each step, and how many buckets the model has."""
     spec = dataclasses.replace(MOE_SPECS["moe-tiny"] if ep > 1 else SPEC, num_layers=layers)
+    # padded rows of `micro_batch_size` ("local" attention): the gathers are counted per micro-batch
     cfg = EngineConfig(use_megatron_fsdp=True, dtype=dtype, recompute=recompute, seed=7, fsdp_keep_gathered=keep,
-                       expert_model_parallel_size=ep, override_ddp_config=ddp or {})
+                       expert_model_parallel_size=ep, override_ddp_config=ddp or {}, attention_backend="local")
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=3e-3, clip_grad=0.05), cfg)
