@@ -262,7 +262,7 @@ def test_flat_assignment_and_replace_leave_the_original_alone():
         warnings.simplefilter("ignore", DeprecationWarning)
         other = dataclasses.replace(cfg, attention_backend="sdpa")   # what scenarios and bench scripts do
     other.tensor_model_parallel_size = 4                             # a new section, not a shared one
-    assert (cfg.tensor_model_parallel_size, cfg.attention_backend) == (2, "local")
+    assert (cfg.tensor_model_parallel_size, cfg.attention_backend) == (2, "auto")
     assert (other.parallelism.tensor_model_parallel_size, other.kernels.attention_backend) == (4, "sdpa")
 
 

@@ -105,6 +105,44 @@ def test_a_local_attention_model_is_refused_by_name(world):
         packing.budget(chunks, b, micro_batch_size=2, packed=True)
 
 
+def test_the_default_attention_on_cpu_runs_padded_and_says_why_once(world, capsys):
+    """EngineConfig() picks "auto" attention: megatron's local kernels on CPU, so the model runs padded rows; one
+    line says why, once per process."""
+    cfg = EngineConfig()
+    chunks = [engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]]
+    b = length_mix.batch([(1, 4)], seq_len_tokens=4, vocab_size=50)
+    packing._NOTED.clear()
+    assert packing.budget(chunks, b, micro_batch_size=2) is None
+    assert packing.budget(chunks, b, micro_batch_size=2) is None
+    out = capsys.readouterr().out
+    assert out.count("padded micro-batches: megatron's 'local' attention") == 1, out
+
+
+def test_the_budget_on_cpu_is_rows_of_the_batch_and_from_memory_none(world):
+    cfg = EngineConfig(attention_backend="sdpa")
+    chunks = [engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]]
+    b = length_mix.batch([(1, 4), (3, 24)], seq_len_tokens=24, vocab_size=50)
+    assert packing.memory_budget(chunks, forward_only=False) is None          # host memory is not the limit
+    assert packing.budget(chunks, b, micro_batch_size=2) == 2 * 24
+    assert packing.budget(chunks, b, micro_batch_size=2, max_tokens_per_micro_batch=30) == 30
+
+
+def test_activation_bytes_per_token_write_out_the_layer():
+    """The l shape (28 layers, hidden 2048, GQA 16/4 x 128, SwiGLU 8192), bf16: 2 x (8h + 3gd + 3f) = 84,992 bytes a
+    layer in training (2.38 MB for 28), the loss (2 + 12) V; without grad one layer's widest tensors, (5h + 3gd + 3f)."""
+    from types import SimpleNamespace
+    c = SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=torch.bfloat16,
+                        hidden_size=2048, kv_channels=128, ffn_hidden_size=8192, num_query_groups=4, num_layers=28,
+                        gated_linear_unit=True)
+    train = packing.activation_bytes_per_token(c, vocab_size=1000, forward_only=False)
+    assert train == 28 * 2 * (8 * 2048 + 3 * 512 + 3 * 8192) + 14 * 1000
+    assert packing.activation_bytes_per_token(c, vocab_size=1000, forward_only=True) == \
+        2 * (5 * 2048 + 3 * 512 + 3 * 8192) + 10 * 1000
+    c.tensor_model_parallel_size = 2   # the split matrices' activations halve, the residual stream does not
+    assert packing.activation_bytes_per_token(c, vocab_size=1000, forward_only=False) == \
+        28 * 2 * (8 * 2048 + 3 * 256 + 3 * 4096) + 14 * 500
+
+
 # ---- real gloo ranks ------------------------------------------------------------------------
 def same_run(padded: dict, packed: dict):
     report = compare_curves(padded["losses"], packed["losses"], exact_steps=len(padded["losses"]),

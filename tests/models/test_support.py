@@ -148,3 +148,16 @@ def test_moe_refuses_tensor_parallel_without_sequence_parallel(tmp_path):
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 is not allowed; allowed: 1 for "
                                           "Qwen3MoeForCausalLM.*sequence parallelism"):
         hf_models.check_folder(folder(tmp_path, "Qwen3MoeForCausalLM"), EngineConfig(tensor_model_parallel_size=2))
+
+
+def test_auto_attention_is_local_on_cpu_and_keeps_a_sliding_window_local(monkeypatch):
+    """"auto": megatron's local attention on CPU; on a GPU torch's SDPA (packed rows), unless the model's config has
+    an active sliding window, which only "local" reproduces."""
+    import torch
+    cfg = EngineConfig()
+    assert cfg.kernels.attention_backend == "auto" and support.attention_backend(cfg) == "local"
+    assert support.attention_backend(EngineConfig(attention_backend="sdpa")) == "sdpa"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # runtime not started: the host's GPUs decide
+    assert support.attention_backend(cfg) == "sdpa"
+    windowed = {"sliding_window": 64, "max_position_embeddings": 4096}
+    assert support.attention_backend(cfg, windowed) == "local"

@@ -47,3 +47,12 @@ def test_config_docstrings_say_what_an_option_does_not_what_it_measured(cls):
     """Numbers go stale in docstrings: they live in docs/benchmarks.md, which the docstring links."""
     found = {name: m.group(0) for name, doc in field_docs(cls).items() if (m := MEASURED.search(doc))}
     assert not found, f"{cls.__name__}: measured numbers in field docstrings (move them to docs/benchmarks.md): {found}"
+
+
+def test_an_optional_bool_field_takes_true_false_none():
+    parser = argparse.ArgumentParser()
+    options.add_options(parser, core.RolloutConfig, prefix="")
+    assert options.build(core.RolloutConfig, parser.parse_args(["--packed", "false"]), prefix="").packed is False
+    assert options.build(core.RolloutConfig, parser.parse_args([]), prefix="").packed is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--packed", "maybe"])

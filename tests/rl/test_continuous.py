@@ -103,6 +103,19 @@ def test_default_backend_is_the_engine_where_it_runs(tmp_path):
     assert type(default_backend(gpt2, tok)) is HFRollout
 
 
+def test_stats_split_the_call_by_batch_bucket_and_a_kept_cache_serves_a_smaller_call(tmp_path):
+    """`stats["by_batch"]`: decode steps and seconds per batch bucket (the tail of small batches shows), summing to
+    the call's steps; a kept cache with enough rows and slots serves a smaller call without new graphs or cache."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    rollout.generate(ROWS * 2, max_new_tokens=12, temperature=1.0, top_p=1.0, seed=0)
+    by_batch = rollout.stats["by_batch"]
+    assert set(by_batch) <= {2, 4} and sum(v["steps"] for v in by_batch.values()) == rollout.stats["steps"]
+    assert all(v["seconds"] > 0 for v in by_batch.values())
+    rollout.generate(ROWS[:1], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0)
+    assert rollout.stats["rows"] == 4   # the kept 4-row cache, not a new 2-row one
+
+
 SHAPE_CALLS = [(rows, prompt, new) for rows in (1, 2, 3, 5, 8, 13, 21, 40) for prompt, new in
                ((3, 4), (9, 20), (30, 40), (70, 90), (5, 130))]
 """40 calls of distinct shapes: 8 row counts (batch buckets 1..64) x 5 prompt / new-token lengths (slot buckets)."""

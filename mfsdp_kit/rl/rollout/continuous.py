@@ -60,8 +60,8 @@ class DecodeConfig:
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
-    (re-capturing ~40 graphs cost 0.5-0.9 s an iteration at 1.7 B); the training passes' token budget counts the
-    kept cache (`packing.memory_budget`). False: free them after each call (`release`) for the policy update."""
+    (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
+    training passes' token budget counts the kept cache (`packing.memory_budget`). False: free them after each call (`release`) for the policy update."""
 
     def __post_init__(self):
         check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
