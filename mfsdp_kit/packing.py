@@ -210,20 +210,19 @@ def budget(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_
     return micro_batch_size * batch.tokens.shape[1] if tokens is None else max(tokens, batch.tokens.shape[1])
 
 
-_NOTED: set[str] = set()
-
-
 def padded_note(chunks) -> None:
-    """One line on rank 0, once per reason and process: why this model's micro-batches are padded."""
+    """One line on rank 0, once per model: why its micro-batches are padded."""
     from megatron.core import parallel_state as ps
+    if getattr(chunks[0], "_kit_padded_noted", False):
+        return
+    chunks[0]._kit_padded_noted = True
     if ps.get_pipeline_model_parallel_world_size() > 1:
         why = "pipeline_model_parallel_size > 1 (megatron's pipeline sends fixed shapes)"
     else:
         why = ("megatron's 'local' attention takes no packed rows (kernels.attention_backend='auto' picks it on CPU "
                "and for sliding-window models; 'sdpa' packs)")
-    if why not in _NOTED and runtime.current().rank == 0:
+    if runtime.current().rank == 0:
         print(f"mfsdp_kit: padded micro-batches: {why}", flush=True)
-    _NOTED.add(why)
 
 
 # ---- the token budget from memory -------------------------------------------------------------

@@ -107,11 +107,10 @@ def test_a_local_attention_model_is_refused_by_name(world):
 
 def test_the_default_attention_on_cpu_runs_padded_and_says_why_once(world, capsys):
     """EngineConfig() picks "auto" attention: megatron's local kernels on CPU, so the model runs padded rows; one
-    line says why, once per process."""
+    line says why, once per model."""
     cfg = EngineConfig()
     chunks = [engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]]
     b = length_mix.batch([(1, 4)], seq_len_tokens=4, vocab_size=50)
-    packing._NOTED.clear()
     assert packing.budget(chunks, b, micro_batch_size=2) is None
     assert packing.budget(chunks, b, micro_batch_size=2) is None
     out = capsys.readouterr().out

@@ -382,23 +382,3 @@ class PromptDraw:
 
     def __call__(self, k: int) -> list[tuple[str, str]]:
         return [self.pool[i] for i in torch.randperm(len(self.pool), generator=self.rng)[:k].tolist()]
-
-
-@checked_args(iterations=COUNT)
-def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
-                   on_iteration=None):
-    """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;
-    tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each."""
-    from tqdm.auto import tqdm
-
-    from ..progress import report
-    bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
-    for it in bar:
-        m = iteration(it)
-        for key in vars(history):
-            getattr(history, key).append(m[key])
-        bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
-        report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
-        if on_iteration is not None:
-            on_iteration(it, m)
-    return history

@@ -5,13 +5,14 @@ picks the groups it trains on (`grpo.iteration`, `dapo.iteration`).
                     (update_s), all scored at the sampling temperature (`scoring.scored_at`), plus the
                     train-inference mismatch of the rollout's log-probs (`scoring.mismatch`)
     fit             prompts drawn from a pool each iteration (`core.PromptDraw`), the training length checked
-                    before any rollout, metrics into a history (`core.run_iterations`)
+                    before any rollout, metrics into a history (`run_iterations`)
 """
 from __future__ import annotations
 
 import time
 from typing import Callable
 
+from ..fieldtypes import COUNT, checked_args
 from ..perf.timeline import phase
 from . import core
 from .core import RolloutBatch, RolloutConfig
@@ -50,6 +51,27 @@ def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list
     plus `max_new_tokens` needs) before any rollout."""
     seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, tokenizer, max_new_tokens=cfg.max_new_tokens)
     draw = core.PromptDraw(prompt_pool, seed=cfg.seed)
-    return core.run_iterations(iteration=lambda it: iteration(index=it, draw=draw, seq_len_tokens=seq_len_tokens),
-                               iterations=iterations, history=history, desc=desc, progress=progress,
-                               on_iteration=on_iteration)
+    return run_iterations(iteration=lambda it: iteration(index=it, draw=draw, seq_len_tokens=seq_len_tokens),
+                          iterations=iterations, history=history, desc=desc, progress=progress,
+                          on_iteration=on_iteration)
+
+
+@checked_args(iterations=COUNT)
+def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
+                   on_iteration=None):
+    """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;
+    tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each."""
+    from tqdm.auto import tqdm
+
+    from .. import runtime
+    from ..progress import report
+    bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
+    for it in bar:
+        m = iteration(it)
+        for key in vars(history):
+            getattr(history, key).append(m[key])
+        bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
+        report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
+        if on_iteration is not None:
+            on_iteration(it, m)
+    return history
