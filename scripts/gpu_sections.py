@@ -315,7 +315,7 @@ SECTIONS.update({
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine
-    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_freed; GRPO_ITER_ARGS: more options, e.g. --fused-kernels off)
+    # (GRPO_BACKENDS: a subset of hf,continuous,continuous_freed; GRPO_ITER_ARGS: more options, e.g. --fused-kernels)
     "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],

@@ -58,10 +58,6 @@ class DecodeConfig:
     docs/benchmarks.md, rollout)."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
-    attention: Literal["cudnn", "efficient"] = "cudnn"
-    """The prefill and decode attention kernel on a GPU (`decoder.DECODE_ATTENTION`): "cudnn" (the faster step;
-    cuDNN builds a plan for each new shape: a decode graph's capture, a prefill of new rows x prompt length) |
-    "efficient" (torch's memory-efficient kernel: no plan to build)."""
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
@@ -195,7 +191,7 @@ class ContinuousRollout(HFRollout):
 
         def eager():
             return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                          clip_qkv=self.clip_qkv, glue=glue, attention=self.config.attention)
+                          clip_qkv=self.clip_qkv, glue=glue)
         fn = eager
         if self.config.cuda_graphs and gpu and not is_moe(self.model):
             if self.config.graph_mode == "reduce-overhead":
@@ -221,8 +217,7 @@ class ContinuousRollout(HFRollout):
             # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
             with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
                 return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
-                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER,
-                                      attention=self.config.attention)
+                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER)
         run()   # compiles and records now, not inside the timed loop
         return run
 
@@ -309,7 +304,7 @@ class _Run:
         e = self.engine
         t0 = time.perf_counter()
         logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
-                         clip_qkv=e.clip_qkv, attention=e.config.attention)
+                         clip_qkv=e.clip_qkv)
         tok, logp = pick(logits, **self.sample)
         self.state.tok[where], self.state.pos[where] = tok, lens
         for r, i, n in zip(free, take, lengths):

@@ -187,7 +187,7 @@ EAGER = Glue(compiled=False)
 
 # ---- prefill and decode ----------------------------------------------------------------------
 def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: torch.Tensor, rope, *, head_dim: int,
-            clip_qkv: float | None, attention: str = "cudnn") -> torch.Tensor:
+            clip_qkv: float | None) -> torch.Tensor:
     """Run prompts `ids` [k, L] (left-aligned, `lengths` [k] real tokens each) and write their K, V into cache rows
     `rows` [k], slots 0..L-1 (a slot past a row's length holds junk that no step reads: `decode` masks it).
     Returns the logits of each prompt's last token [k, vocab]."""
@@ -204,28 +204,15 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k_cache[rows, :, :L], v_cache[rows, :, :L] = k, v
-        with attention_kernel(attention, ids.device):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                                 scale=_scale(layer, head_dim))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                             scale=_scale(layer, head_dim))
         x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
         x = x + mlp(layer, rms(layer.post_attention_layernorm, x), EAGER)
     return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
 
 
-DECODE_ATTENTION = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
-"""`DecodeConfig.attention` -> the SDPA backend a decode step runs on a GPU (torch.nn.attention.SDPBackend)."""
-
-
-def attention_kernel(name: str, device: torch.device):
-    """A context that makes SDPA run decode kernel `name` on a GPU (nothing elsewhere)."""
-    from contextlib import nullcontext
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel(getattr(SDPBackend, DECODE_ATTENTION[name])) if device.type == "cuda" else nullcontext()
-
-
 def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots: int, head_dim: int,
-           clip_qkv: float | None, glue: Glue, attention: str = "cudnn") -> torch.Tensor:
+           clip_qkv: float | None, glue: Glue) -> torch.Tensor:
     """One token per row: `tok` [b] at position `pos` [b] written into slot pos[r] of cache row r (the first b
     rows of `cache`'s whole [rows, kv_heads, all slots, D] tensors), attending to slots <= pos[r] among the first
     `slots` (every row's pos < slots). Returns the final norm's output [b, hidden]: `hf_model.lm_head` of it is the
@@ -245,9 +232,8 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(m.layers, cache)):
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q = glue.rope_store(q, k, v, cos, sin, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), where)
-        with attention_kernel(attention, tok.device):
-            out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots], attn_mask=bias,
-                                                 enable_gqa=True, scale=_scale(layer, head_dim))
+        out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots], attn_mask=bias,
+                                             enable_gqa=True, scale=_scale(layer, head_dim))
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out.reshape(b, -1)), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
