@@ -52,6 +52,7 @@ def commit(tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, *, sta
                     bytes=sum(sums[n]["bytes"] for n in names), time_to_write_s=time.perf_counter() - start)
         t1 = time.perf_counter()
         storage.fsync_file(tmp / DCP_METADATA)  # DCP's finish() skips it: sync_files=False
+        meta[integrity.DIGEST] = integrity.seal(meta)   # meta.json's own checksum, over every file's too
         storage.write_json(tmp / integrity.META, meta)
         storage.harden(tmp)
         storage.fsync_dir(tmp)

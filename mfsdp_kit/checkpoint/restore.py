@@ -45,7 +45,7 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
     must all be shard files meta.json lists (`integrity.check_storage`).
     """
     path = Path(path)
-    meta = integrity.read_meta(path)
+    meta = integrity.read_meta(path, trusted=trust_checkpoint)
     if not (path / DCP_METADATA).is_file():
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:

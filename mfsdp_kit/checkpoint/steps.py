@@ -86,11 +86,12 @@ def read_latest(root: Path) -> int | None:
     except OSError as e:
         if os.path.islink(pointer):
             raise symlink(pointer) from None
-        if os.path.isdir(pointer):
-            return None
         raise CheckpointError(f"cannot read {pointer}: {e}") from None
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        return None
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{pointer} is not a regular file ({stat.filemode(st.st_mode)}): `latest` is a "
                                   "file a save writes; remove it")
@@ -110,8 +111,9 @@ def read_latest(root: Path) -> int | None:
 
 
 @contextmanager
-def locked(root: Path):
-    """An exclusive `fcntl.flock` on `root/LOCK_NAME` (opened O_NOFOLLOW: a planted link is refused)."""
+def locked(root: Path, *, shared: bool = False):
+    """An exclusive (`shared`: a shared) `fcntl.flock` on `root/LOCK_NAME`, opened O_NOFOLLOW (a planted link
+    is refused). A reader that holds it shared sees `latest` and the step folders of one moment."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(Path(root) / LOCK_NAME, flags, 0o644)
@@ -121,7 +123,7 @@ def locked(root: Path):
             raise symlink(Path(root) / LOCK_NAME, "save") from None
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)   # releases the lock
