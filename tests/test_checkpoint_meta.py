@@ -106,3 +106,15 @@ def test_a_damaged_meta_falls_back_to_the_older_step(tmp_path):
     with pytest.warns(UserWarning, match="instead of the damaged step_000002"):
         assert mgr.load({"s": loaded}, fallback=True)["step"] == 1
     assert torch.equal(loaded.w, torch.full((4,), 1.0))
+
+
+def test_a_linked_meta_json_is_refused_unread(step3, tmp_path):
+    mgr, step = step3
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(dict(json.loads((step / "meta.json").read_text()), world_size="secret words")))
+    (step / "meta.json").unlink()
+    (step / "meta.json").symlink_to(elsewhere)
+    for trust in (False, True):
+        with pytest.raises(ckpt.CheckpointError, match=rf"{step / 'meta.json'} is a symlink") as e:
+            mgr.load({"s": Small(0.0)}, trust_checkpoint=trust)
+        assert "secret words" not in str(e.value)

@@ -115,6 +115,8 @@ def read_meta(path, *, trusted: bool = False) -> dict:
     if not meta_file.is_file():
         raise CheckpointCorruptError(f"checkpoint directory {path} has no {META}: the save did not finish "
                                      "(meta.json is written last), or the directory is not a checkpoint")
+    if meta_file.is_symlink():   # never read through a link: its target's text could reach an error message
+        raise symlink(meta_file)
     try:
         meta = json.loads(meta_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
