@@ -93,3 +93,21 @@ def test_a_controller_killed_without_stop_takes_its_forked_processes_along():
         assert _running(forked) == []
     finally:
         h.stop()
+
+
+def test_a_px_cell_fails_when_the_controller_dies():
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    h = cluster.start(2, device="cpu")   # registers %%px on this shell
+    try:
+        controller = launch.controller_process(h.cluster).pid
+        threading.Timer(1.0, os.kill, (controller, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        result = shell.run_cell("%%px\n" + SLEEPY)
+        took = time.monotonic() - t0 - 1.0
+        print(f"%%px named the dead controller {took:.2f} s after the kill")
+        assert isinstance(result.error_in_exec, ClusterError), result.error_in_exec
+        assert f"the ipyparallel controller (pid {controller}" in str(result.error_in_exec) and took < 10
+    finally:
+        h.stop()
+        InteractiveShell.clear_instance()
