@@ -111,3 +111,48 @@ def test_a_px_cell_fails_when_the_controller_dies():
     finally:
         h.stop()
         InteractiveShell.clear_instance()
+
+
+KERNEL = """
+import json, os, signal, time
+import psutil
+from mfsdp_kit import cluster, launch
+h = cluster.start(2, device="cpu")
+controller = launch.controller_process(h.cluster).pid
+group = [p.pid for p in psutil.process_iter() if p.pid != os.getpid() and os.getpgid(p.pid) == controller]
+pids = [*group, *h.apply(os.getpid)]
+ports = [c.laddr.port for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
+         if c.status == psutil.CONN_LISTEN]
+print(json.dumps(dict(pids=pids, ports=ports)), flush=True)
+pending = h.view.execute("import time\\ntime.sleep(60)", block=False)
+time.sleep(0.5)
+os.kill(controller, signal.SIGKILL)
+try:
+    h.wait(pending)
+except cluster.ClusterError as e:
+    print(json.dumps(dict(error=str(e))), flush=True)
+"""   # and the kernel exits: no stop()
+
+
+def test_a_kernel_that_exits_after_its_controller_died_leaves_nothing():
+    import json
+    import subprocess
+    import sys
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, text=True)
+    try:
+        before = json.loads(kernel.stdout.readline())
+        spawned = [psutil.Process(pid) for pid in before["pids"]]
+        assert len(spawned) >= 4 and before["ports"]   # controller, its forked hub processes, 2 engines
+        assert "controller" in json.loads(kernel.stdout.readline())["error"]
+        assert kernel.wait(timeout=60) == 0
+        deadline = time.monotonic() + 15
+        while _running(spawned) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _running(spawned)
+    finally:
+        kernel.kill()
+    for pid in left:   # nothing may be left running after this test, whatever it asserts
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    still = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert not set(before["ports"]) & still
