@@ -311,7 +311,8 @@ class CheckpointManager:
         `fallback=True` a damaged checkpoint is skipped for the next older intact one (a warning;
         meta["fallback_from"] lists what was skipped and why). The RNG states are restored when the
         checkpoint has this job's TP/PP layout (meta["rng_restored"]); optimizer state needs the
-        saved wrapper and world size. meta["restored"] names the components loaded.
+        saved wrapper and TP/PP/EP (Megatron-FSDP's reshards to another DP size; DDP's needs the world size too).
+        meta["restored"] names the components loaded.
         """
         self.wait()
         start = time.perf_counter()

@@ -6,7 +6,7 @@ same CheckpointError everywhere):
    checksums of the small files (each rank its share), the DCP metadata through the allow-list
    unpickler;
 2. the job's layout against the saved one, through each component's `accepts` (optimizer state
-   needs the same wrapper and world size; RNG the same TP/PP layout, else it is skipped);
+   needs the same wrapper and TP/PP/EP, DDP's also the world size; RNG the same TP/PP layout, else it is skipped);
 3. the state to load into (`components.collect`: each component's state dict; JSON components
    from `<name>.json`), then `integrity.check_fit` against the DCP metadata - names and shapes -
    still before any tensor is read;

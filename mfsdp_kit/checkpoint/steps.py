@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import CheckpointError
+from .trust import symlink
 
 LATEST = "latest"
 LOCK_NAME = ".latest.lock"
@@ -77,7 +78,6 @@ def parse_dirname(name: str) -> int | None:
 def read_latest(root: Path) -> int | None:
     """The step `root/latest` names; None when there is none (or it is not a file: a directory there fails
     the commit, by name). A symlink is refused unread (`trust.symlink`)."""
-    from .trust import symlink
     pointer = Path(root) / LATEST
     try:
         fd = os.open(pointer, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -119,7 +119,6 @@ def locked(root: Path, *, shared: bool = False):
         fd = os.open(Path(root) / LOCK_NAME, flags, 0o644)
     except OSError as e:
         if os.path.islink(Path(root) / LOCK_NAME):
-            from .trust import symlink
             raise symlink(Path(root) / LOCK_NAME, "save") from None
         raise
     try:
