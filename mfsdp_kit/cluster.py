@@ -6,9 +6,9 @@ several nodes), gives each a rank that does not depend on ipyparallel's engine i
 rendezvous port and calls `mfsdp_kit.runtime.init` on every engine. The naive version -- rank :=
 engine id -- breaks on the first restart, because ipyparallel numbers new engines 2, 3, ...
 
-A dead engine or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank that died,
-watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with the same ranks. `report(step=, total=, **metrics)`
-on engines plus `run_with_progress` on the client give per-rank progress bars.
+A dead engine, a dead controller or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank (or
+the controller) that died, watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with
+the same ranks. `report(step=, total=, **metrics)` on engines plus `run_with_progress` give per-rank progress bars.
 
 Processes (launchers, killing, waiting for registration, start-time phases) live in launch.py.
 Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
@@ -167,14 +167,14 @@ class ClusterHandle:
 
     def wait(self, result: Any, *, timeout_s: float | None = None, poll_s: float = 0.1,
              on_poll: Callable[[Any], None] | None = None) -> list:
-        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies."""
+        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies, or the controller."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not result.ready():
             result.wait(poll_s)
             if on_poll is not None:
                 on_poll(result)
-            if dead := self.dead_ranks():
-                raise self._died(dead)
+            if lost := (self._died(dead) if (dead := self.dead_ranks()) else launch.controller_error(self.cluster)):
+                raise lost   # an engine or the controller died: no reply can come
             if deadline is not None and time.monotonic() > deadline:
                 raise ClusterError(f"engines did not finish within timeout_s={timeout_s}; the cell may still "
                                    "run on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
@@ -205,7 +205,9 @@ class ClusterHandle:
         return self
 
     def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
-        """Stop every engine, start n new ones and rebuild the world with the same ranks."""
+        """Stop every engine, start n new ones and rebuild the world with the same ranks (a live controller needed)."""
+        if lost := launch.controller_error(self.cluster):   # no engine could register: say so, not time out
+            raise lost
         timeout_s = timeout_s or self.init_kwargs["timeout_s"]
         old_ranks, old_ids, watch = self.ranks, set(self.client.ids), Stopwatch()
         launch.kill_engines(self.cluster, self.client)   # survivors may sit in a collective until its timeout

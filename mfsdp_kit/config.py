@@ -7,7 +7,8 @@ how it is optimised. `ddp_config(cfg)` turns an `EngineConfig` into megatron's
 `DistributedDataParallelConfig` the way verl's Megatron-FSDP mode does: FSDP defaults first, then
 `wrapper.override_ddp_config` wins, and HSDP's instances come from `parallelism.data_parallel_replicate_size`.
 Every check runs in `validate()`, before any process group or GPU work, and names the field (its path),
-the value and what is allowed; the rank arithmetic is `parallel_dims.ParallelDims`'s.
+the value and what is allowed; the rank arithmetic is `parallel_dims.ParallelDims`'s. `EngineConfig(...)` runs
+them when made (like `OptimConfig`), but for those that need the machine or the world size.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class EngineConfig:
 
     def __post_init__(self):
         hsdp_from_override(self, stacklevel=4)   # the user's frame: __post_init__ < __init__ < accept_flat's
+        self._check(on_gpu=None)   # when made, as OptimConfig: a bad value is named where it was written
 
     # ---- derived views (the arithmetic is ParallelDims') ----------------------------------
     @property
@@ -94,7 +96,22 @@ class EngineConfig:
     # ---- validation ----------------------------------------------------------------------
     def validate(self, world_size: int | None = None, on_gpu: bool | None = None) -> "EngineConfig":
         """Raise `ConfigError` naming the bad field (by its path: `parallelism.context_parallel_size`); return
-        self so calls chain."""
+        self so calls chain. Construction runs the same checks but those of a machine (`on_gpu`: the NCCL-only
+        options, HSDP under DDP, CUDA_DEVICE_MAX_CONNECTIONS) and of a world (`world_size`): a config may be made
+        on a CPU-only notebook kernel for GPU engines. Fields changed after construction are checked here."""
+        on_gpu = _cuda_available() if on_gpu is None else on_gpu
+        self._check(on_gpu=on_gpu)
+        if world_size is not None:
+            self.parallel_dims(world_size)   # world, experts and HSDP instances divide as megatron needs
+        if self.wrapper.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
+                       "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
+                       "with compute on several CUDA streams)")
+        return self
+
+    def _check(self, *, on_gpu: bool | None) -> None:
+        """Every check of one config on its own; `on_gpu=None`: without those that need to know the machine."""
+        gpu = True if on_gpu is None else on_gpu   # None: what only a GPU allows is not refused yet
         for name, cls in SECTIONS.items():   # a bool is not a size, "no" is not False, "abc" is not a seed
             if not isinstance(getattr(self, name), cls):
                 raise bad_value(name, getattr(self, name), f"a config_sections.{cls.__name__}")
@@ -135,13 +152,6 @@ class EngineConfig:
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
             raise bad_value("wrapper.override_ddp_config.data_parallel_sharding_strategy", strategy,
                             " | ".join(SHARDING_STRATEGIES))
-        if world_size is not None:
-            self.parallel_dims(world_size)   # world, experts and HSDP instances divide as megatron needs
-        on_gpu = _cuda_available() if on_gpu is None else on_gpu
-        if wrap.use_megatron_fsdp and on_gpu and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            raise bad_value("CUDA_DEVICE_MAX_CONNECTIONS", "1",
-                       "unset or > 1 with use_megatron_fsdp=True (Megatron's rule: FSDP overlaps communication "
-                       "with compute on several CUDA streams)")
         if wrap.override_ddp_config.get("preserve_fp32_weights") is False and self.dtype != "fp32":
             raise bad_value("wrapper.override_ddp_config.preserve_fp32_weights", False, f"True with dtype="
                             f"{self.dtype!r}: megatron-core 0.16.1 clips fp32 grads only (optimizer/clip_grads.py:167 "
@@ -149,12 +159,11 @@ class EngineConfig:
         if wrap.fsdp_keep_gathered:
             _validate_keep_gathered(self)
         from . import hsdp
-        hsdp.validate(self, on_gpu=on_gpu)
-        _validate_communication(self.communication, on_gpu=on_gpu)
-        for key in [k for k in GPU_ONLY_DDP_KEYS if wrap.override_ddp_config.get(k) and not on_gpu]:
+        hsdp.validate(self, on_gpu=gpu)
+        _validate_communication(self.communication, on_gpu=gpu)
+        for key in [k for k in GPU_ONLY_DDP_KEYS if wrap.override_ddp_config.get(k) and not gpu]:
             raise bad_value(f"wrapper.override_ddp_config.{key}", True, "False without a GPU (CUDA memory pools: "
                             "megatron_fsdp/param_and_grad_buffer.py, FixedPoolAllocator)")
-        return self
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -23,8 +23,8 @@ built with EP 2 over groups of EP 1 routes tokens to experts no rank holds."""
 
 def check(*, override_ddp_config: dict, override_transformer_config: dict) -> None:
     """Raise `ConfigError` for the first bad key or value of either dict."""
-    _check_dict(DDP_NAME, override_ddp_config, _ddp_types(), DDP_RANGES)
-    _check_dict(TRANSFORMER_NAME, override_transformer_config, _transformer_types(), TRANSFORMER_RANGES)
+    _check_dict(DDP_NAME, override_ddp_config, _ddp_types, DDP_RANGES)   # megatron imported only for a key
+    _check_dict(TRANSFORMER_NAME, override_transformer_config, _transformer_types, TRANSFORMER_RANGES)
     if HSDP_KEY in override_ddp_config:   # left there only when it disagrees with the field (config_flat)
         raise bad_value(f"{DDP_NAME}.{HSDP_KEY}", override_ddp_config[HSDP_KEY],
                         f"absent: set {HSDP_FIELD} instead (runtime.init builds HSDP's groups from it)")
@@ -76,11 +76,15 @@ TRANSFORMER_RANGES = dict(
 """Ranges of override_transformer_config values where the sane range is obvious."""
 
 
-def _check_dict(field_name: str, overrides: dict, types_: dict[str, tuple[Any, Any]],
+def _check_dict(field_name: str, overrides: dict, types_of: Callable[[], dict[str, tuple[Any, Any]]],
                 ranges: dict[str, tuple[Callable[[Any], bool], str]]) -> None:
-    """Known keys only (with close matches), each value of the megatron field's type and in its range."""
+    """Known keys only (with close matches), each value of the megatron field's type (`types_of()`, called only
+    when there is a key: an empty dict needs no megatron import) and in its range."""
     if not isinstance(overrides, dict):
         raise bad_value(field_name, overrides, "a dict of field -> value")
+    if not overrides:
+        return
+    types_ = types_of()
     allowed = list(types_)
     for key, value in overrides.items():
         if key not in types_:

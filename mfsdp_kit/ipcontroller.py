@@ -4,7 +4,8 @@ A notebook kernel killed mid-cell (restarted by the user, or by nbval) never run
 on their own (`ipengine.watch_parent`); without this, its controller (the hub, its schedulers and heart monitor:
 about nine processes) stayed behind for good. Here the same parent watch sends the controller SIGTERM, which runs
 ipyparallel's own shutdown (`IPController.handle_signal`: it terminates the schedulers, stops the loop, removes
-the connection files); if that has not ended the process within `GRACE_S`, it exits at once.
+the connection files); if that has not ended the process within `GRACE_S`, it exits at once. The processes the
+controller forks watch it in turn (`_watch_controller`): a controller killed by SIGKILL takes them along.
 
 The controller itself is unchanged (`ipyparallel.controller.app.main`, same arguments). `launch.make_cluster` makes
 this the default `controller_cmd` of a local controller (one the caller's config does not name).
@@ -17,7 +18,7 @@ import sys
 import threading
 import time
 
-from .ipengine import ORPHANED_EXIT, watch_parent
+from .ipengine import ORPHANED_EXIT, PARENT_ENV, watch_parent
 
 CONTROLLER_CMD = [sys.executable, "-m", "mfsdp_kit.ipcontroller"]
 GRACE_S = 10.0
@@ -35,8 +36,17 @@ def shut_down() -> None:
     os._exit(ORPHANED_EXIT)
 
 
+def _watch_controller() -> None:
+    """In each process the controller forks (the hub's schedulers and heart monitor: multiprocessing's fork): exit
+    once the controller is gone. A controller killed by SIGKILL runs no shutdown, and its forked children (the
+    watch thread is not copied by fork) stayed behind for good, re-parented to init, holding their ports."""
+    os.environ.pop(PARENT_ENV, None)   # the parent to watch is the controller, not the kernel
+    watch_parent()
+
+
 def main() -> None:
     watch_parent(on_orphan=shut_down)
+    os.register_at_fork(after_in_child=_watch_controller)
     from ipyparallel.controller.app import main as controller_main
     controller_main()
 

@@ -309,9 +309,79 @@ def kill_engines(cluster: ipp.Cluster, client: ipp.Client) -> None:
 
 
 def stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
+    """Close the client, stop engines and controller (ipyparallel), then end what the controller left
+    (`end_controller_group`): nothing of the cluster runs or listens afterwards."""
+    controller = controller_process(cluster)   # ipyparallel forgets it when it stops the cluster
     if client is not None:
         client.close()
-    cluster.stop_cluster_sync()
+    try:
+        cluster.stop_cluster_sync()
+    finally:
+        if controller is not None:
+            end_controller_group(controller.pid)
+
+
+# ---- the controller: its death named, its process group ended ----------------------------------
+def controller_process(cluster: ipp.Cluster) -> Any:
+    """The local controller's `psutil.Process` (ipyparallel's launcher holds it); None for one run elsewhere."""
+    return getattr(getattr(cluster, "controller", None), "process", None)
+
+
+def controller_error(cluster: ipp.Cluster) -> ClusterError | None:
+    """A ClusterError naming the local controller once its process has exited; None while it runs (or when it
+    runs elsewhere: slurm, ssh). Every message between this kernel and the engines goes through the controller,
+    so a cell whose controller died would wait forever (146 s and counting, in issue 51) for a reply."""
+    import psutil
+    proc = controller_process(cluster)
+    if proc is None:
+        return None
+    try:
+        if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.Error:
+        pass
+    launcher = cluster.controller
+    try:
+        code = proc.wait(timeout=0.5)   # this kernel is its parent; ipyparallel's watcher thread may have reaped it
+    except (psutil.Error, ChildProcessError):
+        code = None
+    code = code if code is not None else (getattr(launcher, "stop_data", None) or {}).get("exit_code")
+    how = f" (exit code {code}{', SIGKILL' if code == -signal.SIGKILL else ''})" if code is not None else ""
+    command = " ".join(map(str, getattr(launcher, "args", [])[:3]))
+    return ClusterError(f"the ipyparallel controller (pid {proc.pid}: {command}) died{how}: every message between "
+                        "this kernel and the engines goes through it, so they cannot be reached and this cluster is "
+                        "lost. Run handle.stop() (it ends the engines and what the controller left), then "
+                        "cluster.start(...) for a new cluster; handle.restart() needs a live controller")
+
+
+def end_controller_group(pid: int, *, timeout_s: float = 10.0) -> None:
+    """SIGKILL what is left of the process group of the local controller `pid` and wait until it is gone.
+    ipyparallel starts the controller in a session of its own, so its pid is the group's id; the hub's schedulers and heart monitor
+    are its forked children, and a controller killed by SIGKILL left them running for good (8 processes holding
+    18 loopback ports after `stop()`, in issue 51). Only this user's processes of that group are signalled."""
+    if pid == os.getpgrp():   # a controller that shares this kernel's group (a custom launcher): not ours to end
+        return
+    deadline = time.monotonic() + timeout_s
+    while left := _group_members(pid):
+        for p in left:
+            _quietly(p.kill)
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the controller's processes {[p.pid for p in left]} (group {pid}) still run "
+                               f"{timeout_s} s after SIGKILL")
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list:
+    import psutil
+    out = []
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if (p.pid != os.getpid() and os.getpgid(p.pid) == pgid and p.info["uids"].real == os.getuid()
+                    and p.info["status"] != psutil.STATUS_ZOMBIE):
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
 
 
 def _quietly(fn: Any, *args: Any) -> None:

@@ -25,6 +25,8 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from . import launch
+
 GRACE_S = 1.0
 """How long the other ranks may keep running after one rank failed before the world is aborted."""
 aborted: str | None = None
@@ -100,6 +102,9 @@ def guard(handle: Any, ar: Any, *, grace_s: float | None = None, poll_s: float =
     def watch() -> None:
         since = None
         while not ar.ready() and handle.abort_reason is None and handle.view is not None:
+            if lost := launch.controller_error(handle.cluster):   # no reply can come: fail the cell (%%px) now
+                _fail(ar, lost)
+                return
             failed, pending = failed_and_pending(handle, ar)
             if failed and pending:
                 since = since or time.monotonic()
@@ -110,6 +115,14 @@ def guard(handle: Any, ar: Any, *, grace_s: float | None = None, poll_s: float =
 
     threading.Thread(target=watch, name="mfsdp_kit-guard", daemon=True).start()
     return ar
+
+
+def _fail(ar: Any, error: Exception) -> None:
+    """Resolve `ar` with `error`: its `get()` (and a %%px cell waiting on it) raises it at once."""
+    try:
+        ar.set_exception(error)
+    except Exception:  # noqa: BLE001 -- the reply came meanwhile (InvalidStateError)
+        pass
 
 
 def guard_view(handle: Any) -> None:

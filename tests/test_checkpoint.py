@@ -156,6 +156,7 @@ def test_missing_dcp_metadata(saved, work, tmp_path):
     (d / ".metadata").unlink()
     meta = json.loads((d / "meta.json").read_text())
     meta["files"].remove(".metadata")
+    meta[ckpt.integrity.DIGEST] = ckpt.integrity.seal(meta)
     os.chmod(d / "meta.json", 0o644)
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match=rf"{d} has no DCP .metadata"):

@@ -43,7 +43,7 @@ def test_keep_last_prunes_in_the_background(tmp_path):
         assert set(mgr.last_save_phases_s) >= {"commit.prune", "commit.files", "commit.publish"}
     mgr.save(4, {"t": _Tensor(4)})
     mgr.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "latest", "step_000004"]
 
 
 def test_phases_add_up_to_the_save_and_the_load(tmp_path):

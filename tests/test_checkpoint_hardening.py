@@ -70,6 +70,7 @@ def _rewrite(step_dir: Path, name: str, data: bytes) -> None:
     (step_dir / name).write_bytes(data)
     meta = json.loads((step_dir / "meta.json").read_text())
     meta["checksums"][name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    meta[ckpt.integrity.DIGEST] = ckpt.integrity.seal(meta)   # the attacker knows that format too
     (step_dir / "meta.json").chmod(0o644)
     (step_dir / "meta.json").write_text(json.dumps(meta))
 
@@ -114,7 +115,7 @@ def test_another_users_checkpoint_is_refused(faults):
 
 
 ATTACK = """
-import json, os, pickle, shutil, sys, zlib
+import hashlib, json, os, pickle, shutil, sys, zlib
 root, flag = sys.argv[1], sys.argv[2]
 step, good = os.path.join(root, "step_000099"), os.path.join(root, "step_000001")
 os.mkdir(step, 0o755)
@@ -129,6 +130,8 @@ open(os.path.join(step, ".metadata"), "wb").write(data)
 meta = json.load(open(os.path.join(good, "meta.json")))
 meta["step"] = 99
 meta["checksums"][".metadata"] = {"bytes": len(data), "crc32": "%08x" % zlib.crc32(data)}
+del meta["meta_sha256"]
+meta["meta_sha256"] = hashlib.sha256(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 json.dump(meta, open(os.path.join(step, "meta.json"), "w"))
 open(os.path.join(root, "latest.new"), "w").write("step_000099\\n")
 os.replace(os.path.join(root, "latest.new"), os.path.join(root, "latest"))
@@ -285,6 +288,7 @@ def test_metadata_storage_path_outside_the_step_is_refused(small, where):
         meta = json.loads((step / "meta.json").read_text())
         meta["files"].append(rel)
         meta["checksums"][rel] = ckpt.integrity.file_checksum(secret)
+        meta[ckpt.integrity.DIGEST] = ckpt.integrity.seal(meta)
         (step / "meta.json").write_text(json.dumps(meta))
     expected = (rf"lists the file '{rel}', which is not a plain file name" if where == "listed_dotdot"
                 else rf"\.metadata stores s\.w in '{rel}', not in a shard file meta\.json lists")
@@ -316,6 +320,7 @@ def test_checkpoint_without_checksums_loads_only_when_trusted(small):
     shard.write_bytes(secret.read_bytes())   # Small(7.0)'s bytes where Small(1.0)'s were saved
     meta = json.loads((step / "meta.json").read_text())
     del meta["checksums"]
+    meta[ckpt.integrity.DIGEST] = ckpt.integrity.seal(meta)
     (step / "meta.json").chmod(0o644)
     (step / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match=r"records no checksums \(format 4 always records them: the key "
@@ -458,5 +463,5 @@ def test_failed_commit_is_undone_on_every_rank(faults):
     r = faults["commit_fails"]
     _in_step(r)
     assert "committing checkpoint" in r["message"] and "step_000007" in r["message"] and "rank 0:" in r["message"]
-    assert r["left"] == ["latest"]  # no step_000007, no .tmp-step_000007, no latest.tmp
+    assert r["left"] == [".latest.lock", "latest"]  # no step_000007, no .tmp-step_000007, no latest.tmp
     assert r["after_fixing"] == dict(listed=[7], latest=7)

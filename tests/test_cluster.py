@@ -307,11 +307,19 @@ def test_zz_stop_leaves_no_engine_processes(handle):
     assert not [p for p in _engine_processes() if p.is_running()]
 
 
+def _changed_after_made(**fields) -> EngineConfig:
+    """A config made right, then changed (EngineConfig names a bad value when made: issue 51); start re-checks it."""
+    cfg = EngineConfig()
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(n=0), "n"), (dict(n=True), "n"), (dict(backend="mpi"), "backend"), (dict(timeout_s=-1), "timeout_s"),
     (dict(device_count=-1), "device_count"), (dict(device="gpu"), "device"),
     (dict(device="cpu", backend="nccl"), "backend"), (dict(device="cpu", engines="slurm"), "device"),
-    (dict(n=2, cfg=EngineConfig(seed="abc")), "seed"),
+    (dict(n=2, cfg=_changed_after_made(seed="abc")), "seed"),
     (dict(n=3, cfg=EngineConfig(tensor_model_parallel_size=2)), "world_size")])
 def test_bad_start_arguments_are_config_errors_before_anything_starts(kwargs, field):
     before = {p.pid for p in _engine_processes()}

@@ -311,9 +311,66 @@ def test_hsdp_as_fields_equals_the_old_override_path():
         assert (d.num_distributed_optimizer_instances, d.overlap_grad_reduce, d.use_megatron_fsdp) == (2, False, True)
         assert cfg.parallel_dims(4).dp_shard == 2
     assert ddp_config(EngineConfig()).num_distributed_optimizer_instances == 1
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytest.raises(ConfigError, match="num_distributed_optimizer_instances=4 .*absent: "
+                                                                     "set parallelism.data_par"):
         warnings.simplefilter("ignore", DeprecationWarning)
-        both = EngineConfig(parallelism=Parallelism(data_parallel_replicate_size=2),
-                            override_ddp_config={"num_distributed_optimizer_instances": 4})
-    with pytest.raises(ConfigError, match="num_distributed_optimizer_instances=4 .*absent: set parallelism.data_par"):
-        both.validate(on_gpu=False)
+        EngineConfig(parallelism=Parallelism(data_parallel_replicate_size=2),   # refused when made
+                     override_ddp_config={"num_distributed_optimizer_instances": 4})
+
+
+BAD_WHEN_MADE = [
+    (dict(dtype="bf32"), r"^dtype='bf32' is not allowed; allowed: bf16 \| fp16 \| fp32"),
+    (dict(recompute="all"), r"^recompute='all'"), (dict(seed=-1), r"^seed=-1"), (dict(seed="abc"), r"^seed='abc'"),
+    (dict(seed=2**63), r"^seed=9223372036854775808"), (dict(seed=True), r"^seed=True"),
+    (dict(parallelism=Parallelism(tensor_model_parallel_size=0)), r"^parallelism.tensor_model_parallel_size=0"),
+    (dict(parallelism=Parallelism(tensor_model_parallel_size=True)), r"^parallelism.tensor_model_parallel_size=True"),
+    (dict(parallelism=Parallelism(pipeline_model_parallel_size="2")), r"^parallelism.pipeline_model_parallel_size='2'"),
+    (dict(parallelism=Parallelism(context_parallel_size=-1)), r"^parallelism.context_parallel_size=-1"),
+    (dict(parallelism=Parallelism(expert_model_parallel_size=2.0)), r"^parallelism.expert_model_parallel_size=2.0"),
+    (dict(parallelism=Parallelism(data_parallel_replicate_size=0)), r"^parallelism.data_parallel_replicate_size=0"),
+    (dict(parallelism=Parallelism(data_parallel_shard_size=0)), r"^parallelism.data_parallel_shard_size=0"),
+    (dict(parallelism=Parallelism(virtual_pipeline_model_parallel_size=0)),
+     r"^parallelism.virtual_pipeline_model_parallel_size=0"),
+    (dict(parallelism=Parallelism(virtual_pipeline_model_parallel_size=2)),
+     r"^parallelism.virtual_pipeline_model_parallel_size=2 .*pipeline_model_parallel_size == 1"),
+    (dict(parallelism=Parallelism(pipeline_model_parallel_size=2), wrapper=Wrapper(use_megatron_fsdp=True)),
+     r"^parallelism.pipeline_model_parallel_size=2 .*use_megatron_fsdp=True"),
+    (dict(parallelism=4), r"^parallelism=4 .*config_sections.Parallelism"),
+    (dict(wrapper=Wrapper(use_megatron_fsdp="yes")), r"^wrapper.use_megatron_fsdp='yes'"),
+    (dict(wrapper=Wrapper(use_megatron_fsdp=True, use_distributed_optimizer=False)),
+     r"^wrapper.use_distributed_optimizer=False"),
+    (dict(wrapper=Wrapper(override_ddp_config="optim")), r"^wrapper.override_ddp_config='optim'"),
+    (dict(wrapper=Wrapper(override_ddp_config={"data_parallel_sharding_strategy": "zero3"})), r"'zero3'"),
+    (dict(wrapper=Wrapper(override_ddp_config={"overlap_grad_reduc": True})), r"overlap_grad_reduc.*did you mean"),
+    (dict(wrapper=Wrapper(fsdp_keep_gathered=True)), r"^wrapper.fsdp_keep_gathered=True"),
+    (dict(dtype="bf16", wrapper=Wrapper(override_ddp_config={"preserve_fp32_weights": False})),
+     r"preserve_fp32_weights=False .*dtype='bf16'"),
+    (dict(override_transformer_config={"hiden_size": 8}), r"hiden_size.*hidden_size"),
+    (dict(kernels=Kernels(attention_backend="flash")), r"^kernels.attention_backend='flash'"),
+    (dict(kernels=Kernels(fused_kernels="yes")), r"^kernels.fused_kernels='yes'"),
+    (dict(communication=Communication(nccl_max_ctas=0)), r"^communication.nccl_max_ctas=0 .*\[1, 32\]"),
+    (dict(offload=Offload(optimizer_offload=1)), r"^offload.optimizer_offload=1"),
+    (dict(lora={"rank": 4}), r"^lora=\{'rank': 4\}"),
+]
+
+
+@pytest.mark.parametrize("kwargs, named", BAD_WHEN_MADE, ids=[f"{i}-{next(iter(k))}" for i, (k, _) in enumerate(BAD_WHEN_MADE)])
+def test_engine_config_names_a_bad_value_when_made(kwargs, named):
+    """Issue 51: EngineConfig accepted 30 bad values and named them only in validate() or runtime.init."""
+    with pytest.raises(ConfigError, match=named):
+        EngineConfig(**kwargs)
+
+
+def test_what_needs_the_machine_or_the_world_waits_for_validate():
+    """Made on a CPU-only notebook kernel for GPU engines: NCCL-only options and world sizes are checked later."""
+    gpu_only = EngineConfig(communication=Communication(high_priority_comm=True, nccl_max_ctas=8),
+                            parallelism=Parallelism(tensor_model_parallel_size=2))
+    gpu_only.validate(world_size=2, on_gpu=True)
+    with pytest.raises(ConfigError, match="communication.high_priority_comm=True .*without a GPU"):
+        gpu_only.validate(on_gpu=False)
+    with pytest.raises(ConfigError, match="world_size"):
+        gpu_only.validate(world_size=3, on_gpu=True)
+    cfg = EngineConfig()
+    cfg.parallelism.tensor_model_parallel_size = 0   # changed after it was made: validate() still names it
+    with pytest.raises(ConfigError, match="^parallelism.tensor_model_parallel_size=0"):
+        cfg.validate(on_gpu=False)

@@ -16,8 +16,9 @@ without the kit - written around the tensor's memory: `torchsave`, `rawio`; `raw
 items of format 3 and DCP's own torch.save items) holding `model.<chunk>.<name>`, `optimizer...` and `rng.pp<p>_tp<t>...` tensors (and
 `<name>...` of every other component that holds tensors), `scheduler.json` (`<name>.json` of every
 component without tensors), and `meta.json` (written last, by rank 0: step, world size, tp/pp,
-fsdp, components, kit version, engine config, file list with a crc32 and size per file, `extra`).
-`root/latest` names the newest one.
+fsdp, components, kit version, engine config, file list with a crc32 and size per file, `extra`, and
+`meta_sha256`, its own digest, verified before any field is used). `root/latest` names the newest one; it moves
+under an flock on `root/.latest.lock`, never backwards (`steps`), and every step argument is checked at the call.
 
 What the naive DCP save/load gets wrong, and where the kit does it differently:
 - The parts are torch DCP `Stateful`s, but the kit, not DCP, calls their `state_dict` /

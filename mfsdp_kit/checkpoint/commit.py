@@ -3,7 +3,7 @@
 The commit makes a checkpoint visible only once it is complete: `<name>.json` of the JSON
 components, checksums of the files the writer threads did not hash (`.metadata`, those JSON
 files), meta.json last, group/other write bits dropped, fsyncs, `os.replace(.tmp-step_X,
-step_X)`, then `latest` (written aside, `os.replace`d). A commit that fails before `latest`
+step_X)`, then `latest` (written aside, `os.replace`d), both under the root's lock (`steps.publish`). A commit that fails before `latest`
 moved is rolled back (step_X goes back to .tmp-step_X).
 
 Removal (`keep_last`). The naive prune, `shutil.rmtree` of each old step right after the
@@ -23,20 +23,22 @@ import threading
 import time
 from pathlib import Path
 
-from . import integrity, storage, trust
+from . import integrity, steps, storage, trust
 from .errors import CheckpointError
 from .restore import DCP_METADATA
 
-LATEST = "latest"
+LATEST = steps.LATEST
 TRASH = ".trash-"
 """Prefix of a removed step's directory while a background thread deletes it."""
 
 
-def commit(tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, *, start: float) -> dict:
+def commit(tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, *, start: float,
+           allow_backwards: bool = False) -> dict:
     """Rank 0: `<name>.json` per JSON component, checksums, meta.json (last), rename, move `latest`.
 
     `sums`: {file: {bytes, crc32}} the writer threads hashed; `start`: perf_counter() seconds at
-    the save's start (meta.json's time_to_write_s). Returns this commit's seconds: files (JSON
+    the save's start (meta.json's time_to_write_s). The rename and `latest` happen under the root's lock
+    (`steps.publish`): a later step published meanwhile refuses this one unless `allow_backwards`. Returns this commit's seconds: files (JSON
     files, checksums of the small files, meta.json), sync (.metadata's fsync, write bits, the
     directory's fsync), publish (the rename and `latest`).
     """
@@ -50,36 +52,15 @@ def commit(tmp: Path, final: Path, meta: dict, as_json: dict, sums: dict, *, sta
                     bytes=sum(sums[n]["bytes"] for n in names), time_to_write_s=time.perf_counter() - start)
         t1 = time.perf_counter()
         storage.fsync_file(tmp / DCP_METADATA)  # DCP's finish() skips it: sync_files=False
+        meta[integrity.DIGEST] = integrity.seal(meta)   # meta.json's own checksum, over every file's too
         storage.write_json(tmp / integrity.META, meta)
         storage.harden(tmp)
         storage.fsync_dir(tmp)
         t2 = time.perf_counter()
-        os.replace(tmp, final)
-        point_latest_to(final, tmp)
+        steps.publish(tmp, final, allow_backwards=allow_backwards, fsync_dir=storage.fsync_dir)
     except OSError as e:
         raise CheckpointError(f"committing checkpoint {final} failed: {e}") from e
     return dict(files=t1 - t0, sync=t2 - t1, publish=time.perf_counter() - t2)
-
-
-def point_latest_to(final: Path, tmp: Path) -> None:
-    """`latest` := final's name, atomically; on failure final goes back to tmp (not committed).
-
-    The new pointer is written under a fresh random name (mkstemp: O_EXCL | O_NOFOLLOW), not a fixed
-    `latest.tmp` that anyone who can write the root could have planted as a symlink beforehand."""
-    root, pointer = final.parent, None
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".{LATEST}-", dir=root)
-        pointer = Path(name)
-        with os.fdopen(fd, "w") as f:
-            f.write(final.name + "\n")
-        os.chmod(pointer, 0o644)   # mkstemp's 0600 hides nothing here, and readers other than you may list steps
-        os.replace(pointer, root / LATEST)   # replaces a link named `latest` itself, never what it points to
-        storage.fsync_dir(root)
-    except OSError:
-        if pointer is not None:
-            pointer.unlink(missing_ok=True)
-        os.replace(final, tmp)
-        raise
 
 
 def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow_backwards: bool) -> str | None:
@@ -87,7 +68,7 @@ def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow
     new (and not below `latest` unless `allow_backwards`), a stale tmp gone. Error text or None."""
     try:
         if not trust_checkpoint and os.path.lexists(root):
-            trust.check_save(root, [LATEST, tmp.name, final.name])
+            trust.check_save(root, [LATEST, steps.LOCK_NAME, tmp.name, final.name])
         root.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)   # a fresh name: a planted link is never followed
         try:
@@ -98,11 +79,9 @@ def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow
             os.unlink(probe)
         if os.path.lexists(final):
             return f"checkpoint {final} already exists; save under another step or delete it first"
-        latest = latest_step(root)
-        if not allow_backwards and latest is not None and _step_of(final) < latest:
-            return (f"step {_step_of(final)} is lower than the latest checkpoint's ({latest}, in {root / LATEST}): "
-                    f"saving it would move `latest` backwards, so that the next load resumes from the older step. "
-                    "Pass allow_backwards=True if that is what you want (you loaded an older step and retrain from it)")
+        latest = steps.read_latest(root)   # checked again under the lock at the commit (`steps.publish`)
+        if not allow_backwards and latest is not None and steps.parse_dirname(final.name) < latest:
+            return steps.backwards(steps.parse_dirname(final.name), latest, root)
         if tmp.is_symlink():
             raise trust.symlink(tmp, "save")
         if tmp.exists():  # left by a save that was killed
@@ -113,21 +92,6 @@ def prepare(root: Path, tmp: Path, final: Path, *, trust_checkpoint: bool, allow
     except CheckpointError as e:
         return str(e)
     return None
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.rsplit("_", 1)[1])
-
-
-def latest_step(root: Path) -> int | None:
-    """The step `root/latest` names (None when there is no `latest`)."""
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not name.startswith("step_") or not name[len("step_"):].isdigit():
-        raise CheckpointError(f"{pointer} holds {name!r}, not a step directory name")
-    return int(name[len("step_"):])
 
 
 class Remover:

@@ -27,6 +27,7 @@ the missing, unexpected and mismatched names, with both shapes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 import zlib
@@ -42,6 +43,10 @@ CHUNK_BYTES = 8 << 20
 """Bytes hashed per read: large enough for crc32's full speed, small enough for any host."""
 SHOWN = 5
 """Names listed per kind in a does-not-fit error."""
+DIGEST = "meta_sha256"
+"""meta.json's field holding `seal(meta)`, its own checksum (and so, through `checksums`, every file's)."""
+READ_FORMATS = (1, 2, 3, 4)
+"""meta.json `format`s this kit reads (manager.FORMATS: what a `tensor_format` writes)."""
 
 
 def file_checksum(path) -> dict:
@@ -99,8 +104,10 @@ def _jsonable(value) -> bool:
     return True
 
 
-def read_meta(path) -> dict:
-    """meta.json of a checkpoint directory; a clear error when it or a listed file is missing."""
+def read_meta(path, *, trusted: bool = False) -> dict:
+    """meta.json of a checkpoint directory, checked before any field is used: its digest (`check_sealed`;
+    `trusted`: a missing one only warns), its fields and step (`check_fields`), its file list (`check_files`);
+    a clear error when it or a listed file is missing."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
@@ -108,19 +115,79 @@ def read_meta(path) -> dict:
     if not meta_file.is_file():
         raise CheckpointCorruptError(f"checkpoint directory {path} has no {META}: the save did not finish "
                                      "(meta.json is written last), or the directory is not a checkpoint")
+    if meta_file.is_symlink():   # never read through a link: its target's text could reach an error message
+        raise symlink(meta_file)
     try:
         meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointCorruptError(f"{meta_file} is corrupt ({e}); the checkpoint in {path} cannot be trusted") from e
+    if not isinstance(meta, dict):
+        raise CheckpointCorruptError(f"{meta_file} holds a JSON {type(meta).__name__}, not an object")
     for key in ("step", "world_size", "files", "fsdp"):
         if key not in meta:
             raise CheckpointCorruptError(f"{meta_file} lacks the field {key!r}; the checkpoint in {path} is incomplete")
+    check_sealed(meta_file, meta, trusted=trusted)
+    check_fields(path, meta)
     check_files(path, meta["files"])
     missing = [f for f in meta["files"] if not (path / f).is_file()]
     if missing:
         raise CheckpointCorruptError(f"checkpoint directory {path} is missing {len(missing)} file(s) listed in "
                                      f"{META}: {missing[:SHOWN]}")
     return meta
+
+
+def seal(meta: dict) -> str:
+    """The sha256 of meta.json's fields but DIGEST, as canonical JSON: meta.json's own checksum, and through
+    `checksums` one over every file of the checkpoint. Not a signature (anyone who can write meta.json can
+    recompute it; who may write is `trust`'s question): it catches a hand edit, a partial write, a swapped file."""
+    fields = {k: v for k, v in meta.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_sealed(meta_file: Path, meta: dict, *, trusted: bool = False) -> None:
+    """meta.json's DIGEST matches its fields; CheckpointCorruptError before anything else of it is used. Without
+    one (saved by a kit before it, or the key removed): a CheckpointError unless `trusted`, then a warning."""
+    recorded = meta.get(DIGEST)
+    if recorded is None:
+        why = (f"{meta_file} records no {DIGEST} (a kit before issue 51 saved it, or the key was removed), so an "
+               "edited step, world size or file list would load silently")
+        if not trusted:
+            raise CheckpointError(f"{why}. Pass trust_checkpoint=True if you trust this checkpoint, or load it so "
+                                  "once and save it again (a new save records it)")
+        warnings.warn(f"{why}: not verified (trust_checkpoint=True)")
+        return
+    if recorded != seal(meta):
+        raise CheckpointCorruptError(f"{meta_file} does not match its {DIGEST} (recorded {str(recorded)[:16]}..., "
+                                     f"its fields give {seal(meta)[:16]}...): meta.json was edited or damaged after the "
+                                     f"save, so nothing it says (step, world size, files, checksums) can be trusted. "
+                                     "Load another checkpoint (fallback=True takes the next older one)")
+
+
+def check_fields(path: Path, meta: dict) -> None:
+    """meta.json's layout fields hold what a save writes, and its step is the folder's (`step_000003` holds step 3)."""
+    from .steps import check_step, parse_dirname
+    meta_file = Path(path) / META
+    try:
+        check_step(meta["step"], what=f"{meta_file}: step")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}: a crafted or damaged meta.json; do not load this checkpoint") from None
+    for key in ("world_size", "tp", "pp", "ep", "num_chunks"):
+        value = meta.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "num_chunks" else 1):
+            raise CheckpointError(f"{meta_file}: {key}={repr(value)[:40]} is not allowed; allowed: an int >= "
+                                  f"{0 if key == 'num_chunks' else 1}. A crafted or damaged meta.json; do not load it")
+    if meta.get("format", 1) not in READ_FORMATS or isinstance(meta.get("format"), bool):
+        raise CheckpointError(f"{meta_file}: format={repr(meta.get('format'))[:40]} is not one this kit reads "
+                              f"(allowed: {', '.join(map(str, READ_FORMATS))}); a newer kit wrote it, or meta.json was "
+                              "edited: load it with the kit that saved it")
+    if not isinstance(meta["fsdp"], bool) or not isinstance(meta["files"], list):
+        raise CheckpointError(f"{meta_file}: fsdp={meta['fsdp']!r} / files of type {type(meta['files']).__name__} is "
+                              "not allowed; allowed: fsdp true or false, files a list of names")
+    folder_step = parse_dirname(Path(path).name)
+    if folder_step is not None and folder_step != meta["step"]:
+        raise CheckpointError(f"{meta_file} records step {meta['step']}, but its folder is {Path(path).name} (step "
+                              f"{folder_step}): meta.json was edited or the folder renamed; a load would resume from "
+                              "a step it did not save. Rename the folder back, or do not load this checkpoint")
 
 
 def check_files(path: Path, files) -> None:

@@ -34,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-from . import collective, integrity, restore, state, storage, trust
+from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
 from . import components as parts
 from .collective import agreed
 from .errors import CheckpointCorruptError, CheckpointError
+from .steps import step_dirname
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,6 @@ items torch.save archives written around the tensors' memory (`torchsave`): stoc
 format 3's speed. Every version loads."""
 FORMAT_VERSION = FORMATS["standard"]
 TENSOR_FORMATS = tuple(FORMATS)
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 class CheckpointManager:
@@ -135,20 +132,19 @@ class CheckpointManager:
         """Committed checkpoint steps (directories with meta.json), ascending."""
         if not self.root.is_dir():
             return []
-        steps = []
+        found = []
         for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and (p / integrity.META).is_file():
-                try:
-                    steps.append(int(p.name[len("step_"):]))
-                except ValueError:
-                    continue
-        return sorted(steps)
+            step = steps.parse_dirname(p.name)   # `step_%06d` only: no `step_-1`, `step_3`, 5000 digits
+            if step is not None and p.is_dir() and (p / integrity.META).is_file():
+                found.append(step)
+        return sorted(found)
 
     def latest(self) -> int | None:
-        """The step `latest` points to (None when there is no checkpoint)."""
-        return committing.latest_step(self.root)
+        """The step `latest` points to (None when there is no checkpoint); a symlink there is refused unread."""
+        return steps.read_latest(self.root)
 
     def path(self, step: int) -> Path:
+        """The folder of `step` (an int >= 0: `steps.check_step`)."""
         return self.root / step_dirname(step)
 
     # ---- save
@@ -161,20 +157,23 @@ class CheckpointManager:
         model chunks, with `optimizer` and `scheduler` (the same dict, built for you: RNG included).
         `extra`: JSON values for meta.json (the data position, say). With `async_save=True` the
         tensors are written in the background and the commit (meta.json, rename, `latest`)
-        happens in `wait()`, which the next save and `load` call. Refused before anything is written: a
+        happens in `wait()`, which the next save and `load` call. Refused before anything is written: a `step`
+        that is not an int >= 0 (`steps.check_step`: no bool, str, float or None), a
         root (or `latest`, the step's folder) that another user could have written or that is a symlink, as a
         load refuses it (`trust_checkpoint=True` skips this; no file is ever written through a symlink), and a
-        step below `latest` unless `allow_backwards=True` (the next load would resume from it).
+        step below `latest` unless `allow_backwards=True` (the next load would resume from it); the commit
+        checks that again under the root's lock (`steps.publish`), so a concurrent saver's later step refuses it.
         """
         self.wait()
         start = time.perf_counter()
         components = parts.as_components(components, optimizer, scheduler)
         extra = dict(extra or {})
-        tmp, final = self.root / f".tmp-{step_dirname(step)}", self.path(step)
-        with agreed("saving checkpoint", final) as mine:
+        with agreed("saving a checkpoint under", self.root) as mine:
+            step = steps.check_step(step)   # before anything is written: no bool, str, float, None
             integrity.check_json(extra)
             parts.check(components)
             mine.value = list(components)
+        tmp, final = self.root / f".tmp-{step_dirname(step)}", self.path(step)
         if any(v != mine.values[0] for v in mine.values):
             raise CheckpointError(f"ranks passed different components to save {final}: "
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
@@ -192,7 +191,7 @@ class CheckpointManager:
         except CheckpointError:
             self._discard(tmp)
             raise
-        self._pending = (future, fs, tmp, final, meta, as_json, start)
+        self._pending = (future, fs, tmp, final, meta, as_json, start, allow_backwards)
         if future is None:
             self.wait()
         self.last_blocking_s = time.perf_counter() - start
@@ -255,7 +254,7 @@ class CheckpointManager:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
         if self._pending is None:
             return None
-        future, fs, tmp, final, meta, as_json, start = self._pending
+        future, fs, tmp, final, meta, as_json, start, allow_backwards = self._pending
         self._pending = None
         phases, parts_s = self.last_save_phases_s, {}
         try:
@@ -268,7 +267,8 @@ class CheckpointManager:
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
             with agreed("committing checkpoint", final):
                 if collective.rank() == 0:
-                    parts_s = committing.commit(tmp, final, meta, as_json, sums, start=start)
+                    parts_s = committing.commit(tmp, final, meta, as_json, sums, start=start,
+                                                allow_backwards=allow_backwards)
                     parts_s["prune"] = self._prune()
         except CheckpointError:
             self._discard(tmp)
@@ -311,12 +311,13 @@ class CheckpointManager:
         `fallback=True` a damaged checkpoint is skipped for the next older intact one (a warning;
         meta["fallback_from"] lists what was skipped and why). The RNG states are restored when the
         checkpoint has this job's TP/PP layout (meta["rng_restored"]); optimizer state needs the
-        saved wrapper and world size. meta["restored"] names the components loaded.
+        saved wrapper and TP/PP/EP (Megatron-FSDP's reshards to another DP size; DDP's needs the world size too).
+        meta["restored"] names the components loaded.
         """
         self.wait()
         start = time.perf_counter()
         with agreed("finding the checkpoint to load under", self.root) as mine:
-            mine.value = self._candidates(step, trust_checkpoint, fallback)
+            mine.value = self._candidates(steps.check_step(step, latest_ok=True), trust_checkpoint, fallback)
         if any(v != mine.values[0] for v in mine.values):
             raise CheckpointError(f"ranks asked for different checkpoints under {self.root}: "
                                   + ", ".join(f"rank {r}: {v[:1]}" for r, v in enumerate(mine.values)))
@@ -348,15 +349,16 @@ class CheckpointManager:
 
     def _candidates(self, step, trust_checkpoint: bool, fallback: bool) -> list[int]:
         """The step to load, then (with fallback) the older committed ones, newest first."""
-        if step == "latest":
+        if step == LATEST:
             pointer = self.root / LATEST
-            if not pointer.is_file():
+            if not os.path.lexists(pointer):
                 raise CheckpointError(f"no checkpoint under {self.root} (no {pointer} pointer)")
             if not trust_checkpoint:
                 trust.check_path(self.root)
                 trust.check_path(pointer)
-            step = self.latest()
-        step = int(step)
+            step = self.latest()   # O_NOFOLLOW, trusted or not: a linked `latest` is refused unread
+            if step is None:
+                raise CheckpointError(f"no checkpoint under {self.root} ({pointer} is not a pointer file)")
         older = [s for s in reversed(self.list()) if s < step] if fallback else []
         return [step, *older]
 

@@ -6,7 +6,7 @@ same CheckpointError everywhere):
    checksums of the small files (each rank its share), the DCP metadata through the allow-list
    unpickler;
 2. the job's layout against the saved one, through each component's `accepts` (optimizer state
-   needs the same wrapper and world size; RNG the same TP/PP layout, else it is skipped);
+   needs the same wrapper and TP/PP/EP, DDP's also the world size; RNG the same TP/PP layout, else it is skipped);
 3. the state to load into (`components.collect`: each component's state dict; JSON components
    from `<name>.json`), then `integrity.check_fit` against the DCP metadata - names and shapes -
    still before any tensor is read;
@@ -45,7 +45,7 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
     must all be shard files meta.json lists (`integrity.check_storage`).
     """
     path = Path(path)
-    meta = integrity.read_meta(path)
+    meta = integrity.read_meta(path, trusted=trust_checkpoint)
     if not (path / DCP_METADATA).is_file():
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:

@@ -21,8 +21,8 @@ What the naive `Stateful` (a module's `state_dict()`, an optimizer's `state_dict
   after the read the padded entries go, `optimizer.load_state_dict` runs, and
   `install_optimized_model_weights()` copies the loaded main weights into the compute weights
   (without it the next forward uses the old weights: Megatron-Bridge #3397). Model tensors are
-  reshardable (other DP sizes, 1 rank, into plain tensors for `to_hf`); optimizer state needs the
-  same layout (`OptimizerState.accepts` says so before anything is read).
+  reshardable (other DP sizes, 1 rank, into plain tensors for `to_hf`), and so is the optimizer's
+  `fsdp_dtensor` state (another DP size, same TP/PP/EP: `OptimizerState.accepts` says so before anything is read).
 - DDP: not megatron's `dist_checkpointing` but plain torch DCP. Model tensors are replicated,
   keyed by their unwrapped names (DCP writes each once), so they reshard to any DP size and
   load into FSDP chunks. Optimizer state is per rank (`optimizer.rank<r>.*`: each inner torch
@@ -355,13 +355,22 @@ class OptimizerState:
         install_compute_weights(self.chunks)
 
     def accepts(self, meta: dict, path) -> bool:
-        """Optimizer state loads only into the wrapper and world size it was saved with."""
-        world = collective.world()
-        if meta["fsdp"] != self.fsdp or meta["world_size"] != world:
-            raise CheckpointError(
-                f"{path}: optimizer state was saved with fsdp={meta['fsdp']}, world_size={meta['world_size']}; this "
-                f"job has fsdp={self.fsdp}, world_size={world}. Load the model weights only (optimizer=None)")
-        return True
+        """Optimizer state loads into the wrapper it was saved with and the same TP/PP/EP layout; Megatron-FSDP's
+        `fsdp_dtensor` state also into another data-parallel size (DCP reshards its DTensors), DDP's per-rank
+        state (`optimizer.rank<r>`) only into the world size it was saved with."""
+        lay, world = layout(), collective.world()
+        saved = {k: meta.get(k, 1) for k in ("tp", "pp", "ep")}
+        mine = {k: lay[k] for k in saved}
+        if meta["fsdp"] == self.fsdp and saved == mine and (self.fsdp or meta["world_size"] == world):
+            return True
+        why = ("the wrapper differs" if meta["fsdp"] != self.fsdp else
+               "the model-parallel layout differs" if saved != mine else
+               "DDP optimizer state is per rank, so it loads only at the world size it was saved at (Megatron-FSDP's "
+               "reshards to another data-parallel size)")
+        raise CheckpointError(
+            f"{path}: optimizer state was saved with fsdp={meta['fsdp']}, world_size={meta['world_size']}, "
+            f"{', '.join(f'{k}={v}' for k, v in saved.items())}; this job has fsdp={self.fsdp}, world_size={world}, "
+            f"{', '.join(f'{k}={v}' for k, v in mine.items())}: {why}. Load the model weights only (optimizer=None)")
 
 
 class RNGState:

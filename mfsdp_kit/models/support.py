@@ -16,6 +16,8 @@ naming the architecture or field, its value, and why:
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..config import ConfigError, EngineConfig, bad_value
@@ -81,11 +83,64 @@ def check_config(config: dict, cfg: EngineConfig | None = None) -> str:
     if arch in REFUSED:
         raise ConfigError(f"architectures=[{arch!r}] is listed by Megatron-Bridge 0.3.1 but refused here: "
                           f"{REFUSED[arch]}. Working architectures: {', '.join(VERIFIED)}")
+    check_sizes(config)
     for check in (_rope, _sliding_window, _softcapping, _activation, _biases, _moe):
         check(arch, config, cfg)
     if cfg is not None:
         _parallel(arch, config, cfg)
     return arch
+
+
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "max_position_embeddings", "head_dim", "moe_intermediate_size", "num_experts",
+               "num_local_experts", "num_experts_per_tok", "shared_expert_intermediate_size")
+"""config.json sizes that must be ints >= 1 where present (null: the field is unused)."""
+LARGEST_PUBLISHED = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, vocab_size=262144,
+                         moe_intermediate_size=18432, num_experts=384, num_local_experts=384)
+"""Each size's largest value in published models (Llama 3.1 405B: 16384 / 53248 / 126; Gemma 3: vocab 262144;
+Kimi K2: 384 experts), to name the field that makes an absurd model absurd."""
+HOST_MEMORY_FACTOR = 2
+"""A model is refused when its bf16 weights (2 bytes a parameter) exceed 2 x this host's memory: the load holds
+each rank's TP x PP slice unsharded in host memory (models.hf), so beyond a pipeline split over two such hosts the
+load cannot fit; the naive load found out by failing inside torch ("Storage size calculation overflowed")."""
+
+
+def parameter_count(config: dict) -> int:
+    """About how many parameters config.json describes: embeddings (and an untied output layer), per layer the
+    attention projections and the gated MLP (per expert, with MoE). Python ints: no overflow at any size."""
+    hidden, layers, vocab = (int(config.get(k) or 1) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    heads = int(config.get("num_attention_heads") or 1)
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or max(1, hidden // heads))
+    attention = hidden * head_dim * (2 * heads + 2 * kv)
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    ffn = int((config.get("moe_intermediate_size") if experts else None) or config.get("intermediate_size") or 1)
+    mlp = 3 * hidden * ffn * max(1, experts)
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return embeddings + layers * (attention + mlp)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_sizes(config: dict) -> None:
+    """Every size an int >= 1, and the model no larger than HOST_MEMORY_FACTOR x host memory in bf16: a
+    ConfigError naming the field, before anything is built (the naive build allocated first: "negative
+    dimension -5", "Storage size calculation overflowed", transformers' own errors)."""
+    for name in SIZE_FIELDS:
+        value = config.get(name)
+        if value is None and name not in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(name, value, "an int >= 1 (a size)")
+    count, memory = parameter_count(config), host_memory_bytes()
+    if 2 * count > HOST_MEMORY_FACTOR * memory:
+        field = max(LARGEST_PUBLISHED, key=lambda k: (config.get(k) or 0) / LARGEST_PUBLISHED[k])
+        raise ConfigError(f"{field}={config[field]} makes a model of about {count:.3g} parameters ({2 * count / 2**30:.3g} "
+                          f"GiB in bf16), more than {HOST_MEMORY_FACTOR} x this host's memory ({memory / 2**30:.3g} GiB); "
+                          f"allowed: sizes whose model fits (the largest published {field} is "
+                          f"{LARGEST_PUBLISHED[field]}). Check config.json's {field}")
 
 
 def _refuse(arch: str, field: str, value, allowed: str, reason: str) -> ConfigError:

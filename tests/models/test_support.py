@@ -161,3 +161,41 @@ def test_auto_attention_is_local_on_cpu_and_keeps_a_sliding_window_local(monkeyp
     assert support.attention_backend(cfg) == "sdpa"
     windowed = {"sliding_window": 64, "max_position_embeddings": 4096}
     assert support.attention_backend(cfg, windowed) == "local"
+
+
+def _raw_folder(tmp_path, **overrides):
+    """config.json written as JSON (transformers' config classes refuse some absurd values themselves)."""
+    import json
+    config = archs.hf_config("Qwen2ForCausalLM").to_dict()
+    config.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(vocab_size=-5), r"vocab_size=-5 is not allowed; allowed: an int >= 1"),
+    (dict(hidden_size=0), r"hidden_size=0 is not allowed"),
+    (dict(num_attention_heads=2.5), r"num_attention_heads=2.5 is not allowed"),
+    (dict(intermediate_size="128"), r"intermediate_size='128' is not allowed"),
+    (dict(num_hidden_layers=True), r"num_hidden_layers=True is not allowed"),
+    (dict(hidden_size=2 ** 31), r"hidden_size=2147483648 makes a model of about .* GiB in bf16\), more than 2 x "
+                                r"this host's memory .*the largest published hidden_size is 16384"),
+    (dict(num_hidden_layers=10 ** 6, hidden_size=1024, intermediate_size=4096),
+     r"num_hidden_layers=1000000 makes a model of about"),
+    (dict(vocab_size=2 ** 40), r"vocab_size=1099511627776 makes a model"),
+], ids=["vocab_neg", "hidden0", "heads_float", "ffn_str", "layers_bool", "hidden_2_31", "layers_1e6", "vocab_2_40"])
+def test_absurd_sizes_are_named_before_anything_is_built(tmp_path, fields, match):
+    with pytest.raises(ConfigError, match=match):
+        hf_models.check_folder(_raw_folder(tmp_path, **fields))
+
+
+def test_parameter_count_is_the_models():
+    """The estimate against transformers' own count, on the meta device (no memory)."""
+    import torch
+    import transformers
+    for arch in ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"):
+        config = archs.hf_config(arch, hidden_size=256, intermediate_size=512)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        real = sum(p.numel() for p in model.parameters())
+        assert abs(support.parameter_count(config.to_dict()) - real) / real < 0.05, arch
