@@ -6,8 +6,8 @@ every data-parallel rank must run the same number of forwards: prompts are group
 in the same order on every rank, each group is padded to a multiple of the DP size, and each
 rank decodes its share. A row ends at the first of the tokenizer's stop ids (`chat.stop_ids`: eos
 and the template's end-of-turn, e.g. <|im_end|> or <|eot_id|>), and decoding ends once every row
-on every data-parallel rank has ended (one all-reduce of a flag per token). (Fast sampling for RL
-goes through the HF rollout model instead.)
+on every data-parallel rank has ended (one all-reduce of a flag per token). (Fast sampling for RL is
+the rollout engine's: `rl.rollout.ContinuousRollout`.)
 """
 from __future__ import annotations
 
