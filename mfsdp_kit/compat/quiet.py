@@ -45,7 +45,7 @@ class KnownWarning:
 KNOWN: tuple[KnownWarning, ...] = (
     # megatron/core/models/backends.py:21, gpt/gpt_layer_specs.py:70 and three more spec modules, at import
     KnownWarning(message=r"Apex is not installed\. Falling back to Torch Norm", module=r"megatron\.core\.",
-                 why="the kit builds torch norms on purpose (no Apex, no Transformer Engine); nothing falls back"),
+                 why="torch's norms, what it falls back to, are the kit's choice (no Apex, no Transformer Engine)"),
     # megatron/core/extensions/transformer_engine_spec_provider.py:74 and models/backends.py:123, at import
     KnownWarning(message=r"The legacy GroupedMLP will be deprecated", module=r"megatron\.core\.",
                  why="asks for Transformer Engine >= 1.7, which the kit does not use; its MoE layers are "
@@ -56,6 +56,12 @@ KNOWN: tuple[KnownWarning, ...] = (
                  module=r"megatron\.core\.|megatron_fsdp\.",
                  why="torch's optimizers and megatron's local multi-tensor kernels are the kit's choice (compat/"
                      "grad_norm.py keeps the grad norm free of host syncs)"),
+    # megatron/core/optimizer/optimizer.py:66 `hasattr(param, "grad")`, from distrib_optimizer.py:2290's zero_grad,
+    # which upstream marks "throws grad-access warning" (a DDP model with the distributed optimizer)
+    KnownWarning(message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+                 module=r"megatron\.core\.optimizer\.optimizer",
+                 why="megatron's DistributedOptimizer zeroes its fp32 shard views, which never hold a .grad (the "
+                     "gradients are in its main_grad buffers)"),
     # megatron/core/transformer/transformer_config.py:1705: the config's default cuda_graph_scope is "full"
     KnownWarning(message=r"full scope is deprecated", module=r"megatron\.core\.transformer\.transformer_config",
                  why="raised by the default value of cuda_graph_scope; the kit captures no megatron CUDA graphs"),
