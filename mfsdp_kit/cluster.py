@@ -286,7 +286,8 @@ def _secure_connection_files(handle: ClusterHandle) -> None:
 
 
 def _activate(handle: ClusterHandle) -> None:
-    """Register %px / %%px on the rank-ordered view and name the dead rank when a px cell fails."""
+    """Register %px / %%px on the rank-ordered view; a failed px cell's error names each rank's exception and line
+    (`watchdog.px_exception_handler`), or the dead rank."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -295,13 +296,7 @@ def _activate(handle: ClusterHandle) -> None:
     if shell is None:
         return
     handle.view.activate()
-
-    def explain(shell, etype, value, tb, tb_offset=None):
-        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
-        if line := watchdog.footer(handle, value):
-            print(f"ClusterError: {line}")
-
-    shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), explain)
+    shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), watchdog.px_exception_handler(handle))
 
 
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,

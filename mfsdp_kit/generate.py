@@ -6,8 +6,8 @@ every data-parallel rank must run the same number of forwards: prompts are group
 in the same order on every rank, each group is padded to a multiple of the DP size, and each
 rank decodes its share. A row ends at the first of the tokenizer's stop ids (`chat.stop_ids`: eos
 and the template's end-of-turn, e.g. <|im_end|> or <|eot_id|>), and decoding ends once every row
-on every data-parallel rank has ended (one all-reduce of a flag per token). (Fast sampling for RL
-goes through the HF rollout model instead.)
+on every data-parallel rank has ended (one all-reduce of a flag per token). (Fast sampling for RL is
+the rollout engine's: `rl.rollout.ContinuousRollout`.)
 """
 from __future__ import annotations
 
@@ -39,8 +39,14 @@ def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size:
     in one forward where the model takes packed rows (`packing.can_pack`), padded otherwise (causal: the
     padding changes no real position); logits past a row's length are 0 and `last_only` gives each row's
     last real position.
+
+    `tokens` may be on any device: they go to the runtime's device here, where they first meet the model
+    (megatron's embedding indexes its GPU table with them), and the logits come back on `tokens`' device, so
+    a caller comparing with a CPU model (peft, transformers) needs no `.cpu()`.
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    asked_on = tokens.device
+    tokens = runtime.to_device(tokens, runtime.current().device)
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
@@ -53,7 +59,7 @@ def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size:
     for c, mode in zip(chunks, was_training):
         c.train(mode)
     out = gather_from_tensor_model_parallel_region(out)
-    return (out if vocab_size is None else out[..., :vocab_size]).float()
+    return (out if vocab_size is None else out[..., :vocab_size]).float().to(asked_on)
 
 
 def _row_batch(tokens: torch.Tensor, lengths: list[int]) -> Batch:

@@ -36,7 +36,7 @@ from .fieldtypes import bad_value, is_int
 def loss_lengths(batch: Batch) -> list[int]:
     """Per sequence: positions up to and including its last loss token (0: no loss token)."""
     seq = batch.loss_mask.shape[1]
-    pos = torch.arange(1, seq + 1).expand_as(batch.loss_mask)
+    pos = torch.arange(1, seq + 1, device=batch.loss_mask.device).expand_as(batch.loss_mask)   # a GPU batch too
     return torch.where(batch.loss_mask != 0, pos, 0).amax(dim=1).tolist()
 
 

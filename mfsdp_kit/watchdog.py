@@ -162,3 +162,36 @@ def footer(handle: Any, err: Exception) -> str | None:
     if handle.abort_reason:
         return describe(handle, getattr(err, "original_error", err))
     return None
+
+
+class PxCellError(Exception):
+    """A `%%px` cell failed: its traceback is every failed rank's remote traceback, tagged by rank (`describe`)."""
+
+    def __init__(self, text: str):
+        super().__init__(text.splitlines()[1] if text.count("\n") else text)   # the first rank's "rank r: X: msg"
+        self.text = text
+
+    def _render_traceback_(self) -> list[str]:   # IPython shows these lines in place of a local traceback
+        return self.text.splitlines()
+
+
+def px_exception_handler(handle: Any):
+    """The IPython handler `cluster.start` installs for engine errors (`shell.set_custom_exc`).
+
+    ipyparallel streams each engine's traceback to the cell's stderr as it arrives, then raises
+    `AlreadyDisplayedError`, whose own traceback is only "1 errors". The cell's error is what nbval, nbconvert
+    and papermill report (nbval prints no stream output), so a failing notebook's log named no exception and no
+    line (issue 50). Here the error carries them: every rank's traceback, tagged by rank, the world's abort
+    first. In JupyterLab the tracebacks thus show twice, streamed and in the error. A dead engine keeps
+    ipyparallel's error and gets `footer`'s line under it."""
+
+    def explain(shell, etype, value, tb, tb_offset=None):
+        composite = getattr(value, "original_error", value)
+        if getattr(composite, "elist", None) and not handle.dead_ranks():
+            error = PxCellError(describe(handle, composite))
+            shell.showtraceback((PxCellError, error, tb))
+            return
+        shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+        if line := footer(handle, value):
+            print(f"ClusterError: {line}")
+    return explain

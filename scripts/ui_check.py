@@ -25,7 +25,8 @@ work against a kernel. This drives the path a user takes instead:
        step total/total and the curve is painted (blue pixels in the element's screenshot);
      - the saved notebook (read back through the server's REST API) holds no error output;
      - the visible output is clean: no empty `[output:N]` block (an engine's head with nothing under
-       it) and no text progress bar left at 0 % (tqdm's or rich's, e.g. a third-party loader's).
+       it), no text progress bar left at 0 % (tqdm's or rich's, e.g. a third-party loader's) and no
+       UserWarning, FutureWarning or DeprecationWarning (`mfsdp_kit.compat.quiet` filters the benign ones).
 `report.json` in `--out` has every check's numbers. Needs chromium (apt-get install chromium) and the
 kit's `ui` extra (pip install -e '.[lab,ui]': jupyterlab, playwright; no `playwright install`).
 """
@@ -88,13 +89,16 @@ READ_CELLS = r"""() => {
     // a text progress bar (tqdm's "0%|", rich's "0% ... (0/17)") still at zero after its cell finished
     const zeroBars = text.split('\n').filter(l => /(^|\s)0%/.test(l) && /\b0\/\d+/.test(l))
       .map(l => 'progress bar at 0 %: ' + l.trim().slice(0, 100));
+    // a Python warning that reached the reader (mfsdp_kit.compat.quiet.known_warnings(): the benign ones, filtered)
+    const warned = text.split('\n').filter(l => /\b(UserWarning|FutureWarning|DeprecationWarning)\b/.test(l))
+      .map(l => 'warning shown: ' + l.trim().slice(0, 160));
     const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content span')]
       .filter(e => e.textContent.startsWith('ConfigError'))
       .map(e => ({text: e.textContent, color: getComputedStyle(e).color}));
     return {index: i, prompt: (cell.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.trim(),
             widget_views: cell.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length,
             panels, bars, controls, config_errors: configErrors, problems: [...problems.filter(p => text.includes(p)), ...plain.map(t => 'widget repr: ' + t.slice(0, 60))],
-            unclean: [...emptyBlocks, ...zeroBars]};
+            unclean: [...emptyBlocks, ...zeroBars, ...warned]};
   });
 }"""
 

@@ -1,5 +1,6 @@
 """A failure on one rank is never a hang: one rank raising while the other sits in an all-reduce returns in
-seconds (not the collective's timeout), tagged by rank; reinit / restart make the world usable again."""
+seconds (not the collective's timeout), tagged by rank; reinit / restart make the world usable again. A failed
+`%%px` cell's error, what nbval reports, holds each rank's traceback."""
 import os
 import signal
 import time
@@ -82,3 +83,30 @@ def test_killed_engine_mid_cell_returns_quickly_then_restart(handle):
     assert took < 10
     handle.restart()
     _all_reduce_works(handle)
+
+
+PLANTED = "%%px\nx = rank + 1\nraise ValueError(f'planted on rank {rank}')\n"
+
+
+def test_a_failing_px_cell_names_each_ranks_exception_and_line_under_nbval(tmp_path):
+    """nbval reports a failing cell by its error alone (no stream output): a planted `%%px` failure's log shows
+    each rank's remote traceback, with the exception and the cell's line, not ipyparallel's "1 errors"."""
+    import re
+    import subprocess
+    import sys
+
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (
+        "from mfsdp_kit import cluster\nhandle = cluster.start(2, device='cpu')", PLANTED, "handle.stop()")]
+    nb.metadata["kernelspec"] = dict(name="python3", display_name="Python 3", language="python")
+    path = tmp_path / "planted.ipynb"
+    nbformat.write(nb, path)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider", str(path)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
+    assert out.returncode != 0 and "1 failed, 2 passed" in log, log[-3000:]
+    for rank in (0, 1):
+        assert f"--- rank {rank}: ValueError: planted on rank {rank}" in log, log[-3000:]
+    assert log.count("line 2") >= 2 and "raise ValueError(f'planted on rank {rank}')" in log, log[-3000:]
+    assert "1 errors" not in log, log[-3000:]

@@ -65,3 +65,69 @@ def test_loopback_interface_is_found_and_loopback_addresses_are_recognised():
     assert name is not None and name in dict(socket.if_nameindex()).values()
     assert runtime.is_loopback("127.0.0.1") and runtime.is_loopback("localhost") and runtime.is_loopback("::1")
     assert not runtime.is_loopback("192.0.2.7")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inputs on another device than the model's need a GPU")
+def test_public_calls_take_cpu_inputs_on_a_gpu(tmp_path):
+    """Every public call that takes tokens or a Batch takes them on the CPU for a model on the GPU and moves them to
+    the runtime's device itself (08_lora once failed in megatron's VocabParallelEmbedding on CPU tokens), with
+    the same answer as inputs already on the GPU. One rank, NCCL, the tiny qwen2 under Megatron-FSDP, SDPA
+    attention (packed and padded paths), then with LoRA: logits against peft on the CPU, as 08_lora checks."""
+    check_cpu_inputs(tmp_path)
+
+
+def check_cpu_inputs(tmp_path):
+    """The body of the test above; on a CPU runtime it runs the same calls (both devices are then the CPU)."""
+    import peft
+    import transformers
+    from mfsdp_kit import adapters, engine, generate, runtime, sync
+    from mfsdp_kit.config import OptimConfig
+    from mfsdp_kit.data import random_token_batches
+    from mfsdp_kit.lora import LoRAConfig
+    from mfsdp_kit.models import hf
+    from mfsdp_kit.models.tiny import tiny
+    from mfsdp_kit.rl.core import token_logprobs
+    from mfsdp_kit.train import step
+    src = tiny(tmp_path / "tiny", arch="qwen2", size="xs")
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp32", attention_backend="sdpa")
+    runtime.init(cfg, rank=0, world_size=1, master_port=free_port())
+    try:
+        device = runtime.current().device
+        model = hf.load(src, cfg)
+        batch = random_token_batches(steps=1, global_batch=4, seq_len_tokens=16, vocab_size=model.vocab_size,
+                                     seed=0, masked_fraction=0.3)[0]
+        tokens, lengths = batch.tokens, [16, 5, 9, 12]
+        for kw in (dict(), dict(lengths=lengths), dict(lengths=lengths, last_only=True)):   # packed and padded rows
+            got = generate.logits(model.chunks, tokens, vocab_size=model.vocab_size, **kw)
+            want = generate.logits(model.chunks, tokens.to(device), vocab_size=model.vocab_size, **kw)
+            assert got.device == tokens.device and want.device == device   # the answer comes back where asked
+            assert (got - want.cpu()).abs().max().item() <= 1e-5, kw
+        assert generate.greedy(model.chunks, [[1, 5, 6], [1, 7]], max_new_tokens=3, stop_ids=2)   # lists of ids
+        for packed in (True, False):
+            got = token_logprobs(model.chunks, batch, micro_batch_size=2, packed=packed)
+            want = token_logprobs(model.chunks, batch.to(device), micro_batch_size=2, packed=packed)
+            assert (got - want).abs().max().item() <= 1e-5 and got.abs().sum() > 0, packed
+        opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
+        for packed, on in ((True, "cpu"), (False, "cpu"), (True, device)):   # as data.batches makes it, or moved
+            assert step(model.chunks, opt, batch.to(on), micro_batch_size=2, packed=packed).loss > 0
+        rollout = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)   # on the CPU
+        assert sync.load_into(rollout, model.chunks, model.bridge)["tensors"] > 0
+        engine.release(model.chunks)
+        del model, opt
+
+        lora_cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp32", attention_backend="sdpa",
+                                lora=LoRAConfig(rank=4, alpha=8))
+        runtime.init(lora_cfg)
+        model = hf.load(src, lora_cfg)
+        opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-2), lora_cfg)
+        step(model.chunks, opt, batch, micro_batch_size=2)   # B moves off its zero init: the adapters count
+        want = generate.logits(model.chunks, tokens, vocab_size=model.vocab_size)   # 08_lora's call
+        engine.settle_param_gathers(model.chunks)
+        path = adapters.save_adapter(chunks=model.chunks, bridge=model.bridge, path=tmp_path / "adapter")
+        base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        with torch.no_grad():
+            got = peft.PeftModel.from_pretrained(base, str(path)).eval()(tokens).logits
+        assert (got - want).abs().max().item() <= 1e-4 * max(1.0, want.abs().max().item())
+        engine.release(model.chunks)
+    finally:
+        runtime.shutdown()

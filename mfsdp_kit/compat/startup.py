@@ -1,10 +1,11 @@
 """The kit's process-wide installs, made by `runtime.init` (or an engine's boot), never by `import mfsdp_kit`.
 
-Three changes concern a whole process rather than a model, and each must come before something else happens:
+Four changes concern a whole process rather than a model, and each must come before something else happens:
 - `lazy_compile`: megatron's fusions compile at their first call (before megatron.core.jit is imported);
 - `lazy_cpp_extension`: megatron's allocators import torch.utils.cpp_extension when built (before
   megatron.core is imported);
-- `inductor_cache`: one torch.compile cache per forced ATEN_CPU_CAPABILITY (before anything compiles).
+- `inductor_cache`: one torch.compile cache per forced ATEN_CPU_CAPABILITY (before anything compiles);
+and `quiet`: the third-party warnings the kit knows are benign here, filtered (before megatron's import warns).
 Importing the kit installs none of them: a user who imports `mfsdp_kit` for its config or its checkpoint reader
 gets torch and megatron as they ship. `install()` is idempotent; it is called first thing by `runtime.init`,
 by an engine's boot (`ipengine.start`, `cluster`'s engine init) and by the test harness, all of which import
@@ -13,11 +14,12 @@ ships (the two lazy rows change nothing then) and gets the same numbers.
 """
 from __future__ import annotations
 
-from . import inductor_cache, lazy_compile, lazy_cpp_extension
+from . import inductor_cache, lazy_compile, lazy_cpp_extension, quiet
 
 
 def install() -> None:
-    """Install the three (each a no-op where its moment has passed or it is installed already)."""
+    """Install the four (each a no-op where its moment has passed or it is installed already)."""
     lazy_compile.install()        # before anything imports megatron: its fusions compile at first use
     lazy_cpp_extension.install()  # and its NCCL allocator imports torch.utils.cpp_extension when it is built
     inductor_cache.install()      # before anything compiles: one torch.compile cache per forced CPU capability
+    quiet.install()               # before megatron's import-time warnings: the benign ones, listed in quiet.KNOWN
