@@ -66,17 +66,16 @@ class Kernels:
     window; "local" on CPU: `models.support.attention_backend`) | "local" (megatron's DotProductAttention: padded
     batches only) | "sdpa" (torch's fused kernels; packed rows through varlen flash on a GPU, one SDPA per sequence
     on CPU) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
-    fused_kernels: bool | None = None
+    fused_kernels: bool = False
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
-    local spec runs them unfused. None (the default): on a GPU where the model has them (SwiGLU, plain RoPE), off
-    on CPU; True: on, or a ConfigError naming why not; False: off. The first step compiles (seconds). Measured:
+    local spec runs them unfused. The first step compiles, and a new sequence length once more (seconds). Measured:
     docs/benchmarks.md, "throughput", "levers, fourth set" and "grpo_iteration"."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
     (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
     fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
     Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
-    Measured: docs/benchmarks.md, "levers, fourth set". Off by default: the first step
+    Measured: docs/benchmarks.md, "levers, fourth set". Off by default like `fused_kernels`: the first step
     compiles (seconds), more than a tiny model's run gains."""
 
 

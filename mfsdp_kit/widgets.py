@@ -35,10 +35,6 @@ INT_FIELDS = tuple(name for name, (_, _, default) in FIELDS.items()
 OPTIONAL_INT_FIELDS = tuple(name for name, (_, hint, default) in FIELDS.items()
                             if default is None and hint == (int | None))
 """Integer-or-None fields (virtual_pipeline_model_parallel_size, nccl_max_ctas): a text box where "" means None."""
-OPTIONAL_BOOL_FIELDS = tuple(name for name, (_, hint, default) in FIELDS.items()
-                             if default is None and hint == (bool | None))
-"""On / off / decided by the hardware (fused_kernels): a dropdown of OPTIONAL_BOOL_CHOICES."""
-OPTIONAL_BOOL_CHOICES = {"auto": None, "on": True, "off": False}
 CHOICE_FIELDS = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "recompute": RECOMPUTE}
 DICT_FIELDS = ("override_ddp_config", "override_transformer_config")
 """Edited as JSON text, e.g. {"data_parallel_sharding_strategy": "optim_grads"}."""
@@ -55,10 +51,6 @@ def _field_widget(name: str, value: Any):
         return w.IntText(value=value, description=name, style=style, layout=layout)
     if name in BOOL_FIELDS:
         return w.Checkbox(value=value, description=name, style=style, layout=layout, indent=False)
-    if name in OPTIONAL_BOOL_FIELDS:
-        label = next(k for k, v in OPTIONAL_BOOL_CHOICES.items() if v is value)
-        return w.Dropdown(options=tuple(OPTIONAL_BOOL_CHOICES), value=label, description=name, style=style,
-                          layout=layout)
     if name in CHOICE_FIELDS:
         return w.Dropdown(options=CHOICE_FIELDS[name], value=value, description=name, style=style, layout=layout)
     if name in SECTION_FIELDS:
@@ -79,8 +71,6 @@ def _parse(name: str, raw: Any) -> Any:
             return json.loads(raw or "{}")
         except json.JSONDecodeError as e:
             raise ConfigError(f"{name}={raw!r} is not allowed; allowed: a JSON object ({e.msg})") from None
-    if name in OPTIONAL_BOOL_FIELDS:
-        return OPTIONAL_BOOL_CHOICES[raw]
     if name in OPTIONAL_INT_FIELDS:
         text = str(raw).strip()
         if text in ("", "None"):

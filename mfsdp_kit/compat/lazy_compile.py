@@ -26,12 +26,8 @@ PATCH = Patch(target=TARGET, upstream="megatron/core/jit.py:21 (jit_fuser = torc
               needed_if="jit_fuser = torch.compile")
 
 
-def lazy(compile_fn, *, dynamic_on_gpu: bool = False):
-    """A decorator like `compile_fn` (torch.compile) that calls it on the function's first call. `dynamic_on_gpu`:
-    on a GPU, the first dimension (tokens) of every tensor argument is symbolic from the first compile (packed rows
-    change length every micro-batch: one compile, not a static one and then a dynamic one). Only that dimension:
-    `dynamic=True` makes every dimension symbolic, and its kernels ran the update's elementwise work at half speed
-    (docs/benchmarks.md, "grpo_iteration")."""
+def lazy(compile_fn):
+    """A decorator like `compile_fn` (torch.compile) that calls it on the function's first call."""
     def decorate(fn=None, **options):
         if fn is None:   # used as @jit_fuser(...) with options
             return lambda f: decorate(f, **options)
@@ -42,25 +38,15 @@ def lazy(compile_fn, *, dynamic_on_gpu: bool = False):
             nonlocal compiled
             if compiled is None:
                 compiled = compile_fn(fn, **options)
-            if dynamic_on_gpu:
-                _tokens_dynamic(args)
             return compiled(*args, **kwargs)
         return first_call_compiles
     return decorate
 
 
-def _tokens_dynamic(args) -> None:
-    """Mark dim 0 of each CUDA tensor in `args` symbolic for dynamo (a size of 1 stays static: dynamo's rule)."""
-    import torch
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.is_cuda and a.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(a, 0)
-
-
 def _patch(module) -> None:
     import torch
     if module.jit_fuser is torch.compile:
-        module.jit_fuser = lazy(torch.compile, dynamic_on_gpu=True)
+        module.jit_fuser = lazy(torch.compile)
         record(PATCH)
 
 

@@ -18,8 +18,8 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
 Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
-The first step compiles (Triton on GPU, with symbolic shapes at once; a C++ compiler on CPU, where a new
-sequence length compiles once more, then shapes are dynamic). On by default on a GPU (`Kernels.fused_kernels`).
+The first step compiles (Triton on GPU, a C++ compiler on CPU); a new sequence length compiles
+once more, then shapes are dynamic.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return cached[1], cached[2]
 
 
-@lazy(torch.compile, dynamic_on_gpu=True)   # one kernel per direction, compiled at the first call
+@lazy(torch.compile)   # one kernel per direction, compiled at the first call
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The rotation of megatron's `_apply_rotary_pos_emb_bshd` given its cos and sin; dims of `t`
     past cos's last dim pass through."""
@@ -102,17 +102,12 @@ def install() -> bool:
     return True
 
 
-def transformer_settings(fused_kernels: bool | None, model_config, *, overrides: dict) -> dict:
+def transformer_settings(fused_kernels: bool, model_config, *, overrides: dict) -> dict:
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
     the fields `overrides` sets: explicit overrides win. Installs the RoPE kernel first:
-    TransformerConfig checks the slot when apply_rope_fusion is set. None: on a GPU, whichever fusions apply;
-    True: raises ConfigError when neither fusion applies to the model."""
-    asked = fused_kernels
-    if fused_kernels is None:
-        from .. import runtime
-        fused_kernels = (runtime.current().device.type == "cuda" if runtime.is_initialized()
-                         else torch.cuda.is_available())
+    TransformerConfig checks the slot when apply_rope_fusion is set. Raises ConfigError when neither
+    fusion applies to the model."""
     if not fused_kernels:
         return {}
     import torch.nn.functional as F
@@ -126,7 +121,7 @@ def transformer_settings(fused_kernels: bool | None, model_config, *, overrides:
     if not interleaved and not mla:
         install()
         settings["apply_rope_fusion"] = True
-    if not settings and asked:
+    if not settings:
         raise ConfigError(f"fused_kernels=True is not allowed for this model (activation "
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
                           f"{interleaved}, multi_latent_attention={mla}); allowed: False, or True for models "

@@ -93,7 +93,6 @@ def test_only_the_fusions_that_compute_the_same_apply():
     silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
     settings = lambda **kw: fusions.transformer_settings(True, kw, overrides={})  # noqa: E731
     assert fusions.transformer_settings(False, {}, overrides={}) == {}
-    assert fusions.transformer_settings(None, {"activation_func": None}, overrides={}) == {}   # None: off on CPU
     assert settings(activation_func=silu, gated_linear_unit=True) == dict(bias_activation_fusion=True,
                                                                            apply_rope_fusion=True)
     # megatron's fused GeGLU uses the tanh gelu: not the same function, so only RoPE is fused
