@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, runtime
+from mfsdp_kit import data, engine, plots, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
@@ -156,6 +157,9 @@ def main() -> None:
         results[name] = dict(vars(history), engine=engine_stats, rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
             results[name]["table"] = split_table(name, results[name], gcfg, params=params, prompt_tokens=prompt_tokens)
+            if gpu:   # the floors are an H200's
+                plots.iteration_time(history, Path(args.out).with_name(f"grpo_iteration_{name}.png"),
+                                     floors=[row["floors"] for row in results[name]["table"]])
         del rollout, hf
         torch.cuda.empty_cache() if gpu else None
     if rt.rank == 0:

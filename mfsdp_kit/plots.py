@@ -106,15 +106,26 @@ ITERATION_PARTS = ("sync_s", "rollout_s", "logprob_s", "update_s")
 """The parts of an RL iteration `iteration_time` stacks, as GRPO/DAPO histories name them."""
 
 
-def iteration_time(history, path=None, *, title: str = "where an RL iteration's time goes") -> Figure:
-    """Seconds per iteration of a GRPO/DAPO history, stacked: weight sync, rollout, old log-probs, update."""
+def iteration_time(history, path=None, *, floors: list[dict] | None = None,
+                   title: str = "where an RL iteration's time goes") -> Figure:
+    """Seconds per iteration of a GRPO/DAPO history, stacked: weight sync, rollout, old log-probs, update. With
+    `floors` (per iteration, {part: seconds the hardware cannot beat}, as bench/grpo_iteration.py computes them) a
+    narrow hatched bar beside each one stacks the floors the same way."""
     fig, ax = _figure()
-    its = range(1, len(history.rollout_s) + 1)
-    bottom = [0.0] * len(its)
-    for part in ITERATION_PARTS:
+    its = list(range(1, len(history.rollout_s) + 1))
+    width = 0.6 if floors is None else 0.45
+    xs = its if floors is None else [i - 0.24 for i in its]
+    bottom, low = [0.0] * len(its), [0.0] * len(its)
+    for n, part in enumerate(ITERATION_PARTS):
         values = getattr(history, part)
-        ax.bar(its, values, bottom=bottom, label=part[:-2])
+        color = f"C{n}"
+        ax.bar(xs, values, width=width, bottom=bottom, label=part[:-2], color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
+        if floors is not None:
+            lows = [f[part] for f in floors]
+            ax.bar([i + 0.24 for i in its], lows, width=0.3, bottom=low, color=color, alpha=0.45, hatch="//",
+                   label="floor (hatched)" if n == 0 else None)
+            low = [b + v for b, v in zip(low, lows)]
     ax.set(xlabel="iteration", ylabel="seconds", title=title)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)

@@ -147,5 +147,8 @@ def test_iteration_time_stacks_the_parts_and_mismatch_draws_both_lines():
         x = round(p.get_x() + p.get_width() / 2)
         tops[x] = max(tops.get(x, 0.0), p.get_y() + p.get_height())
     assert len(bars) == 8 and tops == pytest.approx({1: 4.6, 2: 4.1})
+    floors = [dict(sync_s=0.0, rollout_s=0.4, logprob_s=0.3, update_s=1.0)] * 2
+    bars = plots.iteration_time(h, floors=floors).axes[0].patches
+    assert len(bars) == 16 and sum(p.get_height() for p in bars if p.get_hatch()) == pytest.approx(2 * 1.7)
     lines = plots.logprob_mismatch(h).axes[0].lines
     assert [list(line.get_ydata()) for line in lines] == [h.logprob_diff_mean, h.logprob_diff_max]
