@@ -24,6 +24,7 @@ import torch
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint.restore import checked
 from tests.dist import launch
+from tests.small_state import Small as SmallState
 
 NOBODY = 65534
 
@@ -156,17 +157,8 @@ def test_group_writable_root_and_latest_refused(step1):
 
 
 # ---- save -------------------------------------------------------------------------------------
-class Small:
-    """A Stateful of one tensor: saves in this process, no process group."""
-
-    def __init__(self, value: float = 1.0):
-        self.w = torch.full((6,), value)
-
-    def state_dict(self):
-        return {"w": self.w}
-
-    def load_state_dict(self, state_dict):
-        self.w.copy_(state_dict["w"])
+def Small(value: float = 1.0):   # noqa: N802 (a state class's name): six elements here
+    return SmallState(value, size=6)
 
 
 @pytest.fixture

@@ -9,19 +9,7 @@ import torch
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import integrity
-
-
-class Small:
-    """A Stateful of one tensor: saves in this process, no process group."""
-
-    def __init__(self, value: float = 1.0):
-        self.w = torch.full((4,), value)
-
-    def state_dict(self):
-        return {"w": self.w}
-
-    def load_state_dict(self, state_dict):
-        self.w.copy_(state_dict["w"])
+from tests.small_state import Small
 
 
 @pytest.fixture

@@ -10,19 +10,7 @@ import torch
 
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import steps
-
-
-class Small:
-    """A Stateful of one tensor: saves in this process, no process group."""
-
-    def __init__(self, value: float = 1.0):
-        self.w = torch.full((4,), value)
-
-    def state_dict(self):
-        return {"w": self.w}
-
-    def load_state_dict(self, state_dict):
-        self.w.copy_(state_dict["w"])
+from tests.small_state import Small
 
 
 BAD_STEPS = [("5", r"step='5' \(str\)"), (2.5, r"step=2\.5 \(float\)"), (math.nan, r"step=nan \(float\)"),

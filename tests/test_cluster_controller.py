@@ -11,6 +11,7 @@ import pytest
 
 from mfsdp_kit import cluster, launch
 from mfsdp_kit.cluster import ClusterError
+from tests.sockets import listening
 
 SLEEPY = "import time\ntime.sleep(60)"
 
@@ -30,16 +31,6 @@ def _pgid(pid: int):
         return None
 
 
-def _listening(procs: list) -> set:
-    ports = set()
-    for p in procs:
-        try:
-            ports |= {c.laddr.port for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-        except psutil.Error:
-            continue
-    return ports
-
-
 def _running(procs: list) -> list:
     out = []
     for p in procs:
@@ -55,7 +46,7 @@ def test_killed_controller_fails_the_cell_and_stop_leaves_nothing():
     h = cluster.start(2, device="cpu")
     try:
         procs = _cluster_processes(h)
-        ports = _listening(procs)
+        ports = {port for _, port in listening(procs)}
         controller = launch.controller_process(h.cluster).pid
         assert len(procs) >= 4 and ports, (procs, ports)   # controller, its forked hub processes, 2 engines
         guarded = h.view.execute(SLEEPY, block=False)       # what %%px submits

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from mfsdp_kit import lab
+from tests import sockets
 
 needs_lab = pytest.mark.skipif(shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None,
                                reason="jupyterlab not installed (make test and make lab install the `lab` extra)")
@@ -28,18 +29,6 @@ def test_missing_root_is_a_config_error(tmp_path):
         lab.start(root=tmp_path / "nope")
 
 
-def listening_ips(procs) -> set[str]:
-    """Addresses the processes listen on; a child that exited since it was listed (the server runs short-lived
-    helpers) listens on nothing."""
-    ips = set()
-    for p in procs:
-        try:
-            ips |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-        except psutil.NoSuchProcess:
-            continue
-    return ips
-
-
 @needs_lab
 def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
     server = lab.start()
@@ -50,7 +39,8 @@ def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
         assert server.api(token="not-the-token") == 403
         assert server.api("/api/contents", token=server.token) == 200  # the notebooks folder
         assert server.process.poll() is None
-        listening = listening_ips([psutil.Process(pid), *psutil.Process(pid).children(recursive=True)])
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        listening = {ip for ip, _ in sockets.listening(procs)}
         print("listening on", listening, "url", server.url.split("?")[0])
         assert listening == {"127.0.0.1"}
     finally:

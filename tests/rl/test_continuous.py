@@ -153,3 +153,15 @@ def test_glue_compiles_once_for_forty_call_shapes_on_a_gpu(tmp_path):
             "print(json.dumps(shape_run(sys.argv[1])))")
     fresh = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True)
     assert json.loads(fresh.stdout.strip().splitlines()[-1]) == ours
+
+
+def test_a_re_pointed_weight_is_used_by_the_next_call(tmp_path):
+    """A q_proj weight replaced by a new Parameter after the engine fused q/k/v (what `load_state_dict(assign=True)`
+    does) is regrouped at the next call: greedy tokens equal generate's with the new weights, not the old views'."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    before, _ = rollout.generate(ROWS, max_new_tokens=16, temperature=0, top_p=1.0, seed=0)
+    attn = model.model.layers[0].self_attn
+    attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(attn.q_proj.weight) * 0.5, requires_grad=False)
+    after, _ = rollout.generate(ROWS, max_new_tokens=16, temperature=0, top_p=1.0, seed=0)
+    assert after == hf_greedy(model, tok, ROWS, 16) and after != before

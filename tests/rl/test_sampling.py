@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from mfsdp_kit.rl.rollout.sampling import pick
+from mfsdp_kit.rl.rollout.sampling import pick, race
 
 
 def test_draws_follow_softmax_over_t_cut_to_top_p():
@@ -46,3 +46,13 @@ def test_same_generator_seed_same_draws():
     b = pick(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(4))[0]
     c = pick(logits, temperature=1.0, top_p=0.95, generator=torch.Generator().manual_seed(5))[0]
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_zero_draw_does_not_win_the_race():
+    """A draw of exactly 0 at a token of probability 0 (keep -inf: cut by top-p, or underflowed) must not pick it:
+    unclamped, log 0 = -inf makes its key -inf + inf = NaN, which argmax takes."""
+    keep = torch.log(torch.tensor([[0.7, 0.3, 0.0], [0.5, 0.5, 0.0]]))
+    draws = torch.tensor([[1.0, 1.0, 0.0], [1.0, 2.0, 0.0]])
+    unclamped = (keep - draws.clone().log()).argmax(-1)
+    assert unclamped.tolist() == [2, 2]                      # the bug: NaN wins
+    assert race(keep.clone(), draws).tolist() == [0, 0]

@@ -117,6 +117,8 @@ class ContinuousRollout(HFRollout):
         """(token ids, log-probs at the sampling temperature) of each row's completion: at most `max_new_tokens`,
         cut after the first stop id. Temperature 0: greedy."""
         cfg = self.config
+        if fuse_projections(self.model):   # a weight re-pointed since the last call: its graphs read the old one
+            self.release()
         longest = max(map(len, rows))
         check_model(self.model, max_len_tokens=longest + max_new_tokens)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on

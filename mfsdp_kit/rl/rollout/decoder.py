@@ -49,21 +49,27 @@ def is_moe(hf_model) -> bool:
 
 
 # ---- the weights -----------------------------------------------------------------------------
-def fuse_projections(hf_model) -> None:
+def fuse_projections(hf_model) -> bool:
     """Regroup each layer's q/k/v (and a dense MLP's gate/up) weights and biases into one tensor whose slices
-    become the modules' parameters (module docstring). Idempotent; no extra memory once the old tensors go."""
+    become the modules' parameters (module docstring). Idempotent; no extra memory once the old tensors go. Returns
+    whether any group was (re)made: a Parameter re-pointed since (`load_state_dict(assign=True)`, an assignment)
+    is no longer a view of its group, so the group is made again from the modules' current tensors, and CUDA graphs
+    captured on the old group must be dropped."""
+    made = False
     for layer in hf_model.model.layers:
-        _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv")
+        made |= _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv")
         if hasattr(layer.mlp, "gate_proj") and hasattr(layer.mlp, "up_proj"):
-            _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up")
+            made |= _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up")
+    return made
 
 
-def _fuse(parent: torch.nn.Module, names: tuple[str, ...], group: str) -> None:
+def _fuse(parent: torch.nn.Module, names: tuple[str, ...], group: str) -> bool:
     modules = [getattr(parent, n) for n in names]
+    made = False
     for kind in ("weight", "bias"):
         parts = [getattr(m, kind) for m in modules]
         fused = getattr(parent, f"kit_{group}_{kind}", None)
-        if parts[0] is None or (fused is not None and parts[0].data_ptr() == fused.data_ptr()):
+        if parts[0] is None or (fused is not None and _views_of(parts, fused)):
             continue
         whole = torch.cat([p.detach() for p in parts])
         start = 0
@@ -71,6 +77,18 @@ def _fuse(parent: torch.nn.Module, names: tuple[str, ...], group: str) -> None:
             setattr(m, kind, torch.nn.Parameter(whole[start:start + p.shape[0]], requires_grad=False))
             start += p.shape[0]
         object.__setattr__(parent, f"kit_{group}_{kind}", whole)   # a plain attribute: not in the state dict
+        made = True
+    return made
+
+
+def _views_of(parts: list[torch.Tensor], fused: torch.Tensor) -> bool:
+    """Is each of `parts` the next slice of `fused`, in order?"""
+    offset = 0
+    for p in parts:
+        if p.data_ptr() != fused.data_ptr() + offset * fused.element_size() or not p.is_contiguous():
+            return False
+        offset += p.numel()
+    return offset == fused.numel()
 
 
 def projections(layer, h: torch.Tensor, *, head_dim: int, clip_qkv: float | None):

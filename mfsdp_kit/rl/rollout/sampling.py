@@ -23,6 +23,12 @@ def pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -
             before = sorted_p.cumsum(-1) - sorted_p   # mass of the tokens ranked above each one
             cut = torch.zeros_like(logp, dtype=torch.bool).scatter_(-1, order, before >= top_p)
             keep = logp.masked_fill(cut, float("-inf"))
-        race = torch.empty_like(logp).exponential_(generator=generator).log_()
-        token = (keep - race).argmax(-1)
+        token = race(keep, torch.empty_like(logp).exponential_(generator=generator))
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def race(keep: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """argmax(keep - log E) per row, with `draws` E ~ Exp(1) (overwritten). A draw of exactly 0 (float rounding of a
+    tiny exponential, which torch's sampler can return) is clamped to the smallest normal float: log 0 = -inf would
+    make that token win whatever its probability, and a token cut by top-p (-inf) would give -inf + inf = NaN."""
+    return (keep - draws.clamp_(min=torch.finfo(draws.dtype).tiny).log_()).argmax(-1)
