@@ -9,7 +9,7 @@ from mfsdp_kit.config import ConfigError
 from mfsdp_kit.generate import cut_at_stop
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, RolloutBackend
-from mfsdp_kit.rl.rollout.decoder import SUPPORTED
+from mfsdp_kit.rl.rollout.decoder import SUPPORTED, layer_windows
 from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
@@ -165,3 +165,22 @@ def test_a_re_pointed_weight_is_used_by_the_next_call(tmp_path):
     attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(attn.q_proj.weight) * 0.5, requires_grad=False)
     after, _ = rollout.generate(ROWS, max_new_tokens=16, temperature=0, top_p=1.0, seed=0)
     assert after == hf_greedy(model, tok, ROWS, 16) and after != before
+
+
+@pytest.mark.parametrize("arch,window", [("MistralForCausalLM", dict(sliding_window=6)),
+                                         ("Qwen2ForCausalLM", dict(sliding_window=5, use_sliding_window=True,
+                                                                   max_window_layers=1))])
+def test_a_sliding_window_decodes_with_the_window(arch, window, tmp_path):
+    """Prompt + new tokens far past the window (Mistral: every layer; Qwen2: the layers past max_window_layers):
+    greedy tokens equal transformers' generate, and each sampled token's log-prob equals a teacher-forced HF forward
+    of prompt + completion, which applies the window (<= 1e-5, fp32)."""
+    folder = write_tiny(arch, tmp_path / arch, **window)
+    model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+    assert any(layer_windows(model)) and model.config.sliding_window < 10
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    assert rollout.generate(ROWS, max_new_tokens=20, temperature=0, top_p=1.0, seed=0)[0] == hf_greedy(model, tok, ROWS, 20)
+    tokens, lps = rollout.generate(ROWS[:3], max_new_tokens=16, temperature=1.0, top_p=1.0, seed=2)
+    for prompt, completion, lp in zip(ROWS[:3], tokens, lps):
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert (torch.tensor(lp) - want).abs().max() <= 1e-5

@@ -29,9 +29,5 @@ def test_refuses_what_it_cannot_run_by_name(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ConfigError, match="does not run GPT2LMHeadModel; allowed: LlamaForCausalLM"):
-        check_model(gpt2, max_len_tokens=16)
-    mistral = AutoModelForCausalLM.from_pretrained(write_tiny("MistralForCausalLM", tmp_path / "m"))
-    mistral.config.sliding_window = 8
-    with pytest.raises(ConfigError, match="sliding_window=8 is not allowed"):
-        check_model(mistral, max_len_tokens=16)
-    check_model(mistral, max_len_tokens=8)
+        check_model(gpt2)
+

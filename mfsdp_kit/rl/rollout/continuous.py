@@ -29,7 +29,7 @@ import torch
 from ... import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
-from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, prefill, rope_table
+from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
 from .timing import ChunkTimer
@@ -61,7 +61,8 @@ class DecodeConfig:
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
-    training passes' token budget counts the kept cache (`packing.memory_budget`). False: free them after each call (`release`) for the policy update."""
+    training passes' token budget counts the kept cache (`packing.memory_budget`). False: free them after each
+    call (`release`) for the policy update."""
 
     def __post_init__(self):
         check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
@@ -95,6 +96,7 @@ class ContinuousRollout(HFRollout):
         c = hf_model.config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.clip_qkv = getattr(c, "clip_qkv", None)
+        self.windows = layer_windows(hf_model)
         self._kept: _Cache | None = None
         self._glue: Glue | None = None
         self._compiled = None
@@ -120,7 +122,7 @@ class ContinuousRollout(HFRollout):
         if fuse_projections(self.model):   # a weight re-pointed since the last call: its graphs read the old one
             self.release()
         longest = max(map(len, rows))
-        check_model(self.model, max_len_tokens=longest + max_new_tokens)
+        check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
         t0 = time.perf_counter()
         state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
@@ -182,8 +184,8 @@ class ContinuousRollout(HFRollout):
 
     def step(self, state: _Cache, batch: int, slots: int):
         """A decode step over the first `batch` rows and `slots` slots: reads `state.tok`/`state.pos`, writes the
-        rows' K, V, returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the same slots with the same values),
-        so its warm-up and capture leave the cache as they found it."""
+        rows' K, V, returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the
+        same slots with the same values), so its warm-up and capture leave the cache as they found it."""
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
         t0 = time.perf_counter()
@@ -193,7 +195,7 @@ class ContinuousRollout(HFRollout):
 
         def eager():
             return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                          clip_qkv=self.clip_qkv, glue=glue)
+                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
         fn = eager
         if self.config.cuda_graphs and gpu and not is_moe(self.model):
             if self.config.graph_mode == "reduce-overhead":
@@ -219,7 +221,8 @@ class ContinuousRollout(HFRollout):
             # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
             with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
                 return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
-                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER)
+                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER,
+                                      windows=self.windows)
         run()   # compiles and records now, not inside the timed loop
         return run
 
@@ -306,7 +309,7 @@ class _Run:
         e = self.engine
         t0 = time.perf_counter()
         logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
-                         clip_qkv=e.clip_qkv)
+                         clip_qkv=e.clip_qkv, windows=e.windows)
         tok, logp = pick(logits, **self.sample)
         self.state.tok[where], self.state.pos[where] = tok, lens
         for r, i, n in zip(free, take, lengths):

@@ -9,6 +9,8 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the cache is one K and one V tensor per layer, [rows, kv_heads, slots, head_dim]; row r holds one
     sequence from slot 0, so rows of different lengths share a step (continuous batching, `continuous.py`);
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
+  - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
+    only (`layer_windows`), in prefill and decode alike;
   - decode attention is one SDPA per layer in the grouped-query layout (q [b, heads, 1, D] against the cache's
     kv_heads, `enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: on a GPU
     cuDNN's kernel, faster than a visibility-lane layout (head_dim padded past 128) and than flex_attention,
@@ -32,16 +34,24 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 (optional biases, optional q/k norms) and RoPE from the model's rotary module, then the layer's MLP."""
 
 
-def check_model(hf_model, *, max_len_tokens: int) -> None:
+def check_model(hf_model) -> None:
     """ConfigError naming what this decoder cannot run, before anything is allocated."""
     arch = type(hf_model).__name__
     if arch not in SUPPORTED:
         raise ConfigError(f"the kit's rollout loop does not run {arch}; allowed: {', '.join(SUPPORTED)} "
                           "(HFRollout runs any causal LM)")
-    window = getattr(hf_model.config, "sliding_window", None)
-    if window is not None and getattr(hf_model.config, "use_sliding_window", True) and window < max_len_tokens:
-        raise ConfigError(f"sliding_window={window} is not allowed below the prompt + max_new_tokens length "
-                          f"({max_len_tokens}): the kit's rollout loop attends to every earlier slot")
+
+
+def layer_windows(hf_model) -> list[int | None]:
+    """Per layer, the sliding window HF attends with (a query at q sees keys q - w < k <= q), or None for full
+    attention: Mistral's `sliding_window` on every layer; where the config lists `layer_types`, only on its
+    "sliding_attention" layers; none when `use_sliding_window` is false (Qwen2's default)."""
+    c = hf_model.config
+    window = getattr(c, "sliding_window", None)
+    if window is None or not getattr(c, "use_sliding_window", True):
+        return [None] * len(hf_model.model.layers)
+    types = getattr(c, "layer_types", None) or ["sliding_attention"] * len(hf_model.model.layers)
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def is_moe(hf_model) -> bool:
@@ -159,7 +169,8 @@ def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
     return act(gate) * up
 
 
-def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta)): the residual add and the next RMSNorm in one pass when compiled."""
     x = x + delta
     return x, F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -205,7 +216,7 @@ EAGER = Glue(compiled=False)
 
 # ---- prefill and decode ----------------------------------------------------------------------
 def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: torch.Tensor, rope, *, head_dim: int,
-            clip_qkv: float | None) -> torch.Tensor:
+            clip_qkv: float | None, windows: list[int | None]) -> torch.Tensor:
     """Run prompts `ids` [k, L] (left-aligned, `lengths` [k] real tokens each) and write their K, V into cache rows
     `rows` [k], slots 0..L-1 (a slot past a row's length holds junk that no step reads: `decode` masks it).
     Returns the logits of each prompt's last token [k, vocab]."""
@@ -216,42 +227,49 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
     keys = torch.arange(L, device=ids.device)
     # causal and inside the prompt; a pad query still sees slot 0, so no row is all-masked (NaN)
     mask = (keys[None, :] <= keys[:, None])[None, None] & (keys < lengths[:, None])[:, None, None, :]
-    for layer, (k_cache, v_cache) in zip(m.layers, cache):
+    windowed = {w: mask & (keys[None, :] > keys[:, None] - w)[None, None] for w in set(windows) if w is not None}
+    for layer, (k_cache, v_cache), window in zip(m.layers, cache, windows):
         h = rms(layer.input_layernorm, x)
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k_cache[rows, :, :L], v_cache[rows, :, :L] = k, v
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                             scale=_scale(layer, head_dim))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if window is None else windowed[window],
+                                             enable_gqa=True, scale=_scale(layer, head_dim))
         x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
         x = x + mlp(layer, rms(layer.post_attention_layernorm, x), EAGER)
     return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
 
 
 def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots: int, head_dim: int,
-           clip_qkv: float | None, glue: Glue) -> torch.Tensor:
+           clip_qkv: float | None, glue: Glue, windows: list[int | None]) -> torch.Tensor:
     """One token per row: `tok` [b] at position `pos` [b] written into slot pos[r] of cache row r (the first b
     rows of `cache`'s whole [rows, kv_heads, all slots, D] tensors), attending to slots <= pos[r] among the first
-    `slots` (every row's pos < slots). Returns the final norm's output [b, hidden]: `hf_model.lm_head` of it is the
-    logits, computed outside a CUDA graph so no graph keeps a [b, vocab] output of its own."""
+    `slots` (every row's pos < slots), or to the last `windows[i]` of them in a sliding-window layer i. Returns the
+    final norm's output [b, hidden]: `hf_model.lm_head` of it is the logits, computed outside a CUDA graph so no
+    graph keeps a [b, vocab] output of its own."""
     m = hf_model.model
     b = tok.shape[0]
     k0 = cache[0][0]
     kv_heads, all_slots = k0.shape[1], k0.shape[2]
     heads = torch.arange(kv_heads, device=tok.device)
     where = ((torch.arange(b, device=tok.device)[:, None] * kv_heads + heads) * all_slots + pos[:, None]).flatten()
-    visible = torch.arange(slots, device=tok.device) <= pos[:, None]
-    bias = torch.zeros(visible.shape, dtype=k0.dtype, device=tok.device).masked_fill_(~visible, float("-inf"))
-    bias = bias[:, None, None, :]   # [b, 1, 1, slots], shared by every layer and head
+    slot = torch.arange(slots, device=tok.device)
+    visible = slot <= pos[:, None]
+
+    def bias_of(seen: torch.Tensor) -> torch.Tensor:   # [b, 1, 1, slots], shared by every layer and head
+        zero = torch.zeros(seen.shape, dtype=k0.dtype, device=tok.device)
+        return zero.masked_fill_(~seen, float("-inf"))[:, None, None]
+    biases = {None: bias_of(visible)}
+    biases.update({w: bias_of(visible & (slot > pos[:, None] - w)) for w in set(windows) if w is not None})
     cos, sin = (t[pos][:, None, :] for t in rope)
     x = m.embed_tokens(tok)
     h = rms(m.layers[0].input_layernorm, x)
-    for i, (layer, (k_cache, v_cache)) in enumerate(zip(m.layers, cache)):
+    for i, (layer, (k_cache, v_cache), window) in enumerate(zip(m.layers, cache, windows)):
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q = glue.rope_store(q, k, v, cos, sin, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), where)
-        out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots], attn_mask=bias,
-                                             enable_gqa=True, scale=_scale(layer, head_dim))
+        out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots],
+                                             attn_mask=biases[window], enable_gqa=True, scale=_scale(layer, head_dim))
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out.reshape(b, -1)), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
