@@ -9,6 +9,7 @@ from mfsdp_kit.config import ConfigError
 from mfsdp_kit.generate import cut_at_stop
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, RolloutBackend
+from mfsdp_kit.rl.rollout.schedule import prefill_groups
 from mfsdp_kit.rl.rollout.decoder import SUPPORTED, layer_windows
 from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
 
@@ -184,3 +185,22 @@ def test_a_sliding_window_decodes_with_the_window(arch, window, tmp_path):
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         assert (torch.tensor(lp) - want).abs().max() <= 1e-5
+
+
+def test_prefill_groups_stay_under_the_budget_shortest_first():
+    """The scheduling policy alone (no model): every group's rows x longest prompt <= the budget, each prompt once,
+    and a prompt over the budget prefilled alone."""
+    lengths = [30, 3, 7, 7, 100, 2, 12, 12, 12]
+    groups = prefill_groups(lengths, budget_tokens=40)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= 40 or len(g) == 1 for g in groups)
+    assert [lengths[g[0]] for g in groups] == sorted(lengths[g[0]] for g in groups) and [4] in groups
+
+
+def test_prefill_under_a_small_budget_gives_the_same_tokens(tmp_path):
+    """Prompts prefilled one or two at a time (budget 10 tokens) decode the tokens of one prefill of all."""
+    model, tok = load("LlamaForCausalLM", tmp_path)
+    one = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=6)).generate(
+        ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0]
+    many = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=6, prefill_tokens=10))
+    assert many.generate(ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0] == one

@@ -32,6 +32,7 @@ from ...fieldtypes import COUNT, check_fields, number_in
 from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, prefill, rope_table
 from .hf import Completions, HFRollout
 from .sampling import pick
+from .schedule import batch_bucket, bucketed, prefill_groups
 from .timing import ChunkTimer
 
 
@@ -58,6 +59,9 @@ class DecodeConfig:
     docs/benchmarks.md, rollout)."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
+    prefill_tokens: int = 16384
+    """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
+    similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
@@ -65,7 +69,7 @@ class DecodeConfig:
     call (`release`) for the policy update."""
 
     def __post_init__(self):
-        check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT,
+        check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT, prefill_tokens=COUNT,
                      cache_memory_fraction=number_in(0, 1, low_open=True))
 
 
@@ -256,17 +260,6 @@ def captured(fn, *, pool=None):
     return replay
 
 
-def bucketed(n: int, bucket: int) -> int:
-    """`n` rounded up to a multiple of `bucket`."""
-    return -(-n // bucket) * bucket
-
-
-def batch_bucket(n: int, *, rows: int) -> int:
-    """The decode batch for `n` live rows: the next power of two, at least 2 (a batch of 1 would compile glue of
-    its own), at most `rows`."""
-    return min(rows, max(2, 1 << max(n - 1, 0).bit_length()))
-
-
 class _Run:
     """One `generate` call's host bookkeeping: which input row each cache row serves, what each row has sampled."""
 
@@ -295,28 +288,34 @@ class _Run:
         return [r for r, i in enumerate(self.owner) if i >= 0]
 
     def admit(self) -> None:
-        """Prefill queued prompts into the free rows (left-aligned from slot 0) and record their first token."""
+        """Prefill queued prompts into the free rows (left-aligned from slot 0) and record their first token, in
+        groups of similar length under the prefill token budget (`prefill_groups`)."""
         free = [r for r, i in enumerate(self.owner) if i < 0][:len(self.queue)]
         if not free:
             return
         take = [self.queue.popleft() for _ in free]
-        device = self.state.tok.device
         lengths = [len(self.rows[i]) for i in take]
-        ids = torch.zeros(len(take), max(lengths), dtype=torch.long)
-        for j, i in enumerate(take):
+        for group in prefill_groups(lengths, budget_tokens=self.engine.config.prefill_tokens):
+            self.prefill([free[j] for j in group], [take[j] for j in group])
+        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.owner)))
+
+    def prefill(self, rows: list[int], inputs: list[int]) -> None:
+        """One padded prefill of input rows `inputs` into cache rows `rows`; their first tokens sampled."""
+        device, e = self.state.tok.device, self.engine
+        lengths = [len(self.rows[i]) for i in inputs]
+        ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
+        for j, i in enumerate(inputs):
             ids[j, :lengths[j]] = torch.tensor(self.rows[i])
-        where, lens = torch.tensor(free, device=device), torch.tensor(lengths, device=device)
-        e = self.engine
+        where, lens = torch.tensor(rows, device=device), torch.tensor(lengths, device=device)
         t0 = time.perf_counter()
         logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
                          clip_qkv=e.clip_qkv, windows=e.windows)
         tok, logp = pick(logits, **self.sample)
         self.state.tok[where], self.state.pos[where] = tok, lens
-        for r, i, n in zip(free, take, lengths):
+        for r, i, n in zip(rows, inputs, lengths):
             self.owner[r], self.length[r] = i, n
-        self.record(free, tok[:, None].cpu(), logp[:, None].cpu())
+        self.record(rows, tok[:, None].cpu(), logp[:, None].cpu())
         e.stats["prefill_s"] += time.perf_counter() - t0
-        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.owner)))
 
     def compact(self) -> None:
         """With the queue empty and at most half the batch live, move the live rows to the front and shrink the
