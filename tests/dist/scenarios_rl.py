@@ -167,7 +167,7 @@ def grpo_tensor_parallel(*, workdir: str) -> dict:
     scaled on their vocab-parallel shards)."""
     import transformers
 
-    from mfsdp_kit.rl.rollout import ContinuousRollout
+    from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
     cfg = EngineConfig(use_megatron_fsdp=True, tensor_model_parallel_size=2, seed=0)
     rt = runtime.init(cfg)
     src = f"{workdir}/tiny_xs_tp"
@@ -177,7 +177,9 @@ def grpo_tensor_parallel(*, workdir: str) -> dict:
     torch.distributed.barrier()
     tok = transformers.AutoTokenizer.from_pretrained(src)
     model = load(src, cfg)
-    rollout = ContinuousRollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
+    # the peers' own row counts differ (8 sequences fit rank 0's rows, 3 fit rank 1's): they must agree on 3
+    rollout = ContinuousRollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok,
+                                config=DecodeConfig(max_batch_size=3 if rt.rank else 512))
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
     gcfg = grpo.GRPOConfig(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=4, temperature=0.7,
                            micro_batch_size=4)
@@ -188,6 +190,8 @@ def grpo_tensor_parallel(*, workdir: str) -> dict:
     history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
                        reward_fn=data.verify, gcfg=gcfg, iterations=1, progress=False)
     per_rank = [None] * 2
-    torch.distributed.all_gather_object(per_rank, (batch.completions, history.logprob_diff_max[0]))
+    torch.distributed.all_gather_object(per_rank, (batch.completions, history.logprob_diff_max[0],
+                                                   rollout.stats["rows"]))
     runtime.shutdown()
-    return dict(completions=[c for c, _ in per_rank], diff_max=[d for _, d in per_rank])
+    return dict(completions=[c for c, _, _ in per_rank], diff_max=[d for _, d, _ in per_rank],
+                rows=[r for _, _, r in per_rank])

@@ -93,13 +93,14 @@ def test_rollout_and_trainer_logprobs_agree_in_fp32(run):
 
 
 def test_tensor_parallel_ranks_sample_alike_and_score_alike():
-    """GRPO at TP 2 through the kit's engine: both ranks of the replica hold the same samples, and the rollout's
-    log-probs equal the vocab-parallel trainer's at T 0.7 (fp32)."""
+    """GRPO at TP 2 through the kit's engine: both ranks of the replica hold the same samples (with cache row
+    limits of their own, 512 and 3: they take the smaller), and the rollout's log-probs equal the vocab-parallel
+    trainer's at T 0.7 (fp32)."""
     import tempfile
 
     from tests.dist import launch
     with tempfile.TemporaryDirectory() as workdir:
         r = launch.run("scenarios_rl:grpo_tensor_parallel", nproc=2, workdir=workdir)
     first, second = r["completions"]
-    assert first == second and len(first) == 8
+    assert first == second and len(first) == 8 and r["rows"] == [3, 3]
     assert all(0.0 <= d <= 1e-5 for d in r["diff_max"]), r["diff_max"]

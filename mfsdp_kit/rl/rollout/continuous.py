@@ -143,6 +143,21 @@ class ContinuousRollout(HFRollout):
                 self.release()
 
     def rows_for(self, sequences: int, *, slots: int) -> int:
+        """`fitting_rows`, agreed by the model-parallel peers (their minimum): the ranks of one replica sample the
+        same prompts with the same seed, and draw the same tokens only with the same rows (every peer calls it)."""
+        rows = self.fitting_rows(sequences, slots=slots)
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+            return rows
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return rows
+        agreed = torch.tensor([rows], device=self.model.device if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        return int(agreed.item())
+
+    def fitting_rows(self, sequences: int, *, slots: int) -> int:
         """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits in
         `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free)."""
         want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
