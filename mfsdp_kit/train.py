@@ -102,8 +102,9 @@ def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch
 
     Returns (global per-token mean loss, global token count, {logged name: per-token mean}).
     `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract. Packed (`packing`; `packed`
-    None: where the model can) the micro-batches hold at most `max_tokens_per_micro_batch` tokens (None:
-    `micro_batch_size` rows' worth); padded, `micro_batch_size` rows each."""
+    None: where the model can) the micro-batches hold at most `max_tokens_per_micro_batch` tokens (None: what the
+    device's memory holds, `packing.budget`; on CPU `micro_batch_size` rows' worth); padded, `micro_batch_size` rows
+    each."""
     means, tokens = _read_logged(*_forward_backward(chunks, batch, micro_batch_size=micro_batch_size,
                                                     forward_only=forward_only, loss_fn=loss_fn,
                                                     max_tokens_per_micro_batch=max_tokens_per_micro_batch,
