@@ -25,7 +25,7 @@ from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf import options
-from mfsdp_kit.perf.report import provenance, write_json
+from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl import core, grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
@@ -163,7 +163,7 @@ def main() -> None:
         del rollout, hf
         torch.cuda.empty_cache() if gpu else None
     if rt.rank == 0:
-        write_json(args.out, dict(args=vars(args), **provenance(), histories=results))
+        write_json(args.out, dict(args=vars(args), histories=results))
     runtime.shutdown(destroy_process_group=True)
 
 

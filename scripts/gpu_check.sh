@@ -7,6 +7,8 @@
 #   SECTIONS="parity" NGPU=2 bash scripts/gpu_check.sh
 #   SECTIONS="throughput max_model" bash scripts/gpu_check.sh   # max_model runs only when listed
 #   SECTIONS="notebooks nb_throughput load_7b moe cluster_start" bash scripts/gpu_check.sh   # not in the default SECTIONS either
+# Every result JSON records its commit (perf.report.provenance): where the tree travels without its .git (the device
+# tool), pass it: MFSDP_COMMIT=$(git rev-parse --short=12 HEAD) SECTIONS=... bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4

@@ -8,7 +8,10 @@ from typing import Any, Callable
 
 def write_json(path: str | Path, obj: Any, *, default: Callable[[Any], Any] | None = None, indent: int = 1) -> Path:
     """Write `obj` as JSON to `path`, creating its folder; `default` serialises what json cannot (as json.dump's).
-    Prints where it wrote, as every bench script's last line."""
+    A dict gets a "provenance" entry (`provenance`: commit, date, device) unless it has one: every result says
+    which code and machine made it. Prints where it wrote, as every bench script's last line."""
+    if isinstance(obj, dict) and "provenance" not in obj:
+        obj = {**obj, "provenance": provenance()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent, default=default))
