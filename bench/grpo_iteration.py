@@ -24,9 +24,9 @@ from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
-from mfsdp_kit.perf import options
+from mfsdp_kit.perf import floors, options
 from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.rl import core, grpo
+from mfsdp_kit.rl import grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
@@ -41,38 +41,25 @@ def model_folder(size: str, *, positions: int) -> str:
     return src
 
 
-PEAK_TFLOPS, HBM_TBPS = 790.0, 4.8
-"""The floors' rates on an H200: bf16 GEMMs as measured (docs/benchmarks.md) and HBM bandwidth."""
-
-
-def floors(*, params: int, train_tokens: float, new_tokens: float, decode_steps: int, sync_bytes: float) -> dict:
-    """Seconds each pass cannot beat on one H200: FLOPs of its real tokens at PEAK_TFLOPS (forward 2N, forward +
-    backward 6N per token, attention's few % left out), a decode step's weight read at HBM_TBPS, a copy's read
-    and write."""
-    flops = PEAK_TFLOPS * 1e12
-    return dict(sync_s=2 * sync_bytes / (HBM_TBPS * 1e12),
-                rollout_s=max(2 * params * new_tokens / flops, decode_steps * 2 * params / (HBM_TBPS * 1e12)),
-                logprob_s=2 * params * train_tokens / flops, update_s=6 * params * train_tokens / flops)
-
-
-def split_table(name: str, result: dict, gcfg, *, params: int, prompt_tokens: float) -> list[dict]:
-    """Print one backend's per-iteration split with each pass's floor and its MFU on real tokens; returns the
-    rows (seconds, floors, MFU) for the JSON."""
+def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardware) -> list[dict]:
+    """Print one backend's per-iteration split with each pass's floor on `hw` (`perf.floors`) and its MFU on real
+    tokens; returns the rows (seconds, floors, MFU) for the JSON."""
     rows = []
     print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, "
-          f"<= {gcfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor / MFU beside each pass "
-          f"(MFU: model FLOPs of real tokens / 989 TFLOP/s)")
+          f"<= {gcfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor ({hw.name}) / MFU beside each "
+          f"pass (MFU: model FLOPs of real tokens / 989 TFLOP/s)")
     print(f"{'it':>3} " + " ".join(f"{k[:-2]:>17}" for k in SPLIT) + f" {'total s':>8} {'resp tok':>8} "
           f"{'|dlogp| mean':>12} {'tail s':>7}")
     samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
     for i in range(len(result["rollout_s"])):
         engine = result["engine"][i] if i < len(result["engine"]) else {}
         new = result["response_tokens"][i] * samples
-        floor = floors(params=params, train_tokens=new + prompt_tokens * samples, new_tokens=new,
-                       decode_steps=engine.get("steps", 0), sync_bytes=(result["sync_bytes"] or [0])[i])
+        floor = floors.rl_iteration(params=params, train_tokens=new + result["prompt_tokens"][i] * samples,
+                                    new_tokens=new, decode_steps=engine.get("steps", result["response_tokens_max"][i]),
+                                    sync_bytes=(result["sync_bytes"] or [0] * (i + 1))[i], hw=hw)
         split = {k: result[k][i] for k in SPLIT}
         tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
-        mfu = {k: floor[k] / max(split[k], 1e-9) * PEAK_TFLOPS / 989 for k in ("logprob_s", "update_s")}
+        mfu = {k: floors.mfu(split[k], floor[k], hw) for k in ("logprob_s", "update_s")}
         print(f"{i:>3} " + " ".join(f"{split[k]:>6.2f} ({floor[k]:.2f}" + (f" {100 * mfu[k]:>3.0f}%)" if k in mfu
                                                                           else "     )") for k in SPLIT) +
               f" {sum(split.values()):>8.2f} {result['response_tokens'][i]:>8.1f} "
@@ -133,7 +120,7 @@ def main() -> None:
     model = load(src, cfg)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-6), cfg)
     pool = data.ArithmeticTask(digits=3).rl_prompts(1000)
-    prompt_tokens = sum(map(len, core.prompt_ids(tok, pool))) / len(pool)
+    hw = floors.hardware() or floors.HARDWARE["H200"]   # elsewhere (a CPU run): an H200's floors, so named
     gcfg = options.build(grpo.GRPOConfig, args, prefix="")
     results = {}
     for name in args.backends.split(","):
@@ -156,7 +143,7 @@ def main() -> None:
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
         results[name] = dict(vars(history), engine=engine_stats, rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
-            results[name]["table"] = split_table(name, results[name], gcfg, params=params, prompt_tokens=prompt_tokens)
+            results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw)
             if gpu:   # the floors are an H200's
                 plots.iteration_time(history, Path(args.out).with_name(f"grpo_iteration_{name}.png"),
                                      floors=[row["floors"] for row in results[name]["table"]])

@@ -658,6 +658,8 @@ backend = type(rollout).__name__
 packed = packing.can_pack(model.chunks)   # the update's micro-batches run packed (no padding computed)
 gcfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
                        ppo_epochs=2, num_minibatches=2, micro_batch_size=8)
+samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
+n_params = sum(p.numel() for n, p in rollout.model.named_parameters() if "embed" not in n)   # in a matmul
 rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
 '''),
     md("Run the iterations with per-rank progress (reward, KL):"),
@@ -689,13 +691,20 @@ print(handle.view["backend"][0], "| update packed:", handle.view["packed"][0],
 plots.reward_curve(history.reward, window=3)
 '''),
     md("""
-Where each iteration's time went (weight sync, rollout, old log-probs, update), and how far the rollout
-engine's log-probs of its samples are from the Megatron model's for the same tokens: the train-inference
-mismatch verl reports, scored on both sides at the sampling temperature (`rl.scoring`). In fp32 the two
-compute the same function, so it stays near roundoff; in bf16 on a GPU it is the price of the engine's kernels.
+Where each iteration's time went (weight sync, rollout, old log-probs, update), and on a GPU whose rates the kit
+knows (`perf.floors.HARDWARE`), each part's floor beside it, hatched: the seconds its model FLOPs take at the GEMM
+rate that GPU reaches, or its weight reads at its memory bandwidth (a decode step reads every weight). Then how far
+the rollout engine's log-probs of its samples are from the Megatron model's for the same tokens: the
+train-inference mismatch verl reports, scored on both sides at the sampling temperature (`rl.scoring`). In fp32 the
+two compute the same function, so it stays near roundoff; in bf16 on a GPU it is the price of the engine's kernels.
 """),
     code('''
-plots.iteration_time(history)
+from mfsdp_kit.perf import floors
+hw = handle.apply(floors.hardware)[0]   # the engines' GPU; None on a CPU: no floor is claimed there
+iteration_floors = floors.rl_iterations(history, params=handle.view["n_params"][0], hw=hw,
+                                        samples=handle.view["samples"][0], world=handle.view["world_size"][0])
+print("floors:", hw or "none (a CPU, or a GPU perf.floors.HARDWARE does not list)")
+plots.iteration_time(history, floors=iteration_floors)
 '''),
     code('''
 plots.logprob_mismatch(history)

@@ -17,7 +17,7 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAUNCH = {"trun": "trun", "torchrun1": "torchrun --nproc_per_node 1 --master_port $((29400 + RANDOM % 1000))",
           "python": "python3", "bash": "bash"}
@@ -321,6 +321,21 @@ SECTIONS.update({
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],
 })
+# The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
+# under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
+# `make docs` turns them into the README's figures and the top table of docs/benchmarks.md. Shorter than the
+# sections they come from: rollout at 1 and 256 sequences (compiled graphs only), 3 GRPO iterations (the 1st, then
+# steady ones), the RL mix packed vs padded, LoRA vs full fine-tuning without the largest-model search.
+SECTIONS["release"] = [
+    *SECTIONS["notebooks"],
+    replace(SECTIONS["rollout"][0], args="--shape qwen2-1.8b --batches 1,256 --variants compiled --agreement-rows 64"),
+    replace(SECTIONS["grpo_iteration"][0], args="--size l --iterations 3 --profile --backends continuous"),
+    SECTIONS["throughput1"][0],
+    replace(SECTIONS["packing"][0], args="--spec 1.7b --mixes rl --ways padded,packed-sdpa --sequences 64 "
+                                         "--micro-batch-size 8 --steps 4 --warmup 2"),
+    SECTIONS["lora"][0]]
+RELEASE_FILES = tuple(row.writes for row in SECTIONS["release"] if row.writes)
+"""The release set's JSON files, one per section: docs/results/<device>/ keeps these (older runs: history/)."""
 DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
 """The names gpu_check.sh runs when SECTIONS is not set."""
 

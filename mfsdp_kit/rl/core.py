@@ -363,9 +363,12 @@ def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibat
 
 # ---- metrics and the outer loop --------------------------------------------------------------
 def rollout_metrics(rollouts: RolloutBatch) -> dict:
-    """reward (mean), accuracy (share solved), response_tokens (mean completion length)."""
+    """reward (mean), accuracy (share solved), response_tokens (mean completion length), response_tokens_max,
+    prompt_tokens (mean prompt length per completion)."""
+    lengths = [len(c) for c in rollouts.completions]
     return dict(reward=rollouts.rewards.mean().item(), accuracy=rollouts.solved.float().mean().item(),
-                response_tokens=sum(len(c) for c in rollouts.completions) / len(rollouts.completions))
+                response_tokens=sum(lengths) / len(lengths), response_tokens_max=max(lengths),
+                prompt_tokens=sum(map(len, rollouts.prompt_ids)) / rollouts.num_groups)
 
 
 def update_metrics(results: list[StepResult]) -> dict:

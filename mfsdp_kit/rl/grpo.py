@@ -89,6 +89,11 @@ class GRPOHistory:
     reward: list[float] = field(default_factory=list)
     accuracy: list[float] = field(default_factory=list)
     response_tokens: list[float] = field(default_factory=list)
+    """Mean completion length, tokens."""
+    response_tokens_max: list[int] = field(default_factory=list)
+    """The longest completion, tokens (a lower bound on the rollout's sequential decode steps)."""
+    prompt_tokens: list[float] = field(default_factory=list)
+    """Mean prompt length per completion, tokens."""
     kl: list[float] = field(default_factory=list)
     clip_frac: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)

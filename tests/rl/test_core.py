@@ -45,6 +45,15 @@ def test_select_and_concat_keep_groups_together():
     assert picked.completions == [[0], [1], [0], [1]] and picked.solved.tolist() == [False, True, True, False]
 
 
+def test_rollout_metrics_by_hand():
+    batch = core.RolloutBatch(prompts=[("a", ""), ("b", "")], prompt_ids=[[1, 2, 3], [4]],
+                              completions=[[5], [5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6]],
+                              rewards=torch.tensor([1.0, 0.0, 0.5, 1.0]), solved=torch.tensor([True, False, False, True]),
+                              group_size=2)
+    m = core.rollout_metrics(batch)
+    assert m == dict(reward=0.625, accuracy=0.5, response_tokens=3.0, response_tokens_max=6, prompt_tokens=2.0)
+
+
 def test_rollout_batch_puts_the_loss_on_completion_tokens():
     batch = core.rollout_batch([[5, 6, 7]], [[8, 9]], torch.tensor([0.5]), seq_len_tokens=6, pad_id=0)
     assert batch.tokens.tolist() == [[5, 6, 7, 8, 0, 0]] and batch.labels.tolist() == [[6, 7, 8, 9, 0, 0]]
