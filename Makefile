@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-deps check lab clean mpi hooks
+.PHONY: install demo test test-deps check lab clean mpi hooks docs
 install: $(STAMP) hooks
 
 # The repository's git hooks (scripts/hooks; commit-msg: a subject of at most 72 characters), set only where
@@ -72,6 +72,11 @@ test: test-deps
 check: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
 	$(BIN)/python -m pytest -q -rs tests/test_engine_dist.py -k "fsdp_matches_ddp or shards"
+
+# The release set's figures (docs/results/h200x1/, from `SECTIONS=release bash scripts/gpu_check.sh`) into README.md
+# and the top of docs/benchmarks.md, and the GRPO split figure (scripts/make_docs.py; docs/gpu.md).
+docs: install
+	$(BIN)/python scripts/make_docs.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -52,7 +52,8 @@ status=0
 section() {  # section NAME command...: run, keep the log, remember failures
   local name=$1; shift
   echo; echo "================ $name ================"
-  "$@" 2>&1 | grep -v -E "UserWarning|warnings.warn|FutureWarning|^\s*$" | tee "$RESULTS/$name.log"
+  # the log keeps every line (a notebook's failure names the warnings its cell showed); the screen skips warnings
+  "$@" 2>&1 | tee "$RESULTS/$name.log" | grep -v -E "UserWarning|warnings.warn|FutureWarning|^\s*$"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { echo "SECTION $name FAILED rc=$rc"; status=1; }
   # On the device machine only a few files come back from $OUT: one archive of everything written so far
