@@ -28,8 +28,9 @@ KNOBS = {"GRPO_LR": "3e-5", "GRPO_ITERS": "180", "GRPO_TAG": None, "GRPO_ARGS": 
          "LOAD_ROOT": "/dev/shm", "GRPO_BACKENDS": "continuous",
          "ROLLOUT_VARIANTS": "compiled,eager",
          "PACKING_WAYS": "padded,packed-sdpa,packed-flex", "PACKING_SFT_WAYS": "padded,packed-sdpa,packed-flex",
-         "PACKING_ARGS": "", "GRPO_ITER_ARGS": ""}
-"""Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>)."""
+         "PACKING_ARGS": "", "GRPO_ITER_ARGS": "", "ROWS": ""}
+"""Environment variables some rows read, with their defaults (GRPO_TAG's: lr<GRPO_LR>). ROWS (row names, comma-
+separated) runs only those rows of the sections named, e.g. the rest of a release run cut short by a time limit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,10 +331,10 @@ SECTIONS["release"] = [
     *SECTIONS["notebooks"],
     replace(SECTIONS["rollout"][0], args="--shape qwen2-1.8b --batches 1,256 --variants compiled --agreement-rows 64"),
     replace(SECTIONS["grpo_iteration"][0], args="--size l --iterations 3 --profile --backends continuous"),
-    SECTIONS["throughput1"][0],
+    replace(SECTIONS["throughput1"][0], args=SECTIONS["throughput1"][0].args.replace("--steps 6", "--steps 4")),
     replace(SECTIONS["packing"][0], args="--spec 1.7b --mixes rl --ways padded,packed-sdpa --sequences 64 "
                                          "--micro-batch-size 8 --steps 4 --warmup 2"),
-    SECTIONS["lora"][0]]
+    replace(SECTIONS["lora"][0], args=SECTIONS["lora"][0].args + " --steps 3")]
 RELEASE_FILES = tuple(row.writes for row in SECTIONS["release"] if row.writes)
 """The release set's JSON files, one per section: docs/results/<device>/ keeps these (older runs: history/)."""
 DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
@@ -364,6 +365,8 @@ def shell_lines(group: str, ctx: dict) -> list[str]:
         if knob and ctx[knob] != value:
             continue
         name = row.name.format(**ctx)
+        if ctx["ROWS"] and name not in ctx["ROWS"].split(","):
+            continue
         run = " ".join(filter(None, [row.env, "section", shlex.quote(name), row.prefix, LAUNCH[row.launch],
                                      " ".join(shlex.quote(w) for w in command(row, ctx)), row.globs]))
         if row.needs:

@@ -84,3 +84,14 @@ def test_gpu_check_runs_the_rows_by_name(sections):
 def test_unknown_section_fails_the_run_and_the_rest_still_run():
     lines = gpu_check_loop("nope,parity")
     assert lines == ["section parity trun bench/parity.py --dtype bf16 --out runs/gpu/parity.json", "status=1"]
+
+
+def test_rows_runs_only_the_rows_named():
+    """ROWS=a,b: the rest of a release run cut short by its time limit, without its finished rows."""
+    import os
+    out = subprocess.run([sys.executable, str(TABLE), "release"], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "ROWS": "lora,rollout"}).stdout.splitlines()
+    assert [line.split()[1] for line in out] == ["rollout", "lora"]
+    everything = table("release").splitlines()
+    assert [line.split()[1] for line in everything] == ["notebook_model", "notebooks", "rollout", "grpo_iteration",
+                                                         "throughput1", "packing_rl", "lora"]
