@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import lora, sync
+from . import lora, runtime, sync
 from .engine import params_view, unwrap_model
 
 CONFIG_FILE = "adapter_config.json"
@@ -82,8 +82,7 @@ def save_adapter(*, chunks, bridge, path, base_path=None) -> Path:
         with written_aside(path) as tmp:
             save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    if dist.is_initialized():
-        dist.barrier()
+    runtime.barrier()
     return path
 
 

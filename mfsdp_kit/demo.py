@@ -106,7 +106,6 @@ def _samples(hf_model, tok, prompts, device, *, max_new_tokens: int, stop_ids: l
 
 def worker(out: Path, *, steps: int | None = None) -> None:
     import torch
-    import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import data, engine, generate, runtime, sync
@@ -125,7 +124,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     src = os.environ.get("MODEL") or str(out / f"tiny_{recipe['size']}")
     if "MODEL" not in os.environ and rt.rank == 0:
         tiny(src, size=recipe["size"], seed=0)
-    dist.barrier()
+    runtime.barrier()
     recipe["global_batch"] = recipe["batch_per_rank"] * rt.dp_size
     tok = tokenizer_for(src)
     plan_ = plan(tok, recipe, heldout=40 if on_gpu else 10)

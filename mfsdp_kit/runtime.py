@@ -261,6 +261,17 @@ def current() -> Runtime:
     return _current
 
 
+def barrier() -> None:
+    """Every rank of the world waits for the others; nothing without a process group. On NCCL the barrier is told
+    this rank's GPU (`device_ids`): torch would otherwise take the current context's and warn that it did."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 def current_config() -> EngineConfig:
     current()
     return _cfg

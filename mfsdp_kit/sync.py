@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import lora, sync_plan
+from . import lora, runtime, sync_plan
 from .engine import params_view, unwrap_model
 from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
@@ -181,8 +181,7 @@ def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30, merged: bool 
     flush()
     if rank0:
         _write_index(path, files, weight_map)
-    if dist.is_initialized():
-        dist.barrier()
+    runtime.barrier()
     return path
 
 

@@ -45,6 +45,41 @@ def test_three_init_shutdown_cycles_in_one_process(own_store):
     print("seconds per cycle", r["seconds"])   # a hang fails through launch's timeout_s, not a clock assert
 
 
+BARRIER = """
+import sys, warnings
+import torch.distributed as dist
+from mfsdp_kit import runtime
+from mfsdp_kit.config import EngineConfig
+runtime.barrier()                                     # no process group yet: nothing to wait for
+runtime.init(EngineConfig(), rank=0, world_size=1, master_port=int(sys.argv[1]))
+with warnings.catch_warnings(record=True) as kit:
+    warnings.simplefilter("always")
+    runtime.barrier()
+with warnings.catch_warnings(record=True) as plain:
+    warnings.simplefilter("always")
+    dist.barrier()
+print("BACKEND", dist.get_backend())
+print("KIT", [str(w.message) for w in kit])
+print("PLAIN", [str(w.message) for w in plain])
+runtime.shutdown(destroy_process_group=True)
+"""
+
+
+def test_barrier_names_the_ranks_device_on_a_gpu_and_is_plain_elsewhere():
+    """runtime.barrier (sync.save_hf, adapters.save_adapter, ... end with one) tells NCCL this rank's GPU, so torch
+    neither guesses it from the current context nor warns in a notebook cell that it did (a plain dist.barrier
+    does, on a GPU: the control); on gloo it is dist.barrier; before init it does nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-c", BARRIER, str(free_port())], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "KIT []" in out.stdout, out.stdout
+    on_gpu = torch.cuda.is_available()
+    assert f"BACKEND {'nccl' if on_gpu else 'gloo'}" in out.stdout
+    if on_gpu:
+        assert "barrier(): using the device under current context" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(backend="mpi"), "backend"), (dict(world_size=0), "world_size"), (dict(rank=2, world_size=2), "rank"),
     (dict(rank=True, world_size=2), "rank"), (dict(timeout_s=0), "timeout_s"), (dict(local_rank=-1), "local_rank")])

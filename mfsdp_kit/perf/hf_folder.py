@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import runtime
+
 SHAPES = {
     # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -71,8 +73,7 @@ def write_for_world(name: str, shape: str, *, root: str, shard_gb: float) -> tup
 
 def remove_for_world(path: Path, *, keep: bool) -> None:
     """After every rank is done with `write_for_world`'s folder, rank 0 removes it unless `keep`. Collective."""
-    if dist.is_initialized():
-        dist.barrier()
+    runtime.barrier()
     if not keep and (not dist.is_initialized() or dist.get_rank() == 0):
         shutil.rmtree(path, ignore_errors=True)
 

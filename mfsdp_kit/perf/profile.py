@@ -127,7 +127,7 @@ def profile_steps(trainer, batches, *, steps: int, first_step: int = 0) -> tuple
     from .trainers import run_step
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, acc_events=True) as prof:   # one cycle: the same events, no warning
         for i in range(first_step, first_step + steps):
             with record_function(f"{STEP_MARK}{i - first_step}"):
                 run_step(trainer, batches[i % len(batches)], i)

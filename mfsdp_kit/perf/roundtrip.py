@@ -15,7 +15,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from .. import engine, runtime, sync
 from ..config import EngineConfig, OptimConfig, Parallelism, Wrapper
@@ -38,7 +37,7 @@ def roundtrip(*, arch: str, size: str, tp: int, fsdp: bool, dtype: str, workdir:
     src = f"{workdir}/src_{arch}_{size}"
     if rt.rank == 0 and not os.path.exists(f"{src}/config.json"):
         tiny(src, arch=arch, size=size, seed=1)
-    dist.barrier()
+    runtime.barrier()
     model = load(src, cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(dtype)).to(rt.device).eval()
     vocab = hf.config.vocab_size
