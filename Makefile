@@ -59,13 +59,18 @@ test-deps: install $(LAB_STAMP) $(UI_STAMP) mpi
 test: test-deps
 	rm -f runs/test_times.tsv
 	$(TIMED) pytest $(BIN)/python -m pytest -q -rs --durations=60 tests
-	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider notebooks/)
+	# Where chromium is, tests/test_ui_live.py (above) has run 00_cluster, 02_sft and widgets_demo natively in
+	# JupyterLab and checked what nbval does here (every cell ran, no error, no warning shown) and more: not again
+	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider notebooks/ \
+	  $(if $(shell command -v chromium || command -v chromium-browser),--deselect notebooks/00_cluster.ipynb \
+	  --deselect notebooks/02_sft.ipynb --deselect notebooks/widgets_demo.ipynb))
 	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -rs -m parity tests
-	$(TIMED) "portable 02_sft" env $(PORTABLE) $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider notebooks/02_sft.ipynb
-	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py
-	$(TIMED) "user folder" sh -c '$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null && \
-	  MFSDP_MODEL=$(CURDIR)/runs/user_llama3 $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider \
-	  notebooks/02_sft.ipynb notebooks/05_grpo.ipynb'
+	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py;
+	# on the portable kernels too, so its 02_sft is also the DDP-vs-FSDP notebook's portable run (the same
+	# compare_curves check as on the kit's tiny model; that model's learning-pace checks run natively above)
+	$(TIMED) "portable folder" sh -c '$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null && \
+	  MFSDP_MODEL=$(CURDIR)/runs/user_llama3 env $(PORTABLE) $(BIN)/python -m pytest -q -rs --nbval-lax \
+	  -p no:cacheprovider notebooks/02_sft.ipynb notebooks/05_grpo.ipynb'
 
 # The quick loop for contributors (under 3 min on 2 cores): every test that starts no process
 # (tests/conftest.py marks the others `slow`), then one 2-rank job: DDP vs Megatron-FSDP losses and sharding.

@@ -42,10 +42,16 @@ ALL_REDUCE = ("import torch, torch.distributed as dist\nfrom mfsdp_kit import ru
               "x = torch.ones(1, device=runtime.current().device)\ndist.all_reduce(x)")
 
 
-def import_floor() -> dict:
-    """Seconds for a fresh interpreter to import each module stack alone (what each engine pays)."""
+def import_floor(names: list[str] | None = None) -> dict:
+    """Seconds for a fresh interpreter to import each module stack alone (what each engine pays); `names`: those
+    of IMPORTS only (default: all)."""
+    unknown = sorted(set(names or ()) - set(IMPORTS))
+    if unknown:
+        raise SystemExit(f"--import-floor {','.join(unknown)} is not allowed; allowed: {' | '.join(IMPORTS)}")
     out = {}
     for name, code in IMPORTS.items():
+        if names is not None and name not in names:
+            continue
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True)
         out[name] = time.perf_counter() - t0
@@ -142,6 +148,8 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="a notebook model (tiny size or HF folder, as MFSDP_MODEL): the engines load it and train "
                              "2 steps before restart and stop, so those tear down a notebook's state")
+    parser.add_argument("--import-floor", default=",".join(IMPORTS),
+                        help="comma-separated: which import floors to measure (default: all of IMPORTS)")
     parser.add_argument("--out", default="runs/bench/cluster_start.json")
     args = parser.parse_args()
     nbm = None
@@ -149,7 +157,7 @@ def main() -> None:
         from mfsdp_kit import notebook_model
         nbm = notebook_model.prepare(args.model)
     variants = args.variants.split(",")
-    load_before, floor = load(), import_floor()
+    load_before, floor = load(), import_floor(args.import_floor.split(","))
     runs = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:

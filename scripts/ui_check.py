@@ -200,8 +200,11 @@ def run_notebook(page, server: lab.LabServer, name: str, out: Path, *, timeout_s
     for svg in page.locator(".jupyter-widgets.widget-html .widget-html-content svg").all():
         svg.scroll_into_view_if_needed()
         report["curve_pixels"].append(blue_pixels(svg.screenshot()))
+    dirty = ".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-dirty"   # the notebook's tab, while unsaved changes exist
+    report["dirty_before_save"] = page.locator(dirty).count()
     click_menu(page, "File", "docmanager:save")
-    page.wait_for_timeout(2000)
+    # saved: the tab loses its dirty mark once the server has written the file
+    page.wait_for_function(f"() => !document.querySelector('{dirty}')", timeout=60_000)
     report["saved_errors"] = saved_errors(server, name)
     return report
 

@@ -15,13 +15,22 @@ HSDP = {"num_distributed_optimizer_instances": 2}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("hsdp")
-    root = str(work / "ckpt")
+def trained():
+    """The same training under DDP, Megatron-FSDP and HSDP over 4 ranks: all the parity test needs, in a job of
+    its own, so `make test`'s portable pass (`-m parity`) runs only these three."""
     calls = {
         "ddp": ["train_losses", dict(fsdp=False, steps=3)],
         "fsdp": ["train_losses", dict(fsdp=True, steps=3)],
         "hsdp": ["train_losses", dict(fsdp=True, steps=3, ddp=HSDP)],
+    }
+    return dict(zip(calls, launch.run("sequence", nproc=4, calls=list(calls.values()))))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("hsdp")
+    root = str(work / "ckpt")
+    calls = {
         "saved": ["scenarios_ckpt:train_save", dict(fsdp=True, root=root, ddp=HSDP)],
         "resumed": ["scenarios_ckpt:resume", dict(fsdp=True, root=root, ddp=HSDP)],
         "elsewhere": ["scenarios_hsdp:load_into_other_layouts", dict(root=root)],
@@ -35,21 +44,22 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parity
 @pytest.mark.parametrize("reference", ["ddp", "fsdp"])
-def test_hsdp_trains_as_ddp_and_fsdp_do(runs, reference):
-    hsdp = runs["hsdp"]
-    print(reference, runs[reference]["losses"], "\nHSDP", hsdp["losses"])
-    same_training(runs[reference], hsdp)
+def test_hsdp_trains_as_ddp_and_fsdp_do(trained, reference):
+    hsdp = trained["hsdp"]
+    print(reference, trained[reference]["losses"], "\nHSDP", hsdp["losses"])
+    same_training(trained[reference], hsdp)
     assert hsdp["wrapper"] == "FullyShardedDataParallel" and hsdp["losses"][-1] < hsdp["losses"][0]
 
 
-def test_hsdp_shards_over_an_instance_not_the_world(runs):
-    total = runs["hsdp"]["spec_params"]
-    print("local params per rank: HSDP", runs["hsdp"]["local_numel"], "FSDP", runs["fsdp"]["local_numel"], "of", total)
-    assert all(abs(n / total - 1 / 2) < 0.05 for n in runs["hsdp"]["local_numel"])   # 2 ranks per instance
-    assert all(abs(n / total - 1 / 4) < 0.05 for n in runs["fsdp"]["local_numel"])
+def test_hsdp_shards_over_an_instance_not_the_world(trained):
+    total = trained["hsdp"]["spec_params"]
+    print("local params per rank: HSDP", trained["hsdp"]["local_numel"], "FSDP", trained["fsdp"]["local_numel"],
+          "of", total)
+    assert all(abs(n / total - 1 / 2) < 0.05 for n in trained["hsdp"]["local_numel"])   # 2 ranks per instance
+    assert all(abs(n / total - 1 / 4) < 0.05 for n in trained["fsdp"]["local_numel"])
     # memory.memory_report: the ZeRO formula's N is an instance's 2 ranks, and the bytes follow the formula as
     # closely as Megatron-FSDP's over 4 do (in fp32 both hold a main-weight copy the formula does not count)
-    hsdp, fsdp = runs["hsdp"]["memory"], runs["fsdp"]["memory"]
+    hsdp, fsdp = trained["hsdp"]["memory"], trained["fsdp"]["memory"]
     assert (hsdp["dp_size"], fsdp["dp_size"]) == (2, 4)
     measured = {name: r["model_state_bytes"] / zero_formula_bytes(num_params=total, dp_size=r["dp_size"],
                                                                    fsdp=True, dtype="fp32")

@@ -78,20 +78,28 @@ def _saved_folder_logits(model, out: str) -> dict:
     return dict(reload_relative=diff / live.abs().max().item())
 
 
-def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: str) -> dict:
+def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: str, train_only: bool = False) -> dict:
+    """Every check of the module docstring; `train_only`: the training alone (losses and grad norms)."""
     cfg = EngineConfig(use_megatron_fsdp=fsdp, expert_model_parallel_size=ep, dtype="fp32", seed=3)
     runtime.init(cfg)
     t0 = time.perf_counter()
     model = hf_models.load(src, cfg)
-    out = dict(wrapper=type(model.chunks[0]).__name__, verify=verify(model).as_dict(), **_expert_counts(model))
-    out.update(_export_vs(model, original))
+    out = dict(wrapper=type(model.chunks[0]).__name__)
     batches = _batches()
-    out["megatron_loss"] = forward_backward(model.chunks, batches[0], micro_batch_size=MICRO, forward_only=True)[0]
+    if not train_only:
+        out.update(verify=verify(model).as_dict(), **_expert_counts(model))
+        out.update(_export_vs(model, original))
+        out["megatron_loss"] = forward_backward(model.chunks, batches[0], micro_batch_size=MICRO,
+                                                forward_only=True)[0]
     opt = engine.build_optimizer(model.chunks, OCFG, cfg)
     sched = engine.build_scheduler(opt, OCFG)
     results = [step(model.chunks, opt, b, micro_batch_size=MICRO, scheduler=sched, step_index=i)
                for i, b in enumerate(batches)]
     out.update(losses=[r.loss for r in results], grad_norms=[r.grad_norm for r in results])
+    if train_only:
+        engine.release(model.chunks)
+        runtime.shutdown()
+        return out
     from mfsdp_kit.memory import memory_report   # counts DDP's expert-parallel buffers too
     out["memory_params_bytes"] = memory_report(model.chunks, opt).params_bytes
     out["local_params_bytes"] = sum(p.numel() * p.element_size() for c in engine.unwrap_model(model.chunks)
@@ -113,17 +121,19 @@ def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: s
     return out
 
 
-def moe_layouts(*, archs: list[str], workdir: str, layouts: list[str] | None = None) -> dict:
+def moe_layouts(*, archs: list[str], workdir: str, layouts: list[str] | None = None, train_only: bool = False) -> dict:
     """{arch: {"hf_loss": .., layout: ..}}: every layout of LAYOUTS (or the named ones) of each
-    architecture's tiny model, one after another in these processes (one job: one startup)."""
+    architecture's tiny model, one after another in these processes (one job: one startup).
+    `train_only`: each layout's training alone, for a run that reads only the losses (no hf_loss either)."""
     runtime.init(EngineConfig())
     result = {}
     for arch in archs:
         src, original = _source(arch, workdir)
-        result[arch] = {"hf_loss": hf_loss(src, _batches()[0])}
+        result[arch] = {} if train_only else {"hf_loss": hf_loss(src, _batches()[0])}
         for name in layouts or list(LAYOUTS):
             ep, fsdp = LAYOUTS[name]
-            result[arch][name] = _layout(arch, src, original, ep=ep, fsdp=fsdp, root=f"{workdir}/ckpt_{arch}_{name}")
+            result[arch][name] = _layout(arch, src, original, ep=ep, fsdp=fsdp, root=f"{workdir}/ckpt_{arch}_{name}",
+                                         train_only=train_only)
         runtime.init(EngineConfig())   # the next architecture's source is written under a plain layout
     return result
 

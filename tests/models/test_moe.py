@@ -7,6 +7,7 @@ import pytest
 
 from mfsdp_kit.parity import compare_curves
 from tests.dist import launch
+from tests.selection import parity_only
 
 ARCHS = ["Qwen3MoeForCausalLM", "OlmoeForCausalLM"]
 LAYOUTS = ["ep1-ddp", "ep1-fsdp", "ep2-ddp", "ep2-fsdp"]
@@ -19,8 +20,9 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(work):
-    return launch.run("scenarios_moe:moe_layouts", archs=ARCHS, workdir=str(work))
+def runs(work, request):
+    # the portable pass (-m parity) reads only the losses and grad norms: the same training, none of the other checks
+    return launch.run("scenarios_moe:moe_layouts", archs=ARCHS, workdir=str(work), train_only=parity_only(request))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
