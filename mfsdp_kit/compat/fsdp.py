@@ -49,11 +49,15 @@ def param_view(chunk: torch.nn.Module) -> str | None:
 def set_param_view(chunk: torch.nn.Module, view: str) -> bool:
     """Switch an FSDP chunk's parameters to `view` (one of PARAM_VIEWS); False (nothing done) for DDP.
 
-    "sharded" first waits for in-flight parameter all-gathers (megatron's `synchronize_param_gather`);
+    "sharded" first waits for in-flight parameter all-gathers (megatron's `synchronize_param_gather`, after
+    `settle_gathers`: megatron would wait for a forward's prefetches too, warning each time that it found them);
     "compute" puts back the raw parameters (a private megatron call)."""
     if not is_fsdp(chunk):
         return False
     if view == "sharded":
+        pipeline = getattr(chunk.module, "all_gather_pipeline", None)
+        if pipeline is not None:
+            settle_gathers(pipeline)
         chunk.module.synchronize_param_gather()
     else:
         chunk.module._replace_param_with_raw_if_needed()

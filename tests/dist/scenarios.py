@@ -1,6 +1,8 @@
 """Multi-rank scenarios (run by launch.run under torchrun). Each returns rank 0's findings."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -66,6 +68,33 @@ def sync_two_chunks(*, first_only: bool = False) -> dict:
     runtime.shutdown()
     return dict(synced=synced, dtensor_chunks=dtensor_chunks, restored=restored,
                 raw_after_restore=raw_after_restore)
+
+
+def sync_after_a_prefetching_forward() -> dict:
+    """A forward leaves the next unit's all-gather prefetched. The kit's sharded view (sync, checkpoints, a
+    profile's end) waits for it quietly; megatron's own synchronize_param_gather warns that it found it (the
+    control: the same state, the same wait)."""
+    import warnings
+    from mfsdp_kit.introspect import all_gather_pipelines
+    cfg = EngineConfig(use_megatron_fsdp=True)
+    runtime.init(cfg)
+    chunks = engine.build(cfg, gpt_model_fn(dataclasses.replace(SPEC, num_layers=4), cfg))
+    b = random_batches(steps=1, batch=4, seq=SPEC.seq_len_tokens, vocab=SPEC.vocab_size)[0]
+    out = {}
+    for name, sync in (("kit", lambda: engine.synchronize_fsdp_params(chunks)),
+                       ("megatron", lambda: chunks[0].module.synchronize_param_gather())):
+        with torch.no_grad():
+            chunks[0](b.tokens[:2], torch.arange(16).expand(2, 16), None)
+        pending = sum(len(p.param_gather_event_map) for p in all_gather_pipelines(chunks))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sync()
+        left = sum(len(p.param_gather_event_map) for p in all_gather_pipelines(chunks))
+        engine.restore_fsdp_params(chunks)
+        out[name] = dict(pending=pending, left=left,
+                         warned=[str(w.message)[:50] for w in seen if "pending all-gather" in str(w.message)])
+    runtime.shutdown()
+    return out
 
 
 def sequence(*, calls: list) -> list:
