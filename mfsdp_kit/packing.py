@@ -227,9 +227,26 @@ def padded_note(chunks) -> None:
 
 # ---- the token budget from memory -------------------------------------------------------------
 MEMORY_FRACTION = 0.5
-"""Share of the device memory that no tensor holds (when a model first asks) a micro-batch's activations may take.
-The rest is headroom: Adam's state, made at the first optimizer step, the allocator's blocks cut for other
-(ragged) shapes, a kept rollout cache."""
+"""Share of the device memory that no tensor holds (when a model first asks; for training, less Adam's state still
+to come: `optimizer_state_bytes`) a micro-batch's activations may take. The rest is headroom: the allocator's
+blocks cut for other (ragged) shapes, a kept rollout cache."""
+ADAM_STATE_BYTES_PER_PARAM = 8
+"""Adam's two fp32 moments per trainable parameter."""
+
+
+def optimizer_state_bytes(chunks) -> int:
+    """Bytes Adam's moments take on this rank: its data-parallel share of the trainable parameters (the distributed
+    optimizer shards them). The first optimizer step makes them, after a training budget is decided, so the budget
+    sets them aside (twice, where they already exist: a smaller budget, never an out-of-memory; at 7.6 B on one
+    H200 they are 61 GB, more than the headroom MEMORY_FRACTION leaves)."""
+    from megatron.core import parallel_state as ps
+    trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+    return ADAM_STATE_BYTES_PER_PARAM * trainable // ps.get_data_parallel_world_size()
+
+
+def tokens_that_fit(*, free_bytes: int, per_token_bytes: int, reserved_bytes: int = 0) -> int:
+    """Tokens whose activations fit in MEMORY_FRACTION of what is free after `reserved_bytes`, a multiple of 256."""
+    return int(MEMORY_FRACTION * max(0, free_bytes - reserved_bytes) // per_token_bytes) // 256 * 256
 
 
 def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -> int:
@@ -255,7 +272,7 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
 
 def memory_budget(chunks, *, forward_only: bool) -> int | None:
     """Tokens per micro-batch whose activations (`activation_bytes_per_token`) fit in `MEMORY_FRACTION` of the
-    device memory no tensor holds, in multiples of 256, the minimum over all ranks (every rank must plan alike);
+    device memory no tensor holds (training: less `optimizer_state_bytes`), in multiples of 256 (`tokens_that_fit`), the minimum over all ranks (every rank must plan alike);
     decided at a model's first call and kept (same plans after). None on CPU (host memory is not what limits a
     CPU run; the padded rule keeps CPU runs as they were)."""
     import torch.distributed as dist
@@ -269,7 +286,9 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
         model = unwrap_model(chunks)[0]
         free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
         per_token = activation_bytes_per_token(model.config, vocab_size=model.vocab_size, forward_only=forward_only)
-        n = torch.tensor([int(MEMORY_FRACTION * free // per_token) // 256 * 256], device=device)
+        reserved = 0 if forward_only else optimizer_state_bytes(chunks)
+        n = torch.tensor([tokens_that_fit(free_bytes=free, per_token_bytes=per_token, reserved_bytes=reserved)],
+                         device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MIN)
         kept[forward_only] = max(256, int(n.item()))
         first._kit_token_budget = kept

@@ -126,6 +126,24 @@ def test_the_budget_on_cpu_is_rows_of_the_batch_and_from_memory_none(world):
     assert packing.budget(chunks, b, micro_batch_size=2, max_tokens_per_micro_batch=30) == 30
 
 
+def test_a_training_budget_sets_adams_state_aside(world):
+    """The training budget is decided before the first optimizer step makes Adam's moments: 8 bytes a trainable
+    parameter (this rank's data-parallel share), set aside. Without it a 7.6 B full fine-tune on one H200 took
+    half of the 67 GB free for activations, and Adam's 61 GB then ran out of memory (bench/lora.py, 2026-12-04)."""
+    cfg = EngineConfig(attention_backend="sdpa")
+    model = engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]
+    n = sum(p.numel() for p in model.parameters())
+    assert packing.optimizer_state_bytes([model]) == 8 * n
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers.0." in name)            # a frozen base but for one layer (LoRA-like)
+    assert packing.optimizer_state_bytes([model]) == 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    gb = 10**9
+    per_token = 1_500_000                                # ~ a 7.6 B model's activations a token in training
+    assert packing.tokens_that_fit(free_bytes=67 * gb, per_token_bytes=per_token) == 22272
+    assert packing.tokens_that_fit(free_bytes=67 * gb, per_token_bytes=per_token, reserved_bytes=61 * gb) == 1792
+    assert packing.tokens_that_fit(free_bytes=50 * gb, per_token_bytes=per_token, reserved_bytes=61 * gb) == 0
+
+
 def test_activation_bytes_per_token_write_out_the_layer():
     """The l shape (28 layers, hidden 2048, GQA 16/4 x 128, SwiGLU 8192), bf16: 2 x (8h + 3gd + 3f) = 84,992 bytes a
     layer in training (2.38 MB for 28), the loss (2 + 12) V; without grad one layer's widest tensors, (5h + 3gd + 3f)."""
