@@ -1,16 +1,18 @@
 """A prompt pool from your data: (prompt, gold answer) pairs read from JSONL or parquet, the field names yours.
 
-    problems = load_problems("gsm8k/train.jsonl", prompt_field="question", answer_field="answer")
-    problems = load_problems("math/test.parquet", prompt_field="problem", answer_field="solution")
+    problems = load_problems("gsm8k/train.jsonl", tokenizer, prompt_field="question", answer_field="answer")
+    problems = load_problems("math/test.parquet", tokenizer, prompt_field="problem", answer_field="solution")
 
-The pairs are what `grpo.fit(prompt_pool=...)` samples from and what `rewards.gold_reward` grades against. A prompt
-is the raw question: the rollout backends render it with the tokenizer's own chat template.
+The pairs are what `grpo.fit(prompt_pool=...)` samples from and what `rewards.gold_reward` grades against. Each
+question becomes one user turn rendered by the tokenizer's own chat template up to the generation prompt, as
+`data.load_prompts_jsonl` renders its prompts (a pool holds rendered prompts: `rl.core.prompt_ids`).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from .. import data
 from ..config import bad_value
 
 FORMATS = (".jsonl", ".parquet")
@@ -18,15 +20,9 @@ FORMATS = (".jsonl", ".parquet")
 
 def _jsonl_rows(path: Path) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not a JSON object ({err.msg})") from None
+    for where, row in data._rows(path):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: a JSON {type(row).__name__}, not an object")
+            raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object")
         rows.append(row)
     return rows
 
@@ -43,10 +39,11 @@ def _parquet_rows(path: Path, columns: list[str]) -> list[dict]:
     return table.select(columns).to_pylist()
 
 
-def load_problems(path, *, prompt_field: str = "question", answer_field: str = "answer",
+def load_problems(path, tokenizer, *, prompt_field: str = "question", answer_field: str = "answer",
                   limit: int | None = None) -> list[tuple[str, str]]:
-    """(prompt, answer) of each row of a .jsonl or .parquet file, in file order, at most `limit` of them. A row
-    without either field, or with an empty or non-text one, is an error naming the file, the row and the field."""
+    """(rendered prompt, answer) of each row of a .jsonl or .parquet file, in file order, at most `limit` of them. A
+    row without either field, or with an empty or non-text one, is an error naming the file, the row and the
+    field. `tokenizer`: its chat template renders the prompts (None: the tiny tokenizer's)."""
     path = Path(path)
     if path.suffix not in FORMATS:
         raise bad_value("path", str(path), " | ".join(f"a {s} file" for s in FORMATS))
@@ -64,7 +61,7 @@ def load_problems(path, *, prompt_field: str = "question", answer_field: str = "
                 raise ValueError(f"{path}: row {n}: field {field!r} is {value!r}, not a non-empty string "
                                  f"(the row's fields: {', '.join(row)})")
             values.append(value)
-        problems.append((values[0], values[1]))
+        problems.append((data.render_chat([{"role": "user", "content": values[0]}], tokenizer), values[1]))
     if not problems:
         raise ValueError(f"{path}: no rows")
     return problems

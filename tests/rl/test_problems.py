@@ -1,11 +1,13 @@
 """rl.problems: (prompt, answer) pairs from JSONL and parquet files the test writes, with the field names as
-arguments; a bad file, row or field is named."""
+arguments, each question rendered by the chat template (a Qwen-style one built by tokenizers, and the tiny one);
+a bad file, row or field is named."""
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mfsdp_kit import data
 from mfsdp_kit.config import ConfigError
 from mfsdp_kit.rl.problems import load_problems
 from mfsdp_kit.rl import rewards
@@ -25,17 +27,20 @@ def test_jsonl_and_parquet_give_the_same_pairs_in_file_order(tmp_path):
     parquet = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([{"problem": r["question"], "solution": r["answer"], "id": i}
                                          for i, r in enumerate(ROWS)]), parquet)
-    from_jsonl = load_problems(jsonl)
-    assert from_jsonl == [(r["question"], r["answer"]) for r in ROWS]
-    assert load_problems(parquet, prompt_field="problem", answer_field="solution") == from_jsonl
-    assert load_problems(jsonl, limit=2) == from_jsonl[:2]
+    from_jsonl = load_problems(jsonl, None)
+    tiny = data.tiny_tokenizer()
+    assert from_jsonl == [(data.render_chat([{"role": "user", "content": r["question"]}], tiny), r["answer"])
+                          for r in ROWS]
+    assert ROWS[0]["question"] in from_jsonl[0][0] and from_jsonl[0][0] != ROWS[0]["question"]   # rendered
+    assert load_problems(parquet, None, prompt_field="problem", answer_field="solution") == from_jsonl
+    assert load_problems(jsonl, None, limit=2) == from_jsonl[:2]
     reward = rewards.gold_reward(from_jsonl, grade=rewards.gsm8k)
-    assert reward(ROWS[1]["question"], "so 1234\n#### 1234") == 1.0
+    assert reward(from_jsonl[1][0], "so 1234\n#### 1234") == 1.0
 
 
 def test_a_numeric_answer_column_is_text(tmp_path):
     path = write_jsonl(tmp_path / "n.jsonl", [{"question": "2+2?", "answer": 4}])
-    assert load_problems(path) == [("2+2?", "4")]
+    assert load_problems(path, None)[0][1] == "4"
 
 
 @pytest.mark.parametrize("rows,match", [
@@ -45,23 +50,32 @@ def test_a_numeric_answer_column_is_text(tmp_path):
 ])
 def test_bad_rows_are_named(tmp_path, rows, match):
     with pytest.raises(ValueError, match=match):
-        load_problems(write_jsonl(tmp_path / "bad.jsonl", rows))
+        load_problems(write_jsonl(tmp_path / "bad.jsonl", rows), None)
 
 
 def test_bad_files_are_named(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": "a"}\n{not json\n')
-    with pytest.raises(ValueError, match="broken.jsonl:2: not a JSON object"):
-        load_problems(tmp_path / "broken.jsonl")
+    with pytest.raises(ValueError, match="broken.jsonl:2: malformed JSON"):
+        load_problems(tmp_path / "broken.jsonl", None)
     (tmp_path / "list.jsonl").write_text('["q", "a"]\n')
     with pytest.raises(ValueError, match="a JSON list, not an object"):
-        load_problems(tmp_path / "list.jsonl")
+        load_problems(tmp_path / "list.jsonl", None)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no rows"):
-        load_problems(tmp_path / "empty.jsonl")
+        load_problems(tmp_path / "empty.jsonl", None)
     with pytest.raises(ConfigError, match="path"):
-        load_problems(tmp_path / "train.csv")
+        load_problems(tmp_path / "train.csv", None)
     with pytest.raises(ConfigError, match="limit"):
-        load_problems(tmp_path / "empty.jsonl", limit=0)
+        load_problems(tmp_path / "empty.jsonl", None, limit=0)
     pq.write_table(pa.Table.from_pylist([{"q": "x"}]), tmp_path / "cols.parquet")
     with pytest.raises(KeyError, match="no column 'question'; its columns: q"):
-        load_problems(tmp_path / "cols.parquet")
+        load_problems(tmp_path / "cols.parquet", None)
+
+
+def test_a_llama3_template_built_by_tokenizers_renders_each_question_as_a_user_turn(tmp_path):
+    from tests import chat_tokenizers
+    tok = chat_tokenizers.llama3()
+    (prompt, answer), = load_problems(write_jsonl(tmp_path / "one.jsonl", ROWS[:1]), tok)
+    assert answer == ROWS[0]["answer"]
+    assert "<|start_header_id|>user<|end_header_id|>" in prompt and ROWS[0]["question"] in prompt
+    assert prompt.rstrip().endswith("<|start_header_id|>assistant<|end_header_id|>")   # up to the generation prompt
