@@ -34,6 +34,7 @@ import torch.distributed as dist
 from .. import offload, runtime
 from ..config import bad_value
 from ..perf.timeline import phase
+from .correction import Mode
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
@@ -80,6 +81,13 @@ class RolloutConfig:
     packed: bool | None = None
     """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
     False (padded rows of `micro_batch_size`)."""
+    rollout_correction: Mode = "none"
+    """Importance weights pi_old / q for the train-inference mismatch (`rl.correction`): "token-truncate",
+    "token-mask", "sequence-truncate", "sequence-mask", or "none"."""
+    correction_low: float = 0.5
+    """The masks' lower bound on a weight (the truncations ignore it)."""
+    correction_high: float = 2.0
+    """The cap of the truncations, and the masks' upper bound."""
     seed: int = 0
     """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False
@@ -93,7 +101,7 @@ class RolloutConfig:
                      ppo_epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX,
                      max_tokens_per_micro_batch=optional(COUNT),
                      temperature=number_in(0, low_open=True), top_p=number_in(0, 1, low_open=True),
-                     kl_coef=number_in(0))
+                     kl_coef=number_in(0), correction_low=number_in(0, 1), correction_high=number_in(1))
 
 
 @dataclass(frozen=True, kw_only=True)

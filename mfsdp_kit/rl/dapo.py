@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .. import chat
-from . import core, grpo, loop
+from . import core, correction, grpo, loop
 from .core import RolloutBatch
 from .rollout import RolloutBackend
 from ..config import bad_value
@@ -128,7 +128,7 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
     if n_use == 0:
         nan = math.nan
         return dict(metrics, logprob_s=0.0, update_s=0.0, train_s=0.0, kl=nan, clip_frac=nan, entropy=nan, loss=nan,
-                    logprob_diff_mean=nan, logprob_diff_max=nan)
+                    logprob_diff_mean=nan, logprob_diff_max=nan, **dict.fromkeys(correction.KEYS, nan))
     loss_fn = partial(dapo_loss, eps_low=dcfg.eps_low, eps_high=dcfg.eps_high, kl_coef=dcfg.kl_coef)
     return dict(metrics, **loop.policy_update(kept.select_groups(list(range(n_use))), chunks=chunks,
                                               optimizer=optimizer, cfg=dcfg, loss_fn=loss_fn,

@@ -62,6 +62,8 @@ def policy_loss(mb: Batch, token_losses: torch.Tensor, *, eps_low: float, eps_hi
     adv = mb.extras["advantages"].unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if "is_weights" in mb.extras:   # rollout correction (rl.correction): pi_old / q, truncated or masked
+        per_token = per_token * mb.extras["is_weights"]
     delta = mb.extras["ref_logprobs"] - logp
     kl = torch.exp(delta) - delta - 1  # k3 estimator: >= 0, unbiased for KL(pi || ref)
     if kl_coef:
@@ -108,6 +110,15 @@ class GRPOHistory:
     update_s: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
     """logprob_s + update_s."""
+    is_weight_mean: list[float] = field(default_factory=list)
+    """Rollout correction (`rl.correction`; NaN without one): the weights pi_old / q before truncation, mean."""
+    is_weight_max: list[float] = field(default_factory=list)
+    is_changed_frac: list[float] = field(default_factory=list)
+    """Share of the sampled tokens truncated or masked."""
+    rollout_kl: list[float] = field(default_factory=list)
+    """k3 estimate of KL(rollout || trainer) over the sampled tokens."""
+    ppl_ratio: list[float] = field(default_factory=list)
+    """Perplexity of the sampled tokens under the trainer over the rollout's."""
 
 
 def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, prompts: list[tuple[str, str]], reward_fn,

@@ -14,16 +14,17 @@ from typing import Callable
 
 from ..fieldtypes import COUNT, checked_args
 from ..perf.timeline import phase
-from . import core
+from . import core, correction
 from .core import RolloutBatch, RolloutConfig
 from .scoring import mismatch, scored_at
 
 
 def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
                   pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None) -> dict:
-    """Advantages of `kept` (raised to `min_advantage` if given), its training batch and log-probs, and `cfg`'s
-    epochs x minibatches of optimizer steps with `loss_fn`. Returns logprob_s, update_s, train_s (their sum),
-    logprob_diff_mean/max and the last step's loss, kl, clip_frac and entropy."""
+    """Advantages of `kept` (raised to `min_advantage` if given), its training batch and log-probs, weighted by
+    `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of optimizer steps with `loss_fn`.
+    Returns logprob_s, update_s, train_s (their sum), logprob_diff_mean/max, the correction's diagnostics and the
+    last step's loss, kl, clip_frac and entropy."""
     adv = core.group_advantages(kept.rewards, group_size=cfg.samples_per_prompt)
     if min_advantage is not None:
         adv = adv.clamp(min=min_advantage)
@@ -33,6 +34,9 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
         with phase("logprobs"):
             batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
                                         pad_id=pad_id, micro_batch_size=cfg.micro_batch_size, packed=cfg.packed)
+        drift = mismatch(kept.logprobs, batch)   # before a correction masks tokens out
+        weighted = correction.apply(batch, kept.logprobs, mode=cfg.rollout_correction, low=cfg.correction_low,
+                                    high=cfg.correction_high)
         t1 = time.perf_counter()
         with phase("update"):
             results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
@@ -40,7 +44,7 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
                                   scheduler=scheduler, loss_fn=loss_fn, packed=cfg.packed,
                                   max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     t2 = time.perf_counter()
-    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **mismatch(kept.logprobs, batch),
+    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **drift, **weighted,
                 **core.update_metrics(results))
 
 

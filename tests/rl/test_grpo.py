@@ -83,6 +83,16 @@ def test_an_iteration_runs_through_the_continuous_backend(run):
     assert h["response_tokens"][0] > 0 and 0.0 <= h["reward"][0] <= 1.0
 
 
+def test_a_rollout_correction_reports_its_weights_and_none_reports_nan(run):
+    """The continuous iteration runs with rollout_correction="token-mask" (rl.correction): in fp32 the rollout's
+    log-probs are the trainer's within roundoff, so every weight is ~1 and nothing is masked; without a
+    correction the history says NaN."""
+    h, plain = run["continuous_history"], run["history"]
+    assert abs(h["is_weight_mean"][0] - 1) < 1e-4 and abs(h["is_weight_max"][0] - 1) < 1e-4, h
+    assert h["is_changed_frac"][0] == 0.0 and abs(h["rollout_kl"][0]) < 1e-8 and abs(h["ppl_ratio"][0] - 1) < 1e-4
+    assert all(math.isnan(x) for x in plain["is_weight_mean"] + plain["rollout_kl"])
+
+
 def test_rollout_and_trainer_logprobs_agree_in_fp32(run):
     """The train-inference mismatch in the history (rl.scoring): the rollout backends' log-probs of their samples
     against the Megatron model's, both fp32 on CPU: <= 1e-5, for HFRollout at T 1 and ContinuousRollout at T 0.7
