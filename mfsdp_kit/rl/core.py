@@ -81,6 +81,9 @@ class RolloutConfig:
     packed: bool | None = None
     """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
     False (padded rows of `micro_batch_size`)."""
+    advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    """How rewards become advantages (`rl.advantages`): within each group (grpo), leave-one-out (rloo), or whitened
+    over the batch (reinforce++)."""
     rollout_correction: Mode = "none"
     """Importance weights pi_old / q for the train-inference mismatch (`rl.correction`): "token-truncate",
     "token-mask", "sequence-truncate", "sequence-mask", or "none"."""

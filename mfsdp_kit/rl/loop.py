@@ -14,18 +14,18 @@ from typing import Callable
 
 from ..fieldtypes import COUNT, checked_args
 from ..perf.timeline import phase
-from . import core, correction
+from . import advantages, core, correction
 from .core import RolloutBatch, RolloutConfig
 from .scoring import mismatch, scored_at
 
 
 def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
                   pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None) -> dict:
-    """Advantages of `kept` (raised to `min_advantage` if given), its training batch and log-probs, weighted by
+    """Advantages of `kept` (`cfg.advantage_estimator`, raised to `min_advantage` if given), its training batch and log-probs, weighted by
     `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of optimizer steps with `loss_fn`.
     Returns logprob_s, update_s, train_s (their sum), logprob_diff_mean/max, the correction's diagnostics and the
     last step's loss, kl, clip_frac and entropy."""
-    adv = core.group_advantages(kept.rewards, group_size=cfg.samples_per_prompt)
+    adv = advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
     if min_advantage is not None:
         adv = adv.clamp(min=min_advantage)
     models = list(chunks) + list(ref_chunks or [])

@@ -89,7 +89,8 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     # one more iteration through the kit's own decode loop over the same HF model (refreshed in place)
     from mfsdp_kit.rl.rollout import ContinuousRollout
     hot = dataclasses.replace(gcfg, temperature=0.7,   # scored at T 0.7 on both sides (rl.scoring)
-                              rollout_correction="token-mask")   # weights ~1 in fp32: the plumbing, end to end
+                              rollout_correction="token-mask",   # weights ~1 in fp32: the plumbing, end to end
+                              advantage_estimator="rloo")
     history = grpo.fit(chunks=model.chunks, optimizer=opt_rl, bridge=model.bridge, rollout=ContinuousRollout(hf, tok),
                        prompt_pool=task.rl_prompts(80), reward_fn=data.verify, gcfg=hot, iterations=1,
                        seq_len_tokens=16, ref_chunks=ref, progress=False)
