@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,11 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     print(f"{'it':>3} " + " ".join(f"{k[:-2]:>17}" for k in SPLIT) + f" {'total s':>8} {'resp tok':>8} "
           f"{'|dlogp| mean':>12} {'tail s':>7}")
     samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
-    for i in range(len(result["rollout_s"])):
-        engine = result["engine"][i] if i < len(result["engine"]) else {}
-        new = result["response_tokens"][i] * samples
-        floor = floors.rl_iteration(params=params, train_tokens=new + result["prompt_tokens"][i] * samples,
-                                    new_tokens=new, decode_steps=engine.get("steps", result["response_tokens_max"][i]),
-                                    sync_bytes=(result["sync_bytes"] or [0] * (i + 1))[i], hw=hw)
+    engines = [result["engine"][i] if i < len(result["engine"]) else {} for i in range(len(result["rollout_s"]))]
+    steps = [e.get("steps", longest) for e, longest in zip(engines, result["response_tokens_max"])]
+    per_iteration = floors.rl_iterations(SimpleNamespace(**result), params=params, hw=hw, samples=samples,
+                                         decode_steps=steps)   # the engine's decode steps where it counts them
+    for i, (engine, floor) in enumerate(zip(engines, per_iteration)):
         split = {k: result[k][i] for k in SPLIT}
         tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
         mfu = {k: floors.mfu(split[k], floor[k], hw) for k in ("logprob_s", "update_s")}

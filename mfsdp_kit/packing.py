@@ -272,8 +272,9 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
 
 def memory_budget(chunks, *, forward_only: bool) -> int | None:
     """Tokens per micro-batch whose activations (`activation_bytes_per_token`) fit in `MEMORY_FRACTION` of the
-    device memory no tensor holds (training: less `optimizer_state_bytes`), in multiples of 256 (`tokens_that_fit`), the minimum over all ranks (every rank must plan alike);
-    decided at a model's first call and kept (same plans after). None on CPU (host memory is not what limits a
+    device memory no tensor holds (training: less `optimizer_state_bytes`), in multiples of 256 (`tokens_that_fit`),
+    the minimum over all ranks (every rank must plan alike); decided at a model's first call and kept (same plans
+    after). None on CPU (host memory is not what limits a
     CPU run; the padded rule keeps CPU runs as they were)."""
     import torch.distributed as dist
     device = runtime.current().device

@@ -22,7 +22,7 @@ def draw_grpo(folder: Path, out: Path) -> None:
     from mfsdp_kit import plots
     from mfsdp_kit.rl.grpo import GRPOHistory
     d = json.loads((folder / "grpo_iteration.json").read_text())
-    h = d["histories"][d["args"]["backends"].split(",")[0]]
+    h = release.grpo_history(d)
     history = GRPOHistory(**{f.name: h[f.name] for f in fields(GRPOHistory) if f.name in h})
     plots.iteration_time(history, out, floors=[row["floors"] for row in h["table"]],
                          title=f"GRPO iteration, tiny {d['args']['size']}, 1 H200 ({release.provenance(d)['commit']})")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.gpt import SPECS
-from .flops import matmul_params
+from .flops import PEAK_FLOPS_PER_GPU, matmul_params
 from .hf_folder import SHAPES
 
 GIB = 2**30
@@ -60,15 +60,14 @@ def rollout(d: dict) -> list[Figure]:
     return rows
 
 
-def _grpo_rows(d: dict) -> tuple[dict, list[dict]]:
-    args = d["args"]
-    name = args["backends"].split(",")[0]
-    return args, d["histories"][name]["table"]
+def grpo_history(d: dict) -> dict:
+    """The history of the first backend a bench/grpo_iteration.py result ran (the release set runs one)."""
+    return d["histories"][d["args"]["backends"].split(",")[0]]
 
 
 def grpo_iteration(d: dict) -> list[Figure]:
     """The first iteration, then the median of the later ones, each part beside its floor (`perf.floors`)."""
-    args, table = _grpo_rows(d)
+    args, table = d["args"], grpo_history(d)["table"]
     work = (f"GRPO iteration, tiny `{args['size']}`, {args['prompts_per_iteration']} x {args['samples_per_prompt']} "
             f"samples, <= {args['max_new_tokens']} new")
     later = table[1:] or table
@@ -104,7 +103,6 @@ def throughput(d: dict) -> list[Figure]:
 
 def packing(d: dict) -> list[Figure]:
     """Real (unpadded) tokens/s of each way; the ceiling: 6 N FLOPs a token at 989 TFLOP/s."""
-    from .flops import PEAK_FLOPS_PER_GPU
     spec = SPECS[d["spec"]]
     ceiling = PEAK_FLOPS_PER_GPU / (6 * matmul_params(spec))
     rows = []
@@ -122,7 +120,6 @@ def packing(d: dict) -> list[Figure]:
 
 def lora(d: dict) -> list[Figure]:
     """LoRA against full fine-tuning; ceilings: 6 N FLOPs a token (full), 4 N (frozen base: no weight grads)."""
-    from .flops import PEAK_FLOPS_PER_GPU
     cfg = SHAPES[d["args"]["shape"]][1]
     n = d["write"]["params"] - cfg["vocab_size"] * cfg["hidden_size"]   # the embedding table is a lookup
     rows = []

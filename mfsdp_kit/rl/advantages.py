@@ -7,6 +7,7 @@
                                                                         baseline (Hu 2025; its KL stays in the loss)
 
 Rewards are [num_prompts * group_size] in group-major order (`core.RolloutBatch`); every rank holds them all.
+`core` re-exports `group_advantages` and `ADV_EPS`, as GRPO's names.
 """
 from __future__ import annotations
 
@@ -15,9 +16,18 @@ from typing import Literal
 import torch
 
 from ..config import bad_value
-from .core import ADV_EPS, group_advantages
 
 Estimator = Literal["grpo", "rloo", "reinforce++"]
+ADV_EPS = 1e-6
+"""Keeps a group whose samples all scored alike at A = 0 instead of 0 / 0."""
+
+
+def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = ADV_EPS) -> torch.Tensor:
+    """[num_prompts * group_size] rewards -> advantages normalised within each prompt's group:
+    A = (r - mean) / (population std + eps)."""
+    groups = rewards.view(-1, group_size).float()
+    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, unbiased=False, keepdim=True)
+    return ((groups - mean) / (std + eps)).reshape(-1)
 
 
 def rloo(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -43,4 +53,4 @@ def estimate(rewards: torch.Tensor, *, group_size: int, estimator: Estimator) ->
         return rloo(rewards, group_size=group_size)
     if estimator == "reinforce++":
         return reinforce_pp(rewards)
-    raise bad_value("advantage_estimator", estimator, "'grpo' | 'rloo' | 'reinforce++'")
+    raise bad_value("advantage_estimator", estimator, " | ".join(map(repr, Estimator.__args__)))

@@ -34,15 +34,12 @@ import torch.distributed as dist
 from .. import offload, runtime
 from ..config import bad_value
 from ..perf.timeline import phase
+from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
 from .correction import Mode
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
 from .rollout.placement import ReplicaPlacement
-
-ADV_EPS = 1e-6
-"""Keeps a group whose samples all scored alike at A = 0 instead of 0 / 0."""
-
 
 # ---- rewards ---------------------------------------------------------------------------------
 @dataclass(kw_only=True)
@@ -81,7 +78,7 @@ class RolloutConfig:
     packed: bool | None = None
     """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
     False (padded rows of `micro_batch_size`)."""
-    advantage_estimator: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    advantage_estimator: Estimator = "grpo"
     """How rewards become advantages (`rl.advantages`): within each group (grpo), leave-one-out (rloo), or whitened
     over the batch (reinforce++)."""
     rollout_correction: Mode = "none"
@@ -231,15 +228,6 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
                         completions=[c for part, _, _ in parts for c in part], rewards=rewards_t,
                         solved=reward.solved(rewards_t), group_size=samples_per_prompt, stats=stats,
                         logprobs=[lp for _, part, _ in parts for lp in part] if scored else None)
-
-
-# ---- advantages ------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, *, group_size: int, eps: float = ADV_EPS) -> torch.Tensor:
-    """[num_prompts * group_size] rewards -> advantages normalised within each prompt's group:
-    A = (r - mean) / (population std + eps)."""
-    groups = rewards.view(-1, group_size).float()
-    mean, std = groups.mean(dim=1, keepdim=True), groups.std(dim=1, unbiased=False, keepdim=True)
-    return ((groups - mean) / (std + eps)).reshape(-1)
 
 
 # ---- the training batch and its log-probs ----------------------------------------------------

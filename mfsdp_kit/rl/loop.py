@@ -21,8 +21,9 @@ from .scoring import mismatch, scored_at
 
 def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
                   pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None) -> dict:
-    """Advantages of `kept` (`cfg.advantage_estimator`, raised to `min_advantage` if given), its training batch and log-probs, weighted by
-    `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of optimizer steps with `loss_fn`.
+    """Advantages of `kept` (`cfg.advantage_estimator`, raised to `min_advantage` if given), its training batch and
+    log-probs, weighted by `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of
+    optimizer steps with `loss_fn`.
     Returns logprob_s, update_s, train_s (their sum), logprob_diff_mean/max, the correction's diagnostics and the
     last step's loss, kl, clip_frac and entropy."""
     adv = advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
