@@ -35,7 +35,7 @@ from .. import offload, runtime
 from ..config import bad_value
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
-from .correction import Mode
+from .correction import Mode, rollout_logprobs_like
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
@@ -68,6 +68,10 @@ class RolloutConfig:
     """Passes of the policy update over each iteration's samples."""
     num_minibatches: int = 1
     """Optimizer steps per PPO epoch: the iteration's samples are cut into this many minibatches."""
+    recompute_old_logprobs: bool = False
+    """Run a separate no-grad forward for pi_old's log-probs before the update even when the update is one
+    optimizer step. False: with one step (`ppo_epochs` x `num_minibatches` == 1) the update's own forward gives
+    them (`rl.on_policy`: the same numbers, one forward pass fewer); with more steps the pass runs anyway."""
     micro_batch_size: int = 8
     """Sequences per forward/backward in the log-prob and update passes: the same gradient at any size, fewer
     FSDP all-gathers when larger."""
@@ -312,14 +316,22 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_pe
 @checked_args(seq_len_tokens=COUNT, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
 def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, ref_chunks, seq_len_tokens: int,
                    pad_id: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                   packed: bool | None = None) -> Batch:
+                   packed: bool | None = None, old: bool = True) -> Batch:
     """`rollout_batch` plus old log-probs (the current model, before the update) and reference
     log-probs (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step); packed or padded
-    forwards as `token_logprobs` says."""
+    forwards as `token_logprobs` says. `old=False`: neither is made here (the update's forward gives pi_old,
+    `rl.on_policy`) but the reference model's, and the rollout's own log-probs ride along as "rollout_logprobs"."""
     n = rollouts.group_size
     batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
                           rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
     how = dict(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    if not old:
+        del batch.extras["old_logprobs"], batch.extras["ref_logprobs"]
+        if rollouts.logprobs is not None:
+            batch.extras["rollout_logprobs"] = rollout_logprobs_like(rollouts.logprobs, batch.loss_mask)
+        if ref_chunks is not None:
+            batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, **how)
+        return batch
     batch.extras["old_logprobs"] = token_logprobs(chunks, batch, **how)
     if ref_chunks is not None:
         batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, **how)

@@ -43,6 +43,14 @@ def weights(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tenso
             high: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(weights [n, seq], the loss mask with masked tokens removed, diagnostics) for the sampled tokens' log-probs
     under the trainer (`trainer`, pi_old) and the rollout (`rollout`, q), both [n, seq], read where `loss_mask`."""
+    w, keep, s = weighted(trainer, rollout, loss_mask, mode=mode, low=low, high=high)
+    return w, keep, diagnostics(s)
+
+
+def weighted(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor, *, mode: Mode, low: float,
+             high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weights` with the diagnostics still as `sums` on the device (no host sync: the update's loss calls this
+    per micro-batch, `rl.on_policy`)."""
     mask = loss_mask.float()
     log_ratio = (trainer.float() - rollout.float()) * mask
     if mode.startswith("token"):
@@ -58,30 +66,46 @@ def weights(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tenso
         inside = ((ratio >= low) & (ratio <= high)).float()
         w, keep = ratio * inside, mask * inside
         changed = (1 - inside) * mask
-    return w * keep, keep, diagnostics(log_ratio, ratio, changed, mask)
+    return w * keep, keep, sums(log_ratio, ratio, changed, mask)
 
 
-def diagnostics(log_ratio: torch.Tensor, ratio: torch.Tensor, changed: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Over the sampled tokens: the weights before truncation or masking (mean, max), the share changed, k3's
-    KL(q || pi_old) = E_q[r - 1 - log r] with r = pi_old / q, and ppl(pi_old) / ppl(q) = exp(-mean log r)."""
-    n = mask.sum()
+SUMS = ("tokens", "weight_sum", "weight_max", "changed", "k3_sum", "log_ratio_sum")
+"""What `sums` holds, in order: every entry adds over micro-batches and ranks but weight_max, which takes the max."""
+
+
+def sums(log_ratio: torch.Tensor, ratio: torch.Tensor, changed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The diagnostics' sufficient statistics over the sampled tokens (`SUMS`), a float tensor of 6."""
+    on = mask > 0
+    r = torch.where(on, ratio, 0.0)
+    top = torch.where(on, ratio, -math.inf).max() if on.numel() else ratio.new_tensor(-math.inf)
+    return torch.stack([mask.sum(), r.sum(), top, changed.sum(), torch.where(on, ratio - 1 - log_ratio, 0.0).sum(),
+                        (log_ratio * mask).sum()]).float()
+
+
+def diagnostics(s: torch.Tensor) -> dict:
+    """From `sums` over the sampled tokens: the weights before truncation or masking (mean, max), the share changed,
+    k3's KL(q || pi_old) = E_q[r - 1 - log r] with r = pi_old / q, and ppl(pi_old) / ppl(q) = exp(-mean log r)."""
+    n, total, top, changed, k3, log_r = s.tolist()
     if n == 0:
-        return dict(is_weight_mean=math.nan, is_weight_max=math.nan, is_changed_frac=math.nan, rollout_kl=math.nan,
-                    ppl_ratio=math.nan)
-    on = mask.bool()
-    r, lr = ratio[on], log_ratio[on]
-    return dict(is_weight_mean=r.mean().item(), is_weight_max=r.max().item(), is_changed_frac=(changed.sum() / n).item(),
-                rollout_kl=(r - 1 - lr).mean().item(), ppl_ratio=math.exp(-lr.mean().item()))
+        return dict.fromkeys(KEYS, math.nan)
+    return dict(is_weight_mean=total / n, is_weight_max=top, is_changed_frac=changed / n, rollout_kl=k3 / n,
+                ppl_ratio=math.exp(-log_r / n))
+
+
+def needed(mode: Mode, rollout) -> bool:
+    """Whether `mode` weights anything; an error naming the field where it would and the backend kept no
+    log-probs (`rollout` None)."""
+    if mode != "none" and rollout is None:
+        raise ValueError(f"rollout_correction={mode!r} needs the rollout's own log-probs, and this backend keeps "
+                         "none: use the kit's engine (ContinuousRollout) or HFRollout, or rollout_correction='none'")
+    return mode != "none"
 
 
 def apply(batch, rollout: list[list[float]] | None, *, mode: Mode, low: float, high: float) -> dict:
     """Weight `batch` (a training batch with "old_logprobs") in place: extras["is_weights"], and the loss mask less
     the masked tokens. Returns the diagnostics (NaN for mode "none", which changes nothing)."""
-    if mode == "none":
+    if not needed(mode, rollout):
         return dict.fromkeys(KEYS, math.nan)
-    if rollout is None:
-        raise ValueError(f"rollout_correction={mode!r} needs the rollout's own log-probs, and this backend keeps "
-                         "none: use the kit's engine (ContinuousRollout) or HFRollout, or rollout_correction='none'")
     w, keep, stats = weights(batch.extras["old_logprobs"], rollout_logprobs_like(rollout, batch.loss_mask),
                              batch.loss_mask, mode=mode, low=low, high=high)
     batch.extras["is_weights"] = w

@@ -1,9 +1,10 @@
 """What GRPO and DAPO share after sampling, and their outer loop: each algorithm keeps only its loss and how it
 picks the groups it trains on (`grpo.iteration`, `dapo.iteration`).
 
-    policy_update   advantages -> training batch with old / reference log-probs (timed: logprob_s) -> update
-                    (update_s), all scored at the sampling temperature (`scoring.scored_at`), plus the
-                    train-inference mismatch of the rollout's log-probs (`scoring.mismatch`)
+    policy_update   advantages -> training batch with old / reference log-probs (timed: logprob_s; pi_old from the
+                    update's own forward when it is one optimizer step, `rl.on_policy`) -> update (update_s),
+                    all scored at the sampling temperature (`scoring.scored_at`), plus the train-inference
+                    mismatch of the rollout's log-probs (`scoring.mismatch`)
     fit             prompts drawn from a pool each iteration (`core.PromptDraw`), the training length checked
                     before any rollout, metrics into a history (`run_iterations`)
 """
@@ -14,7 +15,7 @@ from typing import Callable
 
 from ..fieldtypes import COUNT, checked_args
 from ..perf.timeline import phase
-from . import advantages, core, correction
+from . import advantages, core, correction, on_policy
 from .core import RolloutBatch, RolloutConfig
 from .scoring import mismatch, scored_at
 
@@ -24,20 +25,29 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
     """Advantages of `kept` (`cfg.advantage_estimator`, raised to `min_advantage` if given), its training batch and
     log-probs, weighted by `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of
     optimizer steps with `loss_fn`.
+    pi_old comes from the update's own forward when it is one optimizer step (`rl.on_policy`), else from a
+    separate pass first (logprob_s; with a reference model, its pass is there too).
     Returns logprob_s, update_s, train_s (their sum), logprob_diff_mean/max, the correction's diagnostics and the
     last step's loss, kl, clip_frac and entropy."""
     adv = advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
     if min_advantage is not None:
         adv = adv.clamp(min=min_advantage)
     models = list(chunks) + list(ref_chunks or [])
+    in_loss = on_policy.applies(cfg)
+    correction.needed(cfg.rollout_correction, kept.logprobs)   # refused before any forward
     with scored_at(models, temperature=cfg.temperature if cfg.score_at_temperature else 1.0):
         t0 = time.perf_counter()
         with phase("logprobs"):
             batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                        pad_id=pad_id, micro_batch_size=cfg.micro_batch_size, packed=cfg.packed)
-        drift = mismatch(kept.logprobs, batch)   # before a correction masks tokens out
-        weighted = correction.apply(batch, kept.logprobs, mode=cfg.rollout_correction, low=cfg.correction_low,
-                                    high=cfg.correction_high)
+                                        pad_id=pad_id, micro_batch_size=cfg.micro_batch_size, packed=cfg.packed,
+                                        old=not in_loss)
+        if in_loss:   # pi_old, the mismatch and the correction from the update's own forward (rl.on_policy)
+            loss_fn = on_policy.OnPolicyLoss(loss_fn, mode=cfg.rollout_correction, low=cfg.correction_low,
+                                             high=cfg.correction_high)
+        else:
+            drift = mismatch(kept.logprobs, batch)   # before a correction masks tokens out
+            weighted = correction.apply(batch, kept.logprobs, mode=cfg.rollout_correction, low=cfg.correction_low,
+                                        high=cfg.correction_high)
         t1 = time.perf_counter()
         with phase("update"):
             results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
@@ -45,8 +55,12 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
                                   scheduler=scheduler, loss_fn=loss_fn, packed=cfg.packed,
                                   max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     t2 = time.perf_counter()
-    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **drift, **weighted,
-                **core.update_metrics(results))
+    if in_loss:
+        from megatron.core import parallel_state as ps
+        stats = loss_fn.stats(group=ps.get_data_parallel_group())
+    else:
+        stats = dict(**drift, **weighted)
+    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **stats, **core.update_metrics(results))
 
 
 def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], tokenizer,

@@ -10,7 +10,7 @@ import torch
 from mfsdp_kit import data, engine, runtime, sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
-from mfsdp_kit.rl import core, dapo, grpo
+from mfsdp_kit.rl import core, dapo, grpo, loop
 from mfsdp_kit.rl.rollout import HFRollout, RolloutBackend
 from mfsdp_kit.train import fit, forward_backward
 from scenarios_train import tiny_world
@@ -76,6 +76,8 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
 
     result["logp_sum_before_after"] = both.tolist()  # token_logprobs covers all rows on every rank
 
+    result["on_policy"] = _on_policy_vs_recompute(cfg, model, rollout, tok, task)
+
     # a few iterations end to end, with a frozen reference model and KL
     sft_dir = f"{workdir}/sft_hf"
     sync.save_hf(model.chunks, model.bridge, sft_dir)  # the reference: the policy GRPO starts from
@@ -89,6 +91,7 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     # one more iteration through the kit's own decode loop over the same HF model (refreshed in place)
     from mfsdp_kit.rl.rollout import ContinuousRollout
     hot = dataclasses.replace(gcfg, temperature=0.7,   # scored at T 0.7 on both sides (rl.scoring)
+                              ppo_epochs=1, num_minibatches=1,   # one step: pi_old from its forward (rl.on_policy)
                               rollout_correction="token-mask",   # weights ~1 in fp32: the plumbing, end to end
                               advantage_estimator="rloo")
     history = grpo.fit(chunks=model.chunks, optimizer=opt_rl, bridge=model.bridge, rollout=ContinuousRollout(hf, tok),
@@ -97,6 +100,31 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     result["continuous_history"] = {k: v for k, v in vars(history).items()}
     runtime.shutdown()
     return result
+
+
+def _on_policy_vs_recompute(cfg, model, rollout, tok, task) -> dict:
+    """One policy update with pi_old from its own forward (`rl.on_policy`) and one with a separate pass first,
+    from the same weights (lr 1e-30 moves none) on the same rollouts, whose log-probs are planted 0.05 off at every other token so
+    token-mask's [0.97, 1.03] drops some tokens: step, metrics and diagnostics per path, and the forwards run."""
+    kept = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=task.rl_prompts(8),
+                        reward=core.as_reward(data.verify), samples_per_prompt=4, max_new_tokens=4, temperature=0.7,
+                        top_p=1.0, seed=5)
+    kept.logprobs = [[lp + 0.05 * ((i + j) % 2) for j, lp in enumerate(row)] for i, row in enumerate(kept.logprobs)]
+    still = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-30), cfg)
+    forwards = [0]
+    hook = model.chunks[0].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    out = {}
+    for recompute in (False, True):
+        forwards[0] = 0
+        gcfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, temperature=0.7,
+                               micro_batch_size=4, rollout_correction="token-mask", correction_low=0.97,
+                               correction_high=1.03, recompute_old_logprobs=recompute)
+        m = loop.policy_update(kept, chunks=model.chunks, optimizer=still, cfg=gcfg, seq_len_tokens=16,
+                               pad_id=tok.pad_token_id, loss_fn=partial(grpo.grpo_loss, clip_eps=0.2, kl_coef=0.0))
+        out["recompute" if recompute else "in_loss"] = dict(
+            {k: v for k, v in m.items() if not k.endswith("_s")}, forwards=forwards[0])
+    hook.remove()
+    return out
 
 
 def dapo_end_to_end(*, workdir: str, iterations: int = 2) -> dict:

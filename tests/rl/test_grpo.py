@@ -93,6 +93,17 @@ def test_a_rollout_correction_reports_its_weights_and_none_reports_nan(run):
     assert all(math.isnan(x) for x in plain["is_weight_mean"] + plain["rollout_kl"])
 
 
+def test_old_logprobs_from_the_updates_own_forward_equal_a_separate_pass(run):
+    """rl.on_policy: one forward pass fewer, the same step (loss, gradient norm, clip fraction, KL), mismatch and
+    correction diagnostics, reduced over both ranks' micro-batches (the planted mismatch masks some tokens)."""
+    in_loss, recompute = (dict(run["on_policy"][path]) for path in ("in_loss", "recompute"))
+    assert in_loss.pop("forwards") < recompute.pop("forwards")
+    assert 0 < in_loss["is_changed_frac"] < 1 and in_loss["logprob_diff_max"] > 0.04
+    assert in_loss.keys() == recompute.keys()
+    for key, value in recompute.items():
+        assert in_loss[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
 def test_rollout_and_trainer_logprobs_agree_in_fp32(run):
     """The train-inference mismatch in the history (rl.scoring): the rollout backends' log-probs of their samples
     against the Megatron model's, both fp32 on CPU: <= 1e-5, for HFRollout at T 1 and ContinuousRollout at T 0.7
