@@ -59,7 +59,7 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     for i, (engine, floor) in enumerate(zip(engines, per_iteration)):
         split = {k: result[k][i] for k in SPLIT}
         tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
-        mfu = {k: floors.mfu(split[k], floor[k], hw) for k in ("logprob_s", "update_s")}
+        mfu = {k: floors.mfu(split[k], floor[k], hw) for k in ("logprob_s", "update_s") if floor[k] > 0}
         print(f"{i:>3} " + " ".join(f"{split[k]:>6.2f} ({floor[k]:.2f}" + (f" {100 * mfu[k]:>3.0f}%)" if k in mfu
                                                                           else "     )") for k in SPLIT) +
               f" {sum(split.values()):>8.2f} {result['response_tokens'][i]:>8.1f} "
@@ -105,7 +105,8 @@ def main() -> None:
                                                                   samples_per_prompt="samples"),
                         defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
     p.add_argument("--backends", default="hf,continuous",
-                   help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call)")
+                   help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call), "
+                        "continuous_eager (its decode glue not compiled: `DecodeConfig.compile_glue=False`)")
     p.add_argument("--fused-kernels", action="store_true", help="EngineConfig.kernels.fused_kernels=True")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
@@ -127,7 +128,8 @@ def main() -> None:
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
         rollout = (HFRollout(hf, tok) if name == "hf" else
-                   ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name != "continuous_freed")))
+                   ContinuousRollout(hf, tok, config=DecodeConfig(keep_cache=name != "continuous_freed",
+                                                              compile_glue=name != "continuous_eager")))
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)
         engine_stats = []

@@ -73,7 +73,8 @@ def grpo_iteration(d: dict) -> list[Figure]:
     later = table[1:] or table
     med = {k: statistics.median(r["seconds"][k] for r in later) for k in later[0]["seconds"]}
     floor = {k: statistics.median(r["floors"][k] for r in later) for k in later[0]["floors"]}
-    mfu = {k: statistics.median(r["mfu"][k] for r in later) for k in later[0].get("mfu", {})}
+    mfu = {k: statistics.median(r["mfu"][k] for r in later) for k in later[0].get("mfu", {})
+           if all(k in r["mfu"] and r["floors"][k] > 0 for r in later)}
     rows = [Figure(section="grpo_iteration", headline=True, what=f"{work}: 1st", value=f"{table[0]['total_s']:.2f} s",
                    bound=f"{sum(table[0]['floors'].values()):.2f} s"),
             Figure(section="grpo_iteration", headline=True, what=f"{work}: later (median of {len(later)})",
@@ -83,6 +84,8 @@ def grpo_iteration(d: dict) -> list[Figure]:
         if part not in med:
             continue
         extra = f" ({100 * mfu[part]:.0f} % MFU)" if part in mfu else ""
+        if part == "logprob_s" and floor[part] == 0:
+            label = "batch before the update (pi_old from the update's own forward)"
         rows.append(Figure(section="grpo_iteration", what=f"... {label}, later", value=f"{med[part]:.2f} s{extra}",
                            bound=f"{floor[part]:.2f} s"))
     return rows

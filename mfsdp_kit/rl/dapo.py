@@ -127,8 +127,8 @@ def iteration(*, chunks, optimizer, bridge, rollout: RolloutBackend, draw_prompt
                    groups_kept=n_use, sampling_rounds=rounds)
     if n_use == 0:
         nan = math.nan
-        return dict(metrics, logprob_s=0.0, update_s=0.0, train_s=0.0, kl=nan, clip_frac=nan, entropy=nan, loss=nan,
-                    logprob_diff_mean=nan, logprob_diff_max=nan, **dict.fromkeys(correction.KEYS, nan))
+        return dict(metrics, logprob_s=0.0, update_s=0.0, train_s=0.0, logprob_passes=0, kl=nan, clip_frac=nan,
+                    entropy=nan, loss=nan, logprob_diff_mean=nan, logprob_diff_max=nan, **dict.fromkeys(correction.KEYS, nan))
     loss_fn = partial(dapo_loss, eps_low=dcfg.eps_low, eps_high=dcfg.eps_high, kl_coef=dcfg.kl_coef)
     return dict(metrics, **loop.policy_update(kept.select_groups(list(range(n_use))), chunks=chunks,
                                               optimizer=optimizer, cfg=dcfg, loss_fn=loss_fn,

@@ -107,6 +107,9 @@ class GRPOHistory:
     rollout_s: list[float] = field(default_factory=list)
     logprob_s: list[float] = field(default_factory=list)
     """Old and reference log-prob forwards."""
+    logprob_passes: list[int] = field(default_factory=list)
+    """Forward passes over the batch before the update: the old policy's (none when the update's own forward
+    gives pi_old, `rl.on_policy`) and the reference model's."""
     update_s: list[float] = field(default_factory=list)
     train_s: list[float] = field(default_factory=list)
     """logprob_s + update_s."""

@@ -27,8 +27,8 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
     optimizer steps with `loss_fn`.
     pi_old comes from the update's own forward when it is one optimizer step (`rl.on_policy`), else from a
     separate pass first (logprob_s; with a reference model, its pass is there too).
-    Returns logprob_s, update_s, train_s (their sum), logprob_diff_mean/max, the correction's diagnostics and the
-    last step's loss, kl, clip_frac and entropy."""
+    Returns logprob_s, update_s, train_s (their sum), logprob_passes, logprob_diff_mean/max, the correction's
+    diagnostics and the last step's loss, kl, clip_frac and entropy."""
     adv = advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
     if min_advantage is not None:
         adv = adv.clamp(min=min_advantage)
@@ -60,7 +60,9 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
         stats = loss_fn.stats(group=ps.get_data_parallel_group())
     else:
         stats = dict(**drift, **weighted)
-    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, **stats, **core.update_metrics(results))
+    passes = int(not in_loss) + int(ref_chunks is not None)
+    return dict(logprob_s=t1 - t0, update_s=t2 - t1, train_s=t2 - t0, logprob_passes=passes, **stats,
+                **core.update_metrics(results))
 
 
 def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], tokenizer,

@@ -98,6 +98,7 @@ def test_old_logprobs_from_the_updates_own_forward_equal_a_separate_pass(run):
     correction diagnostics, reduced over both ranks' micro-batches (the planted mismatch masks some tokens)."""
     in_loss, recompute = (dict(run["on_policy"][path]) for path in ("in_loss", "recompute"))
     assert in_loss.pop("forwards") < recompute.pop("forwards")
+    assert (in_loss.pop("logprob_passes"), recompute.pop("logprob_passes")) == (0, 1)
     assert 0 < in_loss["is_changed_frac"] < 1 and in_loss["logprob_diff_max"] > 0.04
     assert in_loss.keys() == recompute.keys()
     for key, value in recompute.items():
