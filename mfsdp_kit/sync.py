@@ -119,7 +119,8 @@ def load_into(hf_model: torch.nn.Module, chunks, bridge, *, planned: bool = True
     plan, built, nbytes, seen = None, False, 0, []
     if planned:
         plan, built = sync_plan.cached(hf_model, chunks, bridge)
-        nbytes, seen = sync_plan.replay(plan)
+        with adapters_gathered(chunks) if plan.adapted else contextlib.nullcontext():
+            nbytes, seen = sync_plan.replay(plan)
         if not plan.fallback and plan.complete:  # same tensors as when the plan was built and checked
             return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=len(set(seen)), planned=plan.planned,
                         bridge=0, plan_built=built, plan_s=plan.build_s if built else 0.0)

@@ -27,8 +27,14 @@ Trust: the views come from the bridge's own mapping objects (`recognised()`: map
 checked once, when the plan is built, against the bridge's conversion of a random fp32 probe of the parameter's shape.
 A check on the real weights would accept a wrong permutation of a norm weight (all ones) and copy wrong values after
 the first step; a probe of distinct random values cannot. A task that fails the check, or that the plan does not know
-(TP, PP or EP > 1, expert or LoRA weights, a mapping class outside `recognised()`, FP8, HSDP sharded across
-instances), stays on the bridge path: correctness never rests on the plan covering everything.
+(TP, PP or EP > 1, expert weights, a mapping class outside `recognised()`, FP8, HSDP sharded across instances), stays
+on the bridge path: correctness never rests on the plan covering everything.
+
+LoRA (`lora.apply`): the bridge merges an adapted linear as it converts it, W + (alpha / r) B A (its `LoRAMerge`),
+for the rollout on every sync. Here an adapted weight is one more entry of its unit: the base W is copied through its
+view like any weight, then `addmm_` adds (alpha / r) view(B) A into the destination block by block (the views of a
+LoRA target select rows, so B's rows go where W's do; checked on a probe when the plan is built). The adapters are
+gathered for the whole replay (`sync.adapters_gathered`; a few MB).
 """
 from __future__ import annotations
 
@@ -118,6 +124,17 @@ def recognised() -> dict[type, Callable]:
 # ---- the plan --------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Adapter:
+    """The LoRA adapter of an entry's linear: the merged weight is W + scale * B A."""
+    a: torch.Tensor
+    """linear_in's weight A [rank, in] (FSDP: full while `sync.adapters_gathered`)."""
+    b: torch.Tensor
+    """linear_out's weight B [out, rank]."""
+    scale: float
+    """alpha / rank."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     name: str
     param: torch.Tensor
@@ -125,6 +142,8 @@ class Entry:
     dst: torch.Tensor
     """The rollout model's parameter or buffer, written in place."""
     view: View
+    adapter: Adapter | None = None
+    """Set for a LoRA-adapted linear: `dst` gets view(W) + scale * view(B) A."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -135,6 +154,7 @@ class Unit:
     entries: list[Entry]
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the entries' megatron params, once each
     groups: list[Group] = dataclasses.field(default_factory=list)
+    merges: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)  # adapted entries, leading dims cut
     placed: tuple = ()  # where `params` were when the groups' sources were made (`_placement`)
 
 
@@ -164,6 +184,7 @@ class Plan:
     build_s: float
     nbytes: int = 0  # what the units write (rollout dtype)
     names: list[str] = dataclasses.field(default_factory=list)  # the HF names the units write
+    adapted: int = 0  # HF tensors written merged with a LoRA adapter
     complete: bool = False
     """The units write every rollout parameter (a sync with the same key needs no check then)."""
 
@@ -199,7 +220,7 @@ def _task_views(task) -> dict[str, View] | None:
     mapping, param = task.mapping, task.param_weight
     if param is None or type(param.data) is not torch.Tensor or not param.is_floating_point():
         return None  # another PP rank's, or FP8 / quantized storage
-    if "to_wrap" in task.global_param_name or mapping.is_expert:
+    if mapping.is_expert:
         return None
     if mapping.tp_size != 1 or mapping.pp_size != 1:
         return None
@@ -207,15 +228,23 @@ def _task_views(task) -> dict[str, View] | None:
     return make(mapping, task.megatron_module) if make else None
 
 
+BASE_LAYER = ".base_layer.weight"
+"""The bridge's name for an adapted linear's base W when it does not merge (`merge_adapter_weights=False`)."""
+
+
 def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names: set[str]) -> dict[str, View] | None:
     """`views` completed (tied copies, vocabulary trim) if they reproduce the bridge's conversion of a
-    random probe exactly, name for name, in the rollout tensors' shapes; else None."""
+    random probe exactly, name for name, in the rollout tensors' shapes; else None. An adapted linear's base is
+    probed unmerged, and its views must select rows (`_selects_rows`: B's rows then go where W's do)."""
     param = task.param_weight
     gen = torch.Generator(device=param.device).manual_seed(1234)
     probe = torch.randn(param.shape, dtype=torch.float32, device=param.device, generator=gen)
-    want = {name: vocab.trim(name, t, hf_vocab, vocab_names) for name, t in bridge.export_hf_weights(
-        inner, cpu=False, show_progress=False, merge_adapter_weights=False,
-        conversion_tasks=[dataclasses.replace(task, param_weight=probe)])}
+    want = {name.removesuffix(BASE_LAYER) + (".weight" if name.endswith(BASE_LAYER) else ""):
+            vocab.trim(name, t, hf_vocab, vocab_names) for name, t in bridge.export_hf_weights(
+                inner, cpu=False, show_progress=False, merge_adapter_weights=False,
+                conversion_tasks=[dataclasses.replace(task, param_weight=probe)])}
+    if _adapted(task) and not all(_selects_rows(v, probe) for v in views.values()):
+        return None
     if not set(views) <= set(want):
         return None
     missing = [n for n in want if n not in dsts]
@@ -241,6 +270,34 @@ def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names:
     return out
 
 
+def _adapted(task) -> bool:
+    """An adapted linear's weight (its bias, if any, is the base's: the bridge copies it unmerged)."""
+    return task.global_param_name.endswith(".to_wrap.weight")
+
+
+def _selects_rows(view: View, probe: torch.Tensor) -> bool:
+    """Whether `view` of a [out, in] weight picks whole rows: then view(B) of B [out, rank] picks the same rows."""
+    if probe.dim() != 2:
+        return False
+    try:
+        return torch.equal(view(probe)[..., :1], view(probe[:, :1].contiguous()))
+    except RuntimeError:   # a view that cannot take one column
+        return False
+
+
+def _adapter(task, inner) -> Adapter | None:
+    """The LoRA adapter of `task`'s linear (a bridge `LoRALinear` holding the task's base W as `to_wrap`), or None
+    where the plan cannot merge it: not one model chunk, or not the bridge's plain linear adapter."""
+    if len(inner) != 1:
+        return None
+    wrapper = inner[0].get_submodule(task.global_param_name.partition(".to_wrap.")[0])
+    adapter = getattr(wrapper, "adapter", None)
+    if type(adapter).__name__ != "ParallelLinearAdapter" or getattr(adapter, "activation", None) is not None and \
+            type(adapter.activation).__name__ != "Identity":
+        return None
+    return Adapter(a=adapter.linear_in.weight, b=adapter.linear_out.weight, scale=adapter.alpha / adapter.dim)
+
+
 def build(hf_model, chunks, bridge, tasks) -> Plan:
     """Split `tasks` (built in the compute view) into planned units and bridge fallbacks."""
     from .engine import unwrap_model
@@ -254,6 +311,9 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
         if task is None:
             continue
         views = _task_views(task)
+        adapter = _adapter(task, inner) if views is not None and _adapted(task) else None
+        if _adapted(task) and adapter is None:
+            views = None
         fsdp = fsdp_owner(chunks, task.param_weight)
         if fsdp is not None and (fsdp.data_parallel_sharding_strategy == "no_shard" or hsdp.sharded_across(fsdp)):
             views = None  # no gather here / a gather across HSDP instances too: the bridge path knows those
@@ -265,7 +325,7 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
         bucket = megatron_fsdp.unit_of(fsdp, task.param_weight) if fsdp else None
         index = next(i for i, c in enumerate(chunks) if is_fsdp(c) and c.module is fsdp) if fsdp else -1
         unit = units.setdefault((index, bucket), Unit(fsdp, bucket, []))
-        unit.entries.extend(Entry(n, task.param_weight, dsts[n], v) for n, v in views.items())
+        unit.entries.extend(Entry(n, task.param_weight, dsts[n], v, adapter) for n, v in views.items())
         planned += len(views)
     ordered = [units[k] for k in sorted(units, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
     _same_on_every_rank(ordered)
@@ -274,7 +334,7 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
     entries = [e for u in ordered for e in u.entries]
     return Plan(_key(hf_model, chunks, bridge), ordered, fallback, planned, time.perf_counter() - start,
                 nbytes=sum(e.dst.numel() * e.dst.element_size() for e in entries), names=[e.name for e in entries],
-                complete={n for n, _ in hf_model.named_parameters()} <= {e.name for e in entries})
+                adapted=sum(e.adapter is not None for e in entries), complete={n for n, _ in hf_model.named_parameters()} <= {e.name for e in entries})
 
 
 def _cut(view: torch.Tensor) -> int | None:
@@ -300,6 +360,8 @@ def _group(unit: Unit) -> None:
         group = groups.setdefault((e.dst.dtype, e.param.dtype, e.dst.device, e.param.device, lead is None), Group([], []))
         group.dsts += _blocks(e.dst.view(src.shape), lead or 0)
         group.pieces.append((i, e.view, lead or 0))
+        if e.adapter is not None:
+            unit.merges.append((e, lead or 0))
     unit.groups = list(groups.values())
 
 
@@ -362,6 +424,11 @@ def _copy(unit: Unit) -> None:
         unit.placed = placed
     for g in unit.groups:
         torch._foreach_copy_(g.dsts, g.srcs)
+    for e, lead in unit.merges:   # W is in place: add scale * B A, block by block (LoRA)
+        shape = e.view(torch.empty(e.param.shape, device="meta")).shape
+        a = e.adapter.a.detach().to(e.dst.dtype)
+        for dst, b in zip(_blocks(e.dst.view(shape), lead), _blocks(e.view(e.adapter.b.detach()), lead)):
+            dst.view(-1, dst.shape[-1]).addmm_(b.reshape(-1, b.shape[-1]).to(e.dst.dtype), a, alpha=e.adapter.scale)
 
 
 def _gathered(fsdp) -> set[int]:

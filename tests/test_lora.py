@@ -132,6 +132,16 @@ def test_merged_exports_equal_the_lora_model(runs, index):
     assert e["rollout"] < 2e-5 * max(1.0, e["logits_scale"]), e
 
 
+@pytest.mark.parametrize("index", range(4), ids=IDS)
+def test_the_sync_plan_merges_adapters_as_the_bridge_does(runs, index):
+    """sync_plan writes W + (alpha / r) B A itself where TP is 1 (nothing left to the bridge's merge-and-export),
+    with the bridge's values; at TP 2 the bridge converts. B is not zero here: the adapters have trained."""
+    s = runs[index]["exits"]["sync"]
+    assert s["weights_diff"] < 1e-6, s
+    if "tp1" in IDS[index]:
+        assert s["bridge"] == 0 and s["planned"] > 0, s
+
+
 def test_grpo_runs_with_lora_on_merged_rollout_weights(runs):
     """The rollout refresh writes merged weights (W + s B A) each iteration: the rollout's log-probs of its own
     samples equal the trainer's at fp32 level, as in the dense GRPO tests; only the adapters move."""

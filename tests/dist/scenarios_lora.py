@@ -115,13 +115,17 @@ def _exits(model, src: str, out: str) -> dict:
     dist.barrier()   # every rank refused (no rank left in a collective)
     sync.save_hf(model.chunks, model.bridge, f"{out}/merged")
     rollout = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    sync.load_into(rollout, model.chunks, model.bridge)
+    stats = sync.load_into(rollout, model.chunks, model.bridge)   # the plan merges W + s B A where TP is 1
+    merged_by_bridge = dict(sync.export_hf_weights(model.chunks, model.bridge))
+    state = rollout.state_dict()
+    weights_diff = max((state[k] - v).abs().max().item() for k, v in merged_by_bridge.items())
     base = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     with_peft = peft.PeftModel.from_pretrained(base, f"{out}/adapter")
     merged = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/merged", dtype=torch.float32)
     diff = {name: (_hf_logits(m, tokens) - want).abs().max().item()
             for name, m in (("peft", with_peft), ("merged", merged), ("rollout", rollout))}
-    return dict(diff, files=sorted(p.name for p in Path(f"{out}/adapter").iterdir()), refusals=refusals,
+    return dict(diff, sync=dict(planned=stats["planned"], bridge=stats["bridge"], weights_diff=weights_diff),
+                files=sorted(p.name for p in Path(f"{out}/adapter").iterdir()), refusals=refusals,
                 siblings=sorted(p.name for p in Path(out).iterdir()),
                 scale=with_peft.peft_config["default"].lora_alpha / with_peft.peft_config["default"].r,
                 targets=sorted(with_peft.peft_config["default"].target_modules), logits_scale=want.abs().max().item())
