@@ -70,6 +70,25 @@ def timed_steps(chunks, opt, args, *, vocab_size: int) -> dict:
                 peak_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
+def refresh(model, path: Path, args) -> dict:
+    """The rollout refresh of an RL iteration: `sync.load_into` an HF model of the same folder on this device, twice
+    (the first builds the sync plan): seconds of the second, the plan's build, and tensors planned / left to the
+    bridge (LoRA: the plan merges W + s B A itself where TP is 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from mfsdp_kit import sync as weight_sync
+    from mfsdp_kit.introspect import torch_dtype
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(args.dtype)).to(runtime.current().device)
+    first = weight_sync.load_into(hf, model.chunks, model.bridge)
+    sync()
+    start = time.perf_counter()
+    again = weight_sync.load_into(hf, model.chunks, model.bridge)
+    sync()
+    del hf
+    return dict(refresh_s=time.perf_counter() - start, refresh_first_s=first["seconds"], refresh_plan_s=first["plan_s"],
+                refresh_planned=again["planned"], refresh_bridge=again["bridge"])
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -92,6 +111,9 @@ def train_variant(variant: str, path: Path, args, vocab_size: int, peaks) -> dic
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-5), cfg)
     result = timed_steps(model.chunks, opt, args, vocab_size=vocab_size)
     report = memory_report(model.chunks, opt)
+    del opt   # Adam's moments (full fine-tuning: ~85 GB at 7 B) out of the way of the rollout model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    result.update(refresh(model, path, args))
     engine.release(model.chunks)
     return dict(result, **counts, **formulas(variant, counts, world=dist.get_world_size(), dtype=args.dtype),
                 optimizer_state_bytes=report.main_params_bytes + report.optimizer_states_bytes,
@@ -101,7 +123,7 @@ def train_variant(variant: str, path: Path, args, vocab_size: int, peaks) -> dic
 def table(results: dict) -> str:
     gib = 2**30
     lines = [f"{'variant':<8}{'params':>15}{'trainable':>15}{'peak GiB':>10}{'tokens/s':>10}"
-             f"{'optim GiB':>11}{'formula':>9}{'state GiB':>11}{'formula':>9}  error"]
+             f"{'optim GiB':>11}{'formula':>9}{'state GiB':>11}{'formula':>9}{'refresh s':>10}{'bridge':>7}  error"]
     for name, r in results.items():
         if r.get("error"):
             lines.append(f"{name:<8}{'':>83}  {r['error'][:80]}")
@@ -109,7 +131,7 @@ def table(results: dict) -> str:
         lines.append(f"{name:<8}{r['trainable'] + r['frozen']:>15,}{r['trainable']:>15,}{r['peak_bytes'] / gib:>10.2f}"
                      f"{r['tokens_per_s']:>10.0f}{r['optimizer_state_bytes'] / gib:>11.3f}"
                      f"{r['optimizer_formula_bytes'] / gib:>9.3f}{r['model_state_bytes'] / gib:>11.2f}"
-                     f"{r['model_state_formula_bytes'] / gib:>9.2f}")
+                     f"{r['model_state_formula_bytes'] / gib:>9.2f}{r['refresh_s']:>10.3f}{r['refresh_bridge']:>7}")
     return "\n".join(lines)
 
 

@@ -131,7 +131,8 @@ def lora(d: dict) -> list[Figure]:
         label = "full fine-tuning" if name == "full" else f"LoRA rank {d['args']['rank']}"
         rows.append(Figure(section="lora", headline=True, what=f"{d['args']['shape']} shape, {label}, 1 GPU",
                            value=_failed(r["error"]) if r.get("error") else
-                           f"{_k(r['tokens_per_s'])}, peak {r['peak_bytes'] / GIB:.1f} GiB",
+                           f"{_k(r['tokens_per_s'])}, peak {r['peak_bytes'] / GIB:.1f} GiB" +
+                           (f", rollout refresh {r['refresh_s']:.2f} s" if "refresh_s" in r else ""),
                            bound=f"{_k(PEAK_FLOPS_PER_GPU / (per_token * n))} ({per_token}N at 989 TFLOP/s)"))
     return rows
 

@@ -13,6 +13,7 @@ def test_lora_bench_tiny(tmp_path):
     for r in (full, lora):
         assert r["optimizer_state_bytes"] == r["optimizer_formula_bytes"] == 12 * r["trainable"]
         assert r["tokens_per_s"] > 0 and len(r["losses"]) == 3
+        assert r["refresh_bridge"] == 0 and r["refresh_planned"] > 0 and r["refresh_s"] > 0   # the plan, merged
     assert lora["model_state_bytes"] < full["model_state_bytes"]
     assert not (tmp_path / "mfsdp_lora_small").exists()   # removed without --keep
 
