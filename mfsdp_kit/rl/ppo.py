@@ -14,6 +14,7 @@ One iteration, composed in the open by `iteration` (the same functions as GRPO's
 What PPO changes relative to GRPO is the advantage (per token, from a critic, not per group) and an extra model; the
 loss, the loop (`loop.fit`) and the rollout batch are the same. Groups of `samples_per_prompt` still work (the
 critic does not need them: 1 is plain PPO). `advantage_estimator` is not read: GAE replaces it.
+`offload_during_rollout` moves the policy's training state only; the critic's stays on the device.
 """
 from __future__ import annotations
 
