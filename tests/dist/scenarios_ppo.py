@@ -39,6 +39,20 @@ def _packed_vs_padded(value, rollouts, tok) -> dict:
                 values_abs_mean=padded[batch.loss_mask != 0].abs().mean().item())
 
 
+def _checkpoint_round_trip(value, critic_opt, build, rollouts, tok, root: str) -> dict:
+    """Save the trained critic (`checkpoint.CheckpointManager`, model and optimizer) and load it into a fresh
+    build (`build()`: its zero head gives V = 0 until the load): the fresh critic's values are the saved ones."""
+    from mfsdp_kit import checkpoint
+    batch = critic.value_batch(rollouts, seq_len_tokens=16, pad_id=tok.pad_token_id)
+    saved = critic.values(value, batch, micro_batch_size=8)
+    manager = checkpoint.CheckpointManager(root)
+    manager.save(1, value, critic_opt)
+    fresh, fresh_opt = build()
+    manager.load(fresh, fresh_opt)   # before any forward of `fresh`, as tests/dist/scenarios_ckpt.py loads
+    after = critic.values(fresh, batch, micro_batch_size=8)
+    return dict(saved_abs_max=saved.abs().max().item(), after=(after - saved).abs().max().item())
+
+
 def _adam_steps(optimizer) -> float:
     """Adam's step counts summed over the parameters this rank's optimizer holds state for."""
     adams = [opt.optimizer for opt in inner_optimizers(optimizer) if getattr(opt, "optimizer", None) is not None]
@@ -74,14 +88,17 @@ def ppo_end_to_end(*, workdir: str, iterations: int = 6, critic_lr: float = 1e-3
     # the base model's trunk and a zero head; SDPA attention, so the critic's forwards and steps run packed rows
     # (`packing`) while the policy's (megatron's local attention) run padded ones
     ccfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend="sdpa"))
-    value = critic.value_model(load(src, ccfg, wrap=False).chunks, ccfg)
+
+    def build():
+        value = critic.value_model(load(src, ccfg, wrap=False).chunks, ccfg)
+        return value, engine.build_optimizer(value, OptimConfig(lr=critic_lr), ccfg)
+    value, critic_opt = build()
     rollouts = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=task.rl_prompts(4),
                             reward=data.verify, samples_per_prompt=4, max_new_tokens=4, temperature=1.0, top_p=1.0,
                             seed=0)
     result = dict(sharding=_sharding(value, rollouts, tok))
 
     policy_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
-    critic_opt = engine.build_optimizer(value, OptimConfig(lr=critic_lr), ccfg)
     pcfg = ppo.PPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, ppo_epochs=2,
                          num_minibatches=2, micro_batch_size=8)
     before = _shards(model.chunks)
@@ -91,6 +108,14 @@ def ppo_end_to_end(*, workdir: str, iterations: int = 6, critic_lr: float = 1e-3
     result["policy_weights_changed"] = any(not torch.equal(a, b) for a, b in zip(before, _shards(model.chunks)))
     result["history"] = {k: v for k, v in vars(history).items()}
     result["packed_vs_padded_values"] = _packed_vs_padded(value, rollouts, tok)
+    # one optimizer step per iteration: pi_old from the update's own forward (rl.on_policy), per-token advantages
+    one_step = dataclasses.replace(pcfg, ppo_epochs=1, num_minibatches=1)
+    history = ppo.fit(chunks=model.chunks, optimizer=policy_opt, critic_chunks=value, critic_optimizer=critic_opt,
+                      bridge=model.bridge, rollout=rollout, prompt_pool=task.rl_prompts(80), reward_fn=data.digit_match,
+                      pcfg=one_step, iterations=1, seq_len_tokens=16, progress=False)
+    result["one_step_history"] = {k: v for k, v in vars(history).items()}
+    result["checkpoint"] = _checkpoint_round_trip(value, critic_opt, build, rollouts, tok,
+                                                  f"{workdir}/critic_ckpt")
     result["separate"] = _separate(model, policy_opt, value, critic_opt, rollouts, tok)
     runtime.shutdown()
     return result

@@ -100,3 +100,15 @@ def test_the_critic_runs_packed_rows_as_padded_ones(run):
     """The critic (SDPA attention) took packed rows in the fit; its values from packed rows equal padded ones."""
     r = run["packed_vs_padded_values"]
     assert r["can_pack"] and r["values_abs_mean"] > 0 and r["max_diff"] < 1e-5, r
+
+
+def test_one_step_iterations_take_pi_old_from_the_update(run):
+    """ppo_epochs x num_minibatches == 1: rl.on_policy's path (ratio exactly 1) with GAE's [n, seq] advantages."""
+    h = run["one_step_history"]
+    assert h["clip_frac"] == [0.0] and math.isfinite(h["value_loss"][0]) and math.isfinite(h["entropy"][0]), h
+
+
+def test_the_critic_checkpoint_round_trips(run):
+    """CheckpointManager saves the critic like any chunks; a fresh critic (V = 0) that loads it gives its values."""
+    r = run["checkpoint"]
+    assert r["saved_abs_max"] > 1e-3 and r["after"] == 0.0, r
