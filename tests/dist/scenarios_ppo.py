@@ -48,7 +48,7 @@ def _checkpoint_round_trip(value, critic_opt, build, rollouts, tok, root: str) -
     manager = checkpoint.CheckpointManager(root)
     manager.save(1, value, critic_opt)
     fresh, fresh_opt = build()
-    manager.load(fresh, fresh_opt)   # before any forward of `fresh`, as tests/dist/scenarios_ckpt.py loads
+    manager.load(fresh, fresh_opt)
     after = critic.values(fresh, batch, micro_batch_size=8)
     return dict(saved_abs_max=saved.abs().max().item(), after=(after - saved).abs().max().item())
 
