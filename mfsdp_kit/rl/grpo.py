@@ -59,7 +59,7 @@ def policy_loss(mb: Batch, token_losses: torch.Tensor, *, eps_low: float, eps_hi
     mask = mb.loss_mask.float()
     logp = -token_losses.float()
     ratio = torch.exp(logp - mb.extras["old_logprobs"])
-    adv = mb.extras["advantages"].unsqueeze(1)
+    adv = mb.extras["advantages"] if mb.extras["advantages"].dim() == 2 else mb.extras["advantages"].unsqueeze(1)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
     per_token = -torch.minimum(ratio * adv, clipped * adv)
     if "is_weights" in mb.extras:   # rollout correction (rl.correction): pi_old / q, truncated or masked

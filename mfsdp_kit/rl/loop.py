@@ -21,15 +21,18 @@ from .scoring import mismatch, scored_at
 
 
 def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
-                  pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None) -> dict:
-    """Advantages of `kept` (`cfg.advantage_estimator`, raised to `min_advantage` if given), its training batch and
+                  pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None,
+                  precomputed_advantages=None) -> dict:
+    """Advantages of `kept` (`cfg.advantage_estimator`, or `precomputed_advantages`: [n], or [n, seq] in the training
+    batch's layout such as PPO's GAE; raised to `min_advantage` if given), its training batch and
     log-probs, weighted by `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of
     optimizer steps with `loss_fn`.
     pi_old comes from the update's own forward when it is one optimizer step (`rl.on_policy`), else from a
     separate pass first (logprob_s; with a reference model, its pass is there too).
     Returns logprob_s, update_s, train_s (their sum), logprob_passes, logprob_diff_mean/max, the correction's
     diagnostics and the last step's loss, kl, clip_frac and entropy."""
-    adv = advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
+    adv = (advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
+           if precomputed_advantages is None else precomputed_advantages)
     if min_advantage is not None:
         adv = adv.clamp(min=min_advantage)
     models = list(chunks) + list(ref_chunks or [])

@@ -5,6 +5,7 @@ import pytest
 
 from mfsdp_kit.compat import bridge, bridge_model, fsdp_gather_hold, fsdp_main_grads, registry
 from mfsdp_kit.models import cross_entropy, fusions
+from mfsdp_kit.rl import critic
 
 ROWS = {
     "grad_upcast: update_main_grads deferred": fsdp_main_grads.DEFERRED,
@@ -13,6 +14,7 @@ ROWS = {
     "models.vocab: HF tensors padded on load": bridge_model.LOAD_HOOK,
     "fused_cross_entropy: the loss from bf16 logits": cross_entropy.PATCH,
     "fused_kernels: the RoPE slots filled": fusions.PATCH,
+    "rl.critic: the per-token output is compute_language_model_loss's": critic.PATCH,
 }
 
 
