@@ -44,7 +44,6 @@ import math
 import time
 import weakref
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -53,73 +52,7 @@ from .compat import bridge_model
 from .compat import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
-
-View = Callable[[torch.Tensor], torch.Tensor]
-"""full megatron parameter -> a view of it with the HF tensor's elements (any shape of its numel)."""
-
-
-# ---- views: what the bridge's mappings do, as views -------------------------------------------------
-
-def whole(full: torch.Tensor) -> torch.Tensor:
-    return full
-
-
-def permuted(full: torch.Tensor, *, dims: tuple[int, ...]) -> torch.Tensor:
-    return full.permute(dims)
-
-
-def half(full: torch.Tensor, *, index: int) -> torch.Tensor:
-    """GatedMLPMapping: megatron's fc1 is [gate; up] along rows."""
-    return full.chunk(2, dim=0)[index]
-
-
-def qkv(full: torch.Tensor, *, groups: int, per_group: int, head_size: int, part: str) -> torch.Tensor:
-    """QKVMapping: rows are, per query group, `per_group` query heads, then one key, one value head."""
-    grouped = full.view(groups, per_group + 2, head_size, *full.shape[1:])
-    if part == "q":
-        return grouped[:, :per_group]
-    return grouped[:, per_group + (part == "v")]
-
-
-def rows(full: torch.Tensor, *, view: View, rows: int) -> torch.Tensor:
-    """vocab.trim: the padded vocabulary rows never leave."""
-    return view(full)[:rows]
-
-
-def _direct_views(mapping, module) -> dict[str, View]:
-    dims = getattr(mapping, "permute_dims", None)
-    return {str(mapping.hf_param): partial(permuted, dims=tuple(dims)) if dims is not None else whole}
-
-
-def _qkv_views(mapping, module) -> dict[str, View] | None:
-    config = mapping._get_config(module)
-    if getattr(config, "attention_output_gate", False):
-        return None
-    heads, groups = config.num_attention_heads, config.num_query_groups
-    head_size = config.kv_channels or config.hidden_size // heads
-    return {mapping.hf_param[part]: partial(qkv, groups=groups, per_group=heads // groups,
-                                            head_size=head_size, part=part) for part in "qkv"}
-
-
-def _gated_views(mapping, module) -> dict[str, View]:
-    return {mapping.hf_param["gate"]: partial(half, index=0), mapping.hf_param["up"]: partial(half, index=1)}
-
-
-_RECOGNISED: dict[type, Callable] = {}
-
-
-def recognised() -> dict[type, Callable]:
-    """Mapping class (exactly: a subclass may change values) -> (mapping, module) -> {hf_name: View}."""
-    if not _RECOGNISED:
-        from .compat.bridge import import_bridge
-        import_bridge()
-        pm = bridge_model.param_mapping()
-        _RECOGNISED.update({pm.AutoMapping: _direct_views, pm.DirectMapping: _direct_views,
-                            pm.ReplicatedMapping: _direct_views, pm.ColumnParallelMapping: _direct_views,
-                            pm.RowParallelMapping: _direct_views, pm.QKVMapping: _qkv_views,
-                            pm.GatedMLPMapping: _gated_views})
-    return _RECOGNISED
-
+from .sync_views import View, recognised, rows, selects_rows  # noqa: F401 (View: the plan's type)
 
 # ---- the plan --------------------------------------------------------------------------------------
 
@@ -235,7 +168,7 @@ BASE_LAYER = ".base_layer.weight"
 def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names: set[str]) -> dict[str, View] | None:
     """`views` completed (tied copies, vocabulary trim) if they reproduce the bridge's conversion of a
     random probe exactly, name for name, in the rollout tensors' shapes; else None. An adapted linear's base is
-    probed unmerged, and its views must select rows (`_selects_rows`: B's rows then go where W's do)."""
+    probed unmerged, and its views must select rows (`sync_views.selects_rows`: B's rows then go where W's do)."""
     param = task.param_weight
     gen = torch.Generator(device=param.device).manual_seed(1234)
     probe = torch.randn(param.shape, dtype=torch.float32, device=param.device, generator=gen)
@@ -243,7 +176,7 @@ def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names:
             vocab.trim(name, t, hf_vocab, vocab_names) for name, t in bridge.export_hf_weights(
                 inner, cpu=False, show_progress=False, merge_adapter_weights=False,
                 conversion_tasks=[dataclasses.replace(task, param_weight=probe)])}
-    if _adapted(task) and not all(_selects_rows(v, probe) for v in views.values()):
+    if _adapted(task) and not all(selects_rows(v, probe) for v in views.values()):
         return None
     if not set(views) <= set(want):
         return None
@@ -273,16 +206,6 @@ def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names:
 def _adapted(task) -> bool:
     """An adapted linear's weight (its bias, if any, is the base's: the bridge copies it unmerged)."""
     return task.global_param_name.endswith(".to_wrap.weight")
-
-
-def _selects_rows(view: View, probe: torch.Tensor) -> bool:
-    """Whether `view` of a [out, in] weight picks whole rows: then view(B) of B [out, rank] picks the same rows."""
-    if probe.dim() != 2:
-        return False
-    try:
-        return torch.equal(view(probe)[..., :1], view(probe[:, :1].contiguous()))
-    except RuntimeError:   # a view that cannot take one column
-        return False
 
 
 def _adapter(task, inner) -> Adapter | None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfsdp_kit import runtime, sync, sync_plan
+from mfsdp_kit import runtime, sync, sync_plan, sync_views
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.engine import build_optimizer
@@ -66,7 +66,7 @@ def _sabotaged() -> dict:
     reversed (right shapes, wrong elements: only the probe check can tell; the folder's norm
     weights are all ones, so a check on real values would pass them), QKV unknown."""
     from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping, QKVMapping
-    table = sync_plan.recognised()
+    table = sync_views.recognised()
     saved = dict(table)
     direct = table[AutoMapping]
 
@@ -76,8 +76,8 @@ def _sabotaged() -> dict:
         return direct(mapping, module)
 
     table[AutoMapping] = reversed_norms
-    table[GatedMLPMapping] = lambda m, module: {m.hf_param["gate"]: partial(sync_plan.half, index=1),
-                                                m.hf_param["up"]: partial(sync_plan.half, index=0)}
+    table[GatedMLPMapping] = lambda m, module: {m.hf_param["gate"]: partial(sync_views.half, index=1),
+                                                m.hf_param["up"]: partial(sync_views.half, index=0)}
     del table[QKVMapping]
     return saved
 
@@ -122,7 +122,7 @@ def sync_paths(*, arch: str, fsdp: bool, workdir: str, sabotage: bool = True, ov
     out["replaced"] = sync.load_into(planned, model.chunks, model.bridge)
     out["replaced_vs_bridge"] = _max_diff(_weights(planned), _weights(bridged))
     if sabotage:  # a misunderstood mapping and an unknown one: both fall back, still exact
-        table = sync_plan.recognised()
+        table = sync_views.recognised()
         saved = _sabotaged()
         try:
             third = _zeroed_rollout(src)
