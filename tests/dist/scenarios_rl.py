@@ -225,3 +225,12 @@ def grpo_tensor_parallel(*, workdir: str) -> dict:
     runtime.shutdown()
     return dict(completions=[c for c, _, _ in per_rank], diff_max=[d for _, d, _ in per_rank],
                 rows=[r for _, _, r in per_rank])
+
+
+def grpo_command(*, src: str, data: str, out: str) -> dict:
+    """`python -m mfsdp_kit.rl.cli` on 2 ranks: the tiny folder, GSM8K-format problems, 2 iterations."""
+    from mfsdp_kit.rl import cli
+    history = cli.main(["--model", src, "--data", data, "--reward", "gsm8k", "--iterations", "2", "--prompts", "4",
+                        "--samples", "2", "--max-new-tokens", "4", "--micro-batch-size", "4", "--lr", "1e-4",
+                        "--out", out])
+    return dict(history=history)
