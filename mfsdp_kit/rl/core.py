@@ -40,6 +40,7 @@ from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, numbe
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
 from .rollout.placement import ReplicaPlacement
+from .rollout.tools import joined_masks
 
 # ---- rewards ---------------------------------------------------------------------------------
 @dataclass(kw_only=True)
@@ -151,7 +152,10 @@ class RolloutBatch:
     """sync_s, sync_bytes (when refreshed), rollout_s."""
     logprobs: list[list[float]] | None = None
     """Per completion, each sampled token's log-prob as the rollout backend computed it (at the sampling
-    temperature), or None if the backend does not score: the train-inference mismatch (`scoring.mismatch`)."""
+    temperature), or None if the backend does not score: the train-inference mismatch (`scoring.mismatch`). With
+    tools, of the model's tokens only."""
+    model_mask: list[list[int]] | None = None
+    """Per completion, 1 per token the model sampled, 0 per token a tool wrote (out of the loss); None: all model."""
 
     @property
     def num_groups(self) -> int:
@@ -163,7 +167,8 @@ class RolloutBatch:
         return RolloutBatch(prompts=[self.prompts[g] for g in groups], prompt_ids=[self.prompt_ids[g] for g in groups],
                             completions=[self.completions[i] for i in rows], rewards=self.rewards[rows],
                             solved=self.solved[rows], group_size=self.group_size, stats=dict(self.stats),
-                            logprobs=None if self.logprobs is None else [self.logprobs[i] for i in rows])
+                            logprobs=None if self.logprobs is None else [self.logprobs[i] for i in rows],
+                            model_mask=None if self.model_mask is None else [self.model_mask[i] for i in rows])
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -178,7 +183,8 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
                         rewards=torch.cat([b.rewards for b in batches]), solved=torch.cat([b.solved for b in batches]),
                         group_size=batches[0].group_size, stats=stats,
                         logprobs=None if any(b.logprobs is None for b in batches) else
-                        [lp for b in batches for lp in b.logprobs])
+                        [lp for b in batches for lp in b.logprobs],
+                        model_mask=joined_masks([b.model_mask for b in batches], [b.completions for b in batches]))
 
 
 def rollout_seed(*, seed: int, iteration: int, round: int = 0) -> int:
@@ -225,20 +231,23 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
         texts = [backend.tokenizer.decode(c) for c in completions]
         rewards = [reward(share[i // samples_per_prompt][0], t) for i, t in enumerate(texts)]
     stats["rollout_s"] = time.perf_counter() - t0
-    parts = placement.gather((list(completions), getattr(completions, "logprobs", None), rewards))
-    rewards_t = torch.tensor([r for _, _, part in parts for r in part])
-    scored = all(lp is not None for _, lp, _ in parts)
+    parts = placement.gather((list(completions), getattr(completions, "logprobs", None), rewards,
+                              getattr(completions, "model_mask", None)))
+    rewards_t = torch.tensor([r for _, _, part, _ in parts for r in part])
+    scored = all(lp is not None for _, lp, _, _ in parts)
     return RolloutBatch(prompts=list(prompts), prompt_ids=prompt_ids(backend.tokenizer, prompts),
-                        completions=[c for part, _, _ in parts for c in part], rewards=rewards_t,
+                        completions=[c for part, _, _, _ in parts for c in part], rewards=rewards_t,
                         solved=reward.solved(rewards_t), group_size=samples_per_prompt, stats=stats,
-                        logprobs=[lp for _, part, _ in parts for lp in part] if scored else None)
+                        logprobs=[lp for _, part, _, _ in parts for lp in part] if scored else None,
+                        model_mask=joined_masks([m for *_, m in parts], [c for c, *_ in parts]))
 
 
 # ---- the training batch and its log-probs ----------------------------------------------------
 def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, *,
-                  seq_len_tokens: int, pad_id: int) -> Batch:
-    """Sequences prompt + completion as a training Batch; loss only on completion tokens.
-    `prompt_ids` has one entry per completion. old/ref log-probs start as zeros."""
+                  seq_len_tokens: int, pad_id: int, model_mask: list[list[int]] | None = None) -> Batch:
+    """Sequences prompt + completion as a training Batch; loss only on completion tokens the model sampled
+    (`model_mask`, None: all; a tool's output is context, not an action). `prompt_ids` has one entry per
+    completion. old/ref log-probs start as zeros."""
     n = len(completions)
     tokens = torch.full((n, seq_len_tokens), pad_id, dtype=torch.long)
     labels, mask = tokens.clone(), torch.zeros(n, seq_len_tokens)
@@ -249,7 +258,7 @@ def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], adv
         ids = p + c
         tokens[i, :len(ids) - 1] = torch.tensor(ids[:-1])
         labels[i, :len(ids) - 1] = torch.tensor(ids[1:])
-        mask[i, len(p) - 1:len(ids) - 1] = 1.0
+        mask[i, len(p) - 1:len(ids) - 1] = 1.0 if model_mask is None else torch.tensor(model_mask[i]).float()
     zeros = torch.zeros(n, seq_len_tokens)
     return Batch(tokens, labels, mask, dict(advantages=advantages.float(), old_logprobs=zeros,
                                             ref_logprobs=zeros.clone()))
@@ -323,7 +332,8 @@ def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, 
     `rl.on_policy`) but the reference model's, and the rollout's own log-probs ride along as "rollout_logprobs"."""
     n = rollouts.group_size
     batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
-                          rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
+                          rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id,
+                          model_mask=rollouts.model_mask)
     how = dict(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     if not old:
         del batch.extras["old_logprobs"], batch.extras["ref_logprobs"]
@@ -375,11 +385,13 @@ def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibat
 # ---- metrics and the outer loop --------------------------------------------------------------
 def rollout_metrics(rollouts: RolloutBatch) -> dict:
     """reward (mean), accuracy (share solved), response_tokens (mean completion length), response_tokens_max,
-    prompt_tokens (mean prompt length per completion)."""
+    prompt_tokens (mean prompt length per completion), tool_call_rate (share of completions holding a tool's output)."""
     lengths = [len(c) for c in rollouts.completions]
+    called = [0 in m for m in rollouts.model_mask or []]
     return dict(reward=rollouts.rewards.mean().item(), accuracy=rollouts.solved.float().mean().item(),
                 response_tokens=sum(lengths) / len(lengths), response_tokens_max=max(lengths),
-                prompt_tokens=sum(map(len, rollouts.prompt_ids)) / rollouts.num_groups)
+                prompt_tokens=sum(map(len, rollouts.prompt_ids)) / rollouts.num_groups,
+                tool_call_rate=sum(called) / len(lengths))
 
 
 def update_metrics(results: list[StepResult]) -> dict:

@@ -51,7 +51,10 @@ def test_rollout_metrics_by_hand():
                               rewards=torch.tensor([1.0, 0.0, 0.5, 1.0]), solved=torch.tensor([True, False, False, True]),
                               group_size=2)
     m = core.rollout_metrics(batch)
-    assert m == dict(reward=0.625, accuracy=0.5, response_tokens=3.0, response_tokens_max=6, prompt_tokens=2.0)
+    assert m == dict(reward=0.625, accuracy=0.5, response_tokens=3.0, response_tokens_max=6, prompt_tokens=2.0,
+                     tool_call_rate=0.0)
+    batch.model_mask = [[1], [1, 0, 1], [1, 1], [1, 0, 0, 1, 1, 1]]   # two completions hold a tool's output
+    assert core.rollout_metrics(batch)["tool_call_rate"] == 0.5
 
 
 def test_rollout_batch_puts_the_loss_on_completion_tokens():

@@ -13,14 +13,18 @@ the reference.
 batching over a slot KV cache sized from free memory, a CUDA graph per batch and slot bucket on a GPU,
 `decoder.py`'s fused projections): Llama, Mistral, Qwen2/3 and their MoE kin; docs/benchmarks.md, "rollout".
 `default_backend` picks it where it runs, HFRollout elsewhere.
+`tools`: `Tool`s a row may call mid-completion (a calculator, `tools.calculator`); the engine pauses the row,
+prefills the tool's output into its own KV cache and resumes (`run.py`); HFRollout refuses them.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from ...config import ConfigError
 from .continuous import ContinuousRollout, DecodeConfig
 from .decoder import SUPPORTED
 from .hf import Completions, HFRollout
+from .tools import CALCULATOR, Tool, ToolConfig, ToolError, calculator
 
 
 @runtime_checkable
@@ -44,12 +48,16 @@ class RolloutBackend(Protocol):
         ...
 
 
-def default_backend(hf_model, tokenizer, *, config: DecodeConfig | None = None):
+def default_backend(hf_model, tokenizer, *, config: DecodeConfig | None = None, tools: ToolConfig | None = None):
     """`ContinuousRollout` for the architectures it runs (`decoder.SUPPORTED`), on a GPU or a CPU alike;
-    `HFRollout` (transformers' `generate`, the reference) for any other causal LM."""
+    `HFRollout` (transformers' `generate`, the reference) for any other causal LM, which runs no `tools`."""
     if type(hf_model).__name__ in SUPPORTED:
-        return ContinuousRollout(hf_model, tokenizer, config=config)
+        return ContinuousRollout(hf_model, tokenizer, config=config, tools=tools)
+    if tools is not None and tools.tools:
+        raise ConfigError(f"tools: only the kit's engine runs tool calls (architectures {', '.join(SUPPORTED)}), "
+                          f"not HFRollout's generate for {type(hf_model).__name__}; pass tools=None")
     return HFRollout(hf_model, tokenizer)
 
 
-__all__ = ["default_backend", "Completions", "ContinuousRollout", "DecodeConfig", "HFRollout", "RolloutBackend"]
+__all__ = ["default_backend", "CALCULATOR", "calculator", "Completions", "ContinuousRollout", "DecodeConfig",
+           "HFRollout", "RolloutBackend", "Tool", "ToolConfig", "ToolError"]

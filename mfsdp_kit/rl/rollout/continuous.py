@@ -20,7 +20,6 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -29,11 +28,11 @@ import torch
 from ... import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
-from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, prefill, rope_table
+from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, rope_table
 from .hf import Completions, HFRollout
-from .sampling import pick
-from .schedule import batch_bucket, bucketed, prefill_groups
-from .timing import ChunkTimer
+from .run import Run
+from .schedule import bucketed
+from .tools import ToolConfig
 
 
 @dataclass(kw_only=True)
@@ -93,9 +92,11 @@ class ContinuousRollout(HFRollout):
     """`HFRollout`'s model and refresh (its q/k/v and gate/up regrouped in place: `decoder.fuse_projections`),
     sampled by continuous batching (module docstring)."""
 
-    def __init__(self, hf_model, tokenizer, *, config: DecodeConfig | None = None):
+    def __init__(self, hf_model, tokenizer, *, config: DecodeConfig | None = None, tools: ToolConfig | None = None):
         super().__init__(hf_model, tokenizer)
         self.config = config or DecodeConfig()
+        self.tools = tools
+        """Tools every row may call (`tools.ToolConfig`; `run.py` pauses, prefills their output, resumes)."""
         fuse_projections(hf_model)
         c = hf_model.config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -105,23 +106,34 @@ class ContinuousRollout(HFRollout):
         self._glue: Glue | None = None
         self._compiled = None
         self.stats: dict = {}
-        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds."""
+        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds, tokens
+        (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
+        paused, summed over rows), extend_s (their outputs prefilled)."""
 
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                seed: int) -> Completions:
-        """n completions per prompt, prompt-major, each cut after its first stop id, with their log-probs."""
+        """n completions per prompt, prompt-major, each cut after its first stop id, with their log-probs (of the
+        model's tokens) and, with tools, `model_mask`."""
         if not prompts:
             return Completions([], logprobs=[])
         rows = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        tokens, logprobs = self.generate([r for r in rows for _ in range(n)], max_new_tokens=max_new_tokens,
-                                         temperature=temperature, top_p=top_p, seed=seed)
-        return Completions(tokens, logprobs=logprobs)
+        tokens, logprobs, mask = self.generate_turns([r for r in rows for _ in range(n)], max_new_tokens=max_new_tokens,
+                                                     temperature=temperature, top_p=top_p, seed=seed)
+        return Completions(tokens, logprobs=logprobs, model_mask=mask if self.tools else None)
 
-    @torch.no_grad()
     def generate(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int) -> tuple[list[list[int]], list[list[float]]]:
         """(token ids, log-probs at the sampling temperature) of each row's completion: at most `max_new_tokens`,
-        cut after the first stop id. Temperature 0: greedy."""
+        cut after the first stop id. Temperature 0: greedy. With tools, the log-probs are the model's tokens' only
+        (`generate_turns` says which)."""
+        return self.generate_turns(rows, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   seed=seed)[:2]
+
+    @torch.no_grad()
+    def generate_turns(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
+                       seed: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """`generate` and each completion's model mask: 1 per token the model sampled, 0 per token a tool wrote
+        (`max_new_tokens` counts both, so the training sequence length does not change with tools)."""
         cfg = self.config
         if fuse_projections(self.model):   # a weight re-pointed since the last call: its graphs read the old one
             self.release()
@@ -131,14 +143,16 @@ class ContinuousRollout(HFRollout):
         t0 = time.perf_counter()
         state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0, capture_s=0.0)
-        run = _Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
-                   sample=dict(temperature=temperature, top_p=top_p,
-                               generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
+        run = Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
+                  sample=dict(temperature=temperature, top_p=top_p,
+                              generator=torch.Generator(device=state.tok.device).manual_seed(seed)), tools=self.tools)
         try:
             return run.loop()
         finally:
             self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
+            self.stats["tokens"] = sum(map(sum, run.mask))
+            self.stats["tokens_per_s"] = self.stats["tokens"] / self.stats["seconds"]
             if not cfg.keep_cache:
                 self.release()
 
@@ -273,119 +287,3 @@ def captured(fn, *, pool=None):
         return out
     replay.pool = pool
     return replay
-
-
-class _Run:
-    """One `generate` call's host bookkeeping: which input row each cache row serves, what each row has sampled."""
-
-    def __init__(self, engine: ContinuousRollout, state: _Cache, rows: list[list[int]], *, max_new_tokens: int,
-                 stops: set[int], sample: dict):
-        self.engine, self.state, self.rows = engine, state, rows
-        self.max_new, self.stops, self.sample = max_new_tokens, stops, sample
-        n_rows = state.shape[0]
-        self.owner = [-1] * n_rows          # input row served by each cache row (-1: free)
-        self.length = [0] * n_rows          # tokens in each cache row = the slot its next token goes to
-        self.queue = deque(range(len(rows)))
-        self.tokens: list[list[int]] = [[] for _ in rows]
-        self.logprobs: list[list[float]] = [[] for _ in rows]
-        self.batch = batch_bucket(min(len(rows), n_rows), rows=n_rows)
-        self.timer = ChunkTimer(state.tok.device)
-
-    def loop(self) -> tuple[list[list[int]], list[list[float]]]:
-        while self.queue or self.live():
-            self.admit()
-            self.compact()
-            if self.live():
-                self.chunk()
-        return self.tokens, self.logprobs
-
-    def live(self) -> list[int]:
-        return [r for r, i in enumerate(self.owner) if i >= 0]
-
-    def admit(self) -> None:
-        """Prefill queued prompts into the free rows (left-aligned from slot 0) and record their first token, in
-        groups of similar length under the prefill token budget (`prefill_groups`)."""
-        free = [r for r, i in enumerate(self.owner) if i < 0][:len(self.queue)]
-        if not free:
-            return
-        take = [self.queue.popleft() for _ in free]
-        lengths = [len(self.rows[i]) for i in take]
-        for group in prefill_groups(lengths, budget_tokens=self.engine.config.prefill_tokens):
-            self.prefill([free[j] for j in group], [take[j] for j in group])
-        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.owner)))
-
-    def prefill(self, rows: list[int], inputs: list[int]) -> None:
-        """One padded prefill of input rows `inputs` into cache rows `rows`; their first tokens sampled."""
-        device, e = self.state.tok.device, self.engine
-        lengths = [len(self.rows[i]) for i in inputs]
-        ids = torch.zeros(len(inputs), max(lengths), dtype=torch.long)
-        for j, i in enumerate(inputs):
-            ids[j, :lengths[j]] = torch.tensor(self.rows[i])
-        where, lens = torch.tensor(rows, device=device), torch.tensor(lengths, device=device)
-        t0 = time.perf_counter()
-        logits = prefill(e.model, ids.to(device), lens, self.state.kv, where, self.state.rope, head_dim=e.head_dim,
-                         clip_qkv=e.clip_qkv, windows=e.windows)
-        tok, logp = pick(logits, **self.sample)
-        self.state.tok[where], self.state.pos[where] = tok, lens
-        for r, i, n in zip(rows, inputs, lengths):
-            self.owner[r], self.length[r] = i, n
-        self.record(rows, tok[:, None].cpu(), logp[:, None].cpu())
-        e.stats["prefill_s"] += time.perf_counter() - t0
-
-    def compact(self) -> None:
-        """With the queue empty and at most half the batch live, move the live rows to the front and shrink the
-        batch to their bucket (one copy of their cache rows)."""
-        live = self.live()
-        if self.queue or not live or len(live) > self.batch // 2:
-            return
-        if live != list(range(len(live))):
-            src = torch.tensor(live, device=self.state.tok.device)
-            for k, v in self.state.kv:
-                k[:len(live)], v[:len(live)] = k[src], v[src]
-            self.state.tok[:len(live)], self.state.pos[:len(live)] = self.state.tok[src], self.state.pos[src]
-            moved = [(self.owner[r], self.length[r]) for r in live]
-            self.owner = [i for i, _ in moved] + [-1] * (len(self.owner) - len(live))
-            self.length = [n for _, n in moved] + [0] * (len(self.length) - len(live))
-        self.batch = batch_bucket(len(live), rows=len(self.owner))
-
-    def chunk(self) -> None:
-        """Up to `check_every` decode steps of the batch, then one read of what they sampled."""
-        cfg, st, b = self.engine.config, self.state, self.batch
-        idle = [r for r in range(b) if self.owner[r] < 0]
-        if idle:   # a free row in the batch decodes junk at slot 0 of its own row until it is refilled
-            st.pos[torch.tensor(idle, device=st.pos.device)] = 0
-        live = [r for r in range(b) if self.owner[r] >= 0]
-        top = max(self.length[r] for r in live)
-        left = max(self.max_new - len(self.tokens[self.owner[r]]) for r in live)
-        slots = st.shape[1]
-        sampled, head = [], self.engine.model.lm_head
-        for k in range(min(cfg.check_every, left)):
-            hidden = self.engine.step(st, b, min(slots, bucketed(top + k + 1, cfg.slot_bucket)))()
-            tok, logp = pick(head(hidden), **self.sample)
-            st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
-            sampled.append((tok, logp))
-        self.engine.stats["steps"] += len(sampled)
-        self.timer.mark(b, len(sampled))
-        tokens = torch.stack([t for t, _ in sampled], 1).cpu()
-        logprobs = torch.stack([p for _, p in sampled], 1).cpu()
-        for r in live:
-            self.length[r] += len(sampled)
-        self.record(list(range(b)), tokens, logprobs)
-
-    def record(self, cache_rows: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append each live row's new tokens [len(cache_rows), k] up to its first stop id or `max_new_tokens`;
-        a row that ends frees its cache row. The first stop of every row is found at once (no loop over tokens)."""
-        k = tokens.shape[1]
-        stop = torch.isin(tokens, torch.tensor(sorted(self.stops), dtype=tokens.dtype))
-        first = torch.where(stop.any(1), stop.int().argmax(1) + 1, k + 1).tolist()   # tokens kept up to the stop
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        for j, r in enumerate(cache_rows):
-            i = self.owner[r]
-            if i < 0:
-                continue
-            room = self.max_new - len(self.tokens[i])
-            keep = min(first[j], k, room)
-            self.tokens[i] += tokens[j][:keep]
-            self.logprobs[i] += logprobs[j][:keep]
-            if first[j] <= k or room <= k:
-                self.owner[r] = -1

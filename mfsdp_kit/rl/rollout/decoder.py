@@ -241,6 +241,37 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
     return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
 
 
+def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, cache, rows: torch.Tensor, rope, *,
+           head_dim: int, clip_qkv: float | None, windows: list[int | None]) -> torch.Tensor:
+    """`prefill` continued: append `ids` [k, L] (`lengths` [k] real tokens each) to cache rows `rows` at slots
+    starts[j] .. starts[j] + lengths[j] - 1, each token attending to its row's cached slots before it (a tool's
+    output after the row's prompt and completion so far: nothing before `starts` is recomputed). Only real tokens
+    are written. Returns the logits of each row's last new token [k, vocab]."""
+    k_rows, L = ids.shape
+    m = hf_model.model
+    last = rope[0].shape[0] - 1   # a pad token's slot may lie past the cache: clamped, it is never written
+    pos = (starts[:, None] + torch.arange(L, device=ids.device)).clamp(max=last)   # [k, L] the tokens' slots
+    real = torch.arange(L, device=ids.device)[None] < lengths[:, None]
+    seen = int((starts + lengths).max())
+    slot = torch.arange(seen, device=ids.device)
+    mask = (slot <= pos[..., None])[:, None]                                     # [k, 1, L, seen]
+    windowed = {w: mask & (slot > pos[..., None] - w)[:, None] for w in set(windows) if w is not None}
+    cos, sin = (t[pos][:, :, None, :] for t in rope)
+    where_rows, where_slots = rows[:, None].expand(k_rows, L)[real], pos[real]
+    x = m.embed_tokens(ids)
+    for layer, (k_cache, v_cache), window in zip(m.layers, cache, windows):
+        h = rms(layer.input_layernorm, x)
+        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache[where_rows, :, where_slots], v_cache[where_rows, :, where_slots] = k[real], v[real]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows, :, :seen], v_cache[rows, :, :seen],
+                                             attn_mask=mask if window is None else windowed[window],
+                                             enable_gqa=True, scale=_scale(layer, head_dim))
+        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
+        x = x + mlp(layer, rms(layer.post_attention_layernorm, x), EAGER)
+    return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
+
+
 def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots: int, head_dim: int,
            clip_qkv: float | None, glue: Glue, windows: list[int | None]) -> torch.Tensor:
     """One token per row: `tok` [b] at position `pos` [b] written into slot pos[r] of cache row r (the first b

@@ -18,11 +18,14 @@ from ...generate import cut_at_stop
 
 class Completions(list):
     """What `RolloutBackend.sample` returns: a list of completions (token ids, cut after the first stop id) and
-    `logprobs`, each sampled token's log-prob at the sampling temperature (None if the backend does not score)."""
+    `logprobs`, each sampled token's log-prob at the sampling temperature (None if the backend does not score);
+    with tools, `model_mask` per completion (1: a token the model sampled, 0: a tool's) and log-probs of the
+    model's tokens only (None: every token is the model's)."""
 
-    def __init__(self, tokens=(), *, logprobs: list[list[float]] | None = None):
+    def __init__(self, tokens=(), *, logprobs: list[list[float]] | None = None,
+                 model_mask: list[list[int]] | None = None):
         super().__init__(tokens)
-        self.logprobs = logprobs
+        self.logprobs, self.model_mask = logprobs, model_mask
 
 
 class HFRollout:
