@@ -12,6 +12,13 @@ rl.rollout.hf calls generate. Both backends sample from the same HF model object
 call (prefill included) / its new tokens, after a warm-up call of the same shape (keep_cache: the cache and
 CUDA graphs stay across calls of one shape); "first call" is the warm-up (allocation, compiles, captures).
 Then bf16 correctness: the kit's greedy tokens against HF's and the kit's log-probs against HF's forward.
+
+--tools: the same calls with a tool (rl.rollout.tools): the ids read as characters of a 64-letter alphabet, so a
+random model writes the stop "!" about once in 64 tokens; the tool answers --tool-tokens tokens after sleeping
+--tool-latency-ms. Printed: the model's tokens/s without and with the tool, calls, and the seconds rows waited on
+the tool (summed over rows), in the tool, and prefilling its outputs (stats of `ContinuousRollout`).
+
+    python bench/rollout.py --shape qwen2-1.8b --batches 64,256 --tools --variants compiled   # 1 GPU
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import torch
 
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout.hf import HFRollout
-from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConfig
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
@@ -52,6 +59,48 @@ class NoTokenizer:
 
     def __init__(self, eos: int):
         self.eos_token_id, self.pad_token_id, self.chat_template = eos, eos, None
+
+
+class CharIds(NoTokenizer):
+    """Ids read as the characters of a 64-letter alphabet (id % 64), and text back to ids: enough for a tool's stop
+    string to be found in a random model's samples (about once in 64 tokens for a one-letter stop)."""
+
+    LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 !"
+
+    def decode(self, ids) -> str:
+        return "".join(self.LETTERS[i % 64] for i in ids)
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [self.LETTERS.index(c) for c in text]}
+
+
+def tool_rows(model, vocab: int, batches: list[int], *, prompt_tokens: int, new_tokens: int, tool_tokens: int,
+              latency_ms: float, device: str) -> list[dict]:
+    """Per batch: the engine's model tokens/s without and with a tool (`CharIds`' stop "!", an output of
+    `tool_tokens` letters after `latency_ms`), its calls, and the seconds rows waited, the tool took, its outputs'
+    prefill took (the second call of each shape: the first makes the cache and graphs)."""
+    def slow(call: str) -> str:
+        time.sleep(latency_ms / 1e3)
+        return "x" * tool_tokens
+    tools = ToolConfig(tools=[Tool(name="echo", stop="!", fn=slow, max_output_tokens=tool_tokens)], max_calls=8)
+    out = []
+    print(f"{'sequences':>9} {'tok/s':>9} {'tok/s tools':>12} {'calls':>6} {'wait s':>8} {'tool s':>8} "
+          f"{'extend s':>9} {'seconds':>8}")
+    for batch in batches:
+        rows = torch.randint(0, vocab - 1, (batch, prompt_tokens), generator=torch.Generator().manual_seed(batch)).tolist()
+        row = dict(sequences=batch, tool_tokens=tool_tokens, tool_latency_ms=latency_ms)
+        for name, kw in (("plain", {}), ("tools", dict(tools=tools))):
+            kit = ContinuousRollout(model, CharIds(vocab - 1), config=DecodeConfig(keep_cache=True), **kw)
+            for _ in range(2):
+                kit.generate(rows, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
+                sync(device)
+            row[name] = {k: v for k, v in kit.stats.items() if k != "by_batch"}
+            kit.release()
+        t = row["tools"]
+        print(f"{batch:>9} {row['plain']['tokens_per_s']:>9.0f} {t['tokens_per_s']:>12.0f} {t['tool_calls']:>6} "
+              f"{t['tool_wait_s']:>8.3f} {t['tool_s']:>8.3f} {t['extend_s']:>9.3f} {t['seconds']:>8.2f}")
+        out.append(row)
+    return out
 
 
 def copy_bandwidth(device: str) -> float:
@@ -176,6 +225,9 @@ def main() -> None:
                    help=f"the kit's variants, comma-separated of {','.join(VARIANTS)}")
     p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
     p.add_argument("--profile-batch", type=int, default=0, help="also profile a decode step at this many rows")
+    p.add_argument("--tools", action="store_true", help="also the engine with a tool (module docstring)")
+    p.add_argument("--tool-tokens", type=int, default=16, help="tokens of each tool output")
+    p.add_argument("--tool-latency-ms", type=float, default=0.0, help="each tool call sleeps this long")
     p.add_argument("--out", default="runs/bench/rollout.json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -230,7 +282,10 @@ def main() -> None:
               f"{c['token_agreement']:.4f}, max |log-prob diff| {c['max_logprob_diff']:.4f}")
     prof = (profile_decode(model, vocab, batch=args.profile_batch, prompt_tokens=args.prompt_tokens,
                            new_tokens=min(args.new_tokens, 64), device=device) if args.profile_batch else None)
-    write_json(args.out, dict(profile=prof, shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
+    with_tools = (tool_rows(model, vocab, [int(b) for b in args.batches.split(",")], prompt_tokens=args.prompt_tokens,
+                            new_tokens=args.new_tokens, tool_tokens=args.tool_tokens, latency_ms=args.tool_latency_ms,
+                            device=device) if args.tools else None)
+    write_json(args.out, dict(tools=with_tools, profile=prof, shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results, agreement=checks))
 

@@ -1,4 +1,4 @@
-"""Write the course notebooks (01_wrap .. 08_lora, widgets_demo) without outputs.
+"""Write the course notebooks (01_wrap .. 09_tools, widgets_demo) without outputs.
 
 The notebooks are generated so their source stays reviewable as plain Python: edit this file,
 run `python notebooks/make_notebooks.py`, commit both. Every notebook follows 00_cluster: a
@@ -1015,8 +1015,136 @@ assert diff <= 1e-4 * max(1.0, want.abs().max().item()), diff
     *STOP,
 ]
 
+# -------------------------------------------------------------------------------------------------
+TOOLS = [
+    md("""
+# 09 · Tools: GRPO teaches the model to call a calculator
+
+Four-digit sums are past the tiny model: alone it gets almost none right. Here a row of the rollout engine may call
+a **calculator** mid-completion: it writes `calc(1234+5678)`, the engine sees the tool's stop string `)` at its next
+check point, pauses the row (it leaves the decode steps), runs the tool (`rollout.calculator`: arithmetic parsed by
+`ast`, no `eval`), prefills the output `=6912` into the **row's own KV cache** and resumes decoding: nothing before
+the output is computed again (the naive agent loop would send prompt + everything so far back as a new prompt).
+The row then ends its turn; the reward reads the answer after the last `=`.
+
+The tool's tokens are context, not the policy's actions: they are out of the loss mask, and the rollout's log-probs
+are the model's own tokens' only (`RolloutBatch.model_mask`). A short SFT shows the format on demonstrations, some
+with a call and some answering directly; GRPO then finds that calls earn reward, and the call rate and accuracy rise.
+"""),
+    code(START),
+    code('''
+%%px
+import random
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from mfsdp_kit import data, engine, runtime
+from mfsdp_kit.config import OptimConfig
+from mfsdp_kit.models.hf import load
+from mfsdp_kit.rl import grpo
+from mfsdp_kit.rl.rollout import Tool, ToolConfig, calculator
+from mfsdp_kit.train import fit
+
+cfg = nbm.engine_config(use_megatron_fsdp=True, seed=0, dtype="fp32", attention_backend=nbm.packing_attention)
+device = runtime.init(cfg).device
+gpu = device.type == "cuda"
+# the size switch: 150 SFT steps and 6 small GRPO iterations on 2 CPU cores; more of both on a GPU
+sft_steps, iterations, prompts_per_iteration = (400, 20, 32) if gpu else (150, 6, 8)
+tok = AutoTokenizer.from_pretrained(src)
+task = data.ArithmeticTask(digits=4, tokenizer=tok)
+problems = [p for p in task.problems(3000) if min(p[0], p[2]) >= 1000]   # both operands of 4 digits
+heldout = [p for p in task.problems(300, split="heldout") if min(p[0], p[2]) >= 1000][:64]
+
+def reply(a, op, b, call):   # a demonstration: call the calculator, or answer directly
+    result = data.solve(a, op, b)
+    return task.reply(f"calc({a}{op}{b})={result}" if call else str(result))
+
+picks = random.Random(0)
+pairs = [(task.prompt(*p), reply(*p, call=picks.random() < 0.5)) for p in problems[:2000]]
+seq = data.seq_len_needed(pairs, tok)
+model = load(src, cfg)
+opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10), cfg)
+sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32),
+          steps=sft_steps, micro_batch_size=32 // world_size, progress=False)
+print(f"rank {rank}: SFT loss {sft.loss[0]:.3f} -> {sft.loss[-1]:.3f}; e.g. {pairs[0][1]!r}, {pairs[2][1]!r}")
+'''),
+    md("""
+The tool: the text between `calc(` and the stop `)` is the call, its output `=` + the value. `ToolConfig` offers it
+to every row, at most 2 calls a row (the turn limit). The reward is exact match on the text after the last `=`:
+the calculator's result when the row called it, else the row's own answer.
+"""),
+    code('''
+%%px
+calc = Tool(name="calculator", start="calc(", stop=")", fn=lambda call: "=" + calculator(call), max_output_tokens=8)
+rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device), tok,
+                       tools=ToolConfig(tools=[calc], max_calls=2))
+
+def reward(prompt, completion):
+    return data.verify(prompt, completion.rsplit("=", 1)[-1])
+
+def evaluate():   # greedy on held-out sums: (accuracy, call rate)
+    rollout.refresh(model.chunks, model.bridge)
+    out = rollout.sample([task.prompt(*p) for p in heldout], n=1, max_new_tokens=24, temperature=0, top_p=1.0, seed=0)
+    rewards = [reward(task.prompt(*p), tok.decode(c)) for p, c in zip(heldout, out)]
+    return sum(rewards) / len(rewards), sum(0 in m for m in out.model_mask) / len(out)
+
+before = evaluate()
+print(f"rank {rank} held-out greedy before GRPO: accuracy {before[0]:.2f}, call rate {before[1]:.2f}")
+gcfg = grpo.GRPOConfig(prompts_per_iteration=prompts_per_iteration, samples_per_prompt=8, max_new_tokens=24,
+                       ppo_epochs=2, num_minibatches=2, micro_batch_size=16)
+rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
+'''),
+    md("Run the iterations with per-rank progress (reward, KL):"),
+    code('''
+_, progress = cluster.run_with_progress(handle, """
+history = grpo.fit(chunks=model.chunks, optimizer=rl_opt, bridge=model.bridge, rollout=rollout,
+                   prompt_pool=[(task.prompt(*p), task.answer(*p)) for p in problems[:400]], reward_fn=reward,
+                   gcfg=gcfg, iterations=iterations, progress=False)
+after = evaluate()
+engine_stats = dict(rollout.stats)
+""")
+'''),
+    md("""
+Per iteration, the share of sampled completions that called the calculator and the share solved; then the held-out
+greedy numbers before and after GRPO, and what the engine's last rollout spent on tools (`rollout.stats`: tokens/s
+of the model's tokens, the seconds rows waited on their tools, the tool outputs' prefill).
+"""),
+    code('''
+import matplotlib.pyplot as plt
+history = handle.view["history"][0]
+(acc0, call0), (acc1, call1) = handle.view["before"][0], handle.view["after"][0]
+print("call rate:", [round(x, 2) for x in history.tool_call_rate])
+print("accuracy: ", [round(x, 2) for x in history.accuracy])
+print(f"held-out greedy: accuracy {acc0:.2f} -> {acc1:.2f}, call rate {call0:.2f} -> {call1:.2f}")
+stats = handle.view["engine_stats"][0]
+print({k: round(stats[k], 4) for k in ("tokens_per_s", "tool_calls", "tool_tokens", "tool_s", "tool_wait_s", "extend_s")})
+fig, ax = plt.subplots(figsize=(6, 3))
+steps = range(1, len(history.accuracy) + 1)
+ax.plot(steps, history.tool_call_rate, marker="o", label="calculator call rate")
+ax.plot(steps, history.accuracy, marker="s", label="accuracy (sampled)")
+ax.set_xlabel("GRPO iteration")
+ax.set_ylim(0, 1.05)
+ax.legend()
+plt.show()
+'''),
+    md("""
+The check: the tool ran, and over the GRPO iterations the model calls the calculator more often and solves more sums
+(the mean of the last three iterations above the first three's; held-out greedy call rate and accuracy not lower).
+"""),
+    code('''
+first, last = slice(0, 3), slice(-3, None)
+mean = lambda xs: sum(xs) / len(xs)
+assert len(history.accuracy) == handle.view["iterations"][0]
+assert stats["tool_calls"] > 0 and stats["tool_wait_s"] >= 0
+if nbm.size:   # the tiny models' pace; a folder of yours may call from the start, or never find the format
+    assert mean(history.tool_call_rate[last]) > mean(history.tool_call_rate[first]), history.tool_call_rate
+    assert mean(history.accuracy[last]) > mean(history.accuracy[first]), history.accuracy
+    assert call1 >= call0 and acc1 >= acc0, (call0, call1, acc0, acc1)
+'''),
+    *STOP,
+]
+
 NOTEBOOKS = {"01_wrap": WRAP, "02_sft": SFT, "03_sync": SYNC, "04_checkpoint": CKPT, "05_grpo": GRPO,
-             "06_memory": MEMORY, "07_profile": PROFILE, "08_lora": LORA,
+             "06_memory": MEMORY, "07_profile": PROFILE, "08_lora": LORA, "09_tools": TOOLS,
              "widgets_demo": WIDGETS}
 
 

@@ -96,6 +96,8 @@ class GRPOHistory:
     """The longest completion, tokens (a lower bound on the rollout's sequential decode steps)."""
     prompt_tokens: list[float] = field(default_factory=list)
     """Mean prompt length per completion, tokens."""
+    tool_call_rate: list[float] = field(default_factory=list)
+    """Share of the completions that hold a tool's output (0 without tools: `rollout.tools`)."""
     kl: list[float] = field(default_factory=list)
     clip_frac: list[float] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)

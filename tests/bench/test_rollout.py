@@ -11,3 +11,13 @@ def test_rollout_bench(tmp_path):
         assert r["kit_steps"] == 70 and r["kit_decode_ms_per_step"] > 0 and r["kit_ms_per_step"] > 0 and r["hf_ms_per_step"] > 0, r
         assert r["floor_ms"] > 0 and r["kit_tokens_per_s"] == r["sequences"] / r["kit_ms_per_step"] * 1e3
     assert res["agreement"]["eager"]["token_agreement"] == 1.0 and res["agreement"]["eager"]["max_logprob_diff"] < 1e-4
+
+
+def test_rollout_bench_with_a_tool(tmp_path):
+    """--tools: the engine with and without a tool on the same rows; the tool is called and its wait reported."""
+    res = run("rollout.py", "--shape", "tiny", "--batches", "4", "--prompt-tokens", "6", "--new-tokens", "128",
+              "--hf-new-tokens", "2", "--variants", "eager", "--agreement-rows", "0", "--tools", out=tmp_path / "r.json",
+              nproc=1)
+    (row,) = res["tools"]
+    assert row["plain"]["tokens_per_s"] > 0 and row["tools"]["tokens_per_s"] > 0
+    assert row["tools"]["tool_calls"] > 0 and row["tools"]["tool_wait_s"] > 0 and "tool_calls" not in row["plain"]

@@ -87,18 +87,19 @@ def stop_tokens(model, tok) -> set[int]:
     return {next(t for t in row[1:] if t >= 100) for row in free}
 
 
-def echo_tools(stops, max_calls: int) -> ToolConfig:
-    return ToolConfig(tools=[Tool(name=f"echo{s}", stop=f"w{s}", fn=echo) for s in sorted(stops)], max_calls=max_calls)
+def echo_tools(stops, max_calls: int, workers: int = 0) -> ToolConfig:
+    return ToolConfig(tools=[Tool(name=f"echo{s}", stop=f"w{s}", fn=echo) for s in sorted(stops)], max_calls=max_calls,
+                      workers=workers)
 
 
-@pytest.mark.parametrize("max_calls", [1, 3])
-def test_tool_rows_equal_greedy_recomputed_from_scratch(max_calls, tmp_path):
+@pytest.mark.parametrize("max_calls,workers", [(1, 0), (3, 2)])
+def test_tool_rows_equal_greedy_recomputed_from_scratch(max_calls, workers, tmp_path):
     """Rows pause at the stop, the tool's output is prefilled into their cache and they resume, while other rows of
     the batch decode and the queue refills: each row's tokens and model mask equal the from-scratch reference's.
-    max_calls=1: a row that writes a second call ends at its stop (the turn limit)."""
+    max_calls=1: a row that writes a second call ends at its stop (the turn limit). Tools inline or on 2 threads."""
     model, tok = load(tmp_path)
     stops = stop_tokens(model, tok)
-    engine = ContinuousRollout(model, tok, config=SMALL, tools=echo_tools(stops, max_calls))
+    engine = ContinuousRollout(model, tok, config=SMALL, tools=echo_tools(stops, max_calls, workers))
     tokens, logprobs, mask = engine.generate_turns(ROWS * 2, max_new_tokens=28, temperature=0, top_p=1.0, seed=0)
     want = [reference(model, tok, p, stops=stops, output=echo, max_new=28, max_calls=max_calls) for p in ROWS * 2]
     assert tokens == [t for t, _ in want] and mask == [m for _, m in want]

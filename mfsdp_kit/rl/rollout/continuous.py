@@ -16,6 +16,10 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
     MoE models (their routing syncs the host), it runs eagerly: the same code, so CPU tests cover it;
   - sampling (temperature, top-p, `sampling.pick`) runs on the device from one seeded generator, and each
     sampled token's log-prob at the sampling temperature comes back with it (the train-inference mismatch).
+  - with tools (`tools.ToolConfig`), a row that writes a tool's stop string pauses at the check point, its tool
+    runs, and its output is prefilled into the row's own cache slots (`decoder.extend`) before it resumes: the
+    naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`run.py`).
+The host bookkeeping of one call (rows, queue, stops, tool pauses) is `run.Run`.
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
     functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
+  - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
+    attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
 Every function computes the HF model's own function: tests/rl/test_continuous.py compares greedy tokens
 with `generate` for every architecture in SUPPORTED, written by transformers itself.
 """

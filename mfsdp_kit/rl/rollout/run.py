@@ -5,10 +5,9 @@ A row's life: admitted (its prompt prefilled into a free cache row), decoded `ch
 the host at its first stop id or at `max_new_tokens`, its cache row then refilled from the queue. With tools
 (`tools.ToolConfig`), a row whose new tokens end a call (a tool's stop string, found in the decoded text of its
 current turn at the check point) is cut right after the stop and paused: it takes no part in the decode steps while
-its tool runs (one thread per call, the check point's calls together). At the next check point every paused row
-resumes in one batched `decoder.extend`: the row's last token (its KV may not be written yet) and the tool's output
-tokens go into the row's own cache slots after its completion so far, and the next token is sampled from the last
-one. The naive loop (a new prompt per turn) would prefill the prompt and every earlier turn again each time.
+its tool runs (inline, or on `workers` threads). At the next check point every paused row resumes in one batched
+`decoder.extend`: the row's last token (its KV may not be written yet) and the tool's output tokens go into the
+row's own cache slots after its completion so far, and the next token is sampled from the last one. The naive loop (a new prompt per turn) would prefill the prompt and every earlier turn again each time.
 Resuming at the next check point, whatever the tool's speed, keeps the samples a function of the seed alone (ranks
 of one replica must draw the same tokens); rows wait on their tool for `stats["tool_wait_s"]`.
 """
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -46,7 +45,7 @@ class Run:
         self.turn = [0] * len(rows)          # where each row's current turn (its text since a tool output) starts
         self.calls = [0] * len(rows)
         self.paused: dict[int, tuple] = {}   # cache row -> (tool, future of its output text, paused at)
-        self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools else None
+        self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
         self.batch = batch_bucket(min(len(rows), n_rows), rows=n_rows)
         self.timer = ChunkTimer(state.tok.device)
         if self.tools:
@@ -174,7 +173,13 @@ class Run:
             return True
         self.calls[i] += 1
         call = tool.call_text(self.engine.tokenizer.decode(self.tokens[i][self.turn[i]:n]).rpartition(tool.stop)[0])
-        self.paused[r] = (tool, self.pool.submit(timed, tool, call), time.perf_counter())
+        since = time.perf_counter()
+        if self.pool is not None:
+            future = self.pool.submit(timed, tool, call)
+        else:   # inline: the tool has returned before the next row is looked at
+            future = Future()
+            future.set_result(timed(tool, call))
+        self.paused[r] = (tool, future, since)
         return True
 
     def resume(self) -> None:

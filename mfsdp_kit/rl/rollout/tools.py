@@ -23,7 +23,7 @@ import operator
 from dataclasses import dataclass
 from typing import Callable
 
-from ...fieldtypes import COUNT, check_fields
+from ...fieldtypes import COUNT, INDEX, check_fields
 
 
 class ToolError(ValueError):
@@ -72,24 +72,31 @@ class ToolConfig:
     """Checked in order: the first whose stop ends first in a row's new tokens is called."""
     max_calls: int = 4
     """Tool calls per row at most: a row that writes one more call ends at its stop (verl's max_assistant_turns)."""
-    workers: int = 4
-    """Threads that run one check point's tool calls concurrently (a slow tool, e.g. a sandbox, waits in parallel)."""
+    workers: int = 0
+    """0: each call runs on the host thread when its row pauses (a fast tool: the calculator takes microseconds, a
+    thread's hand-off ~ms); k > 0: on k threads, so one check point's slow calls (a sandbox, a search) wait together."""
 
     def __post_init__(self):
-        check_fields(self, max_calls=COUNT, workers=COUNT)
+        check_fields(self, max_calls=COUNT, workers=INDEX)
         self.tools = tuple(self.tools)
+
+
+TAIL_TOKENS = 16
+"""Tokens before the new ones that the stop search decodes with them: a stop may begin up to this far back."""
 
 
 def find_call(tokenizer, tokens: list[int], *, turn_start: int, new: int, tools) -> tuple[int, Tool] | None:
     """(n, tool): `tokens[:n]` ends with the first tool stop that completes within the last `new` tokens of the
-    turn `tokens[turn_start:]`, or None. One decode of the turn rules most rows out; a hit is placed by decoding
+    turn `tokens[turn_start:]`, or None. One decode of the turn's tail (the new tokens and `TAIL_TOKENS` before
+    them: a check point's cost does not grow with the completion) rules most rows out; a hit is placed by decoding
     growing prefixes of the new tokens only (a stop is text, so it may span tokens or share one with other text)."""
-    text = tokenizer.decode(tokens[turn_start:])
+    start = max(turn_start, len(tokens) - new - TAIL_TOKENS)
+    text = tokenizer.decode(tokens[start:])
     hits = [t for t in tools if t.stop in text]
     if not hits:
         return None
     for n in range(len(tokens) - new + 1, len(tokens) + 1):
-        prefix = tokenizer.decode(tokens[turn_start:n])
+        prefix = tokenizer.decode(tokens[start:n])
         for tool in hits:
             if tool.stop in prefix:
                 return n, tool
