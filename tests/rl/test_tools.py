@@ -157,3 +157,17 @@ def test_tool_tokens_leave_the_loss_and_logprobs_are_the_models_only():
     assert lps[0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.3, -0.4, 0])
     plain = core.rollout_batch([[10, 11]], [completion], torch.zeros(1), seq_len_tokens=8, pad_id=0)
     assert plain.loss_mask[0].tolist() == [0, 1, 1, 1, 1, 1, 1, 0]
+
+
+def test_model_masks_follow_groups_through_select_and_concat():
+    """DAPO keeps and joins groups: each completion's mask goes with it; a batch without tools joins as all-model."""
+    def batch(names, completions, mask):
+        n = len(completions)
+        return core.RolloutBatch(prompts=[(x, "") for x in names], prompt_ids=[[0] for _ in names],
+                                 completions=completions, rewards=torch.zeros(n), solved=torch.zeros(n, dtype=torch.bool),
+                                 group_size=n // len(names), model_mask=mask)
+    tools = batch("ab", [[1, 2], [3], [4, 5, 6], [7]], [[1, 0], [1], [1, 0, 1], [1]])
+    plain = batch("c", [[8, 9], [9]], None)
+    assert tools.select_groups([1]).model_mask == [[1, 0, 1], [1]]
+    assert core.concat([tools, plain]).model_mask == [[1, 0], [1], [1, 0, 1], [1], [1, 1], [1]]
+    assert core.concat([plain, plain]).model_mask is None
