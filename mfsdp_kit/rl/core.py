@@ -36,6 +36,7 @@ from ..config import bad_value
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
 from .correction import Mode, rollout_logprobs_like
+from .metrics import rollout_metrics, update_metrics  # noqa: F401 (core's public names)
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from .rollout import RolloutBackend
@@ -382,24 +383,7 @@ def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibat
                      scheduler=scheduler, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
 
 
-# ---- metrics and the outer loop --------------------------------------------------------------
-def rollout_metrics(rollouts: RolloutBatch) -> dict:
-    """reward (mean), accuracy (share solved), response_tokens (mean completion length), response_tokens_max,
-    prompt_tokens (mean prompt length per completion), tool_call_rate (share of completions holding a tool's output)."""
-    lengths = [len(c) for c in rollouts.completions]
-    called = [0 in m for m in rollouts.model_mask or []]
-    return dict(reward=rollouts.rewards.mean().item(), accuracy=rollouts.solved.float().mean().item(),
-                response_tokens=sum(lengths) / len(lengths), response_tokens_max=max(lengths),
-                prompt_tokens=sum(map(len, rollouts.prompt_ids)) / rollouts.num_groups,
-                tool_call_rate=sum(called) / len(lengths))
-
-
-def update_metrics(results: list[StepResult]) -> dict:
-    """The last optimizer step's loss and the loss_fn's logged kl, clip_frac, entropy."""
-    last = results[-1].metrics
-    return dict(kl=last["kl"], clip_frac=last["clip_frac"], entropy=last["entropy"], loss=results[-1].loss)
-
-
+# ---- the outer loop --------------------------------------------------------------------------
 class PromptDraw:
     """Deterministic prompt picks from a pool: each `draw(k)` is a fresh permutation's first k."""
 

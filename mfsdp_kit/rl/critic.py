@@ -109,7 +109,7 @@ def value_batch(rollouts: RolloutBatch, *, seq_len_tokens: int, pad_id: int) -> 
     n = rollouts.group_size
     b = core.rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
                            rollouts.completions, torch.zeros(len(rollouts.completions)), seq_len_tokens=seq_len_tokens,
-                           pad_id=pad_id)
+                           pad_id=pad_id, model_mask=rollouts.model_mask)
     return Batch(b.tokens, b.labels, b.loss_mask, {})
 
 
