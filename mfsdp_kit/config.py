@@ -23,7 +23,7 @@ from . import lora as _lora
 from .config_flat import FLAT_NAMES, accept_flat, hsdp_from_override
 from .config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper  # noqa: F401
 from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
-from .parallel_dims import ParallelDims
+from .parallel_dims import ParallelDims, check_sizes
 
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -118,13 +118,9 @@ class EngineConfig:
             check_field_types(getattr(self, name), prefix=f"{name}.")
         check_field_types(self)
         par, wrap = self.parallelism, self.wrapper
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size", "data_parallel_replicate_size"):
-            if getattr(par, name) < 1:
-                raise bad_value(f"parallelism.{name}", getattr(par, name), "a positive integer")
-        if par.data_parallel_shard_size < 1 and par.data_parallel_shard_size != -1:
-            raise bad_value("parallelism.data_parallel_shard_size", par.data_parallel_shard_size,
-                            "-1 (what the world leaves) or a positive integer")
+        check_sizes({f"parallelism.{name}": getattr(par, name) for name in (
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+            "expert_model_parallel_size", "data_parallel_replicate_size")}, shard=par.data_parallel_shard_size)
         if not 0 <= self.seed < 2**63:
             raise bad_value("seed", self.seed, "an integer in [0, 2**63)")
         vpp = par.virtual_pipeline_model_parallel_size

@@ -21,6 +21,20 @@ from .fieldtypes import bad_value
 
 REPLICATE = "parallelism.data_parallel_replicate_size"
 SHARD = "parallelism.data_parallel_shard_size"
+FIELDS = dict(world="world_size", dp_replicate=REPLICATE, tp="parallelism.tensor_model_parallel_size",
+              cp="parallelism.context_parallel_size", ep="parallelism.expert_model_parallel_size",
+              pp="parallelism.pipeline_model_parallel_size")
+"""ParallelDims' sizes by the name the user set them under (`check_sizes`)."""
+
+
+def check_sizes(sizes: dict, *, shard) -> None:
+    """Each of `sizes` (name -> value) a positive integer and `shard` (the data-parallel shard size) -1 or one:
+    before anything divides by them. `EngineConfig` calls it before the world size is known, `ParallelDims` again."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad_value(name, value, "a positive integer")
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard == 0 or shard < -1:
+        raise bad_value(SHARD, shard, "-1 (what the world leaves) or a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +53,7 @@ class ParallelDims:
     pp: int = 1
 
     def __post_init__(self):
+        check_sizes({name: getattr(self, attr) for attr, name in FIELDS.items()}, shard=self.dp_shard)
         tp, pp, cp, ep, k = self.tp, self.pp, self.cp, self.ep, self.dp_replicate
         if self.world % self.model_parallel:
             raise bad_value("world_size", self.world, f"a multiple of tensor*pipeline*context parallel sizes = "

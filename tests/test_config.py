@@ -292,6 +292,11 @@ def test_parallel_dims_does_the_rank_arithmetic():
     (dict(world=4, dp_replicate=3), "parallelism.data_parallel_replicate_size=3 .*a divisor of the 4 data x context"),
     (dict(world=8, tp=2, ep=2, dp_replicate=4), "data_parallel_replicate_size=4 .*experts' 2 data-parallel ranks"),
     (dict(world=8, dp_replicate=2, dp_shard=2), "parallelism.data_parallel_shard_size=2 .*-1 or 4"),
+    (dict(world=4, tp=0), "parallelism.tensor_model_parallel_size=0 .*a positive integer"),   # not a ZeroDivisionError
+    (dict(world=4, pp=-2), "parallelism.pipeline_model_parallel_size=-2 .*a positive integer"),
+    (dict(world=4, cp=1.5), "parallelism.context_parallel_size=1.5 .*a positive integer"),
+    (dict(world=0), "world_size=0 .*a positive integer"),
+    (dict(world=4, dp_shard=0), "parallelism.data_parallel_shard_size=0 .*-1 .*or a positive integer"),
 ])
 def test_parallel_dims_refuses_what_does_not_divide(dims, named):
     with pytest.raises(ConfigError, match=named):
