@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..train import Batch
-from . import correction
+from . import correction, scoring
 
 
 def applies(cfg) -> bool:
@@ -40,7 +40,7 @@ class OnPolicyLoss:
 
     def __init__(self, loss_fn, *, mode: correction.Mode = "none", low: float = 0.5, high: float = 2.0):
         self.loss_fn, self.mode, self.low, self.high = loss_fn, mode, low, high
-        self.drift: list[torch.Tensor] = []     # per micro-batch: [tokens, sum |d|, max |d|]
+        self.drift: list[torch.Tensor] = []     # per micro-batch: scoring.drift_sums
         self.sums: list[torch.Tensor] = []      # per micro-batch: correction.sums
 
     def __call__(self, mb: Batch, token_losses: torch.Tensor):
@@ -50,9 +50,7 @@ class OnPolicyLoss:
         mask = mb.loss_mask
         rollout = mb.extras.get("rollout_logprobs")
         if rollout is not None:
-            on = mask.float()
-            diff = (rollout.float() - old).abs() * on
-            self.drift.append(torch.stack([on.sum(), diff.sum(), diff.max()]))
+            self.drift.append(scoring.drift_sums(old, rollout, mask))
             if self.mode != "none":
                 w, keep, s = correction.weighted(old, rollout, mask, mode=self.mode, low=self.low, high=self.high)
                 extras["is_weights"], mask = w, keep.to(mask.dtype)
@@ -64,8 +62,7 @@ class OnPolicyLoss:
         the micro-batches seen here and on every rank of `group` (the data-parallel group; None: this rank)."""
         out = dict(logprob_diff_mean=math.nan, logprob_diff_max=math.nan, **dict.fromkeys(correction.KEYS, math.nan))
         if self.drift:
-            tokens, total, top = _reduced(torch.stack(self.drift), maxed=2, group=group).tolist()
-            out.update(logprob_diff_mean=total / tokens if tokens else 0.0, logprob_diff_max=top if tokens else 0.0)
+            out.update(scoring.drift(_reduced(torch.stack(self.drift), maxed=2, group=group)))
         if self.sums:
             out.update(correction.diagnostics(_reduced(torch.stack(self.sums), maxed=2, group=group)))
         return out

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..train import Batch
+from .correction import rollout_logprobs_like
 
 
 @contextmanager
@@ -40,10 +41,19 @@ def mismatch(rollout_logprobs: list[list[float]] | None, batch: Batch) -> dict:
     backend's log-probs of the same tokens. NaN when the backend does not score."""
     if rollout_logprobs is None:
         return dict(logprob_diff_mean=math.nan, logprob_diff_max=math.nan)
-    trainer = batch.extras["old_logprobs"][batch.loss_mask.bool()]
-    rollout = torch.tensor([lp for row in rollout_logprobs for lp in row], dtype=trainer.dtype)
-    if rollout.shape != trainer.shape:
-        raise ValueError(f"{rollout.numel()} rollout log-probs for {trainer.numel()} loss tokens")
-    diff = (rollout - trainer).abs()
-    return dict(logprob_diff_mean=diff.mean().item() if diff.numel() else 0.0,
-                logprob_diff_max=diff.max().item() if diff.numel() else 0.0)
+    mask = batch.loss_mask
+    return drift(drift_sums(batch.extras["old_logprobs"], rollout_logprobs_like(rollout_logprobs, mask), mask))
+
+
+def drift_sums(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """[tokens, sum |d|, max |d|] of d = rollout - trainer over the loss positions, on the device (no host sync:
+    `rl.on_policy` adds them up per micro-batch, then over ranks)."""
+    on = loss_mask.float()
+    diff = (rollout.float() - trainer.float()).abs() * on
+    return torch.stack([on.sum(), diff.sum(), diff.max()])
+
+
+def drift(sums: torch.Tensor) -> dict:
+    """logprob_diff_mean and logprob_diff_max from `drift_sums` (0 without loss tokens)."""
+    tokens, total, top = sums.tolist()
+    return dict(logprob_diff_mean=total / tokens if tokens else 0.0, logprob_diff_max=top if tokens else 0.0)
