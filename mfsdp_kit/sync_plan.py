@@ -87,7 +87,8 @@ class Unit:
     entries: list[Entry]
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)  # the entries' megatron params, once each
     groups: list[Group] = dataclasses.field(default_factory=list)
-    merges: list[tuple[Entry, int]] = dataclasses.field(default_factory=list)  # adapted entries, leading dims cut
+    merges: list[tuple[Entry, int, list[torch.Tensor]]] = dataclasses.field(default_factory=list)
+    """LoRA-adapted entries: (entry, leading dims cut, its destination blocks as [rows, in] views, made once)."""
     placed: tuple = ()  # where `params` were when the groups' sources were made (`_placement`)
 
 
@@ -257,7 +258,8 @@ def build(hf_model, chunks, bridge, tasks) -> Plan:
     entries = [e for u in ordered for e in u.entries]
     return Plan(_key(hf_model, chunks, bridge), ordered, fallback, planned, time.perf_counter() - start,
                 nbytes=sum(e.dst.numel() * e.dst.element_size() for e in entries), names=[e.name for e in entries],
-                adapted=sum(e.adapter is not None for e in entries), complete={n for n, _ in hf_model.named_parameters()} <= {e.name for e in entries})
+                adapted=sum(e.adapter is not None for e in entries),
+                complete={n for n, _ in hf_model.named_parameters()} <= {e.name for e in entries})
 
 
 def _cut(view: torch.Tensor) -> int | None:
@@ -284,7 +286,8 @@ def _group(unit: Unit) -> None:
         group.dsts += _blocks(e.dst.view(src.shape), lead or 0)
         group.pieces.append((i, e.view, lead or 0))
         if e.adapter is not None:
-            unit.merges.append((e, lead or 0))
+            rows_in = [d.view(-1, d.shape[-1]) for d in _blocks(e.dst.view(src.shape), lead or 0)]
+            unit.merges.append((e, lead or 0, rows_in))
     unit.groups = list(groups.values())
 
 
@@ -347,11 +350,10 @@ def _copy(unit: Unit) -> None:
         unit.placed = placed
     for g in unit.groups:
         torch._foreach_copy_(g.dsts, g.srcs)
-    for e, lead in unit.merges:   # W is in place: add scale * B A, block by block (LoRA)
-        shape = e.view(torch.empty(e.param.shape, device="meta")).shape
+    for e, lead, dsts in unit.merges:   # W is in place: add scale * B A, block by block (LoRA)
         a = e.adapter.a.detach().to(e.dst.dtype)
-        for dst, b in zip(_blocks(e.dst.view(shape), lead), _blocks(e.view(e.adapter.b.detach()), lead)):
-            dst.view(-1, dst.shape[-1]).addmm_(b.reshape(-1, b.shape[-1]).to(e.dst.dtype), a, alpha=e.adapter.scale)
+        for dst, b in zip(dsts, _blocks(e.view(e.adapter.b.detach()), lead)):
+            dst.addmm_(b.reshape(-1, b.shape[-1]).to(dst.dtype), a, alpha=e.adapter.scale)
 
 
 def _gathered(fsdp) -> set[int]:

@@ -48,7 +48,8 @@ def rl_iteration(*, params: int, train_tokens: float, new_tokens: float, decode_
     flops, bw = hw.matmul_flops * world, hw.memory_bytes_per_s
     return dict(sync_s=2 * sync_bytes / (bw * world),
                 rollout_s=max(2 * params * new_tokens / flops, decode_steps * 2 * params / bw),
-                logprob_s=logprob_passes * 2 * params * train_tokens / flops, update_s=6 * params * train_tokens / flops)
+                logprob_s=logprob_passes * 2 * params * train_tokens / flops,
+                update_s=6 * params * train_tokens / flops)
 
 
 def rl_iterations(history, *, params: int, hw: Hardware | None, samples: int, world: int = 1,
