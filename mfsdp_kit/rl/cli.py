@@ -71,8 +71,7 @@ def main(argv=None) -> dict:
                        rollout=grpo.Rollout(hf, tokenizer), prompt_pool=problems,
                        reward_fn=rewards.gold_reward(problems, grade=REWARDS[args.reward]), gcfg=gcfg,
                        iterations=args.iterations, progress=rt.rank == 0)
-    sync.save_hf(model.chunks, model.bridge, out / "hf")
-    tokenizer.save_pretrained(out / "hf") if rt.rank == 0 else None
+    sync.save_hf(model.chunks, model.bridge, out / "hf")   # weights, config and the folder's tokenizer
     metrics = vars(history)
     if rt.rank == 0:
         (out / "history.json").write_text(json.dumps(metrics, indent=1))
