@@ -107,13 +107,14 @@ def main() -> None:
     p.add_argument("--backends", default="hf,continuous",
                    help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call), "
                         "continuous_eager (its decode glue not compiled: `DecodeConfig.compile_glue=False`)")
-    p.add_argument("--fused-kernels", action="store_true", help="EngineConfig.kernels.fused_kernels=True")
+    p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32", seed=0,
-                       kernels=Kernels(fused_kernels=args.fused_kernels))   # else the defaults a user gets
+                       kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto")))
     rt = runtime.init(cfg)
     src = model_folder(args.size, positions=1024)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -9,6 +9,7 @@ by its path, e.g. `parallelism.context_parallel_size=0 is not allowed; allowed: 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -66,17 +67,19 @@ class Kernels:
     window; "local" on CPU: `models.support.attention_backend`) | "local" (megatron's DotProductAttention: padded
     batches only) | "sdpa" (torch's fused kernels; packed rows through varlen flash on a GPU, one SDPA per sequence
     on CPU) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
-    fused_kernels: bool = False
+    fused_kernels: bool | Literal["auto"] = "auto"
     """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
-    local spec runs them unfused. The first step compiles, and a new sequence length once more (seconds). Measured:
-    docs/benchmarks.md, "throughput", "levers, fourth set" and "grpo_iteration"."""
+    local spec runs them unfused. "auto": on a GPU, each that applies to the model (none on CPU, where the kit's
+    checks compare megatron's own kernels) | True (an error if neither applies) | False. The first step compiles
+    (seconds, once per process: sizes are symbolic). Measured: docs/benchmarks.md, "throughput", "levers, fourth
+    set" and "grpo_iteration" (the update 1.9 -> 1.6 s)."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
     (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
     fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
     Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
-    Measured: docs/benchmarks.md, "levers, fourth set". Off by default like `fused_kernels`: the first step
-    compiles (seconds), more than a tiny model's run gains."""
+    Measured: docs/benchmarks.md, "levers, fourth set". Off by default: the first step compiles (seconds),
+    more than a tiny model's run gains."""
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,8 @@ bench/cluster_start.py), paid by every engine and test process whether a fusion 
 same function at the same moment: only the import of the compiler moves there.
 
 `install()` (run by `import mfsdp_kit`; imports nothing) puts a one-shot finder on sys.meta_path
-that loads megatron.core.jit normally, then swaps its `jit_fuser` for `lazy(torch.compile)`. If
+that loads megatron.core.jit normally, then swaps its `jit_fuser` for `lazy(torch.compile)` (with
+`dynamic=True`: one compile per fusion whatever the token count). If
 megatron was imported before mfsdp_kit, nothing changes: its import was paid already.
 """
 from __future__ import annotations
@@ -46,7 +47,9 @@ def lazy(compile_fn):
 def _patch(module) -> None:
     import torch
     if module.jit_fuser is torch.compile:
-        module.jit_fuser = lazy(torch.compile)
+        # sizes symbolic from the first compile: the token count of packed rows changes every micro-batch, and
+        # torch's default compiles a static graph first, then a dynamic one at the second size
+        module.jit_fuser = lazy(functools.partial(torch.compile, dynamic=True))
         record(PATCH)
 
 

@@ -18,8 +18,12 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
 Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
-The first step compiles (Triton on GPU, a C++ compiler on CPU); a new sequence length compiles
-once more, then shapes are dynamic.
+The first step compiles (Triton on GPU, a C++ compiler on CPU), with symbolic sizes from the start
+(`dynamic=True`): packed rows change their token count every micro-batch, and the default (a static
+graph first, a dynamic one at the second size) compiled each kernel twice on the way and a third time
+for k's layout (a slice of megatron's fused qkv output, strided where q is contiguous). Now: one graph
+for q's layout and one for k's, each direction, whatever the lengths and head counts.
+`EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return cached[1], cached[2]
 
 
-@lazy(torch.compile)   # one kernel per direction, compiled at the first call
+@lazy(torch.compile)(dynamic=True)   # one kernel per direction and layout, compiled at the first call
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The rotation of megatron's `_apply_rotary_pos_emb_bshd` given its cos and sin; dims of `t`
     past cos's last dim pass through."""
@@ -102,13 +106,13 @@ def install() -> bool:
     return True
 
 
-def transformer_settings(fused_kernels: bool, model_config, *, overrides: dict) -> dict:
+def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: dict, on_gpu: bool) -> dict:
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
     the fields `overrides` sets: explicit overrides win. Installs the RoPE kernel first:
-    TransformerConfig checks the slot when apply_rope_fusion is set. Raises ConfigError when neither
-    fusion applies to the model."""
-    if not fused_kernels:
+    TransformerConfig checks the slot when apply_rope_fusion is set. "auto": what applies, on a GPU
+    (`on_gpu`) only; True raises ConfigError when neither fusion applies to the model."""
+    if not fused_kernels or (fused_kernels == "auto" and not on_gpu):
         return {}
     import torch.nn.functional as F
     from ..config import ConfigError
@@ -121,9 +125,9 @@ def transformer_settings(fused_kernels: bool, model_config, *, overrides: dict) 
     if not interleaved and not mla:
         install()
         settings["apply_rope_fusion"] = True
-    if not settings:
+    if not settings and fused_kernels is True:
         raise ConfigError(f"fused_kernels=True is not allowed for this model (activation "
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
-                          f"{interleaved}, multi_latent_attention={mla}); allowed: False, or True for models "
-                          f"with SwiGLU and/or plain RoPE")
+                          f"{interleaved}, multi_latent_attention={mla}); allowed: False or \"auto\", or True for "
+                          f"models with SwiGLU and/or plain RoPE")
     return {k: v for k, v in settings.items() if k not in overrides}

@@ -191,9 +191,14 @@ def attention_backend(cfg: EngineConfig, config: dict | None = None) -> str:
     chosen = cfg.kernels.attention_backend
     if chosen != "auto":
         return chosen
+    return "sdpa" if on_gpu() and active_window(config or {}) is None else "local"
+
+
+def on_gpu() -> bool:
+    """Does this process's model live on a GPU (the runtime's device; before `runtime.init`, whether one exists)?
+    What the "auto" kernel choices resolve against."""
     from .. import runtime
-    on_gpu = runtime.current().device.type == "cuda" if runtime.is_initialized() else torch.cuda.is_available()
-    return "sdpa" if on_gpu and active_window(config or {}) is None else "local"
+    return runtime.current().device.type == "cuda" if runtime.is_initialized() else torch.cuda.is_available()
 
 
 def _sliding_window(arch: str, config: dict, cfg) -> None:

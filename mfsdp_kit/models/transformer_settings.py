@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..introspect import torch_dtype
-from . import fusions
+from . import fusions, support
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,
                    masked_softmax_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
@@ -70,4 +70,4 @@ def fused_kernel_settings(cfg: EngineConfig, model_config: Any, *, te_spec: bool
     if te_spec:
         return {}
     return fusions.transformer_settings(cfg.kernels.fused_kernels, model_config,
-                                        overrides=cfg.override_transformer_config)
+                                        overrides=cfg.override_transformer_config, on_gpu=support.on_gpu())

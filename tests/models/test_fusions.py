@@ -91,8 +91,8 @@ def test_install_fills_only_the_empty_slot():
 
 def test_only_the_fusions_that_compute_the_same_apply():
     silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
-    settings = lambda **kw: fusions.transformer_settings(True, kw, overrides={})  # noqa: E731
-    assert fusions.transformer_settings(False, {}, overrides={}) == {}
+    settings = lambda **kw: fusions.transformer_settings(True, kw, overrides={}, on_gpu=False)  # noqa: E731
+    assert fusions.transformer_settings(False, {}, overrides={}, on_gpu=True) == {}
     assert settings(activation_func=silu, gated_linear_unit=True) == dict(bias_activation_fusion=True,
                                                                            apply_rope_fusion=True)
     # megatron's fused GeGLU uses the tanh gelu: not the same function, so only RoPE is fused
@@ -101,6 +101,37 @@ def test_only_the_fusions_that_compute_the_same_apply():
         bias_activation_fusion=True)
     with pytest.raises(ConfigError, match="fused_kernels=True is not allowed.*gelu"):
         settings(activation_func=gelu, gated_linear_unit=False, multi_latent_attention=True)
+
+
+def test_auto_fuses_what_applies_on_a_gpu_only():
+    """The default ("auto"): nothing on CPU; on a GPU each fusion that applies, and no error when none does."""
+    silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
+    auto = lambda on_gpu, **kw: fusions.transformer_settings("auto", kw, overrides={}, on_gpu=on_gpu)  # noqa: E731
+    assert EngineConfig().kernels.fused_kernels == "auto"
+    assert auto(False, activation_func=silu, gated_linear_unit=True) == {}
+    assert auto(True, activation_func=silu, gated_linear_unit=True) == dict(bias_activation_fusion=True,
+                                                                             apply_rope_fusion=True)
+    assert auto(True, activation_func=gelu, gated_linear_unit=False, multi_latent_attention=True) == {}
+    assert fusions.transformer_settings("auto", dict(activation_func=silu, gated_linear_unit=True), on_gpu=True,
+                                        overrides=dict(apply_rope_fusion=False)) == dict(bias_activation_fusion=True)
+
+
+def test_rope_compiles_once_per_layout_whatever_the_token_count():
+    """Packed rows change their token count every micro-batch: the rotation's sizes are symbolic from its first
+    compile, so new lengths and head counts reuse it. Two graphs per direction at most: q (contiguous) and k (a
+    strided slice of megatron's fused qkv output), which dynamo guards apart by stride (a backward is no graph of
+    its own here)."""
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(3)
+    freqs = torch.rand(64, 1, 1, 16, generator=g) * 6.28
+    before = counters["stats"]["unique_graphs"]
+    for tokens in (50, 41, 23):   # none equal to a size or offset of the layouts (dynamo would tie them)
+        mixed = torch.randn(tokens, 1, 2, 6 * 16, generator=g, requires_grad=True)   # 2 groups: 4 q heads, k, v
+        q = mixed[..., :64].reshape(tokens, 1, 8, 16)
+        k = mixed[..., 64:80]
+        out = fusions.rope(q, freqs[:tokens]).sum() + fusions.rope(k, freqs[:tokens]).sum()
+        out.backward()
+    assert counters["stats"]["unique_graphs"] - before <= 2, counters["stats"]["unique_graphs"] - before
 
 
 def test_explicit_override_wins():
@@ -146,3 +177,16 @@ def test_hf_model_logits_match_transformers(arch, tmp_path):
         theirs = hf(tokens).logits
     engine.release(model.chunks)
     assert (ours - theirs).abs().max().item() < TOL
+
+
+def test_megatron_swiglu_compiles_once_whatever_the_token_count():
+    """megatron's own fusions (its `jit_fuser`, compiled lazily by `compat.lazy_compile`) take symbolic sizes from
+    the first compile too: the forward and the backward function, one graph each, for three token counts."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from torch._dynamo.utils import counters
+    g = torch.Generator().manual_seed(4)
+    before = counters["stats"]["unique_graphs"]
+    for tokens in (37, 29, 11):
+        y = torch.randn(tokens, 1, 2 * 24, generator=g, requires_grad=True)
+        bias_swiglu_impl(y, None).sum().backward()
+    assert counters["stats"]["unique_graphs"] - before <= 2, counters["stats"]["unique_graphs"] - before
