@@ -80,7 +80,7 @@ def losses(*, fsdp: bool, workdir: str, steps: int = 6) -> dict:
     """Three twins: plain; offload+reload between every step; optimizer streamed per step."""
     cfg, src, tok = _setup(fsdp=fsdp, workdir=workdir)
     twins = {mode: _model(cfg, src) for mode in ("plain", "between")}
-    # EngineConfig.optimizer_offload: build_optimizer streams states + main weights per step
+    # EngineConfig.offload.optimizer_offload: build_optimizer streams states + main weights per step
     twins["stream"] = _model(dataclasses.replace(cfg, optimizer_offload=True), src)
     streamed_bytes = []
     out = {mode: [] for mode in twins}

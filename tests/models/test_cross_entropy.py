@@ -1,4 +1,4 @@
-"""models.cross_entropy (EngineConfig.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
+"""models.cross_entropy (EngineConfig.kernels.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
 same per-token losses and logit gradients (fp32 within rounding; bf16 within one bf16 rounding), on one gloo
 rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it."""
 import pytest
