@@ -81,7 +81,8 @@ def losses(*, fsdp: bool, workdir: str, steps: int = 6) -> dict:
     cfg, src, tok = _setup(fsdp=fsdp, workdir=workdir)
     twins = {mode: _model(cfg, src) for mode in ("plain", "between")}
     # EngineConfig.offload.optimizer_offload: build_optimizer streams states + main weights per step
-    twins["stream"] = _model(dataclasses.replace(cfg, optimizer_offload=True), src)
+    twins["stream"] = _model(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_offload=True)),
+                             src)
     streamed_bytes = []
     out = {mode: [] for mode in twins}
     pairs = data.ArithmeticTask(digits=1).train_pairs(90)
