@@ -262,7 +262,8 @@ def test_reading_or_assigning_a_flat_name_warns_naming_its_new_field(flat):
                                                 rf"removed in mfsdp_kit {REMOVED_IN}") as w:
         value = getattr(cfg, flat)
     assert w[0].filename == __file__ and value == getattr(getattr(cfg, section), name)
-    with pytest.warns(DeprecationWarning, match=rf"EngineConfig\.{flat} = \.\.\. is deprecated: assign cfg\.{path} ") as w:
+    assigned = rf"EngineConfig\.{flat} = \.\.\. is deprecated: assign cfg\.{path} "
+    with pytest.warns(DeprecationWarning, match=assigned) as w:
         setattr(cfg, flat, value)
     assert w[0].filename == __file__ and cfg == EngineConfig()
 
