@@ -71,7 +71,8 @@ def _train(cfg, spec: GPTSpec, data, args, peaks: PhasePeaks) -> dict:
 
 
 def run(mode: str, ep: int, spec: GPTSpec, data, args) -> dict:
-    cfg = dataclasses.replace(engine_config_from_args(args, mode, spec), expert_model_parallel_size=ep)
+    cfg = engine_config_from_args(args, mode, spec)
+    cfg = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, expert_model_parallel_size=ep))
     result, error, peaks, rt = guarded_run(cfg, lambda peaks: _train(cfg, spec, data, args, peaks),
                                            timeout_s=args.timeout_s)
     peak = peaks.overall()

@@ -50,8 +50,8 @@ FSDP_DDP_DEFAULTS = dict(
 @dataclass(kw_only=True)
 class EngineConfig:
     """How the model is parallelised, wrapped (DDP or Megatron-FSDP) and in which precision: one section per
-    concern (`config_sections`), the model's numerics at the top. The old flat names still work
-    (`config_flat`): `EngineConfig(tensor_model_parallel_size=2)` warns and sets
+    concern (`config_sections`), the model's numerics at the top. The old flat names work until mfsdp_kit 0.2.0
+    (`config_flat`), each use with a DeprecationWarning: `EngineConfig(tensor_model_parallel_size=2)` sets
     `parallelism.tensor_model_parallel_size`, and `cfg.tensor_model_parallel_size` reads it."""
 
     parallelism: Parallelism = field(default_factory=Parallelism)

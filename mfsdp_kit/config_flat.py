@@ -1,6 +1,7 @@
-"""`EngineConfig`'s old flat names, kept working: `EngineConfig(tensor_model_parallel_size=2)` still builds
-`parallelism.tensor_model_parallel_size=2`, with a `DeprecationWarning` that names the new field, and
-`cfg.tensor_model_parallel_size` still reads (and assigns) it. HSDP's old door, the `override_ddp_config` key
+"""`EngineConfig`'s old flat names, kept working until `REMOVED_IN`: `EngineConfig(tensor_model_parallel_size=2)`
+still builds `parallelism.tensor_model_parallel_size=2`, and `cfg.tensor_model_parallel_size` still reads (and
+assigns) it; each use warns (`DeprecationWarning`) naming the nested spelling, reads too, so the flat names do not
+live on in tab completion unnoticed. HSDP's old door, the `override_ddp_config` key
 `num_distributed_optimizer_instances`, moves into `parallelism.data_parallel_replicate_size` the same way.
 
 The naive shim would copy every section field into a second flat list; here the flat names are derived from
@@ -19,14 +20,21 @@ from .config_sections import SECTIONS
 FLAT_NAMES: dict[str, str] = {f.name: f"{section}.{f.name}" for section, cls in SECTIONS.items()
                               for f in dataclasses.fields(cls)}
 """Old flat EngineConfig field -> its field now, "section.name"."""
+REMOVED_IN = "0.2.0"
+"""The mfsdp_kit release without the flat names and HSDP's old key (the minor release after 0.1.0)."""
 HSDP_KEY = "num_distributed_optimizer_instances"
 HSDP_FIELD = "parallelism.data_parallel_replicate_size"
 
 
 def _deprecated(old: str, new: str, stacklevel: int) -> None:
     section, name = new.split(".")
-    warnings.warn(f"EngineConfig({old}=...) is deprecated: set {new} instead, e.g. EngineConfig({section}="
-                  f"{SECTIONS[section].__name__}({name}=...))", DeprecationWarning, stacklevel=stacklevel + 1)
+    _warn(f"EngineConfig({old}=...) is deprecated: set {new} instead, e.g. EngineConfig({section}="
+          f"{SECTIONS[section].__name__}({name}=...))", stacklevel + 1)
+
+
+def _warn(message: str, stacklevel: int) -> None:
+    warnings.warn(f"{message}; removed in mfsdp_kit {REMOVED_IN}", DeprecationWarning,
+                  stacklevel=stacklevel + 1)
 
 
 def nest(kwargs: dict[str, Any], *, stacklevel: int | None = None) -> dict[str, Any]:
@@ -65,17 +73,20 @@ def hsdp_from_override(cfg: Any, *, stacklevel: int) -> None:
 def _alias(path: str) -> property:
     section, name = path.split(".")
 
-    def get(self):
+    def get(self):   # stacklevel 2: the line that read it
+        _warn(f"EngineConfig.{name} is deprecated: read cfg.{path} instead", 2)
         return getattr(getattr(self, section), name)
 
     def put(self, value):   # a new section: configs made by dataclasses.replace share theirs
+        _warn(f"EngineConfig.{name} = ... is deprecated: assign cfg.{path} instead", 2)
         setattr(self, section, dataclasses.replace(getattr(self, section), **{name: value}))
-    return property(get, put, doc=f"The old flat name of `{path}` (reads and assignments go there).")
+    return property(get, put, doc=f"Deprecated (goes in {REMOVED_IN}): the old flat name of `{path}`; reads and "
+                                  "assignments go there and warn.")
 
 
 def accept_flat(cls: type) -> type:
-    """Class decorator for EngineConfig: its constructor takes the flat names too (each warns), and each flat
-    name is a property reading and assigning the section's field."""
+    """Class decorator for EngineConfig: its constructor takes the flat names too, and each flat name is a
+    property reading and assigning the section's field; every use warns."""
     init = cls.__init__
 
     @functools.wraps(init)
@@ -107,5 +118,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def flat_values(cfg: Any) -> dict[str, Any]:
-    """Flat name -> value of every value field of an EngineConfig (what `to_dict` gave before the sections)."""
-    return {name: getattr(cfg, name) for name in leaf_fields(type(cfg))}
+    """Flat name -> value of every value field of an EngineConfig (what `to_dict` gave before the sections), read
+    by path: the flat properties warn."""
+    return {name: functools.reduce(getattr, path.split("."), cfg) for name, (path, _, _) in
+            leaf_fields(type(cfg)).items()}

@@ -2,9 +2,10 @@
 out, which wrapper shards what, which kernels run, how the collectives are tuned, what lives on the host.
 
 Each field keeps the name it had when `EngineConfig` was one flat list (`tensor_model_parallel_size` is now
-`parallelism.tensor_model_parallel_size`; `config_flat` maps the old spelling). Sections only hold values: every
-check runs in `EngineConfig.validate()` (the rank arithmetic in `parallel_dims.ParallelDims`), which names a field
-by its path, e.g. `parallelism.context_parallel_size=0 is not allowed; allowed: a positive integer`.
+`parallelism.tensor_model_parallel_size`; `config_flat` maps the old spelling until it goes). Sections only hold
+values: `EngineConfig` checks them when made and in `validate()` (the rank arithmetic in
+`parallel_dims.ParallelDims`), naming a field by its path, e.g. `parallelism.context_parallel_size=0 is not
+allowed; allowed: a positive integer`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Every validation error names the field, the bad value and what is allowed."""
 import dataclasses
-import pickle
 import warnings
 
 import pytest
@@ -13,8 +12,9 @@ from mfsdp_kit.parallel_dims import ParallelDims
 
 
 def raises(match, **kwargs):
+    """The message of the ConfigError raised when the config is made (each check here needs only its fields)."""
     with pytest.raises(ConfigError, match=match) as e:
-        EngineConfig(**kwargs).validate(world_size=kwargs.pop("_world", None), on_gpu=False)
+        EngineConfig(**kwargs)
     return str(e.value)
 
 
@@ -119,9 +119,9 @@ def test_yaml_and_dict_round_trip(tmp_path):
 
 def test_optim_config_validation():
     with pytest.raises(ConfigError, match="lr"):
-        OptimConfig(lr=0).validate()
+        OptimConfig(lr=0)
     with pytest.raises(ConfigError, match="warmup_steps"):
-        OptimConfig(warmup_steps=-1).validate()
+        OptimConfig(warmup_steps=-1)
 
 
 # The validation battery (bad values a hostile or careless user tried), one row per case: each was accepted, or failed only
@@ -139,12 +139,14 @@ ENGINE_CASES = [
     (dict(override_transformer_config={"hidden_dropout": 1.5}), "override_transformer_config.hidden_dropout"),
     (dict(virtual_pipeline_model_parallel_size="2"), "parallelism.virtual_pipeline_model_parallel_size"),
     (dict(fused_kernels=1), "kernels.fused_kernels"),
-    (dict(override_ddp_config={"fsdp_double_buffer": True}), "wrapper.override_ddp_config.fsdp_double_buffer"),   # CPU
-    (dict(override_ddp_config={"nccl_ub": True}), "wrapper.override_ddp_config.nccl_ub"),
-    (dict(high_priority_comm=True), "communication.high_priority_comm"),   # CPU: an NCCL option
-    (dict(nccl_max_ctas=8), "communication.nccl_max_ctas"),                # CPU: an NCCL option
     (dict(nccl_max_ctas="8"), "communication.nccl_max_ctas"),
     (dict(fsdp_all_gather_group="yes"), "communication.fsdp_all_gather_group"),
+]
+ENGINE_CPU_CASES = [   # allowed when made (on a CPU-only kernel, for GPU engines), refused by validate(on_gpu=False)
+    (dict(override_ddp_config={"fsdp_double_buffer": True}), "wrapper.override_ddp_config.fsdp_double_buffer"),
+    (dict(override_ddp_config={"nccl_ub": True}), "wrapper.override_ddp_config.nccl_ub"),
+    (dict(high_priority_comm=True), "communication.high_priority_comm"),   # an NCCL option
+    (dict(nccl_max_ctas=8), "communication.nccl_max_ctas"),                # an NCCL option
 ]
 OPTIM_CASES = [
     (dict(lr=-1), "lr"), (dict(lr="1e-3"), "lr"), (dict(adam_beta1=1.5), "adam_beta1"), (dict(lr=float("inf")), "lr"),
@@ -161,13 +163,17 @@ def _says_field_value_allowed(msg: str, field: str, value) -> None:
     assert repr(value) in msg and "allowed:" in msg, msg
 
 
-@pytest.mark.parametrize("kwargs,field", ENGINE_CASES, ids=[f for _, f in ENGINE_CASES])
-def test_bad_engine_value_is_a_config_error_naming_it(kwargs, field):
+@pytest.mark.parametrize("kwargs,field,made", [(*case, True) for case in ENGINE_CASES] + [
+    (*case, False) for case in ENGINE_CPU_CASES], ids=[f for _, f in ENGINE_CASES + ENGINE_CPU_CASES])
+def test_bad_engine_value_is_a_config_error_naming_it(kwargs, field, made):
+    """`made`: refused by EngineConfig(...); else made, and refused by validate() on a machine without a GPU."""
     (name, value), = kwargs.items()
     if isinstance(value, dict):
         (_, value), = value.items()
     with pytest.raises(ConfigError) as e:
-        EngineConfig(**kwargs).validate(on_gpu=False)
+        cfg = EngineConfig(**kwargs)
+        assert not made, "made without a ConfigError"
+        cfg.validate(on_gpu=False)
     _says_field_value_allowed(str(e.value), field, value)
 
 
@@ -208,7 +214,7 @@ def test_gpu_only_buffers_pass_on_gpu():
 @pytest.mark.parametrize("ctas", [0, 33, -1])
 def test_nccl_max_ctas_range(ctas):
     with pytest.raises(ConfigError, match=r"nccl_max_ctas=.*\[1, 32\]"):
-        EngineConfig(nccl_max_ctas=ctas).validate(on_gpu=True)
+        EngineConfig(nccl_max_ctas=ctas)   # NCCL's range: refused when made, GPU or not
 
 
 def test_config_error_is_a_value_error():
@@ -229,51 +235,6 @@ def test_validate_names_a_section_field_by_its_path():
     assert "positive integer" in msg
     raises(r"^kernels\.attention_backend='flash' ", kernels=Kernels(attention_backend="flash"))
     raises(r"^parallelism=\{", parallelism={"tensor_model_parallel_size": 2})   # a dict is not a section
-
-
-@pytest.mark.parametrize("flat", sorted(FLAT_NAMES))
-def test_a_flat_keyword_warns_naming_its_new_field_and_still_works(flat):
-    path = FLAT_NAMES[flat]
-    section, name = path.split(".")
-    value = getattr(EngineConfig(), flat)   # the default, through the flat read
-    value = {"tensor_model_parallel_size": 2, "use_megatron_fsdp": True, "attention_backend": "sdpa"}.get(flat, value)
-    with pytest.warns(DeprecationWarning, match=rf"EngineConfig\({flat}=\.\.\.\) is deprecated: set {path} ") as w:
-        cfg = EngineConfig(**{flat: value})
-    assert w[0].filename == __file__   # the warning points at the caller's line
-    assert getattr(getattr(cfg, section), name) == value and getattr(cfg, flat) == value
-    assert cfg == EngineConfig(**{section: SECTIONS[section](**{name: value})})
-
-
-def test_the_sectioned_config_makes_no_warning():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2),
-                           wrapper=Wrapper(use_megatron_fsdp=True),
-                           kernels=Kernels(fused_kernels=True), communication=Communication(),
-                           offload=Offload(optimizer_offload=True), dtype="bf16")
-        assert (cfg.tensor_model_parallel_size, cfg.use_megatron_fsdp, cfg.optimizer_offload) == (2, True, True)
-        assert EngineConfig.from_yaml(cfg.to_yaml()) == cfg and pickle.loads(pickle.dumps(cfg)) == cfg   # to engines
-        assert cfg.to_dict()["parallelism"]["tensor_model_parallel_size"] == 2
-
-
-def test_flat_assignment_and_replace_leave_the_original_alone():
-    cfg = EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        other = dataclasses.replace(cfg, attention_backend="sdpa")   # what scenarios and bench scripts do
-    other.tensor_model_parallel_size = 4                             # a new section, not a shared one
-    assert (cfg.tensor_model_parallel_size, cfg.attention_backend) == (2, "auto")
-    assert (other.parallelism.tensor_model_parallel_size, other.kernels.attention_backend) == (4, "sdpa")
-
-
-def test_a_flat_dict_written_before_the_sections_still_loads():
-    old = {"tensor_model_parallel_size": 2, "use_megatron_fsdp": True, "nccl_max_ctas": None, "dtype": "bf16"}
-    with pytest.warns(DeprecationWarning, match="parallelism.tensor_model_parallel_size"):
-        cfg = EngineConfig.from_dict(old)
-    assert cfg == EngineConfig(parallelism=Parallelism(tensor_model_parallel_size=2),
-                               wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16")
-    with pytest.raises(ConfigError, match=r"EngineConfig\.parallelism\.tensor_parallel_size=2 .*did you mean"):
-        EngineConfig.from_dict({"parallelism": {"tensor_parallel_size": 2}})
 
 
 def test_parallel_dims_does_the_rank_arithmetic():
@@ -356,12 +317,25 @@ BAD_WHEN_MADE = [
     (dict(communication=Communication(nccl_max_ctas=0)), r"^communication.nccl_max_ctas=0 .*\[1, 32\]"),
     (dict(offload=Offload(optimizer_offload=1)), r"^offload.optimizer_offload=1"),
     (dict(lora={"rank": 4}), r"^lora=\{'rank': 4\}"),
+    # issue 52: the field-only checks the rows above did not reach
+    (dict(wrapper=Wrapper(override_ddp_config={"bucket_size": -5})), r"^wrapper.override_ddp_config.bucket_size=-5"),
+    (dict(override_transformer_config={"expert_model_parallel_size": 2}),
+     r"^override_transformer_config.expert_model_parallel_size=2 .*absent"),
+    (dict(wrapper=Wrapper(use_megatron_fsdp=True, fsdp_keep_gathered=True, override_ddp_config={"nccl_ub": True})),
+     r"^wrapper.fsdp_keep_gathered=True .*nccl_ub"),
+    (dict(parallelism=Parallelism(data_parallel_replicate_size=2), wrapper=Wrapper(use_megatron_fsdp=True,
+          override_ddp_config={"outer_dp_sharding_strategy": "optim"})), r"outer_dp_sharding_strategy='optim'"),
+    (dict(parallelism=Parallelism(data_parallel_replicate_size=2, expert_model_parallel_size=2),
+          wrapper=Wrapper(use_megatron_fsdp=True)), r"^parallelism.data_parallel_replicate_size=2 .*MoE experts"),
+    (dict(parallelism=Parallelism(data_parallel_replicate_size=2), wrapper=Wrapper(use_distributed_optimizer=False)),
+     r"^parallelism.data_parallel_replicate_size=2 .*without use_distributed_optimizer"),
 ]
 
 
 @pytest.mark.parametrize("kwargs, named", BAD_WHEN_MADE, ids=[f"{i}-{next(iter(k))}" for i, (k, _) in enumerate(BAD_WHEN_MADE)])
 def test_engine_config_names_a_bad_value_when_made(kwargs, named):
-    """Issue 51: EngineConfig accepted 30 bad values and named them only in validate() or runtime.init."""
+    """Issue 51: EngineConfig accepted 30 bad values and named them only in validate() or runtime.init. Issue 52:
+    every check that needs only the fields runs when the config is made."""
     with pytest.raises(ConfigError, match=named):
         EngineConfig(**kwargs)
 

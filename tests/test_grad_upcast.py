@@ -97,7 +97,7 @@ def test_parts_keep_order_and_bound():
 
 def test_bad_grad_upcast_names_the_field():
     with pytest.raises(ConfigError, match="grad_upcast.*by_part \\| whole"):
-        OptimConfig(grad_upcast="half").validate()
+        OptimConfig(grad_upcast="half")   # refused when made
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels (fused Adam, the bf16 norm) run only on a GPU")

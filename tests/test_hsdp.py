@@ -94,17 +94,20 @@ def test_a_held_hsdp_step_is_the_released_one_bit_for_bit(runs):
     assert all(g >= 3 * k for g, k in zip(released["gathers_per_step"], kept["gathers_per_step"])), (released, kept)
 
 
-@pytest.mark.parametrize("fields, named", [
+@pytest.mark.parametrize("fields, named, made", [
     (dict(use_megatron_fsdp=True, override_ddp_config={**HSDP, "outer_dp_sharding_strategy": "optim"}),
-     "outer_dp_sharding_strategy='optim'"),
-    (dict(use_megatron_fsdp=True, expert_model_parallel_size=2, override_ddp_config=HSDP), "MoE experts"),
+     "outer_dp_sharding_strategy='optim'", True),
+    (dict(use_megatron_fsdp=True, expert_model_parallel_size=2, override_ddp_config=HSDP), "MoE experts", True),
     (dict(use_megatron_fsdp=True, override_ddp_config={"num_distributed_optimizer_instances": 3}),
-     "a divisor of the 4 data x context"),
-    (dict(use_megatron_fsdp=False, override_ddp_config=HSDP), "DDP without a GPU"),
+     "a divisor of the 4 data x context", False),   # needs the world size
+    (dict(use_megatron_fsdp=False, override_ddp_config=HSDP), "DDP without a GPU", False),   # needs the machine
 ])
-def test_what_megatron_gets_wrong_is_refused_by_name(fields, named):
+def test_what_megatron_gets_wrong_is_refused_by_name(fields, named, made):
+    """`made`: refused by EngineConfig(...) (the fields alone); else by validate(world_size=4, on_gpu=False)."""
     with pytest.raises(ConfigError, match="allowed") as e:
-        EngineConfig(**fields).validate(world_size=4, on_gpu=False)
+        cfg = EngineConfig(**fields)
+        assert not made, "made without a ConfigError"
+        cfg.validate(world_size=4, on_gpu=False)
     assert named in str(e.value)
     EngineConfig(use_megatron_fsdp=True, override_ddp_config=HSDP).validate(world_size=4, on_gpu=False)
 

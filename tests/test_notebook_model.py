@@ -46,7 +46,7 @@ def test_prepare_writes_the_tiny_folder_once(tmp_path, monkeypatch):
     assert again.path == m.path and weights.stat().st_mtime_ns == written   # reused, not rewritten
     assert m.lr(3e-3) == 3e-3 and m.out("sft") == str(tmp_path / "sft")
     cfg = m.engine_config(use_megatron_fsdp=True)
-    assert cfg.dtype == "fp32" and cfg.use_megatron_fsdp
+    assert cfg.dtype == "fp32" and cfg.wrapper.use_megatron_fsdp
     assert m.engine_config(dtype="bf16").dtype == "bf16"                   # an override wins
 
 
@@ -66,7 +66,7 @@ def test_attention_is_sdpa_on_gpus_unless_a_sliding_window_needs_local(tmp_path)
     assert nm.attention_backend(windowed, on_gpu=True, env={}) == "local"
     m = nm.NotebookModel(choice="xs", path=str(path), dtype="fp32", on_gpu=True, workdir=str(tmp_path),
                          attention_backend="sdpa")
-    assert m.engine_config().attention_backend == "sdpa" and "sdpa attention" in str(m)
+    assert m.engine_config().kernels.attention_backend == "sdpa" and "sdpa attention" in str(m)
 
 
 def test_a_user_folder_is_used_in_place(tmp_path, monkeypatch):

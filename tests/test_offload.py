@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mfsdp_kit import offload
-from mfsdp_kit.config import ConfigError, EngineConfig
+from mfsdp_kit.config import ConfigError, EngineConfig, Offload, Wrapper
 from tests.dist import launch
 
 
@@ -59,6 +59,7 @@ def test_unsupported_wrapper_and_reload_without_offload():
 
 
 def test_optimizer_offload_field_is_validated():
-    assert EngineConfig(use_megatron_fsdp=True, optimizer_offload=True).validate(on_gpu=False).optimizer_offload
-    with pytest.raises(ConfigError, match="optimizer_offload"):
-        EngineConfig(optimizer_offload="yes").validate(on_gpu=False)
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), offload=Offload(optimizer_offload=True))
+    assert cfg.validate(on_gpu=False).offload.optimizer_offload
+    with pytest.raises(ConfigError, match="^offload.optimizer_offload='yes'"):
+        EngineConfig(offload=Offload(optimizer_offload="yes"))   # refused when made

@@ -52,8 +52,8 @@ def test_config_form_shows_the_error_and_recovers():
     assert "color:#c62828" in form.status.value and "tensor_model_parallel_size=0" in form.status.value
     assert form.value == good                       # .value keeps the last valid config
     form.fields["tensor_model_parallel_size"].value = 2   # the user types a fix
-    assert form.error is None and form.value.tensor_model_parallel_size == 2
-    assert form.value.use_megatron_fsdp is True
+    assert form.error is None and form.value.parallelism.tensor_model_parallel_size == 2
+    assert form.value.wrapper.use_megatron_fsdp is True
 
 
 def test_config_form_edits_the_lora_section():
@@ -88,7 +88,7 @@ def test_config_form_edits_overrides():
     form = widgets.config_form()
     form.set(override_ddp_config={"data_parallel_sharding_strategy": "optim_grads"}, dtype="bf16")
     assert form.error is None
-    assert form.value.override_ddp_config == {"data_parallel_sharding_strategy": "optim_grads"}
+    assert form.value.wrapper.override_ddp_config == {"data_parallel_sharding_strategy": "optim_grads"}
     assert form.value.dtype == "bf16"
 
 

@@ -61,7 +61,7 @@ def greedy_vs_hf(model, src: str, *, vocab_size: int) -> dict:
 def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, vocab_size: int = 256,
                    overrides: dict | None = None, transformer: dict | None = None, train: bool = True,
                    attention: str = "local") -> dict:
-    """`attention`: an `EngineConfig.attention_backend`, or "gpu-default": what the notebooks pick on a GPU for
+    """`attention`: an `EngineConfig.kernels.attention_backend`, or "gpu-default": what the notebooks pick on a GPU for
     this folder (`notebook_model.attention_backend`)."""
     cfg = EngineConfig(use_megatron_fsdp=fsdp, tensor_model_parallel_size=tp, dtype="fp32", seed=3,
                        override_transformer_config=transformer or {})
@@ -73,8 +73,8 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
     if attention == "gpu-default":
         from mfsdp_kit.notebook_model import attention_backend
         attention = attention_backend(src, on_gpu=True, env={})
-    if attention != cfg.attention_backend:
-        cfg = dataclasses.replace(cfg, attention_backend=attention)
+    if attention != cfg.kernels.attention_backend:
+        cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend=attention))
         runtime.init(cfg)
     model = hf_models.load(src, cfg)
     v = verify(model)

@@ -1,5 +1,5 @@
 """keep_gathered scenarios: Megatron-FSDP steps with megatron's per-micro-batch gathers or with the step's gathers
-kept (`EngineConfig.fsdp_keep_gathered`), counting the all-gathers each step really issues."""
+kept (`EngineConfig.wrapper.fsdp_keep_gathered`), counting the all-gathers each step really issues."""
 from __future__ import annotations
 
 import dataclasses

@@ -80,8 +80,9 @@ def losses(*, fsdp: bool, workdir: str, steps: int = 6) -> dict:
     """Three twins: plain; offload+reload between every step; optimizer streamed per step."""
     cfg, src, tok = _setup(fsdp=fsdp, workdir=workdir)
     twins = {mode: _model(cfg, src) for mode in ("plain", "between")}
-    # EngineConfig.optimizer_offload: build_optimizer streams states + main weights per step
-    twins["stream"] = _model(dataclasses.replace(cfg, optimizer_offload=True), src)
+    # EngineConfig.offload.optimizer_offload: build_optimizer streams states + main weights per step
+    twins["stream"] = _model(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, optimizer_offload=True)),
+                             src)
     streamed_bytes = []
     out = {mode: [] for mode in twins}
     pairs = data.ArithmeticTask(digits=1).train_pairs(90)

@@ -1,4 +1,4 @@
-"""models.cross_entropy (EngineConfig.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
+"""models.cross_entropy (EngineConfig.kernels.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
 same per-token losses and logit gradients (fp32 within rounding; bf16 within one bf16 rounding), on one gloo
 rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it."""
 import pytest
@@ -74,4 +74,4 @@ def test_refuses_a_model_without_a_language_model_loss():
 
 def test_bad_value_is_named():
     with pytest.raises(ConfigError, match="fused_cross_entropy"):
-        EngineConfig(fused_cross_entropy="yes").validate(world_size=1, on_gpu=False)
+        EngineConfig(fused_cross_entropy="yes")   # refused when made

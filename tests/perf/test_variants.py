@@ -39,25 +39,28 @@ def test_layer_params_and_megatron_default_unit():
 def test_variant_configs():
     spec = SPECS["1.7b"]
     cfg = {m: engine_config(m, spec, **SETTINGS) for m in VARIANTS}
-    assert not cfg["ddp"].use_megatron_fsdp and cfg["ddp"].override_ddp_config == {"overlap_grad_reduce": True}
-    assert cfg["fsdp"].use_megatron_fsdp and cfg["fsdp"].override_ddp_config == {"overlap_param_gather": True}
-    assert cfg["fsdp-no-overlap"].override_ddp_config == {"overlap_param_gather": False, "overlap_grad_reduce": False,
-                                                          "suggested_communication_unit_size": 1}
-    assert cfg["fsdp-unit2x"].override_ddp_config == {"overlap_param_gather": True,
-                                                      "suggested_communication_unit_size": 2_000_000_000}
-    assert cfg["fsdp-unit-1e9"].override_ddp_config["suggested_communication_unit_size"] == 1_000_000_000
+    wrap = {m: c.wrapper for m, c in cfg.items()}
+    assert not wrap["ddp"].use_megatron_fsdp and wrap["ddp"].override_ddp_config == {"overlap_grad_reduce": True}
+    assert wrap["fsdp"].use_megatron_fsdp and wrap["fsdp"].override_ddp_config == {"overlap_param_gather": True}
+    assert wrap["fsdp-no-overlap"].override_ddp_config == {"overlap_param_gather": False, "overlap_grad_reduce": False,
+                                                           "suggested_communication_unit_size": 1}
+    assert wrap["fsdp-unit2x"].override_ddp_config == {"overlap_param_gather": True,
+                                                       "suggested_communication_unit_size": 2_000_000_000}
+    assert wrap["fsdp-unit-1e9"].override_ddp_config["suggested_communication_unit_size"] == 1_000_000_000
     assert cfg["ddp-recompute"].recompute == cfg["fsdp2-recompute"].recompute == "full"
     assert optim_overrides("fsdp-foreach-adam", spec) == {"adam_implementation": "foreach"} and not optim_overrides("fsdp", spec)
     assert cfg["fsdp-recompute"].recompute == "full" and cfg["fsdp"].recompute == "none"
-    assert cfg["fsdp-optoffload"].optimizer_offload and not cfg["fsdp"].optimizer_offload
-    assert cfg["fsdp-ag-group-hp"].fsdp_all_gather_group and cfg["fsdp-ag-group-hp"].high_priority_comm
+    assert cfg["fsdp-optoffload"].offload.optimizer_offload and not cfg["fsdp"].offload.optimizer_offload
+    comm = {m: c.communication for m, c in cfg.items()}
+    assert comm["fsdp-ag-group-hp"].fsdp_all_gather_group and comm["fsdp-ag-group-hp"].high_priority_comm
     assert cfg["fsdp-ce-fusion"].override_transformer_config["cross_entropy_loss_fusion"] is True
-    assert cfg["fsdp-ctas8"].nccl_max_ctas == cfg["ddp-ctas8"].nccl_max_ctas == 8 and cfg["fsdp"].nccl_max_ctas is None
-    assert all(cfg[f"{t}-fused-ce"].fused_cross_entropy for t in ("ddp", "fsdp", "fsdp2"))
-    assert not cfg["fsdp"].fused_cross_entropy
+    assert comm["fsdp-ctas8"].nccl_max_ctas == comm["ddp-ctas8"].nccl_max_ctas == 8
+    assert comm["fsdp"].nccl_max_ctas is None
+    assert all(cfg[f"{t}-fused-ce"].kernels.fused_cross_entropy for t in ("ddp", "fsdp", "fsdp2"))
+    assert not cfg["fsdp"].kernels.fused_cross_entropy
     assert uses_megatron_finalize("fsdp-megatron-finalize", spec) and uses_megatron_finalize("ddp-megatron-finalize", spec)
     assert not uses_megatron_finalize("fsdp", spec)
-    assert cfg["fsdp-keep-gathered"].fsdp_keep_gathered and not cfg["fsdp"].fsdp_keep_gathered
+    assert wrap["fsdp-keep-gathered"].fsdp_keep_gathered and not wrap["fsdp"].fsdp_keep_gathered
     assert fsdp2_options("fsdp2-keep-gathered", spec) == {"keep_gathered": True} and not fsdp2_options("fsdp2", spec)
     assert cfg["fsdp2-keep-gathered"] == cfg["fsdp2"]   # its option is build_fsdp2's, not an EngineConfig field
     assert cfg["fsdp-lora16"].lora.rank == cfg["ddp-lora16"].lora.rank == 16 and cfg["fsdp"].lora is None
@@ -67,8 +70,8 @@ def test_variant_configs():
         assert changed <= {"override_ddp_config", "recompute", "optimizer_offload", "fused_kernels",
                            "fsdp_all_gather_group", "high_priority_comm", "override_transformer_config",
                            "nccl_max_ctas", "fused_cross_entropy", "fsdp_keep_gathered", "lora"}, (m, changed)
-        assert c.dtype == "bf16" and c.attention_backend == "sdpa" and not c.fused_kernels
-    fused = {m: engine_config(m, spec, **{**SETTINGS, "fused_kernels": True}).fused_kernels for m in VARIANTS}
+        assert c.dtype == "bf16" and c.kernels.attention_backend == "sdpa" and not c.kernels.fused_kernels
+    fused = {m: engine_config(m, spec, **{**SETTINGS, "fused_kernels": True}).kernels.fused_kernels for m in VARIANTS}
     assert fused == {m: m != "fsdp-unfused" for m in VARIANTS}
 
 
@@ -77,9 +80,10 @@ def test_engine_config_from_the_command_line():
     add_engine_args(ap)
     args = ap.parse_args(["--dtype", "bf16", "--fsdp-overrides", '{"suggested_communication_unit_size": 7}'])
     cfg = engine_config_from_args(args, "fsdp-recompute", SPECS["tiny"])
-    assert cfg.use_megatron_fsdp and cfg.recompute == "full" and cfg.dtype == "bf16"
-    assert cfg.override_ddp_config == {"suggested_communication_unit_size": 7}
-    assert engine_config_from_args(args, "ddp", SPECS["tiny"]).override_ddp_config == {"overlap_grad_reduce": True}
+    assert cfg.wrapper.use_megatron_fsdp and cfg.recompute == "full" and cfg.dtype == "bf16"
+    assert cfg.wrapper.override_ddp_config == {"suggested_communication_unit_size": 7}
+    ddp = engine_config_from_args(args, "ddp", SPECS["tiny"])
+    assert ddp.wrapper.override_ddp_config == {"overlap_grad_reduce": True}
     assert parse_modes(ap, "ddp, fsdp2,") == ["ddp", "fsdp2"]
     with pytest.raises(SystemExit):
         parse_modes(ap, "ddp,zero3")
