@@ -31,14 +31,17 @@ def test_failure_leaves_nothing_half_written(tmp_path):
     assert names(tmp_path) == []
 
 
-def test_failure_keeps_the_earlier_folder(tmp_path):
+@pytest.mark.parametrize("replace, error", [(True, RuntimeError), (False, OSError)], ids=["failed", "refused"])
+def test_a_failed_or_refused_write_keeps_the_earlier_folder(tmp_path, replace, error):
+    """replace=True: the block fails midway; replace=False: the block succeeds but a non-empty folder is there."""
     dest = tmp_path / "out"
     dest.mkdir()
     (dest / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError):
-        with folders.written_aside(dest, replace=True) as tmp:
+    with pytest.raises(error):
+        with folders.written_aside(dest, replace=replace) as tmp:
             (tmp / "new.txt").write_text("new")
-            raise RuntimeError("midway")
+            if replace:
+                raise RuntimeError("midway")
     assert names(tmp_path) == ["out"] and names(dest) == ["old.txt"]
 
 
@@ -50,16 +53,6 @@ def test_replace_true_swaps_the_earlier_folder_out_whole(tmp_path):
         (tmp / "new.txt").write_text("new")
     assert names(dest) == ["new.txt"]   # no file of the earlier folder is mixed in
     assert names(tmp_path) == ["out"]   # the earlier folder, moved aside, is gone
-
-
-def test_replace_false_refuses_a_non_empty_folder_and_cleans_up(tmp_path):
-    dest = tmp_path / "out"
-    dest.mkdir()
-    (dest / "theirs.txt").write_text("theirs")
-    with pytest.raises(OSError):
-        with folders.written_aside(dest, replace=False) as tmp:
-            (tmp / "mine.txt").write_text("mine")
-    assert names(tmp_path) == ["out"] and names(dest) == ["theirs.txt"]
 
 
 def test_replace_false_takes_an_empty_folder(tmp_path):
