@@ -17,7 +17,6 @@ On CPU (`--spec tiny`) the same rows run at toy shapes, for the test; the times 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
@@ -25,15 +24,11 @@ from mfsdp_kit import runtime
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec
 from mfsdp_kit.models.gpt import SPECS
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.report import write_json
 
 TINY = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
                seq_len_tokens=32)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _rope_cases(spec: GPTSpec, mb: int, device, dtype):
@@ -95,7 +90,7 @@ def _kernel_ms(run, *, calls: int) -> float | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
-        _sync()
+        clock.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
     return sum(e.device_time for e in kernels) / calls / 1e3
 
@@ -112,14 +107,7 @@ def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
     ref_out, ref_grad = _call(reference, ref_x.detach().clone().requires_grad_(), ref_rest, grad_out)
     grad_out = grad_out.to(fn(x.detach(), *rest).dtype)
     run = lambda: _call(fn, x, rest, grad_out)  # noqa: E731
-    for _ in range(warmup):
-        run()
-    _sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        run()
-    _sync()
-    wall_ms = 1e3 * (time.perf_counter() - start) / iters
+    wall_ms = clock.mean_ms(run, repeats=iters, warmup=warmup)
     base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

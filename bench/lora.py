@@ -27,7 +27,6 @@ The largest model LoRA trains on 1 GPU vs full fine-tuning is bench/max_model.py
 from __future__ import annotations
 
 import argparse
-import time
 from functools import partial
 from pathlib import Path
 
@@ -38,6 +37,7 @@ from mfsdp_kit import data, engine, lora, runtime, train
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
 from mfsdp_kit.perf.peaks import guarded_run
 from mfsdp_kit.perf.report import write_json
@@ -57,14 +57,14 @@ def timed_steps(chunks, opt, args, *, vocab_size: int) -> dict:
     """--warmup then --steps steps; losses, seconds of the timed steps, tokens/s, peak bytes over all of them."""
     batches = data.random_token_batches(steps=args.warmup + args.steps, global_batch=args.global_batch,
                                         seq_len_tokens=args.seq_len, vocab_size=vocab_size)
-    losses, start = [], None
-    for i, batch in enumerate(batches):
-        if i == args.warmup:
-            sync()
-            start = time.perf_counter()
-        losses.append(train.step(chunks, opt, batch, micro_batch_size=args.micro_batch_size, step_index=i).loss)
-    sync()
-    seconds = time.perf_counter() - start
+
+    def step(i: int):
+        return train.step(chunks, opt, batches[i], micro_batch_size=args.micro_batch_size, step_index=i).loss
+
+    losses = [step(i) for i in range(args.warmup)]
+    with clock.timed() as t:   # the --steps after the warmup
+        losses += [step(i) for i in range(args.warmup, len(batches))]
+    seconds = t.seconds
     tokens = args.steps * args.global_batch * args.seq_len
     return dict(losses=losses, seconds=seconds, tokens_per_s=tokens / seconds,
                 peak_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
@@ -80,18 +80,10 @@ def refresh(model, path: Path, args) -> dict:
     from mfsdp_kit.introspect import torch_dtype
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(args.dtype)).to(runtime.current().device)
     first = weight_sync.load_into(hf, model.chunks, model.bridge)
-    sync()
-    start = time.perf_counter()
-    again = weight_sync.load_into(hf, model.chunks, model.bridge)
-    sync()
+    refresh_s, again = clock.seconds(lambda: weight_sync.load_into(hf, model.chunks, model.bridge))
     del hf
-    return dict(refresh_s=time.perf_counter() - start, refresh_first_s=first["seconds"], refresh_plan_s=first["plan_s"],
+    return dict(refresh_s=refresh_s, refresh_first_s=first["seconds"], refresh_plan_s=first["plan_s"],
                 refresh_planned=again["planned"], refresh_bridge=again["bridge"])
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def formulas(variant: str, counts: dict, *, world: int, dtype: str) -> dict:

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from mfsdp_kit import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches
@@ -47,11 +47,6 @@ def flops_per_token(spec: GPTSpec) -> float:
     return 6 * active + 12 * spec.num_layers * spec.hidden_size * spec.seq_len_tokens
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _train(cfg, spec: GPTSpec, data, args, peaks: PhasePeaks) -> dict:
     """Build, time every step of `data`; the model lives in this frame only (freed on return)."""
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
@@ -59,11 +54,9 @@ def _train(cfg, spec: GPTSpec, data, args, peaks: PhasePeaks) -> dict:
     record_step_phases(opt, peaks)
     times, losses = [], []
     for i, b in enumerate(data):
-        _sync()
-        t0 = time.perf_counter()
-        losses.append(step(chunks, opt, b, micro_batch_size=args.micro_batch_size, step_index=i).loss)
-        _sync()
-        times.append(time.perf_counter() - t0)
+        with clock.timed() as t:
+            losses.append(step(chunks, opt, b, micro_batch_size=args.micro_batch_size, step_index=i).loss)
+        times.append(t.seconds)
     engine.synchronize_fsdp_params(chunks)  # waits for and drops pending all-gathers
     local_params = engine.local_numel(chunks)
     engine.release(chunks)

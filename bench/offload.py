@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -33,12 +32,8 @@ from mfsdp_kit.memory import memory_report
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.report import write_json
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _allocated() -> int:
@@ -47,11 +42,7 @@ def _allocated() -> int:
 
 def _timed(fn) -> float:
     dist.barrier()
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t0
+    return clock.seconds(fn)[0]
 
 
 def plain_copy_gb_per_s(nbytes: int, device, repeats: int) -> dict:
@@ -70,12 +61,12 @@ def rollout_memory(model, opt, rollout, *, with_offload: bool, prompts) -> dict:
     rollout.refresh(model.chunks, model.bridge)
     if with_offload:
         offload.offload(model.chunks, opt)
-    _sync()
+    clock.synchronize()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = _allocated()
     rollout.sample(prompts, n=4, max_new_tokens=16, temperature=1.0, top_p=1.0, seed=0)
-    _sync()
+    clock.synchronize()
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     if with_offload:
         offload.reload(model.chunks, opt)
@@ -139,7 +130,7 @@ def main() -> None:
     offload_s, reload_s, before, after, nbytes = [], [], 0, 0, 0
     for _ in range(args.repeats):
         engine.synchronize_fsdp_params(model.chunks)  # measure shards, not all-gathered buckets
-        _sync()
+        clock.synchronize()
         before = _allocated()
         stats = {}
         offload_s.append(_timed(lambda: stats.update(offload.offload(model.chunks, opt))))

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout.hf import HFRollout
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConfig
@@ -93,7 +94,7 @@ def tool_rows(model, vocab: int, batches: list[int], *, prompt_tokens: int, new_
             kit = ContinuousRollout(model, CharIds(vocab - 1), config=DecodeConfig(keep_cache=True), **kw)
             for _ in range(2):
                 kit.generate(rows, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
-                sync(device)
+                clock.synchronize(device)
             row[name] = {k: v for k, v in kit.stats.items() if k != "by_batch"}
             kit.release()
         t = row["tools"]
@@ -107,38 +108,23 @@ def copy_bandwidth(device: str) -> float:
     """Bytes per second of a device-to-device copy of 1 GiB (read + write counted)."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    y.copy_(x)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
-    sync(device)
-    return 2 * 5 * x.numel() / (time.perf_counter() - start)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    ms = clock.mean_ms(lambda: y.copy_(x), repeats=5, warmup=1, device=device)
+    return 2 * x.numel() / (ms / 1e3)
 
 
 def timed_hf(model, rows, new: int, device: str) -> float:
     """Seconds of one `generate` of `new` forced tokens, as HFRollout.sample calls it."""
     from mfsdp_kit.rl.rollout.hf import left_padded
     enc = left_padded(rows, pad_id=model.config.eos_token_id, device=device)
-    sync(device)
-    start = time.perf_counter()
-    model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
-                   min_new_tokens=new, pad_token_id=model.config.eos_token_id)
-    sync(device)
-    return time.perf_counter() - start
+    return clock.seconds(lambda: model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                                max_new_tokens=new, min_new_tokens=new,
+                                                pad_token_id=model.config.eos_token_id), device=device)[0]
 
 
 def timed_kit(rollout: ContinuousRollout, rows, new: int, device: str) -> tuple[float, int]:
-    sync(device)
-    start = time.perf_counter()
-    out, _ = rollout.generate(rows, max_new_tokens=new, temperature=1.0, top_p=1.0, seed=0)
-    sync(device)
-    return time.perf_counter() - start, max(map(len, out))
+    seconds, (out, _) = clock.seconds(lambda: rollout.generate(rows, max_new_tokens=new, temperature=1.0, top_p=1.0,
+                                                               seed=0), device=device)
+    return seconds, max(map(len, out))
 
 
 def agreement(model, kit: ContinuousRollout, rows, new: int, device: str) -> dict:
@@ -172,7 +158,7 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
     kit.generate(rows, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)   # compiles, the cache
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         kit.generate(rows, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
-        sync(device)
+        clock.synchronize(device)
     steps = kit.stats["steps"]
     kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
                      key=lambda e: -e.self_device_time_total)
@@ -185,9 +171,10 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
     slots = min(state.shape[1], 64 * -(-(prompt_tokens + new_tokens // 2) // 64))   # the call's mean bucket
     step = graphed.step(state, batch, slots)
     gen = torch.Generator(device=device).manual_seed(0)
-    graph_ms = timed_ms(step, device)
+    graph_ms = clock.mean_ms(step, repeats=50, warmup=1, device=device)
     logits = model.lm_head(step())
-    pick_ms = timed_ms(lambda: pick(logits, temperature=1.0, top_p=1.0, generator=gen), device)
+    pick_ms = clock.mean_ms(lambda: pick(logits, temperature=1.0, top_p=1.0, generator=gen), repeats=50, warmup=1,
+                            device=device)
     graphed.release()
     total = sum(r["us_per_step"] for r in table) / 1e3
     print(f"profile at {batch} rows: kernels {total:.2f} ms/step (eager engine), graph replay {graph_ms:.2f} ms "
@@ -197,16 +184,6 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
         print(f"{r['us_per_step']:>9.1f} {r['calls_per_step']:>6.1f}  {r['kernel']}")
     return dict(batch=batch, kernel_ms_per_step=total, graph_ms=graph_ms, graph_slots=slots, pick_ms=pick_ms,
                 kernels=table[:60])
-
-
-def timed_ms(fn, device: str, repeats: int = 50) -> float:
-    fn()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync(device)
-    return (time.perf_counter() - start) / repeats * 1e3
 
 
 VARIANTS = {"compiled": {}, "eager": dict(compile_glue=False), "reduce-overhead": dict(graph_mode="reduce-overhead")}
@@ -253,14 +230,12 @@ def main() -> None:
             torch.finfo(dtype).bits // 8
         floor_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
         for name, kit in kits.items():
-            t0 = time.perf_counter()
-            try:
-                timed_kit(kit, rows, args.new_tokens, device)   # warm-up: the cache, compiles, every bucket's graph
+            try:   # warm-up: the cache, compiles, every bucket's graph
+                first_s, _ = timed_kit(kit, rows, args.new_tokens, device)
             except Exception as e:   # one variant's failure (a compile, say) must not cost the others' numbers
                 print(f"{batch:>9} {name:>9} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 kit.release()
                 continue
-            first_s = time.perf_counter() - t0
             whole, steps = timed_kit(kit, rows, args.new_tokens, device)
             one, _ = timed_kit(kit, rows, 1, device)   # prefill (and a small cache): the call less its decode
             kit.release()

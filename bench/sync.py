@@ -30,7 +30,6 @@ import argparse
 import gc
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -41,14 +40,10 @@ from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
 from mfsdp_kit.sync import export_hf_weights, load_into
 from mfsdp_kit.perf.report import write_json
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _max_diff(rollout, path: Path, dtype: torch.dtype) -> float:
@@ -79,11 +74,8 @@ def _timed(fn, repeats: int) -> tuple[list[float], object]:
     seconds = []
     for _ in range(repeats):
         dist.barrier()
-        _sync()
-        t0 = time.perf_counter()
-        out = fn()
-        _sync()
-        seconds.append(time.perf_counter() - t0)
+        took, out = clock.seconds(fn)
+        seconds.append(took)
     return seconds, out
 
 

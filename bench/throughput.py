@@ -54,14 +54,10 @@ from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
 from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
                                      parse_modes, trainer_of, variant_overrides)
+from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.report import table_row, units, write_json
 
 PROFILE_STEPS = 2
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 # ---- profiler ---------------------------------------------------------------------------------
@@ -74,14 +70,12 @@ def profile_steps(trainer: Trainer, data: list[Batch], trace_path: str) -> dict:
     profiler's thread-local state; seen as a segfault in gc, torch 2.13 CPU)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    _sync()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
+    clock.synchronize()
+    with profile(activities=activities) as prof, clock.timed() as t:
         for i in range(PROFILE_STEPS):
             run_step(trainer, data[i % len(data)], i)
         trainer.settle()
-        _sync()
-        wall_s = time.perf_counter() - start
+    wall_s = t.seconds
     if dist.get_rank() != 0:
         return dict(steps=PROFILE_STEPS, step_s=wall_s / PROFILE_STEPS)
     try:  # a trace we cannot write or read must not cost the mode its throughput numbers
@@ -102,19 +96,18 @@ def _one_by_one(trainer: Trainer, data: list[Batch]) -> tuple[list[float], list[
     """(seconds, loss) per step, each step alone: the device synchronized before it starts and after it ends."""
     times, losses = [], []
     for i, b in enumerate(data):
-        _sync()
-        t0 = time.perf_counter()
-        losses.append(run_step(trainer, b, i))
-        _sync()
-        times.append(time.perf_counter() - t0)
+        with clock.timed() as t:
+            losses.append(run_step(trainer, b, i))
+        times.append(t.seconds)
     return times, losses
 
 
 def _pipelined(trainer: Trainer, data: list[Batch]) -> tuple[list[float], list[float]]:
     """(seconds, loss) per step of a loop that starts step i+1 before it reads step i's loss, as a training
-    loop that logs every step can: a step's time is from one loss read to the next (the first: from the start)."""
+    loop that logs every step can: a step's time is from one loss read to the next (the first: from the start).
+    The host clock, not `clock.mark`: an event recorded after a read would wait for step i+1, already queued."""
     times, losses = [], []
-    _sync()
+    clock.synchronize()
     last = time.perf_counter()
     pending = trainer.start(data[0], 0)
     for i in range(1, len(data) + 1):

@@ -22,14 +22,13 @@ FLOPs: forward 2 x 2 x sum(L^2)/2 x heads x head_dim, backward 2.5x that. A kern
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from mfsdp_kit.models.sdpa import per_sequence
 from mfsdp_kit.models.varlen import VarlenFlash
-from mfsdp_kit.perf import length_mix
+from mfsdp_kit.perf import clock, length_mix
 from mfsdp_kit.perf.report import write_json
 
 KERNELS = ("flash", "cudnn", "cudnn-i64", "per-sequence", "dense")
@@ -80,25 +79,6 @@ def kernel_fn(name: str, lens: list[int], device, scale: float):
             "dense": lambda q, k, v: dense(q, k, v, lens, scale)}[name]
 
 
-def timed_ms(fn, *, repeats: int, cuda: bool) -> float:
-    """Mean ms of `fn` over `repeats` calls after 2 untimed ones (CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / repeats
-
-
 def measure(name: str, q, k, v, grad, ref: list, *, lens, scale: float, repeats: int) -> dict:
     fn = kernel_fn(name, lens, q.device, scale)
     ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
@@ -112,10 +92,9 @@ def measure(name: str, q, k, v, grad, ref: list, *, lens, scale: float, repeats:
         raise RuntimeError(f"backward: {type(e).__name__}: {e}") from e
     got = [out.detach(), *(x.grad for x in ins)]
     diffs = [(a.float() - b).abs().max().item() for a, b in zip(got, ref)]
-    cuda = q.is_cuda
     with torch.no_grad():
-        fwd = timed_ms(lambda: fn(q, k, v), repeats=repeats, cuda=cuda)
-    both = timed_ms(lambda: fn(*ins).backward(grad), repeats=repeats, cuda=cuda)
+        fwd = clock.mean_ms(lambda: fn(q, k, v), repeats=repeats, warmup=2, device=q.device)
+    both = clock.mean_ms(lambda: fn(*ins).backward(grad), repeats=repeats, warmup=2, device=q.device)
     return dict(max_diff=dict(zip(("out", "dq", "dk", "dv"), diffs)), fwd_ms=fwd, fwd_bwd_ms=both)
 
 

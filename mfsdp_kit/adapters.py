@@ -9,22 +9,19 @@ q/k/v_proj by the query-group layout, `linear_fc1`'s into gate/up_proj halves, a
 is written for each of its HF modules (peft computes q = W_q x + s B_q A x with the same A: the same numbers).
 Under Megatron-FSDP the adapters are all-gathered first (`sync.adapters_gathered`).
 
-The folder appears whole or not at all: written into a hidden sibling, then renamed into place (as
-`models.tiny.cached` does); an earlier adapter folder at the path is replaced, any other non-empty folder refused.
+The folder appears whole or not at all (`folders.written_aside`: written into a hidden sibling, then renamed into
+place); an earlier adapter folder at the path is replaced, any other non-empty folder refused.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from . import lora, runtime, sync
+from . import folders, lora, runtime, sync
 from .engine import params_view, unwrap_model
 
 CONFIG_FILE = "adapter_config.json"
@@ -79,7 +76,7 @@ def save_adapter(*, chunks, bridge, path, base_path=None) -> Path:
     if rank0:
         targets = {name.split(".")[-3] for name in weights}   # ...<module>.lora_A.weight
         config = peft_config(**shape, target_modules=sorted(targets), base_path=base_path)
-        with written_aside(path) as tmp:
+        with folders.written_aside(path, replace=True, mode=0o755) as tmp:   # a folder as `mkdir` makes it
             save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
             (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     runtime.barrier()
@@ -92,29 +89,3 @@ def refusal(path: Path) -> str | None:
         return (f"{path} exists and is not an adapter folder (no {CONFIG_FILE}): save_adapter replaces only an "
                 "earlier adapter; pass an empty or new folder")
     return None
-
-
-class written_aside:
-    """`with written_aside(path) as tmp:` write the folder's files into `tmp` (a hidden sibling of `path`); on
-    success it is renamed to `path`, replacing an earlier folder there; on an exception it is removed."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-
-    def __enter__(self) -> Path:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
-        os.chmod(self.tmp, 0o755)
-        return self.tmp
-
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        old = None
-        if self.path.exists():
-            old = self.path.with_name(f"{self.tmp.name}.old")
-            os.replace(self.path, old)
-        os.replace(self.tmp, self.path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

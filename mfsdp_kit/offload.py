@@ -26,6 +26,7 @@ import torch
 
 from . import step_pipeline
 from .compat import fsdp
+from .perf import clock
 from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
                          set_param_view)
 
@@ -126,11 +127,6 @@ def _distinct_storages(chunks, optimizer, kinds) -> list[tuple[str, torch.Tensor
     return out
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # ---- guards ----------------------------------------------------------------------------------
 def _raiser(what: str):
     def guard(*args, **kwargs):
@@ -189,7 +185,7 @@ def offload(chunks, optimizer, *, kinds=KINDS, guard: bool = True) -> dict:
         host = torch.empty(full.numel(), dtype=torch.uint8, pin_memory=pin and full.is_cuda)
         host.copy_(full, non_blocking=True)
         state.saved.append(_Saved(kind, full, host))
-    _sync()  # the copies must land before the device memory goes
+    clock.synchronize()  # the copies must land before the device memory goes
     for s in state.saved:
         s.full.untyped_storage().resize_(0)
     if torch.cuda.is_available():
@@ -225,7 +221,7 @@ def reload(chunks, optimizer) -> dict:
     for s in state.saved:
         s.full.untyped_storage().resize_(s.host.numel())
         s.full.copy_(s.host, non_blocking=True)
-    _sync()
+    clock.synchronize()
     for undo in state.undo:
         undo()
     for chunk in state.raw_chunks:  # compute params back in place

@@ -107,11 +107,13 @@ def private_attributes(path: Path) -> list[str]:
 
 
 PERF = f"{PACKAGE}.perf"
-PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options"}
+PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options",
+                        f"{PERF}.clock"}
 """The boundary of perf/ (measuring training: what bench/ and the tests compute). perf sits above the runtime - it
 imports engine, train, models, memory - and the rest of the kit imports only these of its modules: FLOPs and MFU
-(notebook_model), a trace's intervals and exposed communication (plots) and command-line options made from a config
-dataclass (rl.cli), which at import time bring nothing of the training stack (their own imports of it are inside the functions that train)."""
+(notebook_model), a trace's intervals and exposed communication (plots), command-line options made from a config
+dataclass (rl.cli) and the one clock of device work (rl.rollout's per-batch timer, offload's synchronize), which
+at import time bring nothing of the training stack (their own imports of it are inside the functions that train)."""
 PERF_LIGHT_IMPORTS = {f"{PERF}.timeline", f"{PERF}.flops", f"{PACKAGE}.models.gpt", f"{PACKAGE}.fieldtypes"}
 """What those modules may import from the kit at module level."""
 

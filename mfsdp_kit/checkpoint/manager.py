@@ -27,13 +27,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from .. import folders
 from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
 from . import components as parts
@@ -248,7 +248,7 @@ class CheckpointManager:
     def _discard(self, tmp: Path) -> None:
         """Rank 0, after every rank agreed the save failed: its partial files go."""
         if collective.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            folders.discard(tmp)
 
     def wait(self) -> Path | None:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""

@@ -26,6 +26,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from .. import folders
 from .errors import CheckpointError
 from .trust import symlink
 
@@ -146,7 +147,7 @@ def publish(tmp: Path, final: Path, *, allow_backwards: bool, fsync_dir) -> None
         if not allow_backwards and latest is not None and step < latest:
             raise CheckpointError(f"another save published step {latest} while this one wrote; "
                                   + backwards(step, latest, root))
-        os.replace(tmp, final)
+        folders.place(tmp, final, replace=False)   # never over a step: prepare checked it is new
         pointer = None
         try:
             # a fresh random name (mkstemp: O_EXCL | O_NOFOLLOW), not a fixed `latest.tmp` someone could plant

@@ -12,14 +12,12 @@ bitwise-identical model.safetensors, in seconds.
 """
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
-import tempfile
 import zlib
 
 import torch
 
+from .. import folders
 from ..config import bad_value
 
 ARCHS = ("qwen2", "llama")
@@ -197,17 +195,16 @@ def cached(*, arch: str = "qwen2", size: str = "xs", seed: int = 0, root=None) -
     if (final / "model.safetensors").is_file():
         return final
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        tmp = folders.aside(final)
     except OSError as e:
         raise OSError(f"cannot write tiny models under {root} ({e.strerror}); set ${cache.CACHE_ENV} to a writable "
                       "folder") from e
     try:
         tiny(tmp, arch=arch, size=size, seed=seed)
-        os.replace(tmp, final)          # atomic; fails if another process put a (non-empty) one there first
+        folders.place(tmp, final, replace=False)   # fails if another process put a (non-empty) one there first
     except OSError:
-        if not (final / "model.safetensors").is_file():
+        if not (final / "model.safetensors").is_file():   # that one is as good as ours
             raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        folders.discard(tmp)
     return final

@@ -1,5 +1,6 @@
 """Measuring training: what the benchmarks in bench/ compute, as library code they and the tests import.
 
+- `clock`: the one timer of device work (CUDA events on a GPU, the host clock after a synchronize elsewhere);
 - `flops`: FLOPs per token (PaLM's accounting) and MFU;
 - `timeline`: a torch.profiler trace's GPU kernels as intervals, and how much NCCL time no compute hides;
 - `peaks`: peak device memory per training phase, and freeing every model between measurements;
@@ -11,6 +12,7 @@
 - `report`: a run's JSON, written where --out says.
 
 The boundary: perf sits above the runtime (it imports engine, train, models, memory), and the rest of the kit
-imports only `flops` (notebook_model's MFU) and `timeline` / `profile`'s trace analysis (plots), which bring
-nothing of the training stack at import time. tests/test_layout.py (`PERF_FOR_THE_RUNTIME`) checks both.
+imports only `flops` (notebook_model's MFU), `timeline` / `profile`'s trace analysis (plots), `options` (rl.cli) and
+`clock` (rl.rollout's per-batch timer, offload), which bring nothing of the training stack at import time.
+tests/test_layout.py (`PERF_FOR_THE_RUNTIME`) checks both.
 """
