@@ -2,22 +2,25 @@
 each token's log-prob at T, before the cut."""
 import math
 
+import pytest
 import torch
 
-from mfsdp_kit.rl.rollout.sampling import pick, race
+from mfsdp_kit.rl.rollout.sampling import pick, race, scaled_race
 
 
-def test_draws_follow_softmax_over_t_cut_to_top_p():
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_draws_follow_softmax_over_t_cut_to_top_p(top_p):
     """10k draws at T 0.7 / top_p 0.9 against the truncated law: no draw outside the set, and a chi-square test
-    at alpha 1e-3 (Wilson-Hilferty's quantile). Temperature or top-p ignored fails it."""
+    at alpha 1e-3 (Wilson-Hilferty's quantile). Temperature or top-p ignored fails it. top_p 1: the race without
+    a cut (`scaled_race`, the path the engine compiles on a GPU)."""
     logits = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 1.8
     probs = torch.softmax(logits / 0.7, -1)
     sorted_p, order = probs.sort(descending=True)
-    keep = order[(sorted_p.cumsum(0) - sorted_p) < 0.9]
+    keep = order[(sorted_p.cumsum(0) - sorted_p) < top_p]
     expected = torch.zeros_like(probs)
     expected[keep] = probs[keep] / probs[keep].sum()
-    assert 2 < len(keep) < len(probs) // 2, len(keep)   # the cut matters in this test
-    draws, logp = pick(logits.expand(10_000, -1), temperature=0.7, top_p=0.9,
+    assert 2 < len(keep) < len(probs) // 2 if top_p < 1 else len(keep) == len(probs)   # the cut matters, or none
+    draws, logp = pick(logits.expand(10_000, -1), temperature=0.7, top_p=top_p,
                        generator=torch.Generator().manual_seed(1))
     counts = torch.bincount(draws, minlength=len(probs)).double()
     assert counts[expected == 0].sum() == 0, "a token outside the top-p set was drawn"
@@ -56,3 +59,28 @@ def test_a_zero_draw_does_not_win_the_race():
     unclamped = (keep - draws.clone().log()).argmax(-1)
     assert unclamped.tolist() == [2, 2]                      # the bug: NaN wins
     assert race(keep.clone(), draws).tolist() == [0, 0]
+
+
+def test_the_race_without_a_cut_is_the_race_over_log_p():
+    """`scaled_race` skips making log p: the same tokens as `race` over log_softmax(logits / T) with the same
+    draws, and the same log-probs."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(64, 1000, generator=g).to(torch.bfloat16) * 3
+    draws = torch.empty(64, 1000).exponential_(generator=g)
+    logp = torch.log_softmax(logits.float() / 0.8, -1)
+    token, scored = scaled_race(logits, draws.clone(), 0.8)
+    assert torch.equal(token, race(logp, draws.clone()))
+    torch.testing.assert_close(scored, logp.gather(-1, token[:, None]).squeeze(-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine compiles its sampling on a GPU only")
+def test_the_compiled_race_draws_the_eager_tokens_on_a_gpu():
+    """The compiled path (`pick(compiled=True)`, the rollout engine on a GPU) against the eager one, same seed, over
+    batch sizes that share its symbolic graph: the same tokens, log-probs within fp32 rounding."""
+    for rows in (512, 96, 2):
+        logits = torch.randn(rows, 151_936, device="cuda", generator=torch.Generator("cuda").manual_seed(rows))
+        logits = (logits * 4).to(torch.bfloat16)
+        runs = [pick(logits, temperature=0.9, top_p=1.0, compiled=compiled,
+                     generator=torch.Generator("cuda").manual_seed(7)) for compiled in (False, True)]
+        assert torch.equal(runs[0][0], runs[1][0]), rows
+        torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=1e-4)
