@@ -18,18 +18,18 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
 Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
-The first step compiles (Triton on GPU, a C++ compiler on CPU), with symbolic sizes from the start
-(`dynamic=True`): packed rows change their token count every micro-batch, and the default (a static
-graph first, a dynamic one at the second size) compiled each kernel twice on the way and a third time
-for k's layout (a slice of megatron's fused qkv output, strided where q is contiguous). Now: one graph
-for q's layout and one for k's, each direction, whatever the lengths and head counts.
+The first step compiles (Triton on GPU, a C++ compiler on CPU), with a symbolic token dim from the
+start (`compat.lazy_compile.compile_tokens_dynamic`): packed rows change their token count every
+micro-batch, and torch's default (a static graph first, a dynamic one at the second size) compiled
+each kernel twice on the way. One graph for q's layout and one for k's (fewer heads, a strided slice
+of megatron's fused qkv output), each direction, whatever the lengths.
 `EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply.
 """
 from __future__ import annotations
 
 import torch
 
-from ..compat.lazy_compile import lazy
+from ..compat.lazy_compile import compile_tokens_dynamic, lazy
 from ..compat.registry import Patch, record
 
 PATCH = Patch(target="megatron.core.models.common.embeddings.rope_utils",
@@ -53,7 +53,7 @@ def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return cached[1], cached[2]
 
 
-@lazy(torch.compile)(dynamic=True)   # one kernel per direction and layout, compiled at the first call
+@lazy(compile_tokens_dynamic)   # one kernel per direction and layout, compiled at the first call
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The rotation of megatron's `_apply_rotary_pos_emb_bshd` given its cos and sin; dims of `t`
     past cos's last dim pass through."""

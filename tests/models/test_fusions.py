@@ -125,7 +125,7 @@ def test_rope_compiles_once_per_layout_whatever_the_token_count():
     g = torch.Generator().manual_seed(3)
     freqs = torch.rand(64, 1, 1, 16, generator=g) * 6.28
     before = counters["stats"]["unique_graphs"]
-    for tokens in (50, 41, 23):   # none equal to a size or offset of the layouts (dynamo would tie them)
+    for tokens in (50, 41, 23):
         mixed = torch.randn(tokens, 1, 2, 6 * 16, generator=g, requires_grad=True)   # 2 groups: 4 q heads, k, v
         q = mixed[..., :64].reshape(tokens, 1, 8, 16)
         k = mixed[..., 64:80]

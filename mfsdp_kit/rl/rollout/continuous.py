@@ -61,8 +61,7 @@ class DecodeConfig:
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
     compile_glue: bool = True
-    """`torch.compile` the decode step's elementwise work (`decoder.Glue`) and its sampling (`sampling.pick`) on a
-    GPU; eager elsewhere."""
+    """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
@@ -149,7 +148,7 @@ class ContinuousRollout(HFRollout):
         state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0, capture_s=0.0)
         run = Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
-                  sample=dict(temperature=temperature, top_p=top_p, compiled=self.glue(state.tok.is_cuda).compiled,
+                  sample=dict(temperature=temperature, top_p=top_p,
                               generator=torch.Generator(device=state.tok.device).manual_seed(seed)), tools=self.tools)
         try:
             return run.loop()
