@@ -72,8 +72,8 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
     from mfsdp_kit import ipengine
     ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.ipengine)
     watch.lap("preload_wait")
-    from mfsdp_kit.compat import startup
-    startup.install()   # before megatron's import (compat.startup); a no-op after ipengine's
+    from mfsdp_kit import compat
+    compat.apply("startup")   # before megatron's import (compat/patches/startup.py); a no-op after ipengine's
     import torch
     watch.lap("import_torch")
     import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)

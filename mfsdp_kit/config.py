@@ -266,7 +266,7 @@ def ddp_config(cfg: EngineConfig):
         if not _cuda_available():
             # gloo has no PREMUL_SUM reduce op (megatron_fsdp/param_and_grad_buffer.py:4748).
             # The overlap flags are asked off, but Megatron-FSDP turns them back on when it fully
-            # shards (megatron_fsdp.py:274-279): compat.cpu makes its coalesced all-gathers
+            # shards (megatron_fsdp.py:274-279): compat.patches.cpu makes its coalesced all-gathers
             # synchronous, and engine.settle_param_gathers waits on any it leaves pending.
             kwargs.update(gradient_reduce_div_fusion=False, overlap_grad_reduce=False, overlap_param_gather=False)
     kwargs.update(cfg.wrapper.override_ddp_config)

@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import grad_upcast, hsdp, keep_gathered, lora, runtime
-from .compat import fsdp, fsdp_unit
+from . import compat, grad_upcast, hsdp, lora, runtime
+from .compat.access import fsdp, fsdp_unit
 from .config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
@@ -62,8 +62,7 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
     for vp_stage in stages:
         module = _provide(model_fn, vp_stage)
         if cfg.kernels.fused_cross_entropy:
-            from .models import cross_entropy
-            cross_entropy.install(module)
+            compat.apply("cross_entropy", model=module)   # the loss from bf16 logits (models.cross_entropy)
         for p in module.parameters():  # megatron's get_model: TP attributes on every param
             from megatron.core import tensor_parallel
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -86,7 +85,7 @@ def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.
     attach_schedule_hooks(chunks)
     if cfg.wrapper.fsdp_keep_gathered:   # train steps then hold what they gather (keep_gathered.held)
         for pipeline in all_gather_pipelines(chunks):
-            keep_gathered.install(pipeline)
+            compat.apply("keep_gathered", pipeline=pipeline)
     return chunks
 
 
@@ -128,7 +127,7 @@ def wrap_chunk(cfg: EngineConfig, module: torch.nn.Module, *, index: int = 0) ->
     hsdp.check_model(cfg, config)
     dcfg = ddp_config(cfg)
     if cfg.wrapper.use_megatron_fsdp:
-        if dcfg.suggested_communication_unit_size is None:   # megatron's own default is 1e9 (compat.fsdp_unit)
+        if dcfg.suggested_communication_unit_size is None:   # megatron's own default is 1e9 (compat.access.fsdp_unit)
             dcfg.suggested_communication_unit_size = fsdp_unit.unit_elements(
                 module, sharding_strategy=dcfg.data_parallel_sharding_strategy)
         return FullyShardedDataParallel(config=config, ddp_config=dcfg, module=module,
@@ -212,7 +211,7 @@ def settle_param_gathers(chunks: Iterable[torch.nn.Module]) -> None:
 
     Megatron-FSDP always issues them asynchronously and leaves some in flight after a forward or
     a step (overlap on GPU). Under gloo they write into bucket memory from gloo's thread while
-    later code may free it; our CPU stream/event stand-ins order nothing. `compat.cpu` now makes
+    later code may free it; our CPU stream/event stand-ins order nothing. `compat.patches.cpu` now makes
     the gathers inside Megatron-FSDP's coalescing blocks synchronous (that ended the remaining
     SIGSEGV / SIGABRT in longer CPU runs), so this only marks prefetched buckets ready; it stays
     as the guard for any gather issued outside those blocks. No-op on GPU.

@@ -11,9 +11,9 @@ precision-aware optimizer, needs Transformer Engine's FusedAdam.
 `install` moves the copies into the step and makes them a part at a time (`part_bytes` of fp32, 256 MiB by
 default):
     backward ends      update_main_grads does nothing; the bf16 shards stay where they are
-    grad norm          read from the bf16 shards, accumulated in fp32 (`compat.grad_norm`): the same bits as
+    grad norm          read from the bf16 shards, accumulated in fp32 (`compat.patches.grad_norm`): the same bits as
                        the norm of their fp32 copies
-    clip               the factor is kept on each param (`compat.grad_norm.LATER_SCALE`) instead of scaling
+    clip               the factor is kept on each param (`compat.patches.grad_norm.LATER_SCALE`) instead of scaling
                        grads that do not exist yet
     step, per part     megatron's own update_main_grads over the part's params -> fp32 grads, times the clip
                        factor -> torch's Adam (it steps only params that have a grad; its state is per param)
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import step_pipeline
-from .compat import fsdp_main_grads as main_grads
-from .compat.grad_norm import LATER_SCALE
+from . import compat, step_pipeline
+from .compat.access import main_grads
+from .compat.patches.main_grads import deferred
+from .compat.patches.grad_norm import LATER_SCALE
 from .introspect import inner_optimizers, local
 
 PART_BYTES = 256 * 2**20
@@ -64,11 +65,11 @@ def install(chunks: list[torch.nn.Module], optimizer, *, part_bytes: int = PART_
     if installed(chunks):
         return True   # once: a second wrap would step every part once per part
     for buffer in {id(e.buffer): e.buffer for e in entries}.values():
-        main_grads.defer(buffer)
+        compat.apply("defer_main_grads", buffer=buffer)
     for entry in entries:
         setattr(entry.param, LATER_SCALE, None)
     for opt in inner_optimizers(optimizer):
-        main_grads.replace_grads_for_norm(opt, _grads_for_norm(opt, by_param))
+        compat.apply("grads_for_norm", optimizer=opt, fn=_grads_for_norm(opt, by_param))
     step_pipeline.add(optimizer, stage="grad_upcast",
                       wrap=lambda step, torch_opt: _step_in_parts(step, torch_opt, by_param, part_bytes))
     return True
@@ -76,7 +77,7 @@ def install(chunks: list[torch.nn.Module], optimizer, *, part_bytes: int = PART_
 
 def installed(chunks: list[torch.nn.Module]) -> bool:
     """Whether these chunks' fp32 grads are made by part in the optimizer step."""
-    return any(main_grads.deferred(b) for b in main_grads.buffers(chunks) or [])
+    return any(deferred(b) for b in main_grads.buffers(chunks) or [])
 
 
 def _entries(chunks) -> list[Entry]:

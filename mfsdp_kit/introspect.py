@@ -2,9 +2,9 @@
 
 Is this chunk Megatron-FSDP, which view do its parameters show, where are its buffers, which torch
 optimizers sit inside megatron's, what is this rank's piece of a DTensor. What concerns Megatron-FSDP's
-internals is answered by `compat.fsdp`, the door into megatron (docs/design.md); this module re-exports
+internals is answered by `compat.access.fsdp`, the door into megatron (docs/design.md); this module re-exports
 those answers beside the kit's own (dtype names, `local`) and imports nothing from the kit but
-`config` and `compat.fsdp`, so any module may import it.
+`config` and `compat.access.fsdp`, so any module may import it.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Iterator
 
 import torch
 
-from .compat import fsdp
-from .compat.fsdp import PARAM_VIEWS, all_gather_pipelines, fsdp_buffers, is_fsdp, param_view  # noqa: F401
+from .compat.access import fsdp
+from .compat.access.fsdp import PARAM_VIEWS, all_gather_pipelines, fsdp_buffers, is_fsdp, param_view  # noqa: F401
 from .config import DTYPES, bad_value
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

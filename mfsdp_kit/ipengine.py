@@ -58,8 +58,8 @@ def start() -> None:
     """Begin the imports in a daemon thread (once per process)."""
     global _thread
     if _thread is None:
-        from .compat import startup
-        startup.install()   # before the thread imports megatron (compat.startup)
+        from . import compat
+        compat.apply("startup")   # before the thread imports megatron (compat/patches/startup.py)
         _thread = threading.Thread(target=_import_all, name="mfsdp_kit-preload", daemon=True)
         _thread.start()
 

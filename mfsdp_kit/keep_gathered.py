@@ -7,7 +7,7 @@ hook) and gathers them again for its backward, in every micro-batch: a step of k
 has no knob to keep them (`no_sync` defers only the gradient reduce-scatter); FSDP2 calls it
 `reshard_after_forward=False`.
 
-How (the instance patch is `compat.fsdp_gather_hold`, a registry row): while a step is `held`,
+How (the instance patch is `compat.patches.fsdp_gather_hold`, a registry row): while a step is `held`,
 `AllGatherPipeline.release_bucket` does nothing (its lazy variant included), so a unit
 gathered once stays READY_TO_USE, and every later gather of it returns at once (`async_bucket_gather` skips a bucket
 that is not EMPTY). The hold ends where megatron resets the pipeline once the step's gradients are synchronised
@@ -28,8 +28,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .compat import fsdp
-from .compat.fsdp_gather_hold import HOLD, install, release_all  # noqa: F401  (the patch itself: compat)
+from .compat.access import fsdp
+from .compat.patches.fsdp_gather_hold import HOLD, release_all   # the patch itself: compat.apply("keep_gathered")
 from .introspect import all_gather_pipelines
 
 

@@ -14,7 +14,7 @@ What the wrappers then do with the frozen base (megatron-core 0.16.1):
 - Megatron-FSDP shards the frozen base like any weight but gives it no grad buffer, no fp32 main weights and
   no optimizer state (param_and_grad_buffer.py:1378 groups params by `requires_grad`, :1965 makes grad and
   main-weight buffers for groups with grads only). Its wrap alone fails on frozen params, a grad hook torch
-  refuses (megatron_fsdp.py:1007-1012): `compat.fsdp_frozen`, enabled by `apply`, registers none for them.
+  refuses (megatron_fsdp.py:1007-1012): `compat.patches.fsdp_frozen`, enabled by `apply`, registers none for them.
 
 Megatron fuses what HF keeps apart: q/k/v are one `linear_qkv`, gate/up one `linear_fc1`. One adapter on a
 fused linear shares its A over the fused outputs (rank r for q, k and v together), so HF names are accepted
@@ -96,12 +96,11 @@ def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
     Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`).
     `base_path`: the HF folder the frozen weights came from; its `base_reference` is kept on the chunks
     (`base_of`), so checkpoints name their base and refuse another one."""
-    from .compat import fsdp_frozen, peft as peft_compat
-    from .compat import bridge_model
-    from .compat.bridge import import_bridge
-    import_bridge()
-    peft_compat.enable()
-    fsdp_frozen.enable()   # for a later Megatron-FSDP wrap
+    from . import compat
+    from .compat.access import bridge_model
+    compat.apply("bridge")
+    compat.apply("peft")
+    compat.apply("fsdp_frozen")   # for a later Megatron-FSDP wrap
     LoRA = bridge_model.lora_class()
     lora.validate()
     peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import step_pipeline
-from .compat import fsdp
+from .compat.access import fsdp
 from .perf import clock
 from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
                          set_param_view)

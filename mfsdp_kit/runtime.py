@@ -3,7 +3,7 @@
 The same calls run under torchrun, in a pytest subprocess and on an ipyparallel engine.
 Rank and world size come from arguments or from the usual env vars (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT). On a machine without CUDA the backend is gloo and
-`compat.cpu` is enabled before megatron builds anything.
+`compat.patches.cpu` is enabled before megatron builds anything.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .compat import startup
+from . import compat
 from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
 from .config_sections import Communication
 from .fieldtypes import is_int
@@ -73,7 +73,7 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
          master_port: int | None = None, timeout_s: float = 600.0) -> Runtime:
     """Start torch.distributed + megatron parallel state for `cfg`; idempotent for the same cfg."""
     global _current, _cfg
-    startup.install()   # before megatron's import below: its process-wide compat rows (compat.startup)
+    compat.apply("startup")   # before megatron's import below: its process-wide compat rows (compat/patches/startup.py)
     cfg = cfg or EngineConfig()
     if _current is not None:
         if _cfg == cfg:
@@ -85,18 +85,16 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
     _check_world(backend=backend, rank=rank, world_size=world_size, local_rank=local_rank, timeout_s=timeout_s)
     on_gpu = torch.cuda.is_available()
     cfg.validate(world_size=world_size, on_gpu=on_gpu)
-    from .compat import fsdp_grads, grad_norm, no_te
-    no_te.enable()
-    fsdp_grads.enable()   # one-rank FSDP groups (expert-data-parallel size 1) would get 2x gradients
-    grad_norm.enable()    # without TE/Apex, megatron's grad norm syncs with the GPU once per tensor
-    grad_norm.enable_on_device()   # and once more for the norm itself and the clip test: none left
+    compat.apply("no_te")
+    compat.apply("fsdp_grads")   # one-rank FSDP groups (expert-data-parallel size 1) would get 2x gradients
+    compat.apply("grad_norm")    # without TE/Apex, megatron's grad norm syncs with the GPU once per tensor
+    compat.apply("grad_norm_on_device")   # and once more for the norm itself and the clip test: none left
     backend = ("nccl" if on_gpu else "gloo") if backend == "auto" else backend
     if on_gpu:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        from .compat import cpu
-        cpu.enable()
+        compat.apply("cpu")
         device = torch.device("cpu")
     if dist.is_initialized():
         if dist.get_world_size() != world_size:

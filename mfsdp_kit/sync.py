@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import lora, runtime, sync_plan
 from .engine import params_view, unwrap_model
-from .compat import fsdp as megatron_fsdp
+from .compat.access import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
 from .sync_plan import fsdp_owner

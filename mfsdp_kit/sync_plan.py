@@ -48,8 +48,8 @@ from functools import partial
 import torch
 
 from . import hsdp
-from .compat import bridge_model
-from .compat import fsdp as megatron_fsdp
+from .compat.access import bridge_model
+from .compat.access import fsdp as megatron_fsdp
 from .introspect import is_fsdp
 from .models import vocab
 from .sync_views import View, recognised, rows, selects_rows  # noqa: F401 (View: the plan's type)

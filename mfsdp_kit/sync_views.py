@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .compat import bridge_model
+from .compat.access import bridge_model
 
 View = Callable[[torch.Tensor], torch.Tensor]
 """full megatron parameter -> a view of it with the HF tensor's elements (any shape of its numel)."""
@@ -69,8 +69,8 @@ _RECOGNISED: dict[type, Callable] = {}
 def recognised() -> dict[type, Callable]:
     """Mapping class (exactly: a subclass may change values) -> (mapping, module) -> {hf_name: View}."""
     if not _RECOGNISED:
-        from .compat.bridge import import_bridge
-        import_bridge()
+        from . import compat
+        compat.apply("bridge")
         pm = bridge_model.param_mapping()
         _RECOGNISED.update({pm.AutoMapping: _direct_views, pm.DirectMapping: _direct_views,
                             pm.ReplicatedMapping: _direct_views, pm.ColumnParallelMapping: _direct_views,

@@ -193,7 +193,7 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
                scheduler=None, step_index: int = 0, loss_fn=masked_token_loss,
                max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> PendingStep:
     """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
-    host: in bf16 on GPUs nothing in it waits for the GPU (`engine.finalize_grads`, `compat.grad_norm`, pinned
+    host: in bf16 on GPUs nothing in it waits for the GPU (`engine.finalize_grads`, `compat.patches.grad_norm`, pinned
     batch copies). So a loop that starts step i+1 before it reads step i (`.result()`) keeps the GPU fed
     across the step boundary, where the first forward's host work would otherwise leave it idle."""
     start = time.perf_counter()

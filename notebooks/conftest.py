@@ -1,6 +1,6 @@
 """nbval on the notebooks: a cell whose visible output holds a Python warning fails.
 
-The kit filters the third-party warnings it knows are benign (`mfsdp_kit.compat.quiet.known_warnings()`); any other
+The kit filters the third-party warnings it knows are benign (`mfsdp_kit.compat.patches.quiet.known_warnings()`); any other
 UserWarning, FutureWarning or DeprecationWarning that reaches a reader (a cell's stream, or an engine's
 `[stderr:N]` lines, which ipyparallel shows as display data) is either the kit's own problem or one to add there
 with its reason. nbval checks no outputs under --nbval-lax, so this hook reads what the cell printed.
@@ -29,6 +29,6 @@ def pytest_runtest_call(item):
     text = visible_text(getattr(item, "test_outputs", None))   # nbval keeps the cell's outputs there
     lines = [line for line in text.splitlines() if WARNING.search(line)]
     if lines:
-        pytest.fail("the cell's output shows warnings (filter a benign one in mfsdp_kit/compat/quiet.py, with its "
+        pytest.fail("the cell's output shows warnings (filter a benign one in mfsdp_kit/compat/patches/quiet.py, with its "
                     "reason; fix any other):\n" + "\n".join(lines[:10]), pytrace=False)
     return result

@@ -501,8 +501,8 @@ change; a bad value shows `ConfigError`'s message in red. `widgets.TrainingPanel
 loss per step and each rank's latest numbers (here fed by a made-up run).
 '''),
     code('''
-from mfsdp_kit.compat import quiet
-quiet.install()   # validating imports megatron here: its benign notes on Apex / TE (quiet.known_warnings())
+from mfsdp_kit import compat
+compat.apply("quiet")   # validating imports megatron here: its benign notes on Apex / TE (compat.patches.quiet.known_warnings())
 from mfsdp_kit import widgets
 from mfsdp_kit.config import EngineConfig, Wrapper
 

@@ -26,7 +26,7 @@ work against a kernel. This drives the path a user takes instead:
      - the saved notebook (read back through the server's REST API) holds no error output;
      - the visible output is clean: no empty `[output:N]` block (an engine's head with nothing under
        it), no text progress bar left at 0 % (tqdm's or rich's, e.g. a third-party loader's) and no
-       UserWarning, FutureWarning or DeprecationWarning (`mfsdp_kit.compat.quiet` filters the benign ones).
+       UserWarning, FutureWarning or DeprecationWarning (`mfsdp_kit.compat.patches.quiet` filters the benign ones).
 `report.json` in `--out` has every check's numbers. Needs chromium (apt-get install chromium) and the
 kit's `ui` extra (pip install -e '.[lab,ui]': jupyterlab, playwright; no `playwright install`).
 """
@@ -89,7 +89,7 @@ READ_CELLS = r"""() => {
     // a text progress bar (tqdm's "0%|", rich's "0% ... (0/17)") still at zero after its cell finished
     const zeroBars = text.split('\n').filter(l => /(^|\s)0%/.test(l) && /\b0\/\d+/.test(l))
       .map(l => 'progress bar at 0 %: ' + l.trim().slice(0, 100));
-    // a Python warning that reached the reader (mfsdp_kit.compat.quiet.known_warnings(): the benign ones, filtered)
+    // a Python warning that reached the reader (mfsdp_kit.compat.patches.quiet.known_warnings(): the benign ones, filtered)
     const warned = text.split('\n').filter(l => /\b(UserWarning|FutureWarning|DeprecationWarning)\b/.test(l))
       .map(l => 'warning shown: ' + l.trim().slice(0, 160));
     const configErrors = [...cell.querySelectorAll('.jupyter-widgets.widget-html .widget-html-content span')]

@@ -7,9 +7,9 @@ STARTS_PROCESSES = ("launch", "cluster", "subprocess")
 
 
 def pytest_configure(config):
-    """The process-wide installs `runtime.init` makes (compat.startup), before any test module imports megatron."""
-    from mfsdp_kit.compat import startup
-    startup.install()
+    """The process-wide installs `runtime.init` makes (compat.apply("startup")), before any test module imports megatron."""
+    from mfsdp_kit import compat
+    compat.apply("startup")
 
 
 def pytest_collection_modifyitems(items):

@@ -39,9 +39,10 @@ def test_runtime_current_before_init_is_clear():
 
 
 def test_fsdp_communication_unit_is_twice_the_mean_layer(chunks):
-    """compat.fsdp_unit: megatron's own default would be 1e9 elements (a floor, not a cap)."""
+    """compat.access.fsdp_unit: megatron's own default would be 1e9 elements (a floor, not a cap)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
-    from mfsdp_kit.compat import fsdp_unit, registry
+    from mfsdp_kit.compat.access import fsdp_unit
+    from mfsdp_kit.compat import registry
     if not is_fsdp(chunks[0]):
         return
     inner = chunks[0].module

@@ -150,7 +150,7 @@ def test_perf_sits_above_the_runtime():
 DOOR = f"{PACKAGE}.compat"
 """The one door into megatron-core's and Megatron-Bridge's internals (docs/design.md, "The door"): only modules
 of this package import Megatron-FSDP's source package or the bridge's submodules, name them in strings, or touch
-the internal attributes below. Everything else asks it (`compat.fsdp`, `compat.bridge`, ...)."""
+the internal attributes below. Everything else asks it (`compat.access.fsdp`, `compat.patches.bridge`, ...)."""
 INTERNAL_MODULES = ("megatron.core.distributed.fsdp.src", "megatron.bridge.")
 """Megatron-FSDP's implementation package (what megatron's public adapter wraps) and every bridge submodule
 (`from megatron.bridge import AutoBridge`, the bridge's front door, stays open to all)."""

@@ -6,15 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mfsdp_kit.compat import quiet
+from mfsdp_kit import compat
+from mfsdp_kit.compat.patches import quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import sys, warnings
 if sys.argv[1] == "installed":
-    from mfsdp_kit.compat import startup
-    startup.install()                                   # what runtime.init and an engine's boot call first
+    from mfsdp_kit import compat
+    compat.apply("startup")                                   # what runtime.init and an engine's boot call first
 import megatron.core.models.gpt.gpt_layer_specs         # Apex, legacy GroupedMLP (import time)
 import megatron.core.extensions.transformer_engine_spec_provider
 import megatron.core.optimizer.clip_grads, megatron.core.optimizer
@@ -22,8 +23,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)   # the default cuda_graph_scope
 import transformers
 transformers.PretrainedConfig().torch_dtype             # what megatron-bridge reads
-from mfsdp_kit.compat import bridge
-bridge.import_bridge()                                  # megatron-bridge as the kit imports it (no TE)
+from mfsdp_kit.compat.patches import bridge
+compat.apply("bridge")                                  # megatron-bridge as the kit imports it (no TE)
 from megatron.bridge.utils.fusions import can_enable_gradient_accumulation_fusion
 can_enable_gradient_accumulation_fusion()               # no Apex
 import torch, torch.distributed as dist
@@ -79,7 +80,7 @@ def test_nbval_fails_a_cell_that_shows_a_warning(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell(c) for c in (
         "print('quiet')",
         "import warnings\nwarnings.warn('planted', UserWarning)",
-        "from mfsdp_kit.compat import quiet\nquiet.install()\n"
+        "from mfsdp_kit import compat\ncompat.apply(\"quiet\")\n"
         "warnings.warn('Apex is not installed. Falling back to Torch Norm')   # from __main__: not the row's module\n"
         "print(len(quiet.known_warnings()))",
         "warnings.warn_explicit('full scope is deprecated.', UserWarning, 'x.py', 1,\n"

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .. import introspect, lora
-from ..compat import fsdp as megatron_fsdp
+from ..compat.access import fsdp as megatron_fsdp
 from . import collective
 from .errors import CheckpointError
 
@@ -73,7 +73,7 @@ def canonical(name: str) -> str:
 
 def checkpoint_name(name: str, chunk) -> str:
     """`name` with its expert numbered globally (`local_experts.<i>` of this EP rank); others unchanged."""
-    from ..compat.experts import global_expert_name
+    from ..compat.patches.experts import global_expert_name
     return global_expert_name(name, getattr(getattr(chunk, "config", None), "num_moe_experts", None))
 
 

@@ -1,4 +1,5 @@
-"""One registry for every patch the kit applies to upstream code (cpu, no_te, bridge).
+"""One registry for every patch the kit applies to upstream code or to a process-wide setting (compat/patches/),
+and for the private upstream APIs the kit calls (compat/access/aten.py).
 
 Each row says what it changes (`target`), which upstream lines make it necessary (`upstream`,
 file:line in the package version of `WRITTEN_FOR`), and how to tell it is still needed
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
-WRITTEN_FOR = {"megatron-core": "0.16.1", "megatron-bridge": "0.3.1"}
-"""The upstream versions whose file:line references the patches cite."""
+WRITTEN_FOR = {"megatron-core": "0.16.1", "megatron-bridge": "0.3.1", "torch": "2.13"}
+"""The upstream versions whose file:line references the patches cite. torch by major.minor: its local build tag
+(+cpu, +cu130) differs between the CPU and GPU images, its private APIs do not."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,20 @@ def installed_version(package: str) -> str | None:
         return None
 
 
+def written_for_installed(package: str) -> bool:
+    """Is the installed `package` the version the rows were written for (torch: the same major.minor)?"""
+    have, want = installed_version(package), WRITTEN_FOR[package]
+    if have is None:
+        return False
+    return have == want or (package == "torch" and have.split("+")[0].startswith(want + "."))
+
+
 def version_mismatches() -> dict[str, tuple[str, str | None]]:
     """{package: (written for, installed)} for every active patch's package whose version differs."""
     out = {}
     for package in sorted({p.package for p in ACTIVE}):
         have = installed_version(package)
-        if have != WRITTEN_FOR[package]:
+        if not written_for_installed(package):
             out[package] = (WRITTEN_FOR[package], have)
     return out
 

@@ -14,25 +14,16 @@ Only the rounding differs: one rounding of the gradient instead of one after eac
 
 Vocab-parallel (TP > 1): each rank holds a slice of the vocabulary, and the max, the sums and the label's
 logit are all-reduced over the tensor-parallel group, as in megatron's.
+
+A model computes its loss this way once `compat.apply("cross_entropy", model=)` made `language_model_loss` its
+`compute_language_model_loss` (an instance patch: compat/patches/cross_entropy.py).
 """
 from __future__ import annotations
-
-from types import MethodType
 
 import torch
 import torch.distributed as dist
 
-from ..compat.lazy_compile import lazy
-from ..compat.registry import Patch, record
-
-PATCH = Patch(
-    target="megatron.core.models.common.language_module.language_module:LanguageModule.compute_language_model_loss",
-    upstream="megatron/core/models/common/language_module/language_module.py:128-167 (without TE the loss is "
-             "tensor_parallel.vocab_parallel_cross_entropy: an fp32 copy of the logits, line 167; "
-             "tensor_parallel/cross_entropy.py:28), instance patch per model",
-    needed_if="loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)")
-"""The instance patch `install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
-
+from ..compat.patches.lazy_compile import lazy
 
 @lazy(torch.compile)   # compiled at the first call (Triton on GPU, C++ on CPU)
 def _stats(logits: torch.Tensor, row_max: torch.Tensor, label: torch.Tensor, in_slice: torch.Tensor):
@@ -88,20 +79,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, group=None) -> 
     return _CrossEntropy.apply(logits, target, group)
 
 
-def _language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """megatron's LanguageModule.compute_language_model_loss with `cross_entropy`: labels [b, s], logits
     [s, b, vocab / TP] -> per-token losses [b, s]."""
     loss = cross_entropy(logits, labels.transpose(0, 1).contiguous(), group=self.pg_collection.tp)
     return loss.transpose(0, 1).contiguous()
-
-
-def install(model: torch.nn.Module) -> None:
-    """Make `model` (a megatron LanguageModule, e.g. GPTModel, before any wrapper) compute its loss with
-    `cross_entropy`. Per instance: other models in the process keep megatron's."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from ..config import ConfigError
-    if not isinstance(model, LanguageModule):
-        raise ConfigError(f"fused_cross_entropy=True needs a megatron LanguageModule (GPTModel, ...), got "
-                          f"{type(model).__name__}; allowed: False for other models")
-    model.compute_language_model_loss = MethodType(_language_model_loss, model)
-    record(PATCH)

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..compat.lazy_compile import lazy
+from ..compat.patches.lazy_compile import lazy
 from .sdpa import SDPAttention, _unsupported
 
 

@@ -7,7 +7,7 @@ both only with TE (`apply_rope_fusion`) or through its `jit_fuser` (`bias_activa
 is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns both on:
 - SwiGLU: megatron's own `bias_activation_fusion` path (`fusions/fused_bias_swiglu.py`).
 - RoPE: megatron calls `rope_utils.fused_apply_rotary_pos_emb(t, freqs, interleaved=)` when
-  `apply_rope_fusion` is set; that slot holds TE's kernel, or None without TE. `install()` puts `rope`
+  `apply_rope_fusion` is set; that slot holds TE's kernel, or None without TE. `compat.apply("rope")` puts `rope`
   in the empty slot: megatron's own unfused `_apply_rotary_pos_emb_bshd`, with cos and sin of `freqs`
   taken once per freqs tensor (megatron's RotaryEmbedding caches freqs per sequence length) instead of
   once per element, and the rotation compiled. Compiling megatron's function whole made one kernel
@@ -19,7 +19,7 @@ Each fusion applies only where megatron's fused path computes what the unfused o
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
 The first step compiles (Triton on GPU, a C++ compiler on CPU), with a symbolic token dim from the
-start (`compat.lazy_compile.compile_tokens_dynamic`): packed rows change their token count every
+start (`compat.patches.lazy_compile.compile_tokens_dynamic`): packed rows change their token count every
 micro-batch, and torch's default (a static graph first, a dynamic one at the second size) compiled
 each kernel twice on the way. One graph for q's layout and one for k's (fewer heads, a strided slice
 of megatron's fused qkv output), each direction, whatever the lengths.
@@ -29,14 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat.lazy_compile import compile_tokens_dynamic, lazy
-from ..compat.registry import Patch, record
-
-PATCH = Patch(target="megatron.core.models.common.embeddings.rope_utils",
-              upstream="megatron/core/models/common/embeddings/rope_utils.py:20-29 (both fused RoPE slots None "
-                       "without TE), filled by `install`",
-              needed_if="    fused_apply_rotary_pos_emb = None")
-"""The module patch `install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
+from .. import compat
+from ..compat.patches.lazy_compile import compile_tokens_dynamic, lazy
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,18 +88,6 @@ def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.
     return cos, sin
 
 
-def install() -> bool:
-    """Fill megatron's fused-RoPE slots (padded and packed) with `rope` and `rope_thd` when TE left them
-    empty; returns whether it did."""
-    from megatron.core.models.common.embeddings import rope_utils
-    if rope_utils.fused_apply_rotary_pos_emb is not None:
-        return rope_utils.fused_apply_rotary_pos_emb is rope
-    rope_utils.fused_apply_rotary_pos_emb = rope
-    rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
-    record(PATCH)
-    return True
-
-
 def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: dict, on_gpu: bool) -> dict:
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
@@ -123,7 +105,7 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
     if act is F.silu and glu:
         settings["bias_activation_fusion"] = True
     if not interleaved and not mla:
-        install()
+        compat.apply("rope")   # compat/patches/rope.py
         settings["apply_rope_fusion"] = True
     if not settings and fused_kernels is True:
         raise ConfigError(f"fused_kernels=True is not allowed for this model (activation "

@@ -126,8 +126,8 @@ def gpt_model_fn(spec: GPTSpec, cfg: EngineConfig):
     from megatron.core.models.gpt import GPTModel
     config = transformer_config(spec, cfg)
     if spec.num_experts:
-        from ..compat.bridge import define_moe_te_names   # megatron-core only; the bridge is not imported
-        define_moe_te_names()
+        from .. import compat
+        compat.apply("moe_without_te")   # megatron-core only; the bridge is not imported
 
     def model_fn(*, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
         return GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, spec.num_experts),

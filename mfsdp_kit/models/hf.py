@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .. import engine, lora
-from ..compat import bridge_model
+from .. import compat, engine, lora
+from ..compat.access import bridge_model
 from ..config import ConfigError, EngineConfig
 from ..introspect import torch_dtype
 from . import support, transformer_settings, vocab
@@ -54,8 +54,7 @@ class HFModel:
 
 
 def supported_architectures() -> list[str]:
-    from ..compat.bridge import import_bridge
-    import_bridge()
+    compat.apply("bridge")
     from megatron.bridge import AutoBridge
     return sorted(AutoBridge.list_supported_models())
 
@@ -203,8 +202,7 @@ def _layer_spec(cfg: EngineConfig, bridge_spec, hf_config: dict):
 
 def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     """(bridge, megatron model provider) for an HF folder under `cfg` (not yet built)."""
-    from ..compat.bridge import import_bridge
-    import_bridge()
+    compat.apply("bridge")
     from megatron.bridge import AutoBridge
     from megatron.core.extensions.transformer_engine import HAVE_TE
     bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch_dtype(cfg.dtype),

@@ -7,7 +7,8 @@ kernels ran at ~80 TFLOP/s where cuDNN's ran ~400 on 1 H200 (docs/benchmarks.md,
 varlen flash-attention kernels (FlashAttention-2's `mha_varlen_fwd/bwd`) as `aten::_flash_attention_forward`
 / `_backward`, which take the sequences' bounds `cu_seqlens` directly - the path flash-attn's
 `flash_attn_varlen_func` gives verl. SDPA does not expose it for dense tensors, so `VarlenFlash` wraps the
-two ops in one autograd function. Grouped KV heads go in as they are (the kernel shares them; its backward
+two ops in one autograd function. They are private torch ops: `compat.access.aten` calls them (a registry row, and
+a canary test of their argument order). Grouped KV heads go in as they are (the kernel shares them; its backward
 sums the group's gradients), dropout replays from the forward's RNG state.
 
 `usable`: CUDA, fp16/bf16, head dim a multiple of 8 up to 256 (elsewhere, as on CPU, one SDPA per sequence).
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..compat.access import aten
 
 
 def usable(query: Tensor) -> bool:
@@ -32,8 +35,8 @@ class VarlenFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, causal: bool,
                 scale: float, dropout_p: float) -> Tensor:
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, dropout_p, causal, False, scale=scale)
+        out, lse, rng, unused = aten.flash_forward(query=q, key=k, value=v, cu_seqlens=cu_seqlens, max_len=max_len,
+                                                   dropout_p=dropout_p, causal=causal, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng, unused)
         ctx.args = (max_len, causal, scale, dropout_p)
         return out
@@ -42,9 +45,9 @@ class VarlenFlash(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
         max_len, causal, scale, dropout_p = ctx.args
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, dropout_p, causal, rng, unused,
-            scale=scale)
+        dq, dk, dv = aten.flash_backward(grad_out=grad.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse,
+                                         cu_seqlens=cu, max_len=max_len, dropout_p=dropout_p, causal=causal,
+                                         rng_state=rng, unused=unused, scale=scale)
         return dq, dk, dv, None, None, None, None, None
 
 

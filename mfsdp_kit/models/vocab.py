@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import bridge_model
+from .. import compat
+from ..compat.access import bridge_model
 
 DIVISIBLE_BY = 128
 """Megatron's default `make_vocab_size_divisible_by`."""
@@ -59,7 +60,7 @@ def load_padded(bridge, chunks, padded_vocab: int) -> None:
             weights = torch.cat([weights, pad])
         return weights
 
-    bridge_model.load_weights(bridge, chunks, modify=pad_rows)
+    compat.apply("hf_load_hook", bridge=bridge, chunks=chunks, modify=pad_rows)
 
 
 def mask_padded_logits(chunks, vocab_size: int) -> list:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .. import engine, runtime, step_pipeline
-from ..compat import fsdp
+from ..compat.access import fsdp
 from ..config import ConfigError, EngineConfig
 
 

@@ -53,7 +53,7 @@ VARIANTS = {
     "fsdp-unit2x": ("fsdp", lambda spec: dict(override_ddp_config=dict(
         suggested_communication_unit_size=2 * megatron_default_unit_elements(spec)))),
     # megatron's own unit (1e9 elements here): the kit's default is 2 x the mean layer, i.e.
-    # prefetch about one layer ahead (compat.fsdp_unit)
+    # prefetch about one layer ahead (compat.access.fsdp_unit)
     "fsdp-unit-1e9": ("fsdp", lambda spec: dict(override_ddp_config=dict(
         suggested_communication_unit_size=megatron_default_unit_elements(spec)))),
     # "full", not "selective": selective recomputes core attention only, and SDPA already keeps

@@ -8,8 +8,8 @@ the data-parallel wrap (`value_model`):
 
 1. the LM output layer (hidden -> vocab) is replaced by `ValueHead` (hidden -> 1, zero at first: V = 0);
 2. the chunk's per-token loss becomes its per-token value. megatron's `GPTModel._postprocess` ends with
-   `loss = self.compute_language_model_loss(labels, logits)` whenever labels are given (`PATCH` cites the
-   lines); `_values_as_loss` in that method's place returns the head's output [b, s] instead.
+   `loss = self.compute_language_model_loss(labels, logits)` whenever labels are given (compat/patches/
+   value_loss.py cites the lines); its `_values_as_loss` in that method's place returns the head's output [b, s].
 
 So everything the kit runs on per-token losses runs the critic unchanged: `train.step` / `run_steps` hand the values
 to the loss_fn as `token_losses` (`value_loss`), packed rows come back in the padded layout (`packing`), and
@@ -34,26 +34,15 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from types import MethodType
 
 import torch
 
-from .. import engine
-from ..compat.registry import Patch, record
+from .. import compat, engine
 from ..config import bad_value
 from ..fieldtypes import COUNT, checked_args, optional
 from ..train import Batch
 from . import core
 from .core import RolloutBatch
-
-PATCH = Patch(
-    target="megatron.core.models.gpt.gpt_model:GPTModel._postprocess",
-    upstream="megatron/core/models/gpt/gpt_model.py:685-714 (the output layer's logits [s, b, V], then the "
-             "per-token loss from compute_language_model_loss when labels are given), instance patch per model",
-    needed_if="loss = self.compute_language_model_loss(labels, logits)")
-"""What `value_model` relies on: the per-token output of a chunk given labels is `compute_language_model_loss`'s
-(a compat.registry row; tests/compat/test_instance_patches.py fails when upstream changes those lines)."""
-
 
 class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1], in the output layer's call convention (`weight`, the tied embedding,
@@ -66,11 +55,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
-
-
-def _values_as_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """In place of `compute_language_model_loss`: the head's output [s, b, 1] as the per-token "loss" [b, s]."""
-    return logits[..., 0].transpose(0, 1).float().contiguous()
 
 
 def attach_value_head(chunk: torch.nn.Module) -> None:
@@ -87,8 +71,7 @@ def attach_value_head(chunk: torch.nn.Module) -> None:
     model.output_layer = ValueHead(model.config.hidden_size, dtype=old.dtype, device=old.device)
     for p in model.output_layer.parameters():   # as engine.build does for every parameter
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
-    model.compute_language_model_loss = MethodType(_values_as_loss, model)
-    record(PATCH)
+    compat.apply("critic_values", model=model)   # values as its per-token output (compat/patches/value_loss.py)
 
 
 def value_model(chunks: list[torch.nn.Module], cfg) -> list[torch.nn.Module]:

@@ -2,12 +2,13 @@
 import importlib.util
 import sys
 
-from mfsdp_kit.compat import bridge
+from mfsdp_kit import compat
+from mfsdp_kit.compat.patches import bridge
 from tests.dist.launch import free_port
 
 
 def test_bridge_imports_and_placeholders_are_gone():
-    bridge.import_bridge()
+    compat.apply("bridge")
     from megatron.bridge import AutoBridge  # noqa: F401
     for name in ("transformer_engine", "triton"):
         module = sys.modules.get(name)
@@ -26,7 +27,7 @@ def test_placeholders_still_needed():
 
 
 def test_tp_scatter_fix_still_needed():
-    bridge.import_bridge()
+    compat.apply("bridge")
     assert bridge.scatter_fix_still_needed(), "bridge makes TP splits contiguous now: drop the fix"
 
 

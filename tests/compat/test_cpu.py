@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from mfsdp_kit.compat import cpu, no_te
+from mfsdp_kit import compat
+from mfsdp_kit.compat.patches import cpu, no_te
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compat is off when CUDA is present")
 
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU compat is
 @pytest.fixture(scope="module")
 def patches():
     real = (torch.cuda.Stream, torch.cuda.Event, torch.empty, torch.Tensor.type, torch.Tensor.cuda, torch.device)
-    cpu.enable()
+    compat.apply("cpu")
     yield cpu.PATCHES
     assert (torch.cuda.Stream, torch.cuda.Event, torch.empty, torch.Tensor.type, torch.Tensor.cuda,
             torch.device) == real, "a CPU patch leaked into torch itself"
@@ -18,7 +19,7 @@ def patches():
 
 def test_patches_listed(patches):
     print("\n" + cpu.describe())
-    targets = {p.target for p in patches}  # compat.bridge may add its own (megatron.bridge.*) entries
+    targets = {p.target for p in patches}  # compat.patches.bridge may add its own (megatron.bridge.*) entries
     expected = set(cpu.PROXY_MODULES) | {f"{m}:{f}" for m, f in cpu.REWRITES} | {
         "megatron.core.tensor_parallel.random:_lazy_call", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:DeviceMesh"}
     assert expected <= targets
@@ -46,16 +47,17 @@ def test_proxy_routes_cuda_to_cpu(patches):
 
 
 def test_no_te_placeholder_still_needed():
-    no_te.enable()
-    assert no_te.still_needed(), "megatron-core now guards TELinear: delete compat/no_te.py"
+    compat.apply("no_te")
+    assert no_te.still_needed(), "megatron-core now guards TELinear: delete compat/patches/no_te.py"
 
 
 def test_every_active_patch_is_still_needed_and_written_for_this_version(patches):
     """One registry for cpu, no_te and bridge rows: each still needed, each package at the version its
     file:line references were checked against (a new megatron: re-check them, then bump WRITTEN_FOR)."""
-    from mfsdp_kit.compat import bridge, registry
-    no_te.enable()
-    bridge.import_bridge()
+    from mfsdp_kit.compat.patches import bridge
+    from mfsdp_kit.compat import registry
+    compat.apply("no_te")
+    compat.apply("bridge")
     packages = {p.package for p in registry.ACTIVE}
     print("\n" + registry.describe())
     assert packages == {"megatron-core", "megatron-bridge"}

@@ -1,9 +1,10 @@
-"""compat.grad_norm: the device-side grad norm and clip scale keep the contracts of megatron's fallbacks."""
+"""compat.patches.grad_norm: the device-side grad norm and clip scale keep the contracts of megatron's fallbacks."""
 import pytest
 import torch
 
-from mfsdp_kit import runtime
-from mfsdp_kit.compat import cpu, grad_norm, registry
+from mfsdp_kit import compat, runtime
+from mfsdp_kit.compat.patches import cpu, grad_norm
+from mfsdp_kit.compat import registry
 from mfsdp_kit.config import EngineConfig
 from tests.dist.hostreads import no_host_reads
 
@@ -23,7 +24,7 @@ def _grads():
 
 def test_l2_norm_matches_megatrons_fallback():
     from megatron.core.utils import local_multi_tensor_l2_norm
-    cpu.enable()   # the fallback puts its result on device="cuda"
+    compat.apply("cpu")   # the fallback puts its result on device="cuda"
     grads = _grads()
     ours, none = grad_norm.multi_tensor_l2_norm(2048 * 32, None, [grads], False)
     theirs, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
@@ -50,7 +51,7 @@ def test_scale_is_bitwise_megatrons_fallback():
 
 def test_enable_swaps_clip_grads_fallbacks_and_is_still_needed():
     import megatron.core.optimizer.clip_grads as clip_grads
-    assert grad_norm.enable() and grad_norm.enable()   # idempotent
+    assert compat.apply("grad_norm") and compat.apply("grad_norm")   # idempotent
     assert clip_grads.l2_norm_impl is grad_norm.multi_tensor_l2_norm
     assert clip_grads.multi_tensor_scale_impl is grad_norm.multi_tensor_scale
     patch = next(p for p in registry.ACTIVE if p.target == f"{grad_norm.MODULE}:l2_norm_impl")
@@ -109,8 +110,8 @@ def test_clip_keeps_the_factor_for_grads_made_later(world, max_norm):
 
 def test_enable_on_device_binds_the_optimizer_module_and_is_still_needed():
     import megatron.core.optimizer.optimizer as optimizer
-    grad_norm.enable_on_device()
-    grad_norm.enable_on_device()
+    compat.apply("grad_norm_on_device")
+    compat.apply("grad_norm_on_device")
     assert optimizer.get_grad_norm_fp32 is grad_norm.grad_norm_fp32
     assert optimizer.clip_grad_by_total_norm_fp32 is grad_norm.clip_by_total_norm
     for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"):

@@ -1,14 +1,15 @@
-"""compat.inductor_cache: a graph compiled at the native CPU capability is not reused under
+"""compat.patches.inductor_cache: a graph compiled at the native CPU capability is not reused under
 ATEN_CPU_CAPABILITY=default (torch's cache key misses it; the reuse failed to compile in `make test`)."""
 import os
 import subprocess
 import sys
 
-from mfsdp_kit.compat import inductor_cache
+from mfsdp_kit import compat
+from mfsdp_kit.compat.patches import inductor_cache
 
 ROW_MAX = """
 import os, sys, torch
-from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
+from mfsdp_kit import compat; compat.apply("startup")  # what runtime.init does first
 f = torch.compile(lambda x: x.amax(-1))
 x = torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512)
 assert torch.equal(f(x), x[:, -1]), "wrong row max"
@@ -30,14 +31,14 @@ def test_native_then_default_capability_share_no_compiled_graph(tmp_path):
 def test_install_keeps_a_cache_dir_the_user_chose(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere")
-    assert inductor_cache.install() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
+    assert compat.apply("inductor_cache") is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    assert inductor_cache.install().endswith("_avx2")
+    assert compat.apply("inductor_cache").endswith("_avx2")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
-    assert inductor_cache.install() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert compat.apply("inductor_cache") is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
 def test_still_needed():
     assert inductor_cache.still_needed(), "torch's inductor cache mentions ATEN_CPU_CAPABILITY now: check " \
-        "whether it keys on it, and delete compat/inductor_cache.py if so"
+        "whether it keys on it, and delete compat/patches/inductor_cache.py if so"

@@ -3,28 +3,28 @@ problem is still there (a failure here means upstream fixed it: delete the patch
 installed version, and recorded when applied."""
 import pytest
 
-from mfsdp_kit.compat import bridge, bridge_model, fsdp_gather_hold, fsdp_main_grads, registry
-from mfsdp_kit.models import cross_entropy, fusions
-from mfsdp_kit.rl import critic
+from mfsdp_kit import compat
+from mfsdp_kit.compat import registry
+from mfsdp_kit.compat.patches import bridge_load, cross_entropy, fsdp_gather_hold, main_grads, rope, value_loss
 
 ROWS = {
-    "grad_upcast: update_main_grads deferred": fsdp_main_grads.DEFERRED,
-    "grad_upcast: the grad norm from the bf16 shards": fsdp_main_grads.GRADS_FOR_NORM,
+    "grad_upcast: update_main_grads deferred": main_grads.DEFERRED,
+    "grad_upcast: the grad norm from the bf16 shards": main_grads.GRADS_FOR_NORM,
     "keep_gathered: release_bucket held": fsdp_gather_hold.PATCH,
-    "models.vocab: HF tensors padded on load": bridge_model.LOAD_HOOK,
+    "models.vocab: HF tensors padded on load": bridge_load.LOAD_HOOK,
     "fused_cross_entropy: the loss from bf16 logits": cross_entropy.PATCH,
-    "fused_kernels: the RoPE slots filled": fusions.PATCH,
-    "rl.critic: the per-token output is compute_language_model_loss's": critic.PATCH,
+    "fused_kernels: the RoPE slots filled": rope.PATCH,
+    "rl.critic: the per-token output is compute_language_model_loss's": value_loss.PATCH,
 }
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_still_needed_and_written_for_this_version(name):
-    bridge.import_bridge()   # the bridge's sources are read through its import
+    compat.apply("bridge")   # the bridge's sources are read through its import
     row = ROWS[name]
     assert ":" in row.upstream and any(c.isdigit() for c in row.upstream), row.upstream   # file:line
     assert row.still_needed(), f"{name}: upstream no longer shows the problem ({row.target}); delete the patch"
-    assert registry.installed_version(row.package) == registry.WRITTEN_FOR[row.package]
+    assert registry.written_for_installed(row.package)
 
 
 def test_applying_a_patch_records_its_row():
@@ -35,7 +35,7 @@ def test_applying_a_patch_records_its_row():
         def reset(self):
             return "reset"
     pipeline = Pipeline()
-    fsdp_gather_hold.install(pipeline)
+    compat.apply("keep_gathered", pipeline=pipeline)
     assert fsdp_gather_hold.PATCH in registry.ACTIVE
     setattr(pipeline, fsdp_gather_hold.HOLD, True)
     assert pipeline.release_bucket(0, False) is None and pipeline.reset() == "reset"

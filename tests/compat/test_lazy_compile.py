@@ -1,18 +1,19 @@
-"""compat.lazy_compile: importing megatron through the kit does not import torch's compiler, and a
+"""compat.patches.lazy_compile: importing megatron through the kit does not import torch's compiler, and a
 fused function compiles (once) at its first call, giving what the function computes."""
 import subprocess
 import sys
 
 import torch
 
-from mfsdp_kit.compat import lazy_compile
+from mfsdp_kit.compat.patches import lazy_compile
 
 PROBE = """
 import sys, torch
-from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
+from mfsdp_kit import compat; compat.apply("startup")  # what runtime.init does first
 import mfsdp_kit, megatron.core, mfsdp_kit.engine, mfsdp_kit.models.hf
 import megatron.core.jit as jit
-from mfsdp_kit.compat import lazy_compile, registry
+from mfsdp_kit.compat.patches import lazy_compile
+from mfsdp_kit.compat import registry
 print(int("torch._dynamo" in sys.modules), int(jit.jit_fuser is torch.compile),
       int(lazy_compile.PATCH in registry.ACTIVE), int(lazy_compile.PATCH.still_needed()))
 """
@@ -22,7 +23,7 @@ def test_importing_megatron_through_the_kit_leaves_the_compiler_unimported():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout.split()
     dynamo, eager_fuser, recorded, needed = map(int, out[-4:])
     assert not dynamo and not eager_fuser and recorded
-    assert needed, "megatron.core.jit no longer sets jit_fuser = torch.compile: delete compat/lazy_compile.py"
+    assert needed, "megatron.core.jit no longer sets jit_fuser = torch.compile: delete compat/patches/lazy_compile.py"
 
 
 def test_lazy_compiles_once_at_the_first_call_with_the_options():

@@ -1,16 +1,17 @@
-"""compat.lazy_cpp_extension: importing megatron through the kit leaves torch.utils.cpp_extension (and
+"""compat.patches.lazy_cpp_extension: importing megatron through the kit leaves torch.utils.cpp_extension (and
 setuptools) unimported; the one function of each module that needs it still works, and nothing else in
 those modules reads the deferred names (when upstream adds a use, or drops the import, a test fails)."""
 import subprocess
 import sys
 
-from mfsdp_kit.compat import lazy_cpp_extension
+from mfsdp_kit.compat.patches import lazy_cpp_extension
 
 PROBE = """
 import sys, types
-from mfsdp_kit.compat import startup; startup.install()  # what runtime.init does first
+from mfsdp_kit import compat; compat.apply("startup")  # what runtime.init does first
 import mfsdp_kit, megatron.core
-from mfsdp_kit.compat import lazy_cpp_extension as lazy, registry
+from mfsdp_kit.compat.patches import lazy_cpp_extension as lazy
+from mfsdp_kit.compat import registry
 print("imported", int(lazy.DEFERRED in sys.modules), int("setuptools" in sys.modules))
 print("recorded", int(all(d.patch in registry.ACTIVE for d in lazy.TARGETS.values())))
 print("needed", int(all(d.patch.still_needed() for d in lazy.TARGETS.values())))

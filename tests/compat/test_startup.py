@@ -21,7 +21,8 @@ from mfsdp_kit import runtime
 from mfsdp_kit.config import EngineConfig
 runtime.init(EngineConfig(), rank=0, world_size=1, master_port=int(sys.argv[1]))
 import megatron.core.jit as jit
-from mfsdp_kit.compat import lazy_compile, registry
+from mfsdp_kit.compat.patches import lazy_compile
+from mfsdp_kit.compat import registry
 print(int(jit.jit_fuser is torch.compile), int(lazy_compile.PATCH in registry.ACTIVE),
       os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
 runtime.shutdown(destroy_process_group=True)

@@ -35,8 +35,8 @@ GRACE_S = 5.0
 def preload() -> None:
     """Import what the ranks will import, so a fork inherits it. Scenarios import the kit lazily in
     places: name the heavy modules too."""
-    from mfsdp_kit.compat import startup
-    startup.install()   # what runtime.init installs first, before these imports reach megatron
+    from mfsdp_kit import compat
+    compat.apply("startup")   # what runtime.init installs first, before these imports reach megatron
     for module in ("torch", "torch.distributed.checkpoint", "transformers", "mfsdp_kit", "mfsdp_kit.models.hf",
                    "mfsdp_kit.checkpoint", "mfsdp_kit.sync", "mfsdp_kit.rl.grpo", "worker"):
         importlib.import_module(module)

@@ -4,7 +4,7 @@ rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it.
 import pytest
 import torch
 
-from mfsdp_kit import runtime
+from mfsdp_kit import compat, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import cross_entropy
 from tests.dist.launch import run
@@ -69,7 +69,7 @@ def test_vocab_parallel_over_two_ranks():
 
 def test_refuses_a_model_without_a_language_model_loss():
     with pytest.raises(ConfigError, match="fused_cross_entropy=True needs a megatron LanguageModule.*Linear"):
-        cross_entropy.install(torch.nn.Linear(2, 2))
+        compat.apply("cross_entropy", model=torch.nn.Linear(2, 2))
 
 
 def test_bad_value_is_named():

@@ -3,7 +3,7 @@ gloo rank: same outputs, same grads. The compiled kernels come from torch.compil
 import pytest
 import torch
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit import compat, engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import GPTSpec, fusions
 from tests.models.gpt_grads import loss_and_grads
@@ -85,7 +85,7 @@ def test_rope_takes_cos_sin_once_per_freqs_and_again_after_an_in_place_change():
 def test_install_fills_only_the_empty_slot():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.extensions.transformer_engine import HAVE_TE
-    assert fusions.install() is (not HAVE_TE)
+    assert compat.apply("rope") is (not HAVE_TE)
     assert (rope_utils.fused_apply_rotary_pos_emb is fusions.rope) is (not HAVE_TE)
 
 
@@ -180,7 +180,7 @@ def test_hf_model_logits_match_transformers(arch, tmp_path):
 
 
 def test_megatron_swiglu_compiles_once_whatever_the_token_count():
-    """megatron's own fusions (its `jit_fuser`, compiled lazily by `compat.lazy_compile`) take symbolic sizes from
+    """megatron's own fusions (its `jit_fuser`, compiled lazily by `compat.patches.lazy_compile`) take symbolic sizes from
     the first compile too: the forward and the backward function, one graph each, for three token counts."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
     from torch._dynamo.utils import counters

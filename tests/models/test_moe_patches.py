@@ -1,10 +1,12 @@
-"""Canaries for the MoE patches in compat.bridge, compat.experts and compat.fsdp_grads: each is
+"""Canaries for the MoE patches in compat.patches.bridge, compat.patches.experts and compat.patches.fsdp_grads: each is
 registered and still needed; when upstream fixes one, its test fails and the patch can be deleted."""
-from mfsdp_kit.compat import bridge, registry
+from mfsdp_kit import compat
+from mfsdp_kit.compat.patches import bridge
+from mfsdp_kit.compat import registry
 
 
 def test_moe_patches_are_registered_and_still_needed():
-    bridge.import_bridge()
+    compat.apply("bridge")
     targets = {p.target: p for p in registry.ACTIVE}
     for target in ("megatron.bridge.models.olmoe.olmoe_bridge:OlMoEBridge.mapping_registry",
                    "megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.gather_from_ep_ranks"):
@@ -13,7 +15,7 @@ def test_moe_patches_are_registered_and_still_needed():
 
 
 def test_moe_utils_names_defined_without_te():
-    bridge.import_bridge()
+    compat.apply("bridge")
     from megatron.core.transformer.moe import moe_utils
     if not moe_utils.HAVE_TE:
         assert bridge.moe_names_still_undefined()  # upstream's except-branch still leaves them undefined
@@ -21,10 +23,10 @@ def test_moe_utils_names_defined_without_te():
 
 
 def test_expert_parallel_patches_are_registered_and_still_needed():
-    """SequentialMLP expert numbering (compat.experts) and one-rank FSDP groups' gradients (compat.fsdp_grads)."""
-    from mfsdp_kit.compat import experts, fsdp_grads
-    bridge.import_bridge()
-    fsdp_grads.enable()
+    """SequentialMLP expert numbering (compat.patches.experts) and one-rank FSDP groups' gradients (compat.patches.fsdp_grads)."""
+    from mfsdp_kit.compat.patches import experts, fsdp_grads
+    compat.apply("bridge")
+    compat.apply("fsdp_grads")
     targets = {p.target: p for p in registry.ACTIVE}
     for target in ("megatron.bridge.models.conversion.model_bridge:_megatron_local_name_to_global",
                    fsdp_grads.TARGET):

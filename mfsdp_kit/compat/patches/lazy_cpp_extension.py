@@ -11,7 +11,7 @@ cpp_extension imports setuptools, distutils and packaging: 0.04-0.06 s on an idl
 engine's start on a GPU node (docs/benchmarks.md, "cluster_start"), paid by every engine and test process
 whether an allocator is ever built or not.
 
-`install()` (run by `import mfsdp_kit`; imports nothing) puts a finder on sys.meta_path that loads each of the
+`compat.apply("lazy_cpp_extension")` (through `startup`; imports nothing) puts a finder on sys.meta_path that loads each of the
 two modules from its source with that one import line blanked (line numbers stay; the bytecode cache is
 neither read nor written), then makes the uses import cpp_extension on the spot: the function that needs it
 binds the names the line bound before it runs (the module's other functions look it up at call time, so they
@@ -28,7 +28,7 @@ from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder, SourceFileLoader
 from importlib.util import decode_source
 
-from .registry import Patch, record
+from ..registry import Patch, record
 
 DEFERRED = "torch.utils.cpp_extension"
 
@@ -130,7 +130,7 @@ class _Finder(MetaPathFinder):
         return spec
 
 
-def install() -> None:
+def _install() -> None:
     """Arrange for the TARGETS to load without importing cpp_extension (a no-op once it is imported)."""
     if DEFERRED in sys.modules:
         return

@@ -13,7 +13,7 @@
    bridge (`models/olmoe/olmoe_bridge.py:98-147`) maps only TE's grouped experts
    (`mlp.experts.linear_fc1.weight<i>`); the SequentialMLP names of the local spec
    (`mlp.experts.local_experts.<i>.linear_fc1.weight`) get the mappings the Qwen3-MoE bridge has.
-   Their expert numbering under expert parallelism is `compat.experts`.
+   Their expert numbering under expert parallelism is `compat.patches.experts`.
 3. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
    (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
    by 0.56 at TP=2). The splits are made contiguous first.
@@ -32,7 +32,7 @@ import inspect
 import sys
 import types
 
-from . import registry
+from .. import registry
 
 PLACEHOLDER = "__mfsdp_kit_placeholder__"
 
@@ -42,7 +42,7 @@ class _Missing:
 
     def __init__(self, *args, **kwargs):
         raise RuntimeError(f"{type(self).__module__}.{type(self).__name__} is a placeholder: "
-                           "the package is not installed (mfsdp_kit.compat.bridge)")
+                           "the package is not installed (mfsdp_kit.compat.patches.bridge)")
 
 
 class _PlaceholderModule(types.ModuleType):
@@ -87,7 +87,7 @@ def placeholders():
     if importlib.util.find_spec("triton") is None:
         # transformers (imported by the bridge) imports torch's compiler (flex_attention's
         # torch.compiler.disable), which probes for triton: it must see the real absence, not the
-        # placeholder (compat.lazy_compile leaves the compiler unimported until here). Where triton is
+        # placeholder (compat.patches.lazy_compile leaves the compiler unimported until here). Where triton is
         # installed (GPU images) there is no placeholder to hide, and the compiler stays unimported:
         # 1.2-1.5 s of every GPU process that loads a model, for a compiler nothing may call.
         import torch._dynamo  # noqa: F401
@@ -102,8 +102,8 @@ def placeholders():
                 del sys.modules[name]
 
 
-def import_bridge():
-    """`megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
+def _import_bridge():
+    """compat.apply("bridge"): `megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
     if "megatron.bridge" not in sys.modules:
         with placeholders() as added:
             import megatron.bridge  # noqa: F401
@@ -127,14 +127,14 @@ MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "f
 
 
 def _moe_without_te() -> None:
-    define_moe_te_names()
+    _define_moe_te_names()
     _patch_olmoe_sequential_experts()
-    from . import experts   # SequentialMLP expert names at any expert-parallel size
-    experts.enable()
+    from ..door import apply
+    apply("experts")   # SequentialMLP expert names at any expert-parallel size
 
 
-def define_moe_te_names() -> None:
-    """TE's MoE kernel names in moe_utils defined as None (what its code tests for); megatron-core only,
+def _define_moe_te_names() -> None:
+    """compat.apply("moe_without_te"): TE's MoE kernel names in moe_utils defined as None (what its code tests for); megatron-core only,
     so a MoE model built from sizes (models.gpt) needs no megatron.bridge import for it."""
     from megatron.core.transformer.moe import moe_utils
     if not moe_utils.HAVE_TE and moe_names_still_undefined():
@@ -194,7 +194,7 @@ BRIDGE_CPU_MODULES = {
 
 
 def _cpu_patches() -> None:
-    """On a CPU-only build, the bridge (and MoE) modules that assume CUDA get compat.cpu's torch proxy."""
+    """On a CPU-only build, the bridge (and MoE) modules that assume CUDA get compat.patches.cpu's torch proxy."""
     import torch
     from . import cpu
     if torch.cuda.is_available() or any(p.target in BRIDGE_CPU_MODULES for p in cpu.PATCHES):

@@ -3,13 +3,13 @@
 `keep_gathered` (EngineConfig.wrapper.fsdp_keep_gathered) keeps each FSDP unit gathered from a step's first forward to
 the end of its backward. megatron-core 0.16.1 has no knob for that (`DistributedDataParallelConfig` has no
 `reshard_after_forward`, which only its torch-FSDP2 config knows): `AllGatherPipeline.release_bucket`
-(megatron_fsdp/param_and_grad_buffer.py:3649) frees a unit after every forward and backward. `install` routes
+(megatron_fsdp/param_and_grad_buffer.py:3649) frees a unit after every forward and backward. `compat.apply("keep_gathered", pipeline=)` routes
 that method through a hold flag and ends the hold at `AllGatherPipeline.reset` (line 3418), per pipeline
 instance; the row below says so, and tests/compat/test_instance_patches.py fails once megatron gains the knob.
 """
 from __future__ import annotations
 
-from .registry import Patch, record, upstream_source
+from ..registry import Patch, record, upstream_source
 
 HOLD = "_mfsdp_kit_keep_gathered"
 """Attribute of an `AllGatherPipeline`: absent (not installed), False (megatron's releases), True (held)."""
@@ -27,7 +27,7 @@ PATCH = Patch(target="megatron.core.distributed.fsdp.src.megatron_fsdp.param_and
               needed_if=_no_knob)
 
 
-def install(pipeline) -> None:
+def _install(*, pipeline) -> None:
     """Route `pipeline.release_bucket` through the hold flag, and end the hold at `pipeline.reset` (once per
     pipeline; the flag starts off). megatron resets the pipeline when the step's gradients are synchronised
     (`finish_grad_sync` -> `synchronize_param_gather`), freeing every bucket: that is where a held step lets go."""

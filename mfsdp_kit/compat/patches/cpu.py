@@ -17,7 +17,7 @@ sites work *inside megatron's own modules only*; torch itself is never modified:
    those functions are recompiled from their own source with the calls routed to helpers
    that answer as CUDA would for a CPU tensor.
 
-`enable()` is a no-op when CUDA is available. Every patch is a row of `compat.registry` naming
+`compat.apply("cpu")` is a no-op when CUDA is available. Every patch is a row of `compat.registry` naming
 the upstream file:line it works around; `still_needed(patch)` checks the upstream source still has
 the problem, and tests/compat/ fails for a patch upstream no longer needs (then delete it).
 """
@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch as _torch
 
-from . import registry
-from .registry import Patch
+from .. import registry
+from ..registry import Patch
 
 CPU = _torch.device("cpu")
 
@@ -99,7 +99,7 @@ REWRITES = {
         ("distributed/fsdp/src/megatron_fsdp/uneven_dtensor.py:183", ".cuda()"),
 }
 
-PATCHES: list[Patch] = registry.ACTIVE  # what enable() (and compat.bridge) changed, in order
+PATCHES: list[Patch] = registry.ACTIVE  # what compat.apply("cpu") (and compat.patches.bridge) changed, in order
 _enabled = False
 
 
@@ -293,7 +293,7 @@ def proxy_module(name: str, *, upstream: str, needed_if: str) -> None:
     _record(name, upstream, needed_if)
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Apply every CPU patch once. Returns False (and does nothing) when CUDA is available."""
     global _enabled
     if _enabled or _torch.cuda.is_available():

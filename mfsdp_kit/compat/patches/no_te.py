@@ -7,7 +7,7 @@ there) and lets Megatron-FSDP wrap tensor-parallel models. Delete when `still_ne
 """
 from __future__ import annotations
 
-from . import registry
+from .. import registry
 
 UPSTREAM = "megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:41,184"
 
@@ -22,7 +22,7 @@ def still_needed() -> bool:
     return not isinstance(original, type)
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Install the placeholder when TE is absent; returns whether it did."""
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
     if isinstance(adapter.TELinear, type):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 
-from . import registry
+from .. import registry
 
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 TARGET = f"{MODULE}:GradReducePipeline._bucket_group_gradient_reduce"
@@ -32,7 +32,7 @@ def still_needed() -> bool:
     return ADD in registry.upstream_source(TARGET)
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Apply the rewrite once; returns whether it did (False when upstream changed the lines)."""
     import importlib
     module = importlib.import_module(MODULE)

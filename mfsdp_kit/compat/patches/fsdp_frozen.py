@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from . import registry
+from .. import registry
 
 UPSTREAM = "megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:1007-1012"
 TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp:MegatronFSDP._register_fsdp_hooks"
@@ -53,7 +53,7 @@ def _frozen_hooks_skipped(original):
     return register
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Install the patch (once); returns whether it did."""
     cls = _cls()
     if hasattr(cls._register_fsdp_hooks, "__wrapped__") or not still_needed():

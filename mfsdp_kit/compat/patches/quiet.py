@@ -3,14 +3,14 @@
 The kit runs megatron without Transformer Engine and Apex by design (torch norms, its own SDPA attention), so
 megatron says so at import, once per module that checks, and megatron-bridge once per model it builds; on two
 engines that is a screenful of `[stderr:N]` lines with the user's install paths before a notebook's first
-output, and it hides the warnings that may matter. `install()` silences exactly the rows of `KNOWN`, each
+output, and it hides the warnings that may matter. `compat.apply("quiet")` silences exactly the rows of `KNOWN`, each
 matched by its message and the module that emits it, each with the reason it says nothing here; every other
-warning is left as it ships. Nothing is filtered by importing the kit: `compat.startup.install` calls
-`install()` (runtime.init, an engine's boot, the test harness), before megatron is imported. It lives in compat/,
+warning is left as it ships. Nothing is filtered by importing the kit: `compat.apply("startup")` applies
+it (runtime.init, an engine's boot, the test harness), before megatron is imported. It lives in compat/,
 the kit's one door into megatron's internals: it names their modules and loggers, and tests/test_quiet.py fails
 (a canary per row) when upstream stops emitting one, so the row can go.
 
-    from mfsdp_kit.compat import quiet
+    from mfsdp_kit.compat.patches import quiet
     for row in quiet.known_warnings():
         print(row)        # what is hidden, from where, and why
 """
@@ -20,6 +20,8 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+
+from ..registry import Patch, record
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ KNOWN: tuple[KnownWarning, ...] = (
     # megatron/core/extensions/transformer_engine_spec_provider.py:74 and models/backends.py:123, at import
     KnownWarning(message=r"The legacy GroupedMLP will be deprecated", module=r"megatron\.core\.",
                  why="asks for Transformer Engine >= 1.7, which the kit does not use; its MoE layers are "
-                     "megatron's SequentialMLP (compat/experts.py)"),
+                     "megatron's SequentialMLP (compat/patches/experts.py)"),
     # megatron/core/optimizer/__init__.py:24, optimizer.py:28, clip_grads.py:29 and megatron_fsdp's
     # mixed_precision.py:114, at import
     KnownWarning(message=r"Transformer Engine and Apex are not installed\. Falling back to",
@@ -82,6 +84,18 @@ KNOWN: tuple[KnownWarning, ...] = (
 """Every filter the kit installs, one row per message."""
 
 
+PATCH = Patch(target="warnings", needed_if=lambda: apex_note_still_emitted(),
+              upstream="megatron/core/models/backends.py:21 and the other emitters each row of KNOWN cites; "
+                       "python's warnings filters and the named loggers' filters, process-wide")
+"""The registry row of the filters (tests/test_quiet.py holds a canary per row of KNOWN)."""
+
+
+def apex_note_still_emitted() -> bool:
+    """True while megatron's backends still warn that Apex is missing (KNOWN's first row)."""
+    from ..registry import upstream_source
+    return "Apex is not installed. Falling back to Torch Norm" in upstream_source("megatron.core.models.backends")
+
+
 class _Drop(logging.Filter):
     """Drops a logger's records whose message starts with one of `patterns`."""
 
@@ -97,7 +111,7 @@ class _Drop(logging.Filter):
 _installed = False
 
 
-def install() -> None:
+def _install() -> None:
     """Filter every row of `KNOWN` in this process (idempotent)."""
     global _installed
     if _installed:
@@ -111,8 +125,9 @@ def install() -> None:
     for name, patterns in by_logger.items():   # on the emitting logger: before any handler, whoever configured them
         logging.getLogger(name).addFilter(_Drop(patterns))
     _installed = True
+    record(PATCH)
 
 
 def known_warnings() -> list[KnownWarning]:
-    """What `install` hides, where each comes from and why: print them to see them all."""
+    """What `compat.apply("quiet")` hides, where each comes from and why: print them to see them all."""
     return list(KNOWN)

@@ -8,7 +8,7 @@ bench/cluster_start.py), paid by every engine and test process whether a fusion 
 `torch.compile` compiles only at the first call anyway, so compiling at the first call gives the
 same function at the same moment: only the import of the compiler moves there.
 
-`install()` (run by `import mfsdp_kit`; imports nothing) puts a one-shot finder on sys.meta_path
+`compat.apply("lazy_compile")` (through `startup`, before megatron's import; imports nothing) puts a one-shot finder on sys.meta_path
 that loads megatron.core.jit normally, then swaps its `jit_fuser` for `lazy(compile_tokens_dynamic)`
 (`torch.compile` with the token dim symbolic: one compile per fusion whatever the token count). If
 megatron was imported before mfsdp_kit, nothing changes: its import was paid already.
@@ -20,7 +20,7 @@ import sys
 from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder
 
-from .registry import Patch, record
+from ..registry import Patch, record
 
 TARGET = "megatron.core.jit"
 PATCH = Patch(target=TARGET, upstream="megatron/core/jit.py:21 (jit_fuser = torch.compile, applied at import)",
@@ -85,7 +85,7 @@ class _Finder(MetaPathFinder):
         return spec
 
 
-def install() -> None:
+def _install() -> None:
     """Arrange for megatron.core.jit to be patched when it is imported (a no-op once it is)."""
     if TARGET in sys.modules:
         return

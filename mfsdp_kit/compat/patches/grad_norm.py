@@ -20,14 +20,14 @@ optimizer module's two names are bound to `grad_norm_fp32` and `clip_by_total_no
 0-dim float64 tensor on the device, computed as megatron computes it (fp32 squares all-reduced, then
 the square root in double, as `.item() ** 0.5` takes it), and the grads are always scaled by
 `where(coeff < 1, coeff, 1)`: the same bits (x * 1.0 == x; a NaN norm leaves them as megatron does).
-Only the optimizer module's copies are rebound, so compat.cpu's rewrite of clip_grads' own function
+Only the optimizer module's copies are rebound, so compat.patches.cpu's rewrite of clip_grads' own function
 stays what the fallback (a norm that is not a tensor, or not L2) calls.
 """
 from __future__ import annotations
 
 import torch
 
-from . import registry
+from .. import registry
 
 MODULE = "megatron.core.optimizer.clip_grads"
 UPSTREAM = "megatron/core/optimizer/clip_grads.py:35-43 + utils.py:1200-1215 (a .item()-like sync per tensor)"
@@ -119,7 +119,7 @@ def still_needed() -> bool:
         "megatron.core.utils:local_multi_tensor_l2_norm")
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Swap clip_grads' fallbacks for the device-side ones; returns whether it did (False under TE/Apex)."""
     import importlib
     module = importlib.import_module(MODULE)
@@ -139,7 +139,7 @@ def enable() -> bool:
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
-def enable_on_device() -> None:
+def _enable_on_device() -> None:
     """Bind the optimizer module's grad norm and clip to `grad_norm_fp32` / `clip_by_total_norm` (idempotent)."""
     import importlib
     module = importlib.import_module(OPTIMIZER)

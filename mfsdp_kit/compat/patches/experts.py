@@ -24,12 +24,12 @@ from __future__ import annotations
 import inspect
 import re
 
-from . import registry
+from .. import registry
 
 _LOCAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def enable() -> None:
+def _enable() -> None:
     _patch_global_names()
     _patch_gather()
 

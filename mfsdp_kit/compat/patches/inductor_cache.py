@@ -9,11 +9,11 @@ ATEN_CPU_CAPABILITY=default hits the same key, takes that source and compiles it
 filled the cache, then every default-capability run that compiled the same row-max failed
 (bench/load_hf.py; the Makefile's portable pass runs on the same machine).
 
-`install()` (run by `import mfsdp_kit`, before anything compiles): when ATEN_CPU_CAPABILITY is set and the
+`compat.apply("inductor_cache")` (through `startup`, before anything compiles): when ATEN_CPU_CAPABILITY is set and the
 user chose no TORCHINDUCTOR_CACHE_DIR, the cache goes to inductor's default folder + "_<capability>".
-Child processes (torchrun ranks, engines) inherit the variable, so they agree on the folder. Not a row of
-compat.registry (it changes no upstream code, and torch differs between CPU and GPU images);
-tests/compat/test_inductor_cache.py fails when torch starts keying on the capability: delete this then.
+Child processes (torchrun ranks, engines) inherit the variable, so they agree on the folder. A process-wide
+setting, so a row of compat.registry (`PATCH`, recorded when the variable is set); tests/compat/
+test_inductor_cache.py fails when torch starts keying on the capability: delete this then.
 """
 from __future__ import annotations
 
@@ -22,11 +22,18 @@ import inspect
 import os
 import tempfile
 
+from ..registry import Patch, record
+
 
 def still_needed() -> bool:
     """True while inductor's cache code does not mention the capability (so cannot key on it)."""
     import torch._inductor.codecache as codecache
     return "ATEN_CPU_CAPABILITY" not in inspect.getsource(codecache)
+
+
+PATCH = Patch(target="torch._inductor.codecache", package="torch", needed_if=lambda: still_needed(),
+              upstream="torch/_inductor/codecache.py (FX graph cache key without ATEN_CPU_CAPABILITY) and "
+                       "cpu_vec_isa.py:657 (the ISA the capability picks); sets TORCHINDUCTOR_CACHE_DIR, torch 2.13")
 
 
 def cache_dir(capability: str) -> str:
@@ -35,10 +42,11 @@ def cache_dir(capability: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_{capability}")
 
 
-def install() -> str | None:
+def _install() -> str | None:
     """Point inductor at a per-capability cache if a capability is forced; returns the folder set (or None)."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir(capability)
+    record(PATCH)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

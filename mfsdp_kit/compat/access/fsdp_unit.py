@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import registry
+from .. import registry
 
 TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp:MegatronFSDP._init_fsdp_param_and_grad_buffer"
 CAP = 1_000_000_000

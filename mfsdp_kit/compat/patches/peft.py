@@ -9,7 +9,7 @@ Delete when `still_needed()` is False.
 """
 from __future__ import annotations
 
-from . import registry
+from .. import registry
 
 UPSTREAM = "megatron/bridge/peft/utils.py:37-62,129 (HAVE_TE True without TE: isinstance of a MagicMock)"
 
@@ -22,7 +22,7 @@ def still_needed() -> bool:
     return bool(original) and not te.HAVE_TE
 
 
-def enable() -> bool:
+def _enable() -> bool:
     """Correct the flag where TE is absent; returns whether it did."""
     from megatron.bridge.peft import utils
     if not still_needed() or hasattr(utils, "_mfsdp_kit_original_HAVE_TE"):

@@ -7,19 +7,19 @@ Four changes concern a whole process rather than a model, and each must come bef
 - `inductor_cache`: one torch.compile cache per forced ATEN_CPU_CAPABILITY (before anything compiles);
 and `quiet`: the third-party warnings the kit knows are benign here, filtered (before megatron's import warns).
 Importing the kit installs none of them: a user who imports `mfsdp_kit` for its config or its checkpoint reader
-gets torch and megatron as they ship. `install()` is idempotent; it is called first thing by `runtime.init`,
+gets torch and megatron as they ship. `compat.apply("startup")` is idempotent; it is called first thing by `runtime.init`,
 by an engine's boot (`ipengine.start`, `cluster`'s engine init) and by the test harness, all of which import
 megatron right after. A process that imports megatron before calling any of them pays megatron's import as it
 ships (the two lazy rows change nothing then) and gets the same numbers.
 """
 from __future__ import annotations
 
-from . import inductor_cache, lazy_compile, lazy_cpp_extension, quiet
+from ..door import apply
 
 
-def install() -> None:
+def _install() -> None:
     """Install the four (each a no-op where its moment has passed or it is installed already)."""
-    lazy_compile.install()        # before anything imports megatron: its fusions compile at first use
-    lazy_cpp_extension.install()  # and its NCCL allocator imports torch.utils.cpp_extension when it is built
-    inductor_cache.install()      # before anything compiles: one torch.compile cache per forced CPU capability
-    quiet.install()               # before megatron's import-time warnings: the benign ones, listed in quiet.KNOWN
+    apply("lazy_compile")         # before anything imports megatron: its fusions compile at first use
+    apply("lazy_cpp_extension")   # and its NCCL allocator imports torch.utils.cpp_extension when it is built
+    apply("inductor_cache")       # before anything compiles: one torch.compile cache per forced CPU capability
+    apply("quiet")                # before megatron's import-time warnings: the benign ones, listed in quiet.KNOWN
