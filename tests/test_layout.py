@@ -186,3 +186,145 @@ def test_one_door_into_megatron_internals():
     assert not bad, f"modules outside {DOOR} reaching into megatron's or the bridge's internals: {bad}"
     inside = [v for name, path in kit_modules().items() if name.startswith(DOOR + ".") for v in door_violations(path)]
     assert inside, "the scan finds nothing even inside the door: it would pass whatever the kit did"
+
+
+PATCHES, ACCESS, DOOR_MODULE = f"{DOOR}.patches", f"{DOOR}.access", f"{DOOR}.door"
+"""compat's three parts (docs/design.md, "The door into megatron"): the patches, the read-only accessors, and the
+door whose `apply` is the one way a patch is turned on."""
+PROCESS_SETTERS = ("os.environ.setdefault", "os.environ.update", "os.environ.pop", "os.environ.clear", "os.putenv",
+                   "os.unsetenv", "warnings.filterwarnings", "warnings.simplefilter", "warnings.resetwarnings",
+                   "torch.set_default_", "torch.set_num_threads", "torch.set_num_interop_threads",
+                   "torch.set_float32_matmul_precision", "torch.set_flush_denormal", "torch.use_deterministic_algorithms",
+                   "torch.backends.", "torch._dynamo.config.", "torch._inductor.config.", "sys.meta_path.",
+                   "sys.setrecursionlimit", "logging.basicConfig", "logging.disable", "logging.captureWarnings",
+                   "logging.getLogger.addFilter", "logging.getLogger.setLevel", "logging.getLogger.addHandler",
+                   "signal.signal")
+"""Calls that change a process-wide setting (assignments to an imported module's attributes or items, such as
+`os.environ[k] = v` or `torch._dynamo.config.x = v`, are found apart). `torch._dynamo.config.patch(...)` (a scoped
+change, undone when its block ends) is allowed anywhere."""
+KIT_PROCESS_SETTINGS = {
+    "mfsdp_kit.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
+                         "torch.distributed reads: the kit's own world, configured the documented way",
+    "mfsdp_kit.cluster": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
+    "mfsdp_kit.ipengine": "os.environ: IPP_CONNECTION_INFO, what ipyparallel's engine reads to find its controller",
+    "mfsdp_kit.ipcontroller": "os.environ: the kit's own parent-watch marker, dropped in the controller's children",
+    "mfsdp_kit.lab": "signal.signal: the lab launcher's own main(), stopping the server it started",
+}
+"""Modules outside compat/patches that set a process-wide setting, each for the kit's own processes (no upstream
+behaviour changes); anything else goes through `compat.apply` and a registry row."""
+
+
+def door_features() -> dict[str, str]:
+    """compat.door.FEATURES as {feature: "module:function"} (the door imports nothing of megatron)."""
+    from mfsdp_kit.compat.door import FEATURES
+    return {name: f.target for name, f in FEATURES.items()}
+
+
+def aliases(tree: ast.AST, here: str) -> dict[str, str]:
+    """Every name an import binds in the file -> the dotted path it stands for."""
+    package, out = here.rpartition(".")[0], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            out.update({a.asname or a.name: f"{module}.{a.name}" for a in node.names})
+    return out
+
+
+def dotted(node: ast.AST, names: dict[str, str], *, calls: bool = True) -> str | None:
+    """`a.b[c].d` (through calls `a.f(x).g` where `calls`) -> the imported path of `a` + ".b.d" ("...f.g"), or None
+    when `a` is not an imported name (a local object: its own attributes are the kit's business)."""
+    parts = []
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Call) and not calls:
+            return None
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+        node = node.func if isinstance(node, ast.Call) else node.value
+    if not isinstance(node, ast.Name) or node.id not in names:
+        return None
+    return ".".join([names[node.id], *reversed(parts)])
+
+
+def foreign_changes(path: Path) -> list[str]:
+    """Where a file assigns (or deletes, or setattr's) an attribute or item of something it imported, or calls a
+    process-wide setter (PROCESS_SETTERS) other than a scoped `torch._dynamo.config.patch`."""
+    tree = ast.parse(path.read_text())
+    names, out = aliases(tree, module_name(path)), []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and (name := dotted(t, names, calls=False)):
+                    out.append(f"line {node.lineno}: {name} =")
+        if isinstance(node, ast.Call):
+            func = dotted(node.func, names)
+            if isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and node.args \
+                    and (name := dotted(node.args[0], names, calls=False)):
+                out.append(f"line {node.lineno}: {node.func.id}({name}, ...)")
+            elif func and func.startswith(PROCESS_SETTERS) and func != "torch._dynamo.config.patch":
+                out.append(f"line {node.lineno}: {func}(...)")
+    return out
+
+
+def test_foreign_changes_finds_them():
+    import tempfile
+    source = ("import os, warnings\nfrom torch import _dynamo\nfrom megatron.core import utils\nx = {}\nx['a'] = 1\n"
+              "utils.f = None\nos.environ['A'] = '1'\nos.environ.setdefault('B', '2')\nwarnings.filterwarnings('ignore')\n"
+              "setattr(utils, 'g', 1)\nwith _dynamo.config.patch(recompile_limit=8):\n    pass\n")
+    with tempfile.TemporaryDirectory(dir=ROOT) as folder:
+        path = Path(folder) / "probe.py"
+        path.write_text(source)
+        found = foreign_changes(path)
+    assert [f.split(":")[0] for f in found] == ["line 6", "line 7", "line 8", "line 9", "line 10"], found
+
+
+def test_only_compat_apply_turns_patches_on():
+    features, modules = door_features(), kit_modules()
+    turn_ons = {}
+    for feature, target in features.items():
+        module, _, function = target.partition(":")
+        assert module.startswith(PATCHES + ".") and module in modules, f"{feature}: {module} is not in {PATCHES}"
+        defined = {n.name for n in ast.parse(modules[module].read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert function in defined and function.startswith("_"), f"{feature}: {target} (a private function there)"
+        turn_ons.setdefault(function, set()).add(module)
+    bad = {}
+    for name, path in modules.items():
+        if name == DOOR_MODULE:
+            continue
+        tree = ast.parse(path.read_text())
+        uses = [f"line {n.lineno}: {n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in turn_ons]
+        uses += [f"line {n.lineno}: {n.id}()" for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in turn_ons]
+        uses += [f"imports {a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+                 if a.name in turn_ons]
+        if not (name == DOOR or name.startswith(DOOR + ".")):   # patch rows are written in compat only
+            uses += [f"imports registry.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                     and (n.module or "").endswith("registry") for a in n.names if a.name in ("Patch", "record")]
+            uses += [f"line {n.lineno}: .record(" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                     and n.attr == "record" and isinstance(n.value, ast.Name) and n.value.id == "registry"]
+        if uses:
+            bad[name] = uses
+    assert not bad, f"patches turned on (or registry rows written) other than through compat.apply: {bad}"
+    assert {"_install", "_enable"} <= turn_ons.keys(), "the scan sees no turn-on function: it would pass anything"
+
+
+def test_accessors_read_and_patches_change():
+    modules = kit_modules()
+    access = {n: p for n, p in modules.items() if n.startswith(ACCESS + ".")}
+    assert {f"{ACCESS}.fsdp", f"{ACCESS}.bridge_model", f"{ACCESS}.aten"} <= access.keys()
+    bad = {n: v for n, p in access.items() if (v := foreign_changes(p))}
+    bad |= {n: [f"imports {t}" for t, _ in imports(p) if t.startswith(PATCHES) or t == DOOR_MODULE]
+            for n, p in access.items() if any(t.startswith(PATCHES) or t == DOOR_MODULE for t, _ in imports(p))}
+    assert not bad, f"accessors (compat/access/) that change what they imported, or use patches: {bad}"
+    outside = {n: v for n, p in modules.items() if not n.startswith(PATCHES + ".") and n not in KIT_PROCESS_SETTINGS
+               and (v := foreign_changes(p))}
+    assert not outside, f"changes to upstream modules or process-wide settings outside {PATCHES} (a patch: a " \
+                        f"compat.apply feature and a registry row; a setting of the kit's own: KIT_PROCESS_SETTINGS): " \
+                        f"{outside}"
+    assert any(foreign_changes(p) for n, p in modules.items() if n.startswith(PATCHES + ".")), "the scan sees nothing"
+    stale = [n for n in KIT_PROCESS_SETTINGS if not foreign_changes(modules[n])]
+    assert not stale, f"KIT_PROCESS_SETTINGS rows whose module sets nothing any more (delete them): {stale}"

@@ -127,9 +127,9 @@ MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "f
 
 
 def _moe_without_te() -> None:
-    _define_moe_te_names()
-    _patch_olmoe_sequential_experts()
     from ..door import apply
+    apply("moe_without_te")
+    _patch_olmoe_sequential_experts()
     apply("experts")   # SequentialMLP expert names at any expert-parallel size
 
 
