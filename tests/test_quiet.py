@@ -1,12 +1,11 @@
 """quiet: each benign third-party warning the kit knows is emitted by its upstream as shipped (a canary: when
-upstream drops it, the row goes), and none of them is after `install`, while other warnings still are; under nbval,
+upstream drops it, the row goes), and none of them is after `compat.apply("quiet")`, while other warnings still are; under nbval,
 notebooks/conftest.py fails a cell whose output shows a warning."""
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from mfsdp_kit import compat
 from mfsdp_kit.compat.patches import quiet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)   # the default cuda_graph_scope
 import transformers
 transformers.PretrainedConfig().torch_dtype             # what megatron-bridge reads
-from mfsdp_kit.compat.patches import bridge
+from mfsdp_kit import compat
 compat.apply("bridge")                                  # megatron-bridge as the kit imports it (no TE)
 from megatron.bridge.utils.fusions import can_enable_gradient_accumulation_fusion
 can_enable_gradient_accumulation_fusion()               # no Apex

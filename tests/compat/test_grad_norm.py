@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mfsdp_kit import compat, runtime
-from mfsdp_kit.compat.patches import cpu, grad_norm
+from mfsdp_kit.compat.patches import grad_norm
 from mfsdp_kit.compat import registry
 from mfsdp_kit.config import EngineConfig
 from tests.dist.hostreads import no_host_reads
