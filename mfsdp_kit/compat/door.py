@@ -2,8 +2,8 @@
 
 A patch changes code the kit does not own: a megatron / bridge module attribute or class method replaced for the
 whole process, an instance method of one upstream object replaced, or a process-wide setting of torch or Python
-(an environment variable torch reads, a warnings filter). Before this door, patches were turned on from six places
-by two verbs (`enable`, `install`), so nobody could list from one file what a process may change. Now each patch
+(an environment variable torch reads, a warnings filter). Before this door, patches were turned on from a dozen
+modules by two verbs (`enable`, `install`), so nobody could list from one file what a process may change. Now each patch
 module (`compat/patches/`) keeps its turn-on function private, `FEATURES` names them all, and `apply` is the
 only caller (tests/test_layout.py checks that nothing else calls them, and that `compat/access/` only reads).
 Every feature records its `registry` row(s) when it changes something, as before.

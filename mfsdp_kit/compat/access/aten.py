@@ -3,9 +3,10 @@
 `aten::_flash_attention_forward` / `_flash_attention_backward` (torch 2.13: aten/src/ATen/native/
 native_functions.yaml, `_flash_attention_forward` and `_flash_attention_backward`; FlashAttention-2's
 `mha_varlen_fwd/bwd`) take a packed row's sequence bounds directly. They are private: no deprecation cycle
-protects their argument names or order, and the kit passes their leading arguments positionally. `FORWARD_ARGS` / `BACKWARD_ARGS`
-are the order the calls below pass; tests/compat/test_aten.py reads each op's schema (readable on CPU) and fails
-when a torch upgrade renames or reorders them, before any GPU run computes attention with swapped arguments.
+protects their argument names or order, and the kit passes their leading arguments positionally.
+`FORWARD_ARGS` / `BACKWARD_ARGS` are the order the calls below pass; tests/compat/test_aten.py reads each op's
+schema (readable on CPU) and fails when a torch upgrade renames or reorders them, before any GPU run computes
+attention with swapped arguments.
 
 Still needed while torch's public varlen attention (`torch.nn.attention.varlen.varlen_attn`, new in torch 2.10)
 has no attention dropout, which the kit's packed rows support (`dropout_p`, replayed in backward from the

@@ -6,8 +6,8 @@ megatron-core's public `FullyShardedDataParallel` adapter wraps `MegatronFSDP`
 all-gather pipeline (`all_gather_pipeline`: which unit is gathered, release, wait) are not public API. The kit
 needs them to switch parameter views, gather one unit at a time for export, measure memory, free a dropped
 model, and make fp32 grads a part at a time. Every such access is a function of this module (reads) or of
-`compat.patches.main_grads` / `fsdp_gather_hold` (changes, each a `registry` row); when megatron-core moves an attribute,
-these files are the ones to change. tests/test_layout.py keeps every other module out.
+`compat.patches.main_grads` / `fsdp_gather_hold` (changes, each a `registry` row); when megatron-core moves an
+attribute, these files are the ones to change. tests/test_layout.py keeps every other module out.
 """
 from __future__ import annotations
 

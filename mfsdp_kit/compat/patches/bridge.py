@@ -103,7 +103,7 @@ def placeholders():
 
 
 def _import_bridge():
-    """compat.apply("bridge"): `megatron.bridge` imported (with placeholders only where needed) and the TP fix applied."""
+    """compat.apply("bridge"): `megatron.bridge` imported (with placeholders only where needed), its fixes applied."""
     if "megatron.bridge" not in sys.modules:
         with placeholders() as added:
             import megatron.bridge  # noqa: F401
@@ -134,8 +134,8 @@ def _moe_without_te() -> None:
 
 
 def _define_moe_te_names() -> None:
-    """compat.apply("moe_without_te"): TE's MoE kernel names in moe_utils defined as None (what its code tests for); megatron-core only,
-    so a MoE model built from sizes (models.gpt) needs no megatron.bridge import for it."""
+    """compat.apply("moe_without_te"): TE's MoE kernel names in moe_utils defined as None (what its code tests
+    for); megatron-core only, so a MoE model built from sizes (models.gpt) needs no megatron.bridge import for it."""
     from megatron.core.transformer.moe import moe_utils
     if not moe_utils.HAVE_TE and moe_names_still_undefined():
         for name in MOE_TE_NAMES:

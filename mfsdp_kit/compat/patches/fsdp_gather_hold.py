@@ -3,9 +3,9 @@
 `keep_gathered` (EngineConfig.wrapper.fsdp_keep_gathered) keeps each FSDP unit gathered from a step's first forward to
 the end of its backward. megatron-core 0.16.1 has no knob for that (`DistributedDataParallelConfig` has no
 `reshard_after_forward`, which only its torch-FSDP2 config knows): `AllGatherPipeline.release_bucket`
-(megatron_fsdp/param_and_grad_buffer.py:3649) frees a unit after every forward and backward. `compat.apply("keep_gathered", pipeline=)` routes
-that method through a hold flag and ends the hold at `AllGatherPipeline.reset` (line 3418), per pipeline
-instance; the row below says so, and tests/compat/test_instance_patches.py fails once megatron gains the knob.
+(megatron_fsdp/param_and_grad_buffer.py:3649) frees a unit after every forward and backward.
+`compat.apply("keep_gathered", pipeline=)` routes that method through a hold flag and ends the hold at
+`AllGatherPipeline.reset` (line 3418), per pipeline instance; the row below says so, and tests/compat/test_instance_patches.py fails once megatron gains the knob.
 """
 from __future__ import annotations
 
