@@ -342,3 +342,15 @@ def test_accessors_read_and_patches_change():
     assert any(foreign_changes(p) for n, p in modules.items() if n.startswith(PATCHES + ".")), "the scan sees nothing"
     stale = [n for n in KIT_PROCESS_SETTINGS if not foreign_changes(modules[n])]
     assert not stale, f"KIT_PROCESS_SETTINGS rows whose module sets nothing any more (delete them): {stale}"
+
+
+def test_private_aten_ops_only_through_compat_access():
+    """torch's private ops (`torch.ops.aten._name`) are called in compat/access/ only, each with a registry row and a
+    schema canary (compat/access/aten.py, tests/compat/test_aten.py)."""
+    found = {name: [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                    and ast.unparse(n.value).endswith("ops.aten")]
+             for name, path in kit_modules().items()}
+    assert found[f"{ACCESS}.aten"], "the scan sees no private aten op: it would pass anything"
+    bad = {name: uses for name, uses in found.items() if uses and not name.startswith(ACCESS + ".")}
+    assert not bad, f"private aten ops called outside {ACCESS}: {bad}"
