@@ -61,11 +61,10 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
-    decode_attention: Literal["sdpa", "flash"] = "sdpa"
-    """A decode step's attention: "sdpa" (every row reads the step's slot bucket, masked; cuDNN's kernel on a GPU) |
-    "flash" (flash attention's varlen kernel, each row reading its own length of the cache; GPUs, fp16/bf16).
-    Measured on 1 H200 (a 1.7 B model, GRPO's 512 rows of <= 512 tokens): flash's rollout took 2.38-2.40 s against
-    SDPA's 1.98-2.08 (torch's varlen kernel splits no row's keys over blocks at one query a row)."""
+    decode_attention: Literal["auto", "flash", "sdpa"] = "auto"
+    """A decode step's attention: "flash" (flash attention's varlen kernel: each row reads its own length of the
+    cache; GPUs, fp16/bf16) | "sdpa" (every row reads the step's slot bucket, masked) | "auto" (flash where it
+    runs). Measured: docs/benchmarks.md, "grpo_iteration"."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     prefill_tokens: int = 16384
@@ -272,12 +271,8 @@ class ContinuousRollout(HFRollout):
 
     def flash(self, state: _Cache) -> bool:
         """Decode attention through flash's varlen kernel (`DecodeConfig.decode_attention`, `decoder.StepAttention`)?"""
-        if self.config.decode_attention != "flash":
-            return False
-        if not flash_usable(state.kv[0][0]):
-            raise bad_value("decode_attention", "flash", "'sdpa', or 'flash' for a model on a GPU in fp16/bf16 "
-                            "with head_dim a multiple of 8 up to 256")
-        return True
+        choice = self.config.decode_attention
+        return choice == "flash" or (choice == "auto" and flash_usable(state.kv[0][0]))
 
     def glue(self, gpu: bool) -> Glue:
         """The decode step's elementwise functions: compiled once per engine on a GPU (`compile_glue`)."""

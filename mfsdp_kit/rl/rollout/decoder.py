@@ -11,11 +11,13 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
     only (`layer_windows`), in prefill and decode alike;
-  - decode attention is one SDPA per layer in the grouped-query layout (`enable_gqa`: no `repeat_kv` copy) with
-    one additive mask per step, [b, 1, 1, slots]: every row reads the step's slot bucket. On a GPU that is
-    cuDNN's kernel, faster than a visibility-lane layout, than flex_attention (whose block mask alone costs more
-    than the kernel: docs/benchmarks.md, rollout), and than flash attention's varlen kernel reading each row's
-    own length of the cache's [rows * slots, kv_heads, D] view (`DecodeConfig.decode_attention="flash"`);
+  - decode attention on a GPU (bf16/fp16) is flash attention's varlen kernel over the cache as it lies: row r's
+    keys are the cache's rows r * slots .. r * slots + pos[r] of its [rows * slots, kv_heads, D] view
+    (`seqused_k`), so a row reads its own length, not the step's slot bucket, and the kernel groups the query
+    heads of a kv head itself (`decode_attention`). Elsewhere, one SDPA per layer in the grouped-query layout
+    (`enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: every row reads the
+    whole bucket (on a GPU cuDNN's kernel, faster than a visibility-lane layout and than flex_attention, whose
+    block mask alone costs more than the kernel: docs/benchmarks.md, rollout);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
     functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
