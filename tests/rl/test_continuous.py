@@ -10,7 +10,7 @@ from mfsdp_kit.generate import cut_at_stop
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, RolloutBackend
 from mfsdp_kit.rl.rollout.schedule import prefill_groups
-from mfsdp_kit.rl.rollout.decoder import EAGER, SUPPORTED, decode, fuse_projections, layer_windows, rope_table
+from mfsdp_kit.rl.rollout.decoder import SUPPORTED, layer_windows
 from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
@@ -204,30 +204,3 @@ def test_prefill_under_a_small_budget_gives_the_same_tokens(tmp_path):
         ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0]
     many = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=6, prefill_tokens=10))
     assert many.generate(ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0] == one
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention's kernel runs on a GPU only")
-@pytest.mark.parametrize("arch,window", [("Qwen2ForCausalLM", {}), ("MistralForCausalLM", dict(sliding_window=6))])
-def test_flash_decode_attention_matches_sdpa_on_a_gpu(arch, window, tmp_path):
-    """A decode step through flash's varlen kernel (each row reads its own length of the cache, from its row of the
-    whole allocation) against the masked SDPA over the step's slot bucket: the same final hidden states (bf16),
-    rows of different lengths, a bucket smaller than the allocation, full and sliding-window layers."""
-    folder = write_tiny(arch, tmp_path / arch, **window)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
-    fuse_projections(model)
-    c, g = model.config, torch.Generator("cuda").manual_seed(0)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    shape = (6, 96, c.num_key_value_heads, head_dim)   # 6 rows of 96 slots; the step reads a bucket of 64
-    cache = [tuple(torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-             for _ in model.model.layers]
-    rope = rope_table(model, slots=96, like=cache[0][0])
-    pos = torch.tensor([0, 5, 17, 40, 63, 9], device="cuda")
-    tok = torch.randint(0, c.vocab_size, (6,), generator=g, device="cuda")
-    outs = [decode(model, tok, pos, [(k.clone(), v.clone()) for k, v in cache], rope, slots=64, head_dim=head_dim,
-                   clip_qkv=None, glue=EAGER, windows=layer_windows(model), flash=flash) for flash in (True, False)]
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2)
-
-
-def test_decode_attention_names_its_values():
-    with pytest.raises(ConfigError, match="decode_attention"):
-        DecodeConfig(decode_attention="flash2")

@@ -31,9 +31,8 @@ import torch
 
 from ... import chat
 from ...config import bad_value
-from ...fieldtypes import COUNT, check_field_types, check_fields, number_in
-from .decoder import (EAGER, Glue, check_model, decode, flash_usable, fuse_projections, is_moe, layer_windows,
-                      rope_table)
+from ...fieldtypes import COUNT, check_fields, number_in
+from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, rope_table
 from .hf import Completions, HFRollout
 from .run import Run
 from .schedule import bucketed
@@ -61,10 +60,6 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
-    decode_attention: Literal["auto", "flash", "sdpa"] = "auto"
-    """A decode step's attention: "flash" (flash attention's varlen kernel: each row reads its own length of the
-    cache; GPUs, fp16/bf16) | "sdpa" (every row reads the step's slot bucket, masked) | "auto" (flash where it
-    runs). Measured: docs/benchmarks.md, "grpo_iteration"."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     prefill_tokens: int = 16384
@@ -77,7 +72,6 @@ class DecodeConfig:
     call (`release`) for the policy update."""
 
     def __post_init__(self):
-        check_field_types(self)
         check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT, prefill_tokens=COUNT,
                      cache_memory_fraction=number_in(0, 1, low_open=True))
 
@@ -95,7 +89,7 @@ class _Cache:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.kv[0][0].shape[0], self.kv[0][0].shape[1]
+        return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
 
 
 class ContinuousRollout(HFRollout):
@@ -213,7 +207,7 @@ class ContinuousRollout(HFRollout):
         if self._kept is None or self._kept.shape[0] != rows or self._kept.shape[1] < slots:
             self._kept = None
             p = next(self.model.parameters())
-            shape = (rows, slots, self.model.config.num_key_value_heads, self.head_dim)
+            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
             kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
                   for _ in self.model.model.layers]
             idx = torch.zeros(rows, dtype=torch.long, device=p.device)
@@ -238,7 +232,7 @@ class ContinuousRollout(HFRollout):
 
         def eager():
             return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows, flash=self.flash(state))
+                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
         fn = eager
         if self.config.cuda_graphs and gpu and not is_moe(self.model):
             if self.config.graph_mode == "reduce-overhead":
@@ -268,11 +262,6 @@ class ContinuousRollout(HFRollout):
                                       windows=self.windows)
         run()   # compiles and records now, not inside the timed loop
         return run
-
-    def flash(self, state: _Cache) -> bool:
-        """Decode attention through flash's varlen kernel (`DecodeConfig.decode_attention`, `decoder.StepAttention`)?"""
-        choice = self.config.decode_attention
-        return choice == "flash" or (choice == "auto" and flash_usable(state.kv[0][0]))
 
     def glue(self, gpu: bool) -> Glue:
         """The decode step's elementwise functions: compiled once per engine on a GPU (`compile_glue`)."""

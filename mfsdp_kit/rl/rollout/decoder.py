@@ -6,18 +6,15 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     become views of one [q + k + v, hidden] tensor and gate/up views of one [2 * ffn, hidden] tensor, so
     a step runs one GEMM for each group, not three or two;
     the HF modules still work and `sync.load_into` still copies into them by name, into the views;
-  - the cache is one K and one V tensor per layer, [rows, slots, kv_heads, head_dim]; row r holds one
+  - the cache is one K and one V tensor per layer, [rows, kv_heads, slots, head_dim]; row r holds one
     sequence from slot 0, so rows of different lengths share a step (continuous batching, `continuous.py`);
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
     only (`layer_windows`), in prefill and decode alike;
-  - decode attention on a GPU (bf16/fp16) is flash attention's varlen kernel over the cache as it lies: row r's
-    keys are the cache's rows r * slots .. r * slots + pos[r] of its [rows * slots, kv_heads, D] view
-    (`seqused_k`), so a row reads its own length, not the step's slot bucket, and the kernel groups the query
-    heads of a kv head itself (`decode_attention`). Elsewhere, one SDPA per layer in the grouped-query layout
-    (`enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: every row reads the
-    whole bucket (on a GPU cuDNN's kernel, faster than a visibility-lane layout and than flex_attention, whose
-    block mask alone costs more than the kernel: docs/benchmarks.md, rollout);
+  - decode attention is one SDPA per layer in the grouped-query layout (q [b, heads, 1, D] against the cache's
+    kv_heads, `enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: on a GPU
+    cuDNN's kernel, faster than a visibility-lane layout (head_dim padded past 128) and than flex_attention,
+    whose block mask alone costs more than the kernel (docs/benchmarks.md, rollout);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
     functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
@@ -162,10 +159,10 @@ def head(hf_model, x: torch.Tensor) -> torch.Tensor:
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_rows: torch.Tensor, v_rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """Rotary q and k of one token per row; k and v written into the cache's slot rows `k_rows`/`v_rows`
-    ([rows * slots * kv_heads, D] views of the whole cache) at `where` [b * kv_heads]. Returns q [b, heads, D]."""
+    ([rows * kv_heads * slots, D] views of the whole cache) at `where` [b * kv_heads]. Returns q [b, heads, 1, D]."""
     k_rows.index_copy_(0, where, rotate(k, cos, sin).flatten(0, 1))
     v_rows.index_copy_(0, where, v.flatten(0, 1))
-    return rotate(q, cos, sin)
+    return rotate(q, cos, sin)[:, :, None]
 
 
 def gated(gate_up: torch.Tensor, act) -> torch.Tensor:
@@ -237,8 +234,8 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
         h = rms(layer.input_layernorm, x)
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache[rows, :L], v_cache[rows, :L] = k, v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k_cache[rows, :, :L], v_cache[rows, :, :L] = k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if window is None else windowed[window],
                                              enable_gqa=True, scale=_scale(layer, head_dim))
         x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
@@ -268,9 +265,8 @@ def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
         h = rms(layer.input_layernorm, x)
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache[where_rows, where_slots], v_cache[where_rows, where_slots] = k[real], v[real]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows, :seen].transpose(1, 2),
-                                             v_cache[rows, :seen].transpose(1, 2),
+        k_cache[where_rows, :, where_slots], v_cache[where_rows, :, where_slots] = k[real], v[real]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows, :, :seen], v_cache[rows, :, :seen],
                                              attn_mask=mask if window is None else windowed[window],
                                              enable_gqa=True, scale=_scale(layer, head_dim))
         x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
@@ -279,72 +275,38 @@ def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
 
 
 def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots: int, head_dim: int,
-           clip_qkv: float | None, glue: Glue, windows: list[int | None], flash: bool = False) -> torch.Tensor:
+           clip_qkv: float | None, glue: Glue, windows: list[int | None]) -> torch.Tensor:
     """One token per row: `tok` [b] at position `pos` [b] written into slot pos[r] of cache row r (the first b
-    rows of `cache`'s whole [rows, all slots, kv_heads, D] tensors), attending to slots <= pos[r] among the first
-    `slots` (every row's pos < slots), or to the last `windows[i]` of them in a sliding-window layer i, through
-    flash's kernel when `flash` (`flash_usable`), else SDPA. Returns the final norm's output [b, hidden]:
-    `hf_model.lm_head` of it is the logits, computed outside a CUDA graph so no graph keeps a [b, vocab] output."""
+    rows of `cache`'s whole [rows, kv_heads, all slots, D] tensors), attending to slots <= pos[r] among the first
+    `slots` (every row's pos < slots), or to the last `windows[i]` of them in a sliding-window layer i. Returns the
+    final norm's output [b, hidden]: `hf_model.lm_head` of it is the logits, computed outside a CUDA graph so no
+    graph keeps a [b, vocab] output of its own."""
     m = hf_model.model
     b = tok.shape[0]
     k0 = cache[0][0]
-    all_slots, kv_heads = k0.shape[1], k0.shape[2]
+    kv_heads, all_slots = k0.shape[1], k0.shape[2]
     heads = torch.arange(kv_heads, device=tok.device)
-    where = ((torch.arange(b, device=tok.device)[:, None] * all_slots + pos[:, None]) * kv_heads + heads).flatten()
-    attend = StepAttention(pos, slots=slots, all_slots=all_slots, dtype=k0.dtype, windows=windows, flash=flash)
+    where = ((torch.arange(b, device=tok.device)[:, None] * kv_heads + heads) * all_slots + pos[:, None]).flatten()
+    slot = torch.arange(slots, device=tok.device)
+    visible = slot <= pos[:, None]
+
+    def bias_of(seen: torch.Tensor) -> torch.Tensor:   # [b, 1, 1, slots], shared by every layer and head
+        zero = torch.zeros(seen.shape, dtype=k0.dtype, device=tok.device)
+        return zero.masked_fill_(~seen, float("-inf"))[:, None, None]
+    biases = {None: bias_of(visible)}
+    biases.update({w: bias_of(visible & (slot > pos[:, None] - w)) for w in set(windows) if w is not None})
     cos, sin = (t[pos][:, None, :] for t in rope)
     x = m.embed_tokens(tok)
     h = rms(m.layers[0].input_layernorm, x)
     for i, (layer, (k_cache, v_cache), window) in enumerate(zip(m.layers, cache, windows)):
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q = glue.rope_store(q, k, v, cos, sin, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), where)
-        out = attend(q, k_cache, v_cache, window=window, scale=_scale(layer, head_dim))
+        out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots],
+                                             attn_mask=biases[window], enable_gqa=True, scale=_scale(layer, head_dim))
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out.reshape(b, -1)), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
     return h
-
-
-def flash_usable(cache_like: torch.Tensor) -> bool:
-    """Can flash attention's varlen kernel read this cache (a GPU, fp16/bf16, head_dim a multiple of 8, <= 256)?"""
-    return cache_like.is_cuda and cache_like.dtype in (torch.float16, torch.bfloat16) and \
-        cache_like.shape[-1] % 8 == 0 and cache_like.shape[-1] <= 256
-
-
-class StepAttention:
-    """One decode step's attention, its bounds made once for every layer: q [b, heads, D] of row r against cache row
-    r's slots <= pos[r] (the last `window` of them in a windowed layer). Flash: the cache's [rows * all_slots,
-    kv_heads, D] view with row r's keys from r * all_slots, `seqused_k` pos + 1 (each row reads its own length).
-    SDPA: the step's first `slots` slots of every row, the rest masked by an additive bias [b, 1, 1, slots]."""
-
-    def __init__(self, pos: torch.Tensor, *, slots: int, all_slots: int, dtype: torch.dtype,
-                 windows: list[int | None], flash: bool):
-        b, device = pos.shape[0], pos.device
-        self.b, self.slots, self.flash = b, slots, flash
-        if flash:
-            rows = torch.arange(b + 1, device=device, dtype=torch.int32)
-            self.cu_q, self.cu_k, self.used = rows, rows * all_slots, (pos + 1).to(torch.int32)
-            return
-        slot = torch.arange(slots, device=device)
-        visible = slot <= pos[:, None]
-
-        def bias_of(seen: torch.Tensor) -> torch.Tensor:   # shared by every layer and head
-            return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))[:, None, None]
-        self.biases = {None: bias_of(visible)}
-        self.biases.update({w: bias_of(visible & (slot > pos[:, None] - w)) for w in set(windows) if w is not None})
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window: int | None,
-                 scale: float) -> torch.Tensor:
-        b, slots = self.b, self.slots
-        if not self.flash:
-            k, v = (c[:b, :slots].transpose(1, 2) for c in (k_cache, v_cache))
-            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.biases[window], enable_gqa=True,
-                                                  scale=scale)
-        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-        left, right = (None, None) if window is None else (window - 1, 0)   # HF: q - w < k <= q
-        return torch.ops.aten._flash_attention_forward(
-            q, k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d), self.cu_q, self.cu_k, 1, slots, 0.0,
-            False, False, scale=scale, window_size_left=left, window_size_right=right, seqused_k=self.used)[0]
 
 
 def _scale(layer, head_dim: int) -> float:
