@@ -6,13 +6,15 @@ engines `cluster.start()` gives: one per GPU, else 2 gloo CPU engines), timed pe
 
 A notebook's time is the sum of its cells' setup + call + teardown (pytest --durations=0): kernel and engine
 start are in its first cell. Prints a table (each notebook, its slowest cells), writes every cell's time to the
-JSON and exits with pytest's status, printing the failures. The knob MFSDP_MODEL picks the model (default tiny
+JSON with the text each cell printed (`nb_outputs`: what a notebook showed, e.g. 09_tools' call rate and
+accuracy) and exits with pytest's status, printing the failures. The knob MFSDP_MODEL picks the model (default tiny
 mw in bf16 on GPUs, xs in fp32 on CPU); scripts/gpu_check.sh's `notebooks` section runs this on the GPUs.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import subprocess
@@ -26,12 +28,25 @@ from mfsdp_kit.perf.report import write_json
 DURATION = re.compile(r"^\s*([\d.]+)s (setup|call|teardown)\s+(\S+?\.ipynb)::(.+)$", re.M)
 
 
-def run_suite(notebooks: list[str], *, cell_timeout_s: int) -> tuple[subprocess.CompletedProcess, float]:
+def run_suite(notebooks: list[str], *, cell_timeout_s: int,
+              outputs: str) -> tuple[subprocess.CompletedProcess, float]:
+    """One pytest over `notebooks`; each cell's printed text goes to the JSON-lines file `outputs` (`nb_outputs`)."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--nbval-lax", "-p", "no:cacheprovider",
-                           f"--nbval-cell-timeout={cell_timeout_s}", "--durations=0", "--durations-min=0", *notebooks],
-                          capture_output=True, text=True)
+                           "-p", "bench.nb_outputs", f"--nbval-cell-timeout={cell_timeout_s}", "--durations=0",
+                           "--durations-min=0", *notebooks],
+                          capture_output=True, text=True, env={**os.environ, "MFSDP_NB_OUTPUTS": outputs})
     return proc, time.perf_counter() - t0
+
+
+def printed(outputs: str) -> dict[str, dict[str, str]]:
+    """{notebook: {cell: the text it printed}} from `nb_outputs`' file (empty when it was never written)."""
+    found: dict[str, dict[str, str]] = {}
+    if os.path.exists(outputs):
+        for line in open(outputs):
+            row = json.loads(line)
+            found.setdefault(row["notebook"], {})[row["cell"]] = row["text"]
+    return found
 
 
 def per_notebook(stdout: str, notebooks: list[str]) -> list[dict]:
@@ -56,8 +71,14 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/notebooks.json")
     args = ap.parse_args()
     notebooks = args.notebooks or sorted(glob.glob("notebooks/*.ipynb"))
-    proc, wall_s = run_suite(notebooks, cell_timeout_s=args.cell_timeout_s)
+    outputs = f"{args.out}.outputs.jsonl"
+    if os.path.exists(outputs):
+        os.remove(outputs)
+    proc, wall_s = run_suite(notebooks, cell_timeout_s=args.cell_timeout_s, outputs=outputs)
     rows = per_notebook(proc.stdout, notebooks)
+    shown = printed(outputs)
+    for r in rows:
+        r["printed"] = shown.get(r["notebook"], {})
     for r in rows:
         print(f"{r['notebook']:<22} {'ok' if r['ok'] else 'FAILED':>6} {r['cells_s']:8.1f} s   "
               + ", ".join(f"{c['cell']} {c['s']:.1f} s" for c in r["slowest_cells"]), flush=True)

@@ -73,8 +73,12 @@ class NotebookModel:
 
     def engine_config(self, **overrides) -> EngineConfig:
         """EngineConfig in this model's dtype and attention; `overrides` win (a parity check passes dtype="fp32"):
-        fields, sections, or a section field by its name alone (`use_megatron_fsdp=True`, the notebooks' shorthand)."""
-        return EngineConfig(**nest({"dtype": self.dtype, "attention_backend": self.attention_backend, **overrides}))
+        fields, sections, or a section field by its name alone (`use_megatron_fsdp=True`, the notebooks' shorthand).
+        A tiny size runs unfused: compiling RoPE and SwiGLU (`kernels.fused_kernels`, "auto" on a GPU) costs each
+        notebook's engines seconds that a tiny model's few steps never win back; a folder of yours keeps "auto"."""
+        tiny = {"fused_kernels": False} if self.size else {}
+        return EngineConfig(**nest({"dtype": self.dtype, "attention_backend": self.attention_backend, **tiny,
+                                    **overrides}))
 
     @property
     def packing_attention(self) -> str:

@@ -74,6 +74,15 @@ def test_a_user_folder_is_used_in_place(tmp_path, monkeypatch):
     m = nm.prepare(on_gpu=True, workdir=str(tmp_path / "work"))
     assert m.path == str(tmp_path.resolve()) and m.size is None and m.dtype == "bf16"
     assert m.lr_scale == nm.USER_LR_SCALE and not list(tmp_path.glob("tiny_*"))
+    assert m.engine_config().kernels.fused_kernels == "auto"   # a folder of yours gets the kit's default
+
+
+def test_a_tiny_size_runs_unfused_unless_asked():
+    """Compiling RoPE/SwiGLU costs a notebook's engines seconds a tiny model never wins back."""
+    m = nm.NotebookModel(choice="xs", path="/nowhere", dtype="bf16", on_gpu=True, workdir="/tmp",
+                         attention_backend="sdpa")
+    assert m.engine_config().kernels.fused_kernels is False
+    assert m.engine_config(fused_kernels=True).kernels.fused_kernels is True
 
 
 def test_gpt_spec_counts_the_folders_parameters(tmp_path):

@@ -20,3 +20,4 @@ def test_notebook_suite_times_every_cell(tmp_path):
     assert [c["cell"] for c in row["cells"]] == [f"Cell {i}" for i in range(5)]       # in order, every cell
     assert row["cells_s"] >= sum(c["s"] for c in row["cells"]) > 0                      # + setup and teardown
     assert "widgets_demo.ipynb" in proc.stdout and "passed" in res["pytest"]
+    assert row["printed"] and all(isinstance(t, str) and t.strip() for t in row["printed"].values())   # what it showed
