@@ -52,6 +52,7 @@ class Sequence:
     length: int = 0
     """Tokens in its cache row = the slot its next token goes to."""
     done: bool = False
+    """Ended (stop id, max_new_tokens or the turn limit): its tokens are final."""
     waiting: tuple | None = None
     """(tool, future of its output text, paused at) while it waits on a tool."""
 
@@ -170,12 +171,15 @@ class Scheduler:
                 self.finish(s)
 
     def finish(self, s: Sequence) -> None:
+        """The sequence ends; its cache row is free for the queue at the next `admit`."""
         self.cache[s.row], s.row, s.done = None, -1, True
 
     def results(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """Per input row, in input order: (tokens, log-probs of the model's tokens, model mask)."""
         return [s.tokens for s in self.seqs], [s.logprobs for s in self.seqs], [s.mask for s in self.seqs]
 
     def close(self) -> None:
+        """Wait for the tool threads (a call that raised still leaves none running)."""
         if self.pool is not None:
             self.pool.shutdown(wait=True)
 
