@@ -30,10 +30,11 @@ def pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -
 
 
 def scaled_race(logits: torch.Tensor, draws: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax(logits / T - log E), that token's log softmax(logits / T)) per row, with `draws` E ~ Exp(1): the race
-    over log p without making log p (argmax does not move when a row's log-sum-exp is subtracted from all of it)."""
+    """(argmax(logits / T - log E), that token's log softmax(logits / T)) per row, with `draws` E ~ Exp(1)
+    (overwritten): `race` over logits / T, not log p (argmax does not move when a row's log-sum-exp is subtracted
+    from all of it), so log p is never made."""
     x = logits.float() / temperature
-    token = (x - draws.clamp(min=torch.finfo(draws.dtype).tiny).log()).argmax(-1)   # a zero draw: `race`
+    token = race(x, draws)
     return token, x.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(x, -1)
 
 
