@@ -38,7 +38,7 @@ from pathlib import Path
 
 from . import gpus
 from .config import DTYPES, EngineConfig, bad_value
-from .config_flat import nest
+from .config.flat import nest
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
 TINY_SIZES = ("xs", "s", "m", "mw", "l")

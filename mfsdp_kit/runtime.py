@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from . import compat
 from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
-from .config_sections import Communication
+from .config.sections import Communication
 from .fieldtypes import is_int
-from .parallel_dims import ParallelDims
+from .config.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)

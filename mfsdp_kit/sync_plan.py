@@ -47,7 +47,7 @@ from functools import partial
 
 import torch
 
-from . import hsdp
+from .config import hsdp
 from .compat.access import bridge_model
 from .compat.access import fsdp as megatron_fsdp
 from .introspect import is_fsdp

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
-from .config_flat import flat_values, leaf_fields, nest
+from .config.flat import flat_values, leaf_fields, nest
 from .lora import LoRAConfig
 
 FIELDS = leaf_fields(EngineConfig)

@@ -17,7 +17,7 @@ import json
 import torch
 
 from ..config import EngineConfig
-from ..config_flat import nest
+from ..config.flat import nest
 from ..lora import LoRAConfig
 from ..models.gpt import GPTSpec
 from .flops import layer_params

@@ -1,7 +1,7 @@
 """Configs: what to build and how to shard it.
 
 `EngineConfig` says how a model is parallelised and wrapped, in sections (torchtitan's job config:
-`config_sections`): `parallelism`, `wrapper`, `kernels`, `communication`, `offload`, with the model's
+`config.sections`): `parallelism`, `wrapper`, `kernels`, `communication`, `offload`, with the model's
 numerics (dtype, recompute, seed, TransformerConfig overrides) and `lora` beside them. `OptimConfig` says
 how it is optimised. `ddp_config(cfg)` turns an `EngineConfig` into megatron's
 `DistributedDataParallelConfig` the way verl's Megatron-FSDP mode does: FSDP defaults first, then
@@ -18,11 +18,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import config_overrides
-from . import lora as _lora
-from .config_flat import FLAT_NAMES, accept_flat, hsdp_from_override
-from .config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper  # noqa: F401
-from .fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
+from . import overrides
+from .. import lora as _lora
+from .flat import FLAT_NAMES, accept_flat, hsdp_from_override
+from .sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper  # noqa: F401
+from ..fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
 from .parallel_dims import ParallelDims, check_sizes
 
 DTYPES = ("bf16", "fp16", "fp32")
@@ -50,8 +50,8 @@ FSDP_DDP_DEFAULTS = dict(
 @dataclass(kw_only=True)
 class EngineConfig:
     """How the model is parallelised, wrapped (DDP or Megatron-FSDP) and in which precision: one section per
-    concern (`config_sections`), the model's numerics at the top. The old flat names work until mfsdp_kit 0.2.0
-    (`config_flat`), each use with a DeprecationWarning: `EngineConfig(tensor_model_parallel_size=2)` sets
+    concern (`config.sections`), the model's numerics at the top. The old flat names work until mfsdp_kit 0.2.0
+    (`config.flat`), each use with a DeprecationWarning: `EngineConfig(tensor_model_parallel_size=2)` sets
     `parallelism.tensor_model_parallel_size`, and `cfg.tensor_model_parallel_size` reads it."""
 
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -114,7 +114,7 @@ class EngineConfig:
         gpu = True if on_gpu is None else on_gpu   # None: what only a GPU allows is not refused yet
         for name, cls in SECTIONS.items():   # a bool is not a size, "no" is not False, "abc" is not a seed
             if not isinstance(getattr(self, name), cls):
-                raise bad_value(name, getattr(self, name), f"a config_sections.{cls.__name__}")
+                raise bad_value(name, getattr(self, name), f"a config.sections.{cls.__name__}")
             check_field_types(getattr(self, name), prefix=f"{name}.")
         check_field_types(self)
         par, wrap = self.parallelism, self.wrapper
@@ -141,7 +141,7 @@ class EngineConfig:
                        "1 when use_megatron_fsdp=True: megatron-core 0.16.1's Megatron-FSDP adapter shards one "
                        "model chunk over data-parallel ranks and does not implement pipeline-parallel stages; "
                        "use DDP for pipeline parallelism")
-        config_overrides.check(override_ddp_config=wrap.override_ddp_config,
+        overrides.check(override_ddp_config=wrap.override_ddp_config,
                                override_transformer_config=self.override_transformer_config)
         _lora.check(lora=self.lora)
         strategy = wrap.override_ddp_config.get("data_parallel_sharding_strategy")

@@ -1,4 +1,4 @@
-"""`EngineConfig`'s old flat names (`config_flat`): every use warns naming the nested spelling and the release
+"""`EngineConfig`'s old flat names (`config.flat`): every use warns naming the nested spelling and the release
 that drops them, and still works until then."""
 import dataclasses
 import pickle
@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.config_flat import FLAT_NAMES, REMOVED_IN
-from mfsdp_kit.config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper
+from mfsdp_kit.config.flat import FLAT_NAMES, REMOVED_IN
+from mfsdp_kit.config.sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper
 
 
 @pytest.mark.parametrize("flat", sorted(FLAT_NAMES))
@@ -44,7 +44,7 @@ def test_reading_or_assigning_a_flat_name_warns_naming_its_new_field(flat):
 def test_the_removal_release_is_the_next_minor_one_and_documented():
     import pathlib
     import re
-    root = pathlib.Path(__file__).parents[1]
+    root = pathlib.Path(__file__).parents[2]
     major, minor = re.search(r'^version = "(\d+)\.(\d+)\.', (root / "pyproject.toml").read_text(), re.M).groups()
     assert REMOVED_IN == f"{major}.{int(minor) + 1}.0"
     for doc in ("CHANGELOG.md", "docs/design.md"):

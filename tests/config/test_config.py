@@ -5,10 +5,10 @@ import warnings
 import pytest
 
 from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, ddp_config
-from mfsdp_kit.config_flat import FLAT_NAMES
-from mfsdp_kit.config_sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper
+from mfsdp_kit.config.flat import FLAT_NAMES
+from mfsdp_kit.config.sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper
 from mfsdp_kit.fieldtypes import field_docs
-from mfsdp_kit.parallel_dims import ParallelDims
+from mfsdp_kit.config.parallel_dims import ParallelDims
 
 
 def raises(match, **kwargs):
@@ -301,7 +301,7 @@ BAD_WHEN_MADE = [
      r"^parallelism.virtual_pipeline_model_parallel_size=2 .*pipeline_model_parallel_size == 1"),
     (dict(parallelism=Parallelism(pipeline_model_parallel_size=2), wrapper=Wrapper(use_megatron_fsdp=True)),
      r"^parallelism.pipeline_model_parallel_size=2 .*use_megatron_fsdp=True"),
-    (dict(parallelism=4), r"^parallelism=4 .*config_sections.Parallelism"),
+    (dict(parallelism=4), r"^parallelism=4 .*config.sections.Parallelism"),
     (dict(wrapper=Wrapper(use_megatron_fsdp="yes")), r"^wrapper.use_megatron_fsdp='yes'"),
     (dict(wrapper=Wrapper(use_megatron_fsdp=True, use_distributed_optimizer=False)),
      r"^wrapper.use_distributed_optimizer=False"),

@@ -6,10 +6,10 @@ weights, grads and optimizer state over the D/k ranks of an instance (a node's G
 each instance's grad shard across the k instances once per step: the per-layer all-gathers and reduce-scatters stay
 inside the node, and the slower network between nodes carries one all-reduce of 1/(D/k) of the grads per rank.
 Memory per rank is ZeRO-3's over D/k ranks, not D. (The old door, `override_ddp_config=
-{"num_distributed_optimizer_instances": k}`, still works and warns: `config_flat`.)
+{"num_distributed_optimizer_instances": k}`, still works and warns: `config.flat`.)
 
 `runtime.init` builds megatron's groups for it (`initialize_model_parallel(num_distributed_optimizer_instances=)`).
-What megatron-core 0.16.1 gets right here is shown on 4 gloo ranks (2 instances x 2, tests/test_hsdp.py: losses
+What megatron-core 0.16.1 gets right here is shown on 4 gloo ranks (2 instances x 2, tests/config/test_hsdp.py: losses
 and grad norms equal DDP's and Megatron-FSDP's, checkpoint round trip bitwise, exact resume, exact weight sync
 and export); what it gets wrong is refused, each with the reason: by `validate` before any process group exists
 (the sizes that do not divide by `ParallelDims`), or by `check_model` when the wrap meets a model whose MoE
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fieldtypes import bad_value
+from ..fieldtypes import bad_value
 
 NAME = "parallelism.data_parallel_replicate_size"
 

@@ -15,7 +15,7 @@ import typing
 import warnings
 from typing import Any
 
-from .config_sections import SECTIONS
+from .sections import SECTIONS
 
 FLAT_NAMES: dict[str, str] = {f.name: f"{section}.{f.name}" for section, cls in SECTIONS.items()
                               for f in dataclasses.fields(cls)}

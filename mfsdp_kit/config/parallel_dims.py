@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fieldtypes import bad_value
+from ..fieldtypes import bad_value
 
 REPLICATE = "parallelism.data_parallel_replicate_size"
 SHARD = "parallelism.data_parallel_shard_size"

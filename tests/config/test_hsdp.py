@@ -1,4 +1,4 @@
-"""HSDP (mfsdp_kit/hsdp.py): Megatron-FSDP sharded within 2 instances of 2 gloo ranks, replicated across them.
+"""HSDP (mfsdp_kit/config/hsdp.py): Megatron-FSDP sharded within 2 instances of 2 gloo ranks, replicated across them.
 
 One 4-rank job: the same training as DDP's and Megatron-FSDP's over 4 ranks, half the parameters per rank, a
 bitwise checkpoint round trip and exact resume, the checkpoint loaded into other layouts, exact weight sync and
@@ -115,7 +115,7 @@ def test_what_megatron_gets_wrong_is_refused_by_name(fields, named, made):
 def test_an_hf_moe_model_under_hsdp_is_refused_at_wrap():
     from megatron.core.transformer import TransformerConfig
 
-    from mfsdp_kit import hsdp
+    from mfsdp_kit.config import hsdp
     moe = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=4)
     dense = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     cfg = EngineConfig(use_megatron_fsdp=True, override_ddp_config=HSDP)

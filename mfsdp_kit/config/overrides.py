@@ -3,7 +3,7 @@ DistributedDataParallelConfig fields) and `override_transformer_config` (Transfo
 
 Known keys only, with close matches for a typo; each value of the megatron field's annotated type and, where
 the sane range is obvious, in it; the layout keys that must agree with the process groups are refused here and
-set on the config's own fields instead (the experts' sizes; HSDP's instances, `config_flat.HSDP_KEY`).
+set on the config's own fields instead (the experts' sizes; HSDP's instances, `config.flat.HSDP_KEY`).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import difflib
 import functools
 from typing import Any, Callable
 
-from .config_flat import HSDP_FIELD, HSDP_KEY
-from .fieldtypes import ConfigError, bad_value, field_types, finite, type_error
+from .flat import HSDP_FIELD, HSDP_KEY
+from ..fieldtypes import ConfigError, bad_value, field_types, finite, type_error
 
 DDP_NAME, TRANSFORMER_NAME = "wrapper.override_ddp_config", "override_transformer_config"
 """How the messages name the two dicts (their paths in EngineConfig)."""
@@ -25,7 +25,7 @@ def check(*, override_ddp_config: dict, override_transformer_config: dict) -> No
     """Raise `ConfigError` for the first bad key or value of either dict."""
     _check_dict(DDP_NAME, override_ddp_config, _ddp_types, DDP_RANGES)   # megatron imported only for a key
     _check_dict(TRANSFORMER_NAME, override_transformer_config, _transformer_types, TRANSFORMER_RANGES)
-    if HSDP_KEY in override_ddp_config:   # left there only when it disagrees with the field (config_flat)
+    if HSDP_KEY in override_ddp_config:   # left there only when it disagrees with the field (config.flat)
         raise bad_value(f"{DDP_NAME}.{HSDP_KEY}", override_ddp_config[HSDP_KEY],
                         f"absent: set {HSDP_FIELD} instead (runtime.init builds HSDP's groups from it)")
     for key in EXPERT_LAYOUT_KEYS:

@@ -2,7 +2,7 @@
 out, which wrapper shards what, which kernels run, how the collectives are tuned, what lives on the host.
 
 Each field keeps the name it had when `EngineConfig` was one flat list (`tensor_model_parallel_size` is now
-`parallelism.tensor_model_parallel_size`; `config_flat` maps the old spelling until it goes). Sections only hold
+`parallelism.tensor_model_parallel_size`; `config.flat` maps the old spelling until it goes). Sections only hold
 values: `EngineConfig` checks them when made and in `validate()` (the rank arithmetic in
 `parallel_dims.ParallelDims`), naming a field by its path, e.g. `parallelism.context_parallel_size=0 is not
 allowed; allowed: a positive integer`.
