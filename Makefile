@@ -76,7 +76,7 @@ test: test-deps
 # (tests/conftest.py marks the others `slow`), then one 2-rank job: DDP vs Megatron-FSDP losses and sharding.
 check: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
-	$(BIN)/python -m pytest -q -rs tests/test_engine_dist.py -k "fsdp_matches_ddp or shards"
+	$(BIN)/python -m pytest -q -rs tests/distributed/test_engine_dist.py -k "fsdp_matches_ddp or shards"
 
 # The release set's figures (docs/results/h200x1/, from `SECTIONS=release bash scripts/gpu_check.sh`) into README.md
 # and the top of docs/benchmarks.md, and the GRPO split figure (scripts/make_docs.py; docs/gpu.md).

@@ -30,10 +30,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, generate, runtime
+from mfsdp_kit import data, generate
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import torch_dtype
-from mfsdp_kit.memory import format_table, memory_report
+from mfsdp_kit.distributed.introspect import torch_dtype
+from mfsdp_kit.distributed.memory import format_table, memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo

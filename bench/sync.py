@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig
-from mfsdp_kit.introspect import torch_dtype
+from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf import clock

@@ -3,7 +3,7 @@
 `start(n=2)` does what torchrun does for a script, but for `%%px` cells: it launches n engines
 (ipyparallel's own launchers: local processes by default, `engines="mpi" | "slurm" | "ssh"` for
 several nodes), gives each a rank that does not depend on ipyparallel's engine ids, picks a free
-rendezvous port and calls `mfsdp_kit.runtime.init` on every engine. The naive version -- rank :=
+rendezvous port and calls `mfsdp_kit.distributed.runtime.init` on every engine. The naive version -- rank :=
 engine id -- breaks on the first restart, because ipyparallel numbers new engines 2, 3, ...
 
 A dead engine, a dead controller or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank (or
@@ -77,7 +77,7 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
     import torch
     watch.lap("import_torch")
     import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     watch.lap("import_megatron")
     if torch.cuda.is_available():   # local_rank >= GPUs on this node fails here, not silently shared
         torch.cuda.set_device(local_rank)
@@ -92,7 +92,7 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
 
 
 def _engine_shutdown() -> None:
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     runtime.shutdown(destroy_process_group=True)
 
 

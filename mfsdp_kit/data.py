@@ -20,7 +20,8 @@ from typing import Iterator
 
 import torch
 
-from . import chat, runtime
+from . import chat
+from .distributed import runtime
 from .config import bad_value, is_int
 from .fieldtypes import COUNT, INDEX, checked_args, number_in, optional
 from .models.tiny import EOS, build_tokenizer

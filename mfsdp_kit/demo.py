@@ -108,10 +108,11 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from . import data, engine, generate, runtime, sync
+    from . import data, generate, sync
+    from .distributed import engine, runtime
     from .checkpoint import CheckpointManager
     from .config import EngineConfig, OptimConfig, Wrapper
-    from .memory import memory_report, zero_formula_bytes
+    from .distributed.memory import memory_report, zero_formula_bytes
     from .models.hf import load
     from .models.tiny import tiny
     from .train import fit

@@ -16,7 +16,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from . import chat, engine, keep_gathered, packing, runtime
+from . import chat, packing
+from .distributed import engine, keep_gathered, runtime
 from .data import Batch
 from .fieldtypes import COUNT, bad_value, checked_args, optional
 

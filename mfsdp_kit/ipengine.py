@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable
 
-MODULES = ("torch", "torch.distributed", "megatron.core.parallel_state", "mfsdp_kit.runtime")
+MODULES = ("torch", "torch.distributed", "megatron.core.parallel_state", "mfsdp_kit.distributed.runtime")
 """What `runtime.init` imports first, heaviest first."""
 PRELOAD_ENV = "MFSDP_KIT_PRELOAD"
 """'0': no import thread (the imports then run in `runtime.init`); anything else or unset: imports at boot."""

@@ -205,8 +205,9 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     import torch
     from megatron.core import parallel_state as ps
 
-    from . import data, runtime, train
-    from .memory import memory_report, zero_formula_bytes
+    from . import data, train
+    from .distributed import runtime
+    from .distributed.memory import memory_report, zero_formula_bytes
     from .perf.flops import flops_per_token, matmul_params, mfu
     gpu = torch.cuda.is_available()
     steps = steps or (5 if gpu else 1)

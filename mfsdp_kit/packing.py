@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from . import runtime
+from .distributed import runtime
 from .data import Batch
 from .fieldtypes import bad_value, is_int
 
@@ -283,7 +283,7 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
     first = chunks[0]
     kept = getattr(first, "_kit_token_budget", {})
     if forward_only not in kept:
-        from .engine import unwrap_model
+        from .distributed.engine import unwrap_model
         model = unwrap_model(chunks)[0]
         free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
         per_token = activation_bytes_per_token(model.config, vocab_size=model.vocab_size, forward_only=forward_only)

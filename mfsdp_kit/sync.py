@@ -29,10 +29,11 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import lora, runtime, sync_plan
-from .engine import params_view, unwrap_model
+from . import lora, sync_plan
+from .distributed import runtime
+from .distributed.engine import params_view, unwrap_model
 from .compat.access import fsdp as megatron_fsdp
-from .introspect import is_fsdp
+from .distributed.introspect import is_fsdp
 from .models import vocab
 from .sync_plan import fsdp_owner
 

@@ -50,7 +50,7 @@ import torch
 from .config import hsdp
 from .compat.access import bridge_model
 from .compat.access import fsdp as megatron_fsdp
-from .introspect import is_fsdp
+from .distributed.introspect import is_fsdp
 from .models import vocab
 from .sync_views import View, recognised, rows, selects_rows  # noqa: F401 (View: the plan's type)
 
@@ -224,7 +224,7 @@ def _adapter(task, inner) -> Adapter | None:
 
 def build(hf_model, chunks, bridge, tasks) -> Plan:
     """Split `tasks` (built in the compute view) into planned units and bridge fallbacks."""
-    from .engine import unwrap_model
+    from .distributed.engine import unwrap_model
     start = time.perf_counter()
     inner = unwrap_model(list(chunks))
     dsts = {**dict(hf_model.named_parameters()), **dict(hf_model.named_buffers())}
@@ -321,14 +321,14 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def conversion_tasks(chunks, bridge) -> list:
     """The bridge's conversion tasks, in model order (call in the compute view)."""
-    from .engine import unwrap_model
+    from .distributed.engine import unwrap_model
     return bridge_model.conversion_tasks(bridge, unwrap_model(list(chunks)))
 
 
 def cached(hf_model, chunks, bridge) -> tuple[Plan, bool]:
     """The plan for this (hf_model, chunks, bridge), built when its key changed (every rank builds
     its own; one collective at the end when it has FSDP units); returns (plan, built_now)."""
-    from .engine import params_view
+    from .distributed.engine import params_view
     key = _key(hf_model, chunks, bridge)
     plan = _PLANS.get(hf_model)
     if plan is not None and plan.key == key:

@@ -19,7 +19,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import engine, keep_gathered, packing, runtime
+from .distributed import engine, keep_gathered, runtime
+from . import packing
 from .config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
 from .fieldtypes import COUNT, INDEX, checked_args, optional

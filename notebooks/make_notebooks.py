@@ -383,7 +383,7 @@ With Adam in fp32 every parameter costs 4 B weights + 4 B grads + 8 B moments = 
 
 The formula is what lives between steps. Inside Megatron-FSDP's optimizer step, megatron-core 0.16.1 would
 add fp32 copies of the whole bf16 grad shard: +4 B/param / N, the step's peak for a large model. The kit's
-default, `OptimConfig.grad_upcast="by_part"` (`mfsdp_kit/grad_upcast.py`), makes them 256 MiB at a time, with
+default, `OptimConfig.grad_upcast="by_part"` (`mfsdp_kit/distributed/grad_upcast.py`), makes them 256 MiB at a time, with
 the same bits. On one H200 at 1.37 B that is 4.85 GiB less at the step and 1.0 % faster
 (docs/benchmarks.md, levers7).
 
@@ -398,7 +398,7 @@ the H100/H200 dense bf16 peak; reported in bf16 on GPUs only) and the peak memor
 '''),
     code(KNOB + '''
 from mfsdp_kit import cluster, gpus, notebook_model, plots
-from mfsdp_kit.memory import format_table, zero_formula_bytes, MemoryReport
+from mfsdp_kit.distributed.memory import format_table, zero_formula_bytes, MemoryReport
 
 nbm = notebook_model.prepare(MODEL)
 src = nbm.path
@@ -413,7 +413,7 @@ def measure(fsdp, timed=True):
     from transformers import AutoTokenizer
     from mfsdp_kit import data, engine, notebook_model, runtime
     from mfsdp_kit.config import OptimConfig
-    from mfsdp_kit.memory import memory_report
+    from mfsdp_kit.distributed.memory import memory_report
     from mfsdp_kit.models.hf import load
     from mfsdp_kit.train import step
 
@@ -903,7 +903,7 @@ import torch
 from transformers import AutoTokenizer
 from mfsdp_kit import adapters, data, engine, generate, lora, runtime
 from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.memory import memory_report
+from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import fit, step
 
@@ -959,7 +959,7 @@ Model state per rank, measured (bars) and predicted (black marks): full fine-tun
 LoRA's, the frozen base's weights / N plus the ZeRO-3 formula of the adapters (`memory.lora_formula_bytes`).
 """),
     code("""
-from mfsdp_kit.memory import lora_formula_bytes, zero_formula_bytes
+from mfsdp_kit.distributed.memory import lora_formula_bytes, zero_formula_bytes
 
 counts, n = handle.view["counts"][0], len(handle.ranks)
 reports = {"full fine-tuning": handle.view["full_memory"][0], "LoRA r=8": handle.view["lora_memory"][0]}

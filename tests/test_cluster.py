@@ -285,7 +285,7 @@ def test_engines_not_up_in_time_raise_and_leave_nothing():
 
 
 def test_runtime_before_start_says_to_start():
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     if not runtime.is_initialized():
         with pytest.raises(RuntimeError, match=r"cluster.start\(\)"):
             runtime.current()

@@ -39,7 +39,7 @@ def test_apply_and_run_with_progress_return_quickly(handle):
     def fail_on_rank_1():
         import torch
         import torch.distributed as dist
-        from mfsdp_kit import runtime
+        from mfsdp_kit.distributed import runtime
         if runtime.current().rank == 1:
             raise KeyError("apply boom")
         dist.all_reduce(torch.ones(1))

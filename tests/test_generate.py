@@ -31,7 +31,8 @@ def test_logits_of_rows_of_different_lengths(backend):
     """`logits(lengths=)`, one rank: packed (SDPA) or padded (local attention), each row's logits are those of
     the row alone up to its length, 0 after it; `last_only` is each row's last real position."""
     import torch
-    from mfsdp_kit import engine, generate, runtime
+    from mfsdp_kit.distributed import engine, runtime
+    from mfsdp_kit import generate
     from mfsdp_kit.config import EngineConfig
     from mfsdp_kit.models import GPTSpec, gpt_model_fn
     from tests.dist.launch import free_port

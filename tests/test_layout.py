@@ -71,7 +71,7 @@ def test_find_cycle_finds_one():
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
-    assert len(graph) > 20 and graph[f"{PACKAGE}.memory"]  # the scan sees the package and its edges
+    assert len(graph) > 20 and graph[f"{PACKAGE}.distributed.memory"]  # the scan sees the package and its edges
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
@@ -203,7 +203,7 @@ PROCESS_SETTERS = ("os.environ.setdefault", "os.environ.update", "os.environ.pop
 `os.environ[k] = v` or `torch._dynamo.config.x = v`, are found apart). `torch._dynamo.config.patch(...)` (a scoped
 change, undone when its block ends) is allowed anywhere."""
 KIT_PROCESS_SETTINGS = {
-    "mfsdp_kit.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
+    "mfsdp_kit.distributed.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
                          "torch.distributed reads: the kit's own world, configured the documented way",
     "mfsdp_kit.cluster": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
     "mfsdp_kit.ipengine": "os.environ: IPP_CONNECTION_INFO, what ipyparallel's engine reads to find its controller",

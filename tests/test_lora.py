@@ -7,7 +7,7 @@ from mfsdp_kit import lora
 from mfsdp_kit.config import ConfigError, EngineConfig, Wrapper
 from tests.dist import launch
 from tests.selection import parity_only
-from tests.test_engine_dist import same_training   # the dense tests' tolerance
+from tests.distributed.test_engine_dist import same_training   # the dense tests' tolerance
 
 LAYOUTS = [(False, 1), (False, 2), (True, 1), (True, 2)]
 IDS = ["ddp-tp1", "ddp-tp2", "fsdp-tp1", "fsdp-tp2"]

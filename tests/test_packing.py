@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from mfsdp_kit import engine, packing, runtime
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit import packing
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.data import Batch
 from mfsdp_kit.models import GPTSpec, gpt_model_fn

@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 
 from mfsdp_kit import plots, widgets  # noqa: E402
 from mfsdp_kit.config import EngineConfig  # noqa: E402
-from mfsdp_kit.memory import MemoryReport, zero_formula_bytes  # noqa: E402
+from mfsdp_kit.distributed.memory import MemoryReport, zero_formula_bytes  # noqa: E402
 from mfsdp_kit.train import History, StepResult  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -50,7 +50,7 @@ def test_start_step_syncs_nothing_on_a_gpu(fsdp):
     """On a GPU in bf16, train.start_step (after 2 warm-up steps) makes no host-blocking CUDA call: no stream,
     device or event synchronize, no blocking memcpy. One rank, NCCL, the kit's GPT with SDPA and fused Adam."""
     from torch.profiler import ProfilerActivity, profile
-    from mfsdp_kit import engine, runtime
+    from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.config import EngineConfig, OptimConfig
     from mfsdp_kit.data import random_token_batches
     from mfsdp_kit.models import GPTSpec, gpt_model_fn

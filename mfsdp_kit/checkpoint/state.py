@@ -45,7 +45,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import introspect, lora
+from ..distributed import introspect
+from .. import lora
 from ..compat.access import fsdp as megatron_fsdp
 from . import collective
 from .errors import CheckpointError

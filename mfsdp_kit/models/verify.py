@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..introspect import torch_dtype
+from ..distributed.introspect import torch_dtype
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 """Largest |Megatron - HF| / logit scale accepted per compute dtype."""

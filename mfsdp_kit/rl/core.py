@@ -31,7 +31,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
-from .. import offload, runtime
+from ..distributed import offload, runtime
 from ..config import bad_value
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)

@@ -7,9 +7,9 @@ refused by name: by EngineConfig.validate, or at wrap for a model's own MoE conf
 import pytest
 
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.memory import zero_formula_bytes
+from mfsdp_kit.distributed.memory import zero_formula_bytes
 from tests.dist import launch
-from tests.test_engine_dist import same_training
+from tests.distributed.test_engine_dist import same_training
 
 HSDP = {"num_distributed_optimizer_instances": 2}
 

@@ -12,7 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime, sync
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit import sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import state as ckpt_state
 from mfsdp_kit.checkpoint import storage as ckpt_storage
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.train import step

@@ -3,7 +3,8 @@ gloo rank: same outputs, same grads. The compiled kernels come from torch.compil
 import pytest
 import torch
 
-from mfsdp_kit import compat, engine, runtime
+from mfsdp_kit import compat
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import GPTSpec, fusions
 from tests.models.gpt_grads import loss_and_grads

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import chat, engine, sync
+from ... import chat, sync
+from ...distributed import engine
 from ...generate import cut_at_stop
 
 

@@ -15,10 +15,11 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from . import compat, grad_upcast, lora, runtime
-from .config import hsdp
-from .compat.access import fsdp, fsdp_unit
-from .config import EngineConfig, OptimConfig, ddp_config
+from .. import compat, lora
+from . import grad_upcast, runtime
+from ..config import hsdp
+from ..compat.access import fsdp, fsdp_unit
+from ..config import EngineConfig, OptimConfig, ddp_config
 from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
 
 

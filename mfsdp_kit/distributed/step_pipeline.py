@@ -15,14 +15,14 @@ by name and the pipeline composes every stage in ORDER, outermost first, whateve
 
 The first two wrap megatron's `optimizer.step`; `grad_upcast` wraps the `step` of each torch optimizer inside
 megatron's (megatron must take the grad norm and the clip factor before any part is stepped).
-tests/test_step_pipeline.py holds the order.
+tests/distributed/test_step_pipeline.py holds the order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .config import bad_value
+from ..config import bad_value
 from .introspect import inner_optimizers
 
 OUTER = ("phase_timing", "offload")

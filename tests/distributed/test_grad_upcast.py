@@ -6,7 +6,7 @@ hold at most one part of fp32 grads at any Adam call."""
 import pytest
 import torch
 
-from mfsdp_kit import grad_upcast
+from mfsdp_kit.distributed import grad_upcast
 from mfsdp_kit.config import ConfigError, OptimConfig
 from tests.dist import launch
 
@@ -83,7 +83,7 @@ def test_resume_with_the_by_part_step_is_exact(runs):
 
 def test_a_released_model_with_the_by_part_step_is_freed(runs):
     """The step wrapper refers to its optimizer (a cycle Python's gc collects): engine.release still frees a
-    dropped bf16 FSDP model, as tests/test_engine_dist.py checks for fp32."""
+    dropped bf16 FSDP model, as tests/distributed/test_engine_dist.py checks for fp32."""
     assert runs[4]["freed"], runs[4]
 
 

@@ -19,7 +19,7 @@ default):
                        factor -> torch's Adam (it steps only params that have a grad; its state is per param)
                        -> the part's fp32 grads dropped
 Every float operation is the one megatron's step does on the same numbers, so the weights come out bit for bit
-the same (tests/test_grad_upcast.py); the step's peak holds one part of fp32 grads instead of the shard.
+the same (tests/distributed/test_grad_upcast.py); the step's peak holds one part of fp32 grads instead of the shard.
 Measured on 1 H200 (docs/benchmarks.md, levers7): the optimizer step's peak -4.85 GiB at 1.37 B, +1.0 %
 tokens/s; the largest 7b-width model 6.95 -> 7.96 B params, and 8.77 B (= FSDP2's) with full recompute.
 """
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, step_pipeline
-from .compat.access import main_grads
-from .compat.patches.main_grads import deferred
-from .compat.patches.grad_norm import LATER_SCALE
+from .. import compat
+from . import step_pipeline
+from ..compat.access import main_grads
+from ..compat.patches.main_grads import deferred
+from ..compat.patches.grad_norm import LATER_SCALE
 from .introspect import inner_optimizers, local
 
 PART_BYTES = 256 * 2**20

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import torch
 
-from .compat.access import fsdp
-from .compat.access.fsdp import PARAM_VIEWS, all_gather_pipelines, fsdp_buffers, is_fsdp, param_view  # noqa: F401
-from .config import DTYPES, bad_value
+from ..compat.access import fsdp
+from ..compat.access.fsdp import PARAM_VIEWS, all_gather_pipelines, fsdp_buffers, is_fsdp, param_view  # noqa: F401
+from ..config import DTYPES, bad_value
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """The kit's dtype names (EngineConfig.dtype, benchmark flags) -> torch dtypes."""

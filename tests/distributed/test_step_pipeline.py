@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from mfsdp_kit import step_pipeline
+from mfsdp_kit.distributed import step_pipeline
 from mfsdp_kit.config import ConfigError
 
 

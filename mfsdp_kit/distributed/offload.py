@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import step_pipeline
-from .compat.access import fsdp
-from .perf import clock
+from ..compat.access import fsdp
+from ..perf import clock
 from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
                          set_param_view)
 

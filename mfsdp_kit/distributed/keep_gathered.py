@@ -17,7 +17,7 @@ Between steps the memory is ZeRO-3's, and the optimizer's update reaches the nex
 
 Cost: the model's whole weights in the compute dtype (2 B/param in bf16, not divided by the N ranks; fp8 would
 also keep its transpose buffers) from the first forward to the end of backward, on top of the activations. The numbers do not change: the same gathered
-bytes are used (bit-equal losses, grad norms and weights: tests/test_keep_gathered.py). It needs megatron's
+bytes are used (bit-equal losses, grad norms and weights: tests/distributed/test_keep_gathered.py). It needs megatron's
 default bucket allocator: its double buffer (`fsdp_double_buffer`, `nccl_ub`) has two slots for all units, which
 is why `EngineConfig.validate` refuses that pair.
 """
@@ -28,8 +28,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .compat.access import fsdp
-from .compat.patches.fsdp_gather_hold import HOLD, release_all   # the patch itself: compat.apply("keep_gathered")
+from ..compat.access import fsdp
+from ..compat.patches.fsdp_gather_hold import HOLD, release_all   # the patch itself: compat.apply("keep_gathered")
 from .introspect import all_gather_pipelines
 
 

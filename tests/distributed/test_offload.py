@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mfsdp_kit import offload
+from mfsdp_kit.distributed import offload
 from mfsdp_kit.config import ConfigError, EngineConfig, Offload, Wrapper
 from tests.dist import launch
 

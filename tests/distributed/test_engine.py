@@ -1,9 +1,9 @@
 """engine helpers on one gloo rank: unwrap, device, counting, the FSDP communication unit, Adam's kernels."""
 import pytest
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import is_fsdp
+from mfsdp_kit.distributed.introspect import is_fsdp
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 
 
@@ -55,7 +55,7 @@ def test_fsdp_communication_unit_is_twice_the_mean_layer(chunks):
 @pytest.mark.parametrize("implementation", ["auto", "foreach", "fused"])
 def test_adam_implementation(chunks, implementation):
     """The flags torch's Adam reads at each step; "auto" keeps torch's choice off GPUs. One fused step runs."""
-    from mfsdp_kit.introspect import inner_optimizers
+    from mfsdp_kit.distributed.introspect import inner_optimizers
     opt = engine.build_optimizer(chunks, OptimConfig(adam_implementation=implementation), EngineConfig(
         use_megatron_fsdp=is_fsdp(chunks[0])))
     groups = [g for o in inner_optimizers(opt) for g in o.optimizer.param_groups]

@@ -84,7 +84,7 @@ def test_barrier_names_the_ranks_device_on_a_gpu_and_is_plain_elsewhere():
     (dict(backend="mpi"), "backend"), (dict(world_size=0), "world_size"), (dict(rank=2, world_size=2), "rank"),
     (dict(rank=True, world_size=2), "rank"), (dict(timeout_s=0), "timeout_s"), (dict(local_rank=-1), "local_rank")])
 def test_bad_launch_arguments_are_config_errors_before_any_socket(kwargs, field):
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     from mfsdp_kit.config import ConfigError
     dist = torch.distributed
     before = dist.is_initialized() and dist.distributed_c10d._get_default_group()  # an earlier test's world
@@ -95,7 +95,7 @@ def test_bad_launch_arguments_are_config_errors_before_any_socket(kwargs, field)
 
 
 def test_loopback_interface_is_found_and_loopback_addresses_are_recognised():
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     name = runtime.loopback_interface()
     assert name is not None and name in dict(socket.if_nameindex()).values()
     assert runtime.is_loopback("127.0.0.1") and runtime.is_loopback("localhost") and runtime.is_loopback("::1")
@@ -115,7 +115,8 @@ def check_cpu_inputs(tmp_path):
     """The body of the test above; on a CPU runtime it runs the same calls (both devices are then the CPU)."""
     import peft
     import transformers
-    from mfsdp_kit import adapters, engine, generate, runtime, sync
+    from mfsdp_kit import adapters, generate, sync
+    from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.config import OptimConfig
     from mfsdp_kit.data import random_token_batches
     from mfsdp_kit.lora import LoRAConfig

@@ -19,11 +19,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import compat
-from .config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
-from .config.sections import Communication
-from .fieldtypes import is_int
-from .config.parallel_dims import ParallelDims
+from .. import compat
+from ..config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F401  (ConfigError: what init raises)
+from ..config.sections import Communication
+from ..fieldtypes import is_int
+from ..config.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ def is_initialized() -> bool:
 def current() -> Runtime:
     """The runtime of this process; a clear error if `init` has not run."""
     if _current is None:
-        raise RuntimeError("mfsdp_kit.runtime.init() has not run in this process "
+        raise RuntimeError("mfsdp_kit.distributed.runtime.init() has not run in this process "
                            "(in a notebook: call cluster.start() first, then use %%px cells)")
     return _current
 
