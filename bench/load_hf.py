@@ -27,7 +27,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, train
+from mfsdp_kit.train import data
+from mfsdp_kit import train
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models

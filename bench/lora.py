@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, lora, train
+from mfsdp_kit.train import data
+from mfsdp_kit import lora, train
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.distributed.memory import lora_formula_bytes, memory_report, zero_formula_bytes

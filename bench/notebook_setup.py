@@ -23,7 +23,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import cache, data, notebook_model, train
+from mfsdp_kit import cache, notebook_model, train
+from mfsdp_kit.train import data
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models import hf as hf_models

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data
+from mfsdp_kit.train import data
 from mfsdp_kit.distributed import engine, offload, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.distributed.introspect import torch_dtype

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit.distributed import engine, runtime
-from mfsdp_kit import packing
+from mfsdp_kit.train import packing
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.config.sections import Kernels, Wrapper
 from mfsdp_kit.models.gpt import SPECS, gpt_model_fn

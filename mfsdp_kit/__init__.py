@@ -12,6 +12,10 @@ import importlib
 SHORT_NAMES = {
     "engine": "mfsdp_kit.distributed.engine",
     "runtime": "mfsdp_kit.distributed.runtime",
+    "chat": "mfsdp_kit.train.chat",
+    "data": "mfsdp_kit.train.data",
+    "generate": "mfsdp_kit.train.generate",
+    "packing": "mfsdp_kit.train.packing",
 }
 """`mfsdp_kit.<name>` -> the module it stands for (the names the notebooks and README import from the root)."""
 

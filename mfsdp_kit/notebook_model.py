@@ -82,7 +82,7 @@ class NotebookModel:
 
     @property
     def packing_attention(self) -> str:
-        """The attention of a notebook that trains packed (`mfsdp_kit.packing` needs the kit's SDPA): "sdpa" on any
+        """The attention of a notebook that trains packed (`mfsdp_kit.train.packing` needs the kit's SDPA): "sdpa" on any
         hardware, unless MFSDP_ATTENTION says otherwise or the folder's sliding window needs megatron's "local"
         (which trains padded)."""
         return attention_backend(self.path, on_gpu=True)
@@ -205,7 +205,8 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     import torch
     from megatron.core import parallel_state as ps
 
-    from . import data, train
+    from .train import data
+    from . import train
     from .distributed import runtime
     from .distributed.memory import memory_report, zero_formula_bytes
     from .perf.flops import flops_per_token, matmul_params, mfu

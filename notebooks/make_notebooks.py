@@ -144,7 +144,7 @@ seq = data.seq_len_needed(task.train_pairs(90), tok, multiple_of=16)   # tiny mo
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)   # 3e-3 on xs, scaled down for larger models
 # packed: each micro-batch is its sequences end to end, at most micro_batch_size x seq tokens, none of them padding
-# (mfsdp_kit.packing); that needs the kit's SDPA attention, on CPU too
+# (mfsdp_kit.train.packing); that needs the kit's SDPA attention, on CPU too
 attention = nbm.packing_attention
 padding = packing.padding_fraction(data.tokenize_sft(task.train_pairs(90), tok, seq_len_tokens=seq))
 
@@ -246,11 +246,11 @@ check becomes statistical: over the last 50 steps the two runs' median losses mu
 3x their own step-to-step spread (the interquartile range of those 50 losses). Measured with
 three CPU kernel sets (AVX-512, AVX2, no SIMD) the warm-up differed by at most 4.6e-7 and the
 late gap was at most half the spread; a real sharding bug shows at step 1 already, and later as
-a gap of many spreads. `mfsdp_kit.parity.compare_curves` holds this logic;
+a gap of many spreads. `mfsdp_kit.train.parity.compare_curves` holds this logic;
 its docstring has the details.
 '''),
     code('''
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 report = compare_curves(ddp.loss, fsdp.loss, exact_steps=10, late_window=50,
                         reference_grad_norm=ddp.grad_norm, candidate_grad_norm=fsdp.grad_norm)
 print(report)

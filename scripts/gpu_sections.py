@@ -126,7 +126,7 @@ SECTIONS = {
     # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
     # controller exit, under the image's Python)
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
-                          args="-q -p no:cacheprovider tests/test_train.py tests/test_gpus.py tests/distributed/test_grad_upcast.py "
+                          args="-q -p no:cacheprovider tests/train/test_train.py tests/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/distributed/test_runtime.py "
                                "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],

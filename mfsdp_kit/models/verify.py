@@ -78,7 +78,7 @@ def verify(model, *, tokens: torch.Tensor | None = None, sequences: int = 2, seq
     `tokens` [batch, seq] default to `fixed_tokens`. With `strict`, a difference beyond the
     tolerance raises `VerificationError` instead of being only reported.
     """
-    from ..generate import logits
+    from ..train.generate import logits
     vocab = model.vocab_size
     if tokens is None:
         tokens = fixed_tokens(vocab, sequences=sequences, seq_len_tokens=seq_len_tokens)

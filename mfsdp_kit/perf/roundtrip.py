@@ -19,8 +19,8 @@ import torch
 from ..distributed import engine, runtime
 from .. import sync
 from ..config import EngineConfig, OptimConfig, Parallelism, Wrapper
-from ..data import random_token_batches
-from ..generate import logits
+from ..train.data import random_token_batches
+from ..train.generate import logits
 from ..distributed.introspect import torch_dtype
 from ..models.hf import load
 from ..models.tiny import tiny

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import compat
 from ..distributed import engine, runtime
 from ..config import EngineConfig, OptimConfig
-from ..data import random_token_batches
+from ..train.data import random_token_batches
 from ..distributed.introspect import local, torch_dtype
 from ..distributed.memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn

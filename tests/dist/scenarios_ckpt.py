@@ -29,7 +29,7 @@ OCFG = OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=20, min_lr=1e-4)
 
 @torch.no_grad()
 def _megatron_logits(chunks, tokens):
-    from mfsdp_kit.generate import logits
+    from mfsdp_kit.train.generate import logits
     return logits(chunks, tokens.to(runtime.current().device), vocab_size=128).cpu()
 
 

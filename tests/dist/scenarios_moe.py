@@ -20,9 +20,9 @@ from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit import sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models
-from mfsdp_kit.generate import logits
+from mfsdp_kit.train.generate import logits
 from mfsdp_kit.models.verify import fixed_tokens, hf_logits, verify
 from mfsdp_kit.train import forward_backward, step
 from scenarios_arch import hf_loss  # noqa: E402  (tests/dist is on the path)

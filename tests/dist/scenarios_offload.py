@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from mfsdp_kit import data
+from mfsdp_kit.train import data
 from mfsdp_kit.distributed import engine, offload, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load

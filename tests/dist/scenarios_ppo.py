@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from mfsdp_kit import data, packing
+from mfsdp_kit.train import data, packing
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.distributed.introspect import inner_optimizers

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mfsdp_kit.distributed import runtime
 from mfsdp_kit import sync, sync_plan, sync_views
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.distributed.engine import build_optimizer
 from mfsdp_kit.models import archs, hf as hf_models
 from mfsdp_kit.models.tiny import tiny

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, generate
+from mfsdp_kit.train import data, generate
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.distributed.memory import memory_report

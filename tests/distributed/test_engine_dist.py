@@ -1,12 +1,12 @@
 """FSDP vs DDP parity, sharding, TP x FSDP and multi-chunk sync on real gloo process groups."""
 import pytest
 
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 from tests.dist import launch
 
 
 def same_training(a: dict, b: dict):
-    """Every step compared tightly: these runs are a few steps long (mfsdp_kit.parity says why)."""
+    """Every step compared tightly: these runs are a few steps long (mfsdp_kit.train.parity says why)."""
     report = compare_curves(a["losses"], b["losses"], exact_steps=len(a["losses"]),
                             reference_grad_norm=a["grad_norms"], candidate_grad_norm=b["grad_norms"])
     print(report)

@@ -115,10 +115,11 @@ def check_cpu_inputs(tmp_path):
     """The body of the test above; on a CPU runtime it runs the same calls (both devices are then the CPU)."""
     import peft
     import transformers
-    from mfsdp_kit import adapters, generate, sync
+    from mfsdp_kit import adapters, sync
+    from mfsdp_kit.train import generate
     from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.config import OptimConfig
-    from mfsdp_kit.data import random_token_batches
+    from mfsdp_kit.train.data import random_token_batches
     from mfsdp_kit.lora import LoRAConfig
     from mfsdp_kit.models import hf
     from mfsdp_kit.models.tiny import tiny

@@ -165,7 +165,7 @@ def test_bad_value_is_named():
 def test_hf_model_logits_match_transformers(arch, tmp_path):
     """The Megatron-Bridge path: a tiny HF folder loaded with fused_kernels=True gives transformers' logits."""
     import transformers
-    from mfsdp_kit.generate import logits
+    from mfsdp_kit.train.generate import logits
     from mfsdp_kit.models.hf import load
     from mfsdp_kit.models.tiny import tiny
     src = tiny(tmp_path / arch, arch=arch, size="xs", seed=1)

@@ -5,7 +5,7 @@ loss vs transformers', FSDP == DDP and EP 2 == EP 1 training, save_hf at EP 2 re
 logits, and a checkpoint round trip that is bitwise."""
 import pytest
 
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 from tests.dist import launch
 from tests.selection import parity_only
 

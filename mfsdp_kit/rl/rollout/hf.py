@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import chat, sync
+from ...train import chat
+from ... import sync
 from ...distributed import engine
-from ...generate import cut_at_stop
+from ...train.generate import cut_at_stop
 
 
 class Completions(list):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .config import bad_value
+from ..config import bad_value
 
 
 def relative_differences(a: list[float], b: list[float]) -> list[float]:

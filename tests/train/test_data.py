@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from mfsdp_kit.data import (ArithmeticTask, batches, digit_match, is_heldout, load_jsonl, render_chat, seq_len_needed,
-                            tokenize_sft, verify)
+from mfsdp_kit.train.data import (ArithmeticTask, batches, digit_match, is_heldout, load_jsonl, render_chat,
+                                  seq_len_needed, tokenize_sft, verify)
 from mfsdp_kit.models.tiny import build_tokenizer
 from mfsdp_kit.train import Batch
 

@@ -1,7 +1,7 @@
-"""mfsdp_kit.parity on hand-computed curves: the tight phase, the statistical phase, and failures."""
+"""mfsdp_kit.train.parity on hand-computed curves: the tight phase, the statistical phase, and failures."""
 import pytest
 
-from mfsdp_kit.parity import compare_curves, relative_differences
+from mfsdp_kit.train.parity import compare_curves, relative_differences
 
 pytestmark = pytest.mark.parity
 

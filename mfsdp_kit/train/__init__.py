@@ -4,7 +4,7 @@ The loss is the masked per-token mean over the WHOLE global batch: each micro-ba
 (sum of masked token losses, token count); megatron sums the counts over micro-batches and
 data-parallel ranks and scales the gradients by 1/total (`calculate_per_token_loss`). That
 makes DDP and FSDP, and any micro-batch split, compute the same gradient - packed micro-batches too
-(`mfsdp_kit.packing`: a token budget instead of a row count, no padding computed, the same sums and counts).
+(`mfsdp_kit.train.packing`: a token budget instead of a row count, no padding computed, the same sums and counts).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from .distributed import engine, keep_gathered, runtime
+from ..distributed import engine, keep_gathered, runtime
 from . import packing
-from .config import ConfigError, bad_value
+from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
-from .fieldtypes import COUNT, INDEX, checked_args, optional
+from ..fieldtypes import COUNT, INDEX, checked_args, optional
 
 
 @dataclass
@@ -352,7 +352,7 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     """
     from tqdm.auto import tqdm
 
-    from .progress import report
+    from ..progress import report
     history = History()
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))

@@ -1,7 +1,7 @@
 """Greedy decoding stops on the tokenizer's stop ids (eos and the template's end-of-turn)."""
 import pytest
 
-from mfsdp_kit.generate import cut_at_stop
+from mfsdp_kit.train.generate import cut_at_stop
 from tests.dist.launch import run
 
 
@@ -32,7 +32,7 @@ def test_logits_of_rows_of_different_lengths(backend):
     the row alone up to its length, 0 after it; `last_only` is each row's last real position."""
     import torch
     from mfsdp_kit.distributed import engine, runtime
-    from mfsdp_kit import generate
+    from mfsdp_kit.train import generate
     from mfsdp_kit.config import EngineConfig
     from mfsdp_kit.models import GPTSpec, gpt_model_fn
     from tests.dist.launch import free_port

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from . import chat, packing
-from .distributed import engine, keep_gathered, runtime
+from ..distributed import engine, keep_gathered, runtime
 from .data import Batch
-from .fieldtypes import COUNT, bad_value, checked_args, optional
+from ..fieldtypes import COUNT, bad_value, checked_args, optional
 
 
 @torch.no_grad()

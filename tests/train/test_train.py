@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from mfsdp_kit import data, generate, train
+from mfsdp_kit.train import data, generate
+from mfsdp_kit import train
 from mfsdp_kit.config import ConfigError
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 from mfsdp_kit.rl import core, dapo, grpo
 from tests.dist import launch
 
@@ -52,7 +53,7 @@ def test_start_step_syncs_nothing_on_a_gpu(fsdp):
     from torch.profiler import ProfilerActivity, profile
     from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.config import EngineConfig, OptimConfig
-    from mfsdp_kit.data import random_token_batches
+    from mfsdp_kit.train.data import random_token_batches
     from mfsdp_kit.models import GPTSpec, gpt_model_fn
     from mfsdp_kit.train import start_step
     from tests.dist.launch import free_port
@@ -89,7 +90,7 @@ def test_sft_learns_the_task(runs):
 def test_fsdp_and_ddp_histories_match(parity_runs):
     ddp, fsdp = parity_runs[:2]  # global batch 16, micro-batches of 2: 4 per rank
     assert len(ddp["loss"]) == 20
-    # the 10 warm-up steps differ only by reduction order; later ones statistically (mfsdp_kit.parity)
+    # the 10 warm-up steps differ only by reduction order; later ones statistically (mfsdp_kit.train.parity)
     report = compare_curves(ddp["loss"], fsdp["loss"], exact_steps=10, late_window=10,
                             reference_grad_norm=ddp["grad_norm"], candidate_grad_norm=fsdp["grad_norm"])
     print("FSDP vs DDP:", report)

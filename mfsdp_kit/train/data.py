@@ -1,6 +1,6 @@
 """Data without downloads: a synthetic arithmetic task, SFT tokenization, a JSONL loader.
 
-Text is rendered by the tokenizer's own chat template (`mfsdp_kit.chat`). An arithmetic example is
+Text is rendered by the tokenizer's own chat template (`mfsdp_kit.train.chat`). An arithmetic example is
 a (prompt, response) pair of text: with the tiny tokenizer prompt "<|user|>12+34=<|assistant|>",
 response "46</s>"; with a ChatML one "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
 and "46<|im_end|>" (the response ends with the end-of-turn token, so the model learns to stop). A
@@ -21,10 +21,10 @@ from typing import Iterator
 import torch
 
 from . import chat
-from .distributed import runtime
-from .config import bad_value, is_int
-from .fieldtypes import COUNT, INDEX, checked_args, number_in, optional
-from .models.tiny import EOS, build_tokenizer
+from ..distributed import runtime
+from ..config import bad_value, is_int
+from ..fieldtypes import COUNT, INDEX, checked_args, number_in, optional
+from ..models.tiny import EOS, build_tokenizer
 
 Pair = tuple[str, str]
 """(prompt, response): the prompt rendered by the chat template up to the generation prompt, the

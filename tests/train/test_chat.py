@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from mfsdp_kit import chat, data
+from mfsdp_kit.train import chat, data
 from tests import chat_tokenizers as ct
 
 CONVERSATION = [{"role": "system", "content": "Be brief."},

@@ -28,9 +28,9 @@ from functools import partial
 
 import torch
 
-from .distributed import runtime
+from ..distributed import runtime
 from .data import Batch
-from .fieldtypes import bad_value, is_int
+from ..fieldtypes import bad_value, is_int
 
 
 def loss_lengths(batch: Batch) -> list[int]:
@@ -178,7 +178,7 @@ def can_pack(chunks) -> bool:
     `DotProductAttention` asserts packed_seq_params is None) and there is one pipeline stage (packed
     micro-batches differ in shape, megatron's pipeline sends fixed shapes)."""
     from megatron.core import parallel_state as ps
-    from .models.sdpa import SDPAttention
+    from ..models.sdpa import SDPAttention
     if ps.get_pipeline_model_parallel_world_size() > 1:
         return False
     cores = [m for c in chunks for m in c.modules() if type(m).__name__.endswith("DotProductAttention")
@@ -283,7 +283,7 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
     first = chunks[0]
     kept = getattr(first, "_kit_token_budget", {})
     if forward_only not in kept:
-        from .distributed.engine import unwrap_model
+        from ..distributed.engine import unwrap_model
         model = unwrap_model(chunks)[0]
         free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
         per_token = activation_bytes_per_token(model.config, vocab_size=model.vocab_size, forward_only=forward_only)

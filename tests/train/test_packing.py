@@ -1,13 +1,13 @@
-"""Packed sequences and token-budget micro-batches (mfsdp_kit.packing) against the padded run they replace."""
+"""Packed sequences and token-budget micro-batches (mfsdp_kit.train.packing) against the padded run they replace."""
 import pytest
 import torch
 
 from mfsdp_kit.distributed import engine, runtime
-from mfsdp_kit import packing
+from mfsdp_kit.train import packing
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.data import Batch
+from mfsdp_kit.train.data import Batch
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 from mfsdp_kit.perf import length_mix
 from tests.dist import launch
 
