@@ -78,7 +78,7 @@ def refresh(model, path: Path, args) -> dict:
     bridge (LoRA: the plan merges W + s B A itself where TP is 1)."""
     from transformers import AutoModelForCausalLM
 
-    from mfsdp_kit import sync as weight_sync
+    from mfsdp_kit.weights import sync as weight_sync
     from mfsdp_kit.distributed.introspect import torch_dtype
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(args.dtype)).to(runtime.current().device)
     first = weight_sync.load_into(hf, model.chunks, model.bridge)

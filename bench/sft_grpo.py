@@ -164,7 +164,7 @@ def sft_stages(args, cfg, model, tok) -> dict:
         acc = generate.evaluate(model.chunks, tok, args.held2, reward_fn=data.verify)["accuracy"]
         out["rl_sft"] = dict(steps=0, seconds=0.0, accuracy_after=acc, accuracy_by_round=[])
     if args.save_rl_start:
-        from mfsdp_kit import sync
+        from mfsdp_kit.weights import sync
         sync.save_hf(model.chunks, model.bridge, args.save_rl_start)
     if args.ceiling_sft_steps:
         if not args.save_rl_start:

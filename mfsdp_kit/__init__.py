@@ -16,6 +16,7 @@ SHORT_NAMES = {
     "data": "mfsdp_kit.train.data",
     "generate": "mfsdp_kit.train.generate",
     "packing": "mfsdp_kit.train.packing",
+    "sync": "mfsdp_kit.weights.sync",
 }
 """`mfsdp_kit.<name>` -> the module it stands for (the names the notebooks and README import from the root)."""
 

@@ -21,7 +21,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import folders, lora, sync
+from . import folders, lora
+from .weights import sync
 from .distributed import runtime
 from .distributed.engine import params_view, unwrap_model
 

@@ -109,7 +109,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .train import data, generate
-    from . import sync
+    from .weights import sync
     from .distributed import engine, runtime
     from .checkpoint import CheckpointManager
     from .config import EngineConfig, OptimConfig, Wrapper

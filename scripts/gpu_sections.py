@@ -93,7 +93,7 @@ SECTIONS = {
                       "--grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits "
                       "--grpo-temperature 0.5 --grpo-lr {GRPO_LR} --grpo-warmup 10 --grpo-iterations {GRPO_ITERS} "
                       "--grpo-eval-every 30 --grpo-micro-batch-size 256 {GRPO_ARGS}")],
-    # the planned sync (sync_plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
+    # the planned sync (weights.plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
     "sync": [Row(name="sync", script="bench/sync.py", args="--size l --repeats 5", writes="sync_l.json")],
     # a 7.6 B Qwen2.5-7B-shaped model (random megatron chunks from the bridge's provider, the rollout built from the
     # config on the GPU, checked bit-exact against the bridge's export), Megatron-FSDP only, planned path only

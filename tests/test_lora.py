@@ -134,7 +134,7 @@ def test_merged_exports_equal_the_lora_model(runs, index):
 
 @pytest.mark.parametrize("index", range(4), ids=IDS)
 def test_the_sync_plan_merges_adapters_as_the_bridge_does(runs, index):
-    """sync_plan writes W + (alpha / r) B A itself where TP is 1 (nothing left to the bridge's merge-and-export),
+    """weights.plan writes W + (alpha / r) B A itself where TP is 1 (nothing left to the bridge's merge-and-export),
     with the bridge's values; at TP 2 the bridge converts. B is not zero here: the adapters have trained."""
     s = runs[index]["exits"]["sync"]
     assert s["weights_diff"] < 1e-6, s

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..distributed import engine, runtime
-from .. import sync
+from ..weights import sync
 from ..config import EngineConfig, OptimConfig, Parallelism, Wrapper
 from ..train.data import random_token_batches
 from ..train.generate import logits

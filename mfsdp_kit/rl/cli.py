@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..distributed import engine, runtime
-    from .. import sync
+    from ..weights import sync
     from ..config import EngineConfig, OptimConfig, Wrapper
     from ..distributed.introspect import torch_dtype
     from ..models.hf import load

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit.distributed import engine, runtime
-from mfsdp_kit import sync
+from mfsdp_kit.weights import sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import adapters, lora, sync
+from mfsdp_kit import adapters, lora
+from mfsdp_kit.weights import sync
 from mfsdp_kit.train import data, generate
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, Parallelism, Wrapper

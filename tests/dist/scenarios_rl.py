@@ -8,7 +8,7 @@ from functools import partial
 import torch
 
 from mfsdp_kit.train import data
-from mfsdp_kit import sync
+from mfsdp_kit.weights import sync
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load

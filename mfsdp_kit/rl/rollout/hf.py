@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...train import chat
-from ... import sync
+from ...weights import sync
 from ...distributed import engine
 from ...train.generate import cut_at_stop
 

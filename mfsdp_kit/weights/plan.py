@@ -47,12 +47,12 @@ from functools import partial
 
 import torch
 
-from .config import hsdp
-from .compat.access import bridge_model
-from .compat.access import fsdp as megatron_fsdp
-from .distributed.introspect import is_fsdp
-from .models import vocab
-from .sync_views import View, recognised, rows, selects_rows  # noqa: F401 (View: the plan's type)
+from ..config import hsdp
+from ..compat.access import bridge_model
+from ..compat.access import fsdp as megatron_fsdp
+from ..distributed.introspect import is_fsdp
+from ..models import vocab
+from .views import View, recognised, rows, selects_rows  # noqa: F401 (View: the plan's type)
 
 # ---- the plan --------------------------------------------------------------------------------------
 
@@ -169,7 +169,7 @@ BASE_LAYER = ".base_layer.weight"
 def _checked(task, views, bridge, inner, dsts: dict, hf_vocab: int, vocab_names: set[str]) -> dict[str, View] | None:
     """`views` completed (tied copies, vocabulary trim) if they reproduce the bridge's conversion of a
     random probe exactly, name for name, in the rollout tensors' shapes; else None. An adapted linear's base is
-    probed unmerged, and its views must select rows (`sync_views.selects_rows`: B's rows then go where W's do)."""
+    probed unmerged, and its views must select rows (`views.selects_rows`: B's rows then go where W's do)."""
     param = task.param_weight
     gen = torch.Generator(device=param.device).manual_seed(1234)
     probe = torch.randn(param.shape, dtype=torch.float32, device=param.device, generator=gen)
@@ -224,7 +224,7 @@ def _adapter(task, inner) -> Adapter | None:
 
 def build(hf_model, chunks, bridge, tasks) -> Plan:
     """Split `tasks` (built in the compute view) into planned units and bridge fallbacks."""
-    from .distributed.engine import unwrap_model
+    from ..distributed.engine import unwrap_model
     start = time.perf_counter()
     inner = unwrap_model(list(chunks))
     dsts = {**dict(hf_model.named_parameters()), **dict(hf_model.named_buffers())}
@@ -321,14 +321,14 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def conversion_tasks(chunks, bridge) -> list:
     """The bridge's conversion tasks, in model order (call in the compute view)."""
-    from .distributed.engine import unwrap_model
+    from ..distributed.engine import unwrap_model
     return bridge_model.conversion_tasks(bridge, unwrap_model(list(chunks)))
 
 
 def cached(hf_model, chunks, bridge) -> tuple[Plan, bool]:
     """The plan for this (hf_model, chunks, bridge), built when its key changed (every rank builds
     its own; one collective at the end when it has FSDP units); returns (plan, built_now)."""
-    from .distributed.engine import params_view
+    from ..distributed.engine import params_view
     key = _key(hf_model, chunks, bridge)
     plan = _PLANS.get(hf_model)
     if plan is not None and plan.key == key:

@@ -13,7 +13,7 @@ weight: `adapters_gathered` all-gathers every adapter bucket for the whole expor
 units still go one at a time), because the bridge reads them while converting the base weight they belong to.
 
 `load_into` (the rollout path, run every RL iteration) does not convert tensor by tensor: it
-replays a `sync_plan` built once per rollout model (views of the gathered buckets, copied in
+replays a `weights.plan` built once per rollout model (views of the gathered buckets, copied in
 place, the next unit's gather in flight meanwhile) and leaves to the bridge only what the plan
 does not know.
 """
@@ -29,13 +29,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import lora, sync_plan
-from .distributed import runtime
-from .distributed.engine import params_view, unwrap_model
-from .compat.access import fsdp as megatron_fsdp
-from .distributed.introspect import is_fsdp
-from .models import vocab
-from .sync_plan import fsdp_owner
+from .. import lora
+from . import plan as sync_plan
+from ..distributed import runtime
+from ..distributed.engine import params_view, unwrap_model
+from ..compat.access import fsdp as megatron_fsdp
+from ..distributed.introspect import is_fsdp
+from ..models import vocab
+from .plan import fsdp_owner
 
 
 def _tasks_with_full_params(tasks, chunks) -> Iterator:
@@ -110,7 +111,7 @@ def _export(chunks, bridge, tasks, *, cpu: bool) -> Iterator[tuple[str, torch.Te
 def load_into(hf_model: torch.nn.Module, chunks, bridge, *, planned: bool = True) -> dict:
     """Copy the chunks' weights into `hf_model` in place (the rollout path). Collective under FSDP.
 
-    planned=True (default): the tensors `sync_plan` knows are copied by its cached plan (views of
+    planned=True (default): the tensors `weights.plan` knows are copied by its cached plan (views of
     the gathered buckets, next unit prefetched), the rest through the bridge as before;
     planned=False: every tensor through the bridge (`export_hf_weights`).
     Returns seconds, bytes, tensors, and per path: planned / bridge tensor counts, plan_built
@@ -155,7 +156,7 @@ def save_hf(chunks, bridge, path, *, shard_bytes: int = 2 * 2**30, merged: bool 
     """
     from safetensors.torch import save_file
     if not merged and lora.has_adapters(chunks):
-        from .fieldtypes import bad_value
+        from ..fieldtypes import bad_value
         raise bad_value("merged", merged, "True: a LoRA model is saved merged; adapters.save_adapter writes the "
                         "adapters alone, and their base is the unchanged folder the model was loaded from")
     path = Path(path)

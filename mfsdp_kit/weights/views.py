@@ -1,9 +1,9 @@
 """What Megatron-Bridge's conversion mappings do to a dense weight, as views of the full megatron parameter.
 
-With TP = PP = EP = 1 every mapping `sync_plan` replays is a view: a plain copy, a transpose (`permute_dims`), the
+With TP = PP = EP = 1 every mapping `weights.plan` replays is a view: a plain copy, a transpose (`permute_dims`), the
 per-query-group split of the fused QKV, the gate/up halves of a fused SwiGLU fc1, the vocabulary rows `vocab.trim`
 keeps. `recognised()` maps each bridge mapping class (exactly: a subclass may change values) to the views of its HF
-tensors; `sync_plan` checks each one against the bridge on a random probe before it trusts it.
+tensors; `weights.plan` checks each one against the bridge on a random probe before it trusts it.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .compat.access import bridge_model
+from ..compat.access import bridge_model
 
 View = Callable[[torch.Tensor], torch.Tensor]
 """full megatron parameter -> a view of it with the HF tensor's elements (any shape of its numel)."""
@@ -69,7 +69,7 @@ _RECOGNISED: dict[type, Callable] = {}
 def recognised() -> dict[type, Callable]:
     """Mapping class (exactly: a subclass may change values) -> (mapping, module) -> {hf_name: View}."""
     if not _RECOGNISED:
-        from . import compat
+        from .. import compat
         compat.apply("bridge")
         pm = bridge_model.param_mapping()
         _RECOGNISED.update({pm.AutoMapping: _direct_views, pm.DirectMapping: _direct_views,

@@ -1,4 +1,4 @@
-"""sync.load_into's planned path (sync_plan) == the bridge path == the folder, bitwise, on 2 gloo ranks:
+"""sync.load_into's planned path (weights.plan) == the bridge path == the folder, bitwise, on 2 gloo ranks:
 DDP and Megatron-FSDP, the tiny qwen2 and architectures written by transformers (Llama, Qwen3 with
 q/k norms, Llama with tied embeddings); after a training step the reused plan is still exact; a
 misled or unknown mapping falls back to the bridge. One torchrun job for every case."""
