@@ -10,6 +10,7 @@ on first use (PEP 562), so `import mfsdp_kit` itself still imports nothing of th
 import importlib
 
 SHORT_NAMES = {
+    "adapters": "mfsdp_kit.lora.adapters",
     "engine": "mfsdp_kit.distributed.engine",
     "runtime": "mfsdp_kit.distributed.runtime",
     "chat": "mfsdp_kit.train.chat",

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import adapters, lora
+from mfsdp_kit.lora import adapters
+from mfsdp_kit import lora
 from mfsdp_kit.weights import sync
 from mfsdp_kit.train import data, generate
 from mfsdp_kit.distributed import engine, runtime

@@ -115,7 +115,7 @@ def check_cpu_inputs(tmp_path):
     """The body of the test above; on a CPU runtime it runs the same calls (both devices are then the CPU)."""
     import peft
     import transformers
-    from mfsdp_kit import adapters
+    from mfsdp_kit.lora import adapters
     from mfsdp_kit.weights import sync
     from mfsdp_kit.train import generate
     from mfsdp_kit.distributed import engine, runtime

@@ -21,10 +21,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from . import folders, lora
-from .weights import sync
-from .distributed import runtime
-from .distributed.engine import params_view, unwrap_model
+from .. import folders, lora
+from ..weights import sync
+from ..distributed import runtime
+from ..distributed.engine import params_view, unwrap_model
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fieldtypes import bad_value, check_field_types, finite
+from ..fieldtypes import bad_value, check_field_types, finite
 
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """The dense linears of a megatron GPT layer LoRA can adapt."""
@@ -96,8 +96,8 @@ def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
     Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`).
     `base_path`: the HF folder the frozen weights came from; its `base_reference` is kept on the chunks
     (`base_of`), so checkpoints name their base and refuse another one."""
-    from . import compat
-    from .compat.access import bridge_model
+    from .. import compat
+    from ..compat.access import bridge_model
     compat.apply("bridge")
     compat.apply("peft")
     compat.apply("fsdp_frozen")   # for a later Megatron-FSDP wrap
