@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit.train import data
-from mfsdp_kit import plots
+from mfsdp_kit.notebook import plots
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.distributed.introspect import torch_dtype

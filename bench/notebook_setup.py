@@ -23,7 +23,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import cache, notebook_model, train
+from mfsdp_kit import cache, train
+from mfsdp_kit.notebook import model as notebook_model
 from mfsdp_kit.train import data
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig

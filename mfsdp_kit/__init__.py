@@ -14,10 +14,15 @@ SHORT_NAMES = {
     "engine": "mfsdp_kit.distributed.engine",
     "runtime": "mfsdp_kit.distributed.runtime",
     "chat": "mfsdp_kit.train.chat",
+    "cluster": "mfsdp_kit.notebook.cluster",
     "data": "mfsdp_kit.train.data",
     "generate": "mfsdp_kit.train.generate",
+    "gpus": "mfsdp_kit.notebook.gpus",
+    "notebook_model": "mfsdp_kit.notebook.model",
     "packing": "mfsdp_kit.train.packing",
+    "plots": "mfsdp_kit.notebook.plots",
     "sync": "mfsdp_kit.weights.sync",
+    "widgets": "mfsdp_kit.notebook.widgets",
 }
 """`mfsdp_kit.<name>` -> the module it stands for (the names the notebooks and README import from the root)."""
 

@@ -232,7 +232,7 @@ def _verification(v: dict | None) -> str:
 
 def summarize(out: Path) -> str:
     """The summary table; also writes runs/demo/loss.png and memory.png."""
-    from . import plots
+    from .notebook import plots
     s = json.loads((out / "summary.json").read_text())
     mem, formula = s["memory"], s["formula"]
     plots.loss_curves({f"Megatron-FSDP, {s['world_size']} ranks": s["loss"]}, out / "loss.png",

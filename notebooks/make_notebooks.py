@@ -25,7 +25,7 @@ def code(text: str):
     return new_code_cell(text.strip("\n"))
 
 
-# The model knob (mfsdp_kit.notebook_model): MODEL here, else $MFSDP_MODEL, else tiny xs (fp32) on CPU and
+# The model knob (mfsdp_kit.notebook.model): MODEL here, else $MFSDP_MODEL, else tiny xs (fp32) on CPU and
 # tiny mw (180.9 M in 4 wide layers, bf16) on GPUs; "xs" | "s" | "m" | "mw" | "l" or the path of your own HF folder.
 KNOB = '''
 MODEL = None   # None: $MFSDP_MODEL or the hardware's default; "xs" | "s" | "m" | "mw" | "l" | "/path/to/your/hf/folder"

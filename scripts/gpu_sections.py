@@ -126,8 +126,8 @@ SECTIONS = {
     # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
     # controller exit, under the image's Python)
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
-                          args="-q -p no:cacheprovider tests/train/test_train.py tests/test_gpus.py tests/distributed/test_grad_upcast.py "
-                               "tests/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
+                          args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
+                               "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/distributed/test_runtime.py "
                                "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
@@ -266,7 +266,7 @@ SECTIONS.update({
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     # the notebooks' model is written first, as `make lab` does while JupyterLab starts (its seconds in
     # notebook_model.log); NB_PREWRITE=0 leaves that to the first notebook, as on a machine without `make lab`
-    "notebooks": [Row(name="notebook_model", script="-m mfsdp_kit.notebook_model", launch="python", only_if="NB_PREWRITE=1"),
+    "notebooks": [Row(name="notebook_model", script="-m mfsdp_kit.notebook.model", launch="python", only_if="NB_PREWRITE=1"),
                   Row(name="notebooks", script="bench/notebook_suite.py", launch="python", args="{out} {NOTEBOOKS}",
                       writes="notebooks.json")],
     # the same on a folder the kit did not make (tests/user_folder.py: transformers' Llama, a Llama 3 template

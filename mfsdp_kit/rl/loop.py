@@ -88,7 +88,7 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
     from tqdm.auto import tqdm
 
     from ..distributed import runtime
-    from ..progress import report
+    from ..notebook.progress import report
     bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
     for it in bar:
         m = iteration(it)

@@ -352,7 +352,7 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     """
     from tqdm.auto import tqdm
 
-    from ..progress import report
+    from ..notebook.progress import report
     history = History()
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))

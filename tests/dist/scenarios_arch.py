@@ -72,7 +72,7 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
         archs.write_tiny(arch, src, vocab_size=vocab_size, **(overrides or {}))
     dist.barrier()
     if attention == "gpu-default":
-        from mfsdp_kit.notebook_model import attention_backend
+        from mfsdp_kit.notebook.model import attention_backend
         attention = attention_backend(src, on_gpu=True, env={})
     if attention != cfg.kernels.attention_backend:
         cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend=attention))

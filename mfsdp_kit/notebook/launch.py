@@ -20,14 +20,14 @@ import ipyparallel as ipp
 from ipyparallel.cluster import launcher as launchers
 from traitlets.config import Config, LazyConfigValue
 
-from . import cache
-from .config import BACKENDS, ConfigError, bad_value
-from .fieldtypes import is_int
+from .. import cache
+from ..config import BACKENDS, ConfigError, bad_value
+from ..fieldtypes import is_int
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 LOCAL_CONTROLLERS = ("local", "localcontroller", "localcontrollerlauncher", "")
 MPI_LAUNCHERS = ("mpi", "mpiengine", "mpienginesetlauncher", "mpiexec")
-ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.ipengine"]
+ENGINE_CMD = [sys.executable, "-m", "mfsdp_kit.notebook.ipengine"]
 """The kit's engine (ipengine.py): ipyparallel's engine that may start before the controller and imports torch
 and megatron at boot (unless `ipengine.PRELOAD_ENV` is '0'). The default `engine_cmd` of local engines, and of
 MPI engines where this machine has PRELOAD_MIN_CORES_PER_ENGINE cores per engine or more."""
@@ -233,7 +233,7 @@ def engines_find_controller(cluster: ipp.Cluster) -> bool:
     connection file themselves (ipengine.py), so they can be spawned before the controller."""
     cls = cluster.engine_launcher_class
     return (isinstance(cls, type) and issubclass(cls, launchers.LocalEngineSetLauncher)
-            and "mfsdp_kit.ipengine" in (configured(cluster.config, cls, "engine_cmd") or []))
+            and "mfsdp_kit.notebook.ipengine" in (configured(cluster.config, cls, "engine_cmd") or []))
 
 
 def start_processes(cluster: ipp.Cluster, n: int, watch: Stopwatch) -> ipp.Client:

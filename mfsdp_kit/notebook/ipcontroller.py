@@ -1,4 +1,4 @@
-"""`python -m mfsdp_kit.ipcontroller`: ipyparallel's controller, which shuts down when the kernel that started it dies.
+"""`python -m mfsdp_kit.notebook.ipcontroller`: ipyparallel's controller, which shuts down when the kernel that started it dies.
 
 A notebook kernel killed mid-cell (restarted by the user, or by nbval) never runs `handle.stop()`. Its engines exit
 on their own (`ipengine.watch_parent`); without this, its controller (the hub, its schedulers and heart monitor:
@@ -20,7 +20,7 @@ import time
 
 from .ipengine import ORPHANED_EXIT, PARENT_ENV, watch_parent
 
-CONTROLLER_CMD = [sys.executable, "-m", "mfsdp_kit.ipcontroller"]
+CONTROLLER_CMD = [sys.executable, "-m", "mfsdp_kit.notebook.ipcontroller"]
 GRACE_S = 10.0
 """Seconds ipyparallel's shutdown gets after SIGTERM before the controller exits regardless."""
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import gpus
-from .config import DTYPES, EngineConfig, bad_value
-from .config.flat import nest
+from ..config import DTYPES, EngineConfig, bad_value
+from ..config.flat import nest
 
 ENV_MODEL, ENV_DTYPE, ENV_ATTENTION = "MFSDP_MODEL", "MFSDP_DTYPE", "MFSDP_ATTENTION"
 TINY_SIZES = ("xs", "s", "m", "mw", "l")
@@ -134,8 +134,8 @@ def pinned(env: dict | None = None) -> dict[str, str]:
 def attention_backend(path: str, *, on_gpu: bool, env: dict | None = None) -> str:
     """MFSDP_ATTENTION if set, else "sdpa" on GPUs (host-bound small steps: module docstring) unless the HF
     folder at `path` has an active sliding window, which only megatron's "local" attention reproduces."""
-    from .config import ATTENTION_BACKENDS
-    from .models.support import active_window
+    from ..config import ATTENTION_BACKENDS
+    from ..models.support import active_window
     env = os.environ if env is None else env
     chosen = env.get(ENV_ATTENTION, "")
     if chosen:
@@ -166,12 +166,12 @@ def folder(choice: str, *, seed: int = 0) -> str:
     """The HF folder of a resolved choice: a tiny size's cached folder (written now if missing), else the choice."""
     if choice not in TINY_SIZES:
         return choice
-    from .models.tiny import cached
+    from ..models.tiny import cached
     return str(cached(size=choice, seed=seed))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mfsdp_kit.notebook_model [MODEL]`: find or write the notebooks' model now and print its folder.
+    """`python -m mfsdp_kit.notebook.model [MODEL]`: find or write the notebooks' model now and print its folder.
     `make lab` runs it in the background while JupyterLab starts, so the first notebook finds the model written
     (tiny mw: 180.9 M params, 4-7 s on a GPU node, most of it importing transformers)."""
     import argparse
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def gpt_spec(hf_path, *, seq_len_tokens: int):
     """The `models.gpt.GPTSpec` of an HF folder's config.json: what `perf.flops` counts FLOPs on."""
-    from .models.gpt import GPTSpec
+    from ..models.gpt import GPTSpec
     c = json.loads((Path(hf_path) / "config.json").read_text())
     c = c.get("text_config", c)
     return GPTSpec(num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
@@ -205,11 +205,11 @@ def throughput(chunks, optimizer, *, nbm: NotebookModel, steps: int | None = Non
     import torch
     from megatron.core import parallel_state as ps
 
-    from .train import data
-    from . import train
-    from .distributed import runtime
-    from .distributed.memory import memory_report, zero_formula_bytes
-    from .perf.flops import flops_per_token, matmul_params, mfu
+    from ..train import data
+    from .. import train
+    from ..distributed import runtime
+    from ..distributed.memory import memory_report, zero_formula_bytes
+    from ..perf.flops import flops_per_token, matmul_params, mfu
     gpu = torch.cuda.is_available()
     steps = steps or (5 if gpu else 1)
     mbs = micro_batch_size or ((64 if nbm.size else 8) if gpu else 2)

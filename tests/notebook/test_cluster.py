@@ -7,8 +7,8 @@ import stat
 import psutil
 import pytest
 
-from mfsdp_kit import cluster
-from mfsdp_kit.cluster import ClusterError
+from mfsdp_kit.notebook import cluster
+from mfsdp_kit.notebook.cluster import ClusterError
 from mfsdp_kit.config import ConfigError, EngineConfig
 
 
@@ -48,7 +48,7 @@ def test_default_bind_address_and_connection_file_permissions(handle):
 
 def test_progress_report_reaches_the_client(handle):
     def steps(n):
-        from mfsdp_kit.cluster import report
+        from mfsdp_kit.notebook.cluster import report
         for i in range(n):
             report(step=i + 1, total=n, loss=1.0 / (i + 1))
         return n
@@ -140,7 +140,7 @@ def test_engines_and_controller_exit_when_the_kernel_that_started_them_is_killed
         commands = {p.pid: " ".join(p.cmdline()[1:3]) for p in spawned}
         kernel.kill()
         kernel.wait()
-    assert "-m mfsdp_kit.ipcontroller" in commands.values(), commands
+    assert "-m mfsdp_kit.notebook.ipcontroller" in commands.values(), commands
     alive = psutil.wait_procs(spawned, timeout=15)[1]
     for p in alive:   # nothing may be left running after this test, whatever it asserts
         p.kill()
@@ -152,7 +152,7 @@ def test_the_parent_watch_notices_a_launcher_that_died_before_it_started(monkeyp
     that is not its parent) is orphaned from the start, and the watch must say so at once, not wait forever."""
     import threading
 
-    from mfsdp_kit import ipengine
+    from mfsdp_kit.notebook import ipengine
     orphaned = threading.Event()
     monkeypatch.setenv(ipengine.PARENT_ENV, str(os.getppid() + 1_000_000))   # no process has this pid
     ipengine.watch_parent(poll_s=0.01, on_orphan=orphaned.set)
@@ -166,8 +166,8 @@ def test_the_parent_watch_notices_a_launcher_that_died_before_it_started(monkeyp
 def test_the_kits_controller_is_the_default_only_for_a_local_controller_whose_command_the_caller_left_alone():
     from traitlets.config import Config
 
-    from mfsdp_kit import launch
-    from mfsdp_kit.ipcontroller import CONTROLLER_CMD
+    from mfsdp_kit.notebook import launch
+    from mfsdp_kit.notebook.ipcontroller import CONTROLLER_CMD
     default = {}
     launch.set_default_controller_cmd(default)
     assert default["config"].LocalControllerLauncher.controller_cmd == CONTROLLER_CMD
@@ -183,7 +183,7 @@ def test_the_kits_controller_is_the_default_only_for_a_local_controller_whose_co
 def test_hiding_gpus_adds_to_the_callers_engine_environment_without_changing_it():
     from traitlets.config import Config
 
-    from mfsdp_kit import launch
+    from mfsdp_kit.notebook import launch
     mine = Config()
     mine.LocalEngineSetLauncher.environment = {"MY_VAR": "1"}
     c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=dict(config=mine), see_gpus=False)
@@ -214,7 +214,7 @@ def test_a_profiles_ipcluster_config_is_kept_where_the_caller_sets_nothing(tmp_p
     over the profile (ipyparallel's order); load_profile=False leaves the profile out."""
     from traitlets.config import Config
 
-    from mfsdp_kit import launch
+    from mfsdp_kit.notebook import launch
     where = _profile(tmp_path, SITE_PROFILE)
     launcher = launch.with_profile({"profile_dir": where})
     assert launch.kind(launcher) == "mpi"   # from the profile: the device="cpu" check and MPI's env follow it
@@ -248,7 +248,7 @@ c.Cluster.controller_args.append("--site-arg")
 def test_a_profile_that_sets_parent_classes_or_lazy_values_counts_too(tmp_path):
     from ipyparallel.cluster.launcher import LocalControllerLauncher, LocalEngineSetLauncher
 
-    from mfsdp_kit import launch
+    from mfsdp_kit.notebook import launch
     c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, see_gpus=False,
                             launcher={"profile_dir": _profile(tmp_path, GENERAL_PROFILE)})
     engines, controller = LocalEngineSetLauncher(config=c.config), LocalControllerLauncher(config=c.config)
@@ -271,7 +271,7 @@ def test_engines_and_controller_from_the_profile_form_the_world(tmp_path):
         commands = [" ".join(p.cmdline()) for p in _engine_processes() if p.pid not in before]
         assert sum("-m ipyparallel.engine" in cmd and "nanny" not in cmd for cmd in commands) == 2, commands
         assert any("-m ipyparallel.controller" in cmd for cmd in commands), commands
-        assert not [cmd for cmd in commands if "mfsdp_kit.ip" in cmd], commands
+        assert not [cmd for cmd in commands if "mfsdp_kit.notebook.ip" in cmd], commands
     finally:
         h.stop()
 
@@ -334,7 +334,7 @@ def test_engines_preload_where_there_are_cores_for_it():
     (without the import thread below that), MPI ones only with it; a caller's engine_cmd always wins."""
     from traitlets.config import Config
 
-    from mfsdp_kit import ipengine, launch
+    from mfsdp_kit.notebook import ipengine, launch
     assert launch.preload_by_default(n_engines=2, cores=32) and launch.preload_by_default(n_engines=8, cores=32)
     assert not launch.preload_by_default(n_engines=2, cores=2) and not launch.preload_by_default(n_engines=9, cores=32)
     launcher = {}
@@ -358,7 +358,8 @@ def test_engines_preload_where_there_are_cores_for_it():
 
 def test_engines_keep_their_bytecode_where_the_image_switches_it_off(tmp_path, monkeypatch):
     """A container image's PYTHONDONTWRITEBYTECODE=1 made every engine recompile torch and megatron at each start."""
-    from mfsdp_kit import cache, launch
+    from mfsdp_kit import cache
+    from mfsdp_kit.notebook import launch
     (tmp_path / "kit_engine_probe.py").write_text("X = 1\n")   # stands in for the image's uncompiled torch
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(cache, "PROBE_MODULE", "kit_engine_probe")
@@ -375,7 +376,7 @@ def test_engine_reads_the_connection_file_only_once_it_is_whole(tmp_path):
     """The controller creates its file, then writes it: an engine spawned before it must not read it half-done."""
     import threading
 
-    from mfsdp_kit import ipengine
+    from mfsdp_kit.notebook import ipengine
     path = ipengine.connection_file(str(tmp_path), "abc")
     assert path == str(tmp_path / "security" / "ipcontroller-abc-engine.json")
     (tmp_path / "security").mkdir()

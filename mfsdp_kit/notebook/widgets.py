@@ -21,9 +21,9 @@ import html
 import json
 from typing import Any
 
-from .config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
-from .config.flat import flat_values, leaf_fields, nest
-from .lora import LoRAConfig
+from ..config import ATTENTION_BACKENDS, DTYPES, RECOMPUTE, ConfigError, EngineConfig
+from ..config.flat import flat_values, leaf_fields, nest
+from ..lora import LoRAConfig
 
 FIELDS = leaf_fields(EngineConfig)
 """Every value field of EngineConfig and its sections, by its flat name (unique across sections): one widget each."""

@@ -7,7 +7,7 @@ through an SSH tunnel from their laptop, which this prints ready to paste:
 
     ssh -N -L 8888:127.0.0.1:8888 you@gpu-node      # then open the printed URL locally
 
-`python -m mfsdp_kit.lab [--port P] [--root DIR]` runs it in the foreground, and writes the notebooks' model
+`python -m mfsdp_kit.notebook.lab [--port P] [--root DIR]` runs it in the foreground, and writes the notebooks' model
 meanwhile (once per machine). The server runs in a session of its own (a Ctrl-C meant for a notebook's kernel
 must not reach it), so nothing stops it when the launcher ends: the launcher stops it, and every kernel it
 started, on Ctrl-C (SIGINT), `kill` / a scheduler's time limit / systemd (SIGTERM) and a closed terminal or SSH
@@ -32,11 +32,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import cache, notebook_model
-from .config import bad_value
+from .. import cache
+from . import model as notebook_model
+from ..config import bad_value
 
 HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parents[1] / "notebooks"
+ROOT = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def free_port(host: str = HOST) -> int:
@@ -154,7 +155,7 @@ def write_model_in_background() -> subprocess.Popen:
     """The notebooks' model (`notebook_model.main`: the knob's choice, a tiny size written once per machine) in
     its own process while the user opens the URL, so the first notebook's first cell finds it written. Its one
     line of output (folder, or the error) lands in this terminal; the notebook reports the same error if any."""
-    return subprocess.Popen([sys.executable, "-m", "mfsdp_kit.notebook_model"], start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", "mfsdp_kit.notebook.model"], start_new_session=True,
                             env={**os.environ, **cache.bytecode_env()})
 
 

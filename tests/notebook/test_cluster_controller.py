@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from mfsdp_kit import cluster, launch
-from mfsdp_kit.cluster import ClusterError
+from mfsdp_kit.notebook import cluster, launch
+from mfsdp_kit.notebook.cluster import ClusterError
 from tests.sockets import listening
 
 SLEEPY = "import time\ntime.sleep(60)"

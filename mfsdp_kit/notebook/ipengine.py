@@ -1,4 +1,4 @@
-"""`python -m mfsdp_kit.ipengine`: ipyparallel's own engine, started before the controller is up, with torch and
+"""`python -m mfsdp_kit.notebook.ipengine`: ipyparallel's own engine, started before the controller is up, with torch and
 megatron imported meanwhile.
 
 Most of `cluster.start` is every engine booting and importing torch and megatron.core (bench/cluster_start.py:
@@ -58,7 +58,7 @@ def start() -> None:
     """Begin the imports in a daemon thread (once per process)."""
     global _thread
     if _thread is None:
-        from . import compat
+        from .. import compat
         compat.apply("startup")   # before the thread imports megatron (compat/patches/startup.py)
         _thread = threading.Thread(target=_import_all, name="mfsdp_kit-preload", daemon=True)
         _thread.start()
@@ -128,5 +128,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from mfsdp_kit import ipengine   # the importable module, whose thread `wait()` joins (not __main__'s)
+    from mfsdp_kit.notebook import ipengine   # the importable module, whose thread `wait()` joins (not __main__'s)
     ipengine.main()

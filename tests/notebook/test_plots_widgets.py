@@ -4,7 +4,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from mfsdp_kit import plots, widgets  # noqa: E402
+from mfsdp_kit.notebook import plots, widgets  # noqa: E402
 from mfsdp_kit.config import EngineConfig  # noqa: E402
 from mfsdp_kit.distributed.memory import MemoryReport, zero_formula_bytes  # noqa: E402
 from mfsdp_kit.train import History, StepResult  # noqa: E402

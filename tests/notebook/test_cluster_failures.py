@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from mfsdp_kit import cluster
-from mfsdp_kit.cluster import ClusterError
+from mfsdp_kit.notebook import cluster
+from mfsdp_kit.notebook.cluster import ClusterError
 
 BOUND_S = 30   # a hang guard only; the measured times are printed (-s) and are ~1.5 s on 2 CPU cores
 FAIL_ON_RANK_1 = ("import torch, torch.distributed as dist\nif rank == 1:\n    raise ValueError('boom on rank 1')\n"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mfsdp_kit import notebook_model as nm
+from mfsdp_kit.notebook import model as nm
 from mfsdp_kit.config import ConfigError
 from mfsdp_kit.cache import CACHE_ENV
 from mfsdp_kit.models.tiny import SIZES, param_count, tiny

@@ -155,8 +155,8 @@ def step_timeline(events_by_rank: Mapping[str, Sequence], path=None, *, title: s
     thread, or an NCCL kernel's stream) fills the row; the training thread's call to it is the
     thin dark bar under it. The top row and the red shading are the exposed communication
     (`perf.profile.exposed_intervals`): communication while no compute runs."""
-    from .perf.profile import KINDS, exposed_intervals
-    from .perf.timeline import union
+    from ..perf.profile import KINDS, exposed_intervals
+    from ..perf.timeline import union
     kinds = [k for k in KINDS if any(e.kind == k for evs in events_by_rank.values() for e in evs)]
     rows = kinds + ["exposed"]
     fig = Figure(figsize=(11, 0.45 * len(rows) * len(events_by_rank) + 1.2))

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from mfsdp_kit import gpus
+from mfsdp_kit.notebook import gpus
 
 FAKE_DRIVER = """
 int cuInit(unsigned int flags) {{ return {init}; }}

@@ -8,7 +8,7 @@ import shutil
 import psutil
 import pytest
 
-from mfsdp_kit import cluster
+from mfsdp_kit.notebook import cluster
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpiexec") is None,

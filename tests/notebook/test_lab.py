@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mfsdp_kit import lab
+from mfsdp_kit.notebook import lab
 from tests import sockets
 
 needs_lab = pytest.mark.skipif(shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None,
@@ -71,13 +71,13 @@ def _wait_for(what: str, ready, timeout_s: float = 120.0):
 @needs_lab
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_make_lab_stops_its_server_and_kernels_on(sig, tmp_path):
-    """Issue 36 case 8: SIGTERM (kill, a scheduler) or SIGHUP (a closed terminal) ended `python -m mfsdp_kit.lab`
+    """Issue 36 case 8: SIGTERM (kill, a scheduler) or SIGHUP (a closed terminal) ended `python -m mfsdp_kit.notebook.lab`
     and left the server running, orphaned, port open and token valid. Here the launcher runs as `make lab` runs
     it, a kernel is started through the REST API, the signal is sent: no process of theirs is left."""
     out = tmp_path / "lab.log"
     env = {**os.environ, "MFSDP_MODEL": str(tmp_path), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     with open(out, "w") as log:   # an existing folder as the model: the background writer has nothing to write
-        launcher = subprocess.Popen([sys.executable, "-m", "mfsdp_kit.lab", "--root", str(tmp_path)], stdout=log,
+        launcher = subprocess.Popen([sys.executable, "-m", "mfsdp_kit.notebook.lab", "--root", str(tmp_path)], stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         url = _wait_for("the launcher's URL", lambda: re.search(r"http://127\.0\.0\.1:(\d+)/lab\?token=(\w+)",

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import ipyparallel as ipp
 
 from . import gpus, launch, watchdog
-from .config import EngineConfig
+from ..config import EngineConfig
 from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
@@ -69,8 +69,8 @@ def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_siz
     Returns device, backend and seconds per phase (the imports are timed apart: they dominate on CPU).
     """
     watch = Stopwatch()
-    from mfsdp_kit import ipengine
-    ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.ipengine)
+    from mfsdp_kit.notebook import ipengine
+    ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.notebook.ipengine)
     watch.lap("preload_wait")
     from mfsdp_kit import compat
     compat.apply("startup")   # before megatron's import (compat/patches/startup.py); a no-op after ipengine's
