@@ -119,7 +119,7 @@ SECTIONS = {
              "checkpoint_fsdp_async_shm.json", after=CLEAN_SHM)],
     # the checkpoint tests that move tensors between GPU and host (items through pinned buffers), ~2 min
     "gpu_tests_ckpt": [Row(name="gpu_tests_ckpt", script="-m pytest", launch="python",
-                           args="-q -p no:cacheprovider tests/test_checkpoint_format.py tests/test_checkpoint.py "
+                           args="-q -p no:cacheprovider tests/checkpoint/test_format.py tests/checkpoint/test_checkpoint.py "
                                 "-k 'roundtrip or resume or async or io_options or reshard or format'")],
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call; that public
     # calls take CPU inputs for a GPU model), ~1 min
@@ -135,7 +135,7 @@ SECTIONS = {
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",
                   writes="architectures_gpu.json")],
     "gpu_tests": [Row(name="gpu_tests", script="-m pytest", launch="python",   # NCCL, one GPU per rank
-                      args="-q -p no:cacheprovider tests/test_checkpoint.py tests/test_checkpoint_hardening.py")],
+                      args="-q -p no:cacheprovider tests/checkpoint/test_checkpoint.py tests/checkpoint/test_hardening.py")],
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mfsdp_kit.compat.patches import quiet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, warnings

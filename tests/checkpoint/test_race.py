@@ -65,7 +65,7 @@ json.dump(report, open(out, "w"))
 
 
 def _racer(role: str, root: Path, out: Path) -> subprocess.Popen:
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", RACER, role, str(root), str(out), str(ROUNDS)], env=env)
 
