@@ -11,16 +11,16 @@ import importlib
 
 SHORT_NAMES = {
     "adapters": "mfsdp_kit.lora.adapters",
-    "engine": "mfsdp_kit.distributed.engine",
-    "runtime": "mfsdp_kit.distributed.runtime",
     "chat": "mfsdp_kit.train.chat",
     "cluster": "mfsdp_kit.notebook.cluster",
     "data": "mfsdp_kit.train.data",
+    "engine": "mfsdp_kit.distributed.engine",
     "generate": "mfsdp_kit.train.generate",
     "gpus": "mfsdp_kit.notebook.gpus",
     "notebook_model": "mfsdp_kit.notebook.model",
     "packing": "mfsdp_kit.train.packing",
     "plots": "mfsdp_kit.notebook.plots",
+    "runtime": "mfsdp_kit.distributed.runtime",
     "sync": "mfsdp_kit.weights.sync",
     "widgets": "mfsdp_kit.notebook.widgets",
 }
