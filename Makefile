@@ -32,7 +32,7 @@ $(LAB_STAMP): $(STAMP)
 	touch $(LAB_STAMP)
 
 lab: $(LAB_STAMP)
-	$(BIN)/python -m mfsdp_kit.lab
+	$(BIN)/python -m mfsdp_kit.notebook.lab
 
 demo: install
 	$(BIN)/python -m mfsdp_kit.demo
@@ -41,7 +41,7 @@ demo: install
 # portable ATen kernels: a comparison that only holds for this CPU's SIMD kernels fails here, not on
 # a user's machine. Inductor's C++ cache is per capability (a cache built natively breaks the build).
 PORTABLE := ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(VENV)/inductor-default
-# With an MPI on PATH (CI installs Debian's OpenMPI), mpi4py too, so tests/test_cluster_mpi.py runs, not skips.
+# With an MPI on PATH (CI installs Debian's OpenMPI), mpi4py too, so tests/notebook/test_cluster_mpi.py runs, not skips.
 mpi: install
 	@if command -v mpiexec >/dev/null && ! $(BIN)/python -c "import mpi4py" 2>/dev/null; then \
 	  $(BIN)/python -m pip install -q -e ".[mpi]"; fi
@@ -76,7 +76,7 @@ test: test-deps
 # (tests/conftest.py marks the others `slow`), then one 2-rank job: DDP vs Megatron-FSDP losses and sharding.
 check: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" tests
-	$(BIN)/python -m pytest -q -rs tests/test_engine_dist.py -k "fsdp_matches_ddp or shards"
+	$(BIN)/python -m pytest -q -rs tests/distributed/test_engine_dist.py -k "fsdp_matches_ddp or shards"
 
 # The release set's figures (docs/results/h200x1/, from `SECTIONS=release bash scripts/gpu_check.sh`) into README.md
 # and the top of docs/benchmarks.md, and the GRPO split figure (scripts/make_docs.py; docs/gpu.md).

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import collective
 from mfsdp_kit.checkpoint.manager import TENSOR_FORMATS
-from mfsdp_kit import engine, introspect, runtime
+from mfsdp_kit.distributed import engine, introspect, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step

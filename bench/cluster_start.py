@@ -69,7 +69,7 @@ def variant_kwargs(variant: str, engines: str | None) -> dict:
     The kit's local engines are spawned before the controller (launch.start_processes); MPI ones after it."""
     from traitlets.config import Config
 
-    from mfsdp_kit import ipengine, launch
+    from mfsdp_kit.notebook import ipengine, launch
     kwargs = {"engines": engines} if engines else {}
     if variant in ("preload", "noimport", "plain", "nobytecode"):
         from ipyparallel.cluster.launcher import ipengine_cmd_argv
@@ -85,7 +85,7 @@ def variant_kwargs(variant: str, engines: str | None) -> dict:
 def measure_once(*, n_engines: int, launcher: dict, nbm=None) -> dict:
     """One start, all-reduce, restart, stop. With `nbm` (a notebook model), the engines load it and train two
     steps before the restart and again before the stop, so both tear down what a notebook's engines hold."""
-    from mfsdp_kit import cluster
+    from mfsdp_kit.notebook import cluster
     t0 = time.perf_counter()
     handle = cluster.start(n_engines, **launcher)
     out = dict(ready_s=time.perf_counter() - t0, backend=handle.backend, devices=handle.devices)
@@ -154,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     nbm = None
     if args.model:
-        from mfsdp_kit import notebook_model
+        from mfsdp_kit.notebook import model as notebook_model
         nbm = notebook_model.prepare(args.model)
     variants = args.variants.split(",")
     load_before, floor = load(), import_floor(args.import_floor.split(","))

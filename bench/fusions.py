@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from mfsdp_kit import runtime
+from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec
 from mfsdp_kit.models.gpt import SPECS

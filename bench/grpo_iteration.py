@@ -20,9 +20,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, plots, runtime
+from mfsdp_kit.train import data
+from mfsdp_kit.notebook import plots
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
-from mfsdp_kit.introspect import torch_dtype
+from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf import floors, options

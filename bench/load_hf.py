@@ -27,7 +27,9 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, runtime, train
+from mfsdp_kit.train import data
+from mfsdp_kit import train
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world

@@ -33,9 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, lora, runtime, train
+from mfsdp_kit.train import data
+from mfsdp_kit import lora, train
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
-from mfsdp_kit.memory import lora_formula_bytes, memory_report, zero_formula_bytes
+from mfsdp_kit.distributed.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
@@ -76,8 +78,8 @@ def refresh(model, path: Path, args) -> dict:
     bridge (LoRA: the plan merges W + s B A itself where TP is 1)."""
     from transformers import AutoModelForCausalLM
 
-    from mfsdp_kit import sync as weight_sync
-    from mfsdp_kit.introspect import torch_dtype
+    from mfsdp_kit.weights import sync as weight_sync
+    from mfsdp_kit.distributed.introspect import torch_dtype
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(args.dtype)).to(runtime.current().device)
     first = weight_sync.load_into(hf, model.chunks, model.bridge)
     refresh_s, again = clock.seconds(lambda: weight_sync.load_into(hf, model.chunks, model.bridge))

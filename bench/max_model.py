@@ -41,8 +41,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import runtime
-from mfsdp_kit.memory import zero_formula_bytes
+from mfsdp_kit.distributed import runtime
+from mfsdp_kit.distributed.memory import zero_formula_bytes
 from mfsdp_kit.models.gpt import SPECS, GPTSpec
 from mfsdp_kit.perf import capacity
 from mfsdp_kit.perf.flops import layer_params

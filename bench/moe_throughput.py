@@ -27,7 +27,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
 from mfsdp_kit.perf import clock

@@ -23,7 +23,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import cache, data, engine, notebook_model, runtime, train
+from mfsdp_kit import cache, train
+from mfsdp_kit.notebook import model as notebook_model
+from mfsdp_kit.train import data
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import param_count, state_dict, tiny

@@ -14,7 +14,8 @@ import os
 
 import torch.distributed as dist
 
-from mfsdp_kit import engine, notebook_model, runtime
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.notebook import model as notebook_model
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.perf.report import write_json

@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, offload, runtime
+from mfsdp_kit.train import data
+from mfsdp_kit.distributed import engine, offload, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import torch_dtype
-from mfsdp_kit.memory import memory_report
+from mfsdp_kit.distributed.introspect import torch_dtype
+from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step

@@ -34,9 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, packing, runtime
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.train import packing
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.config_sections import Kernels, Wrapper
+from mfsdp_kit.config.sections import Kernels, Wrapper
 from mfsdp_kit.models.gpt import SPECS, gpt_model_fn
 from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json

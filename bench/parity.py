@@ -14,10 +14,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
-from mfsdp_kit.memory import format_table, memory_report, zero_formula_bytes
+from mfsdp_kit.train.data import random_token_batches
+from mfsdp_kit.distributed.memory import format_table, memory_report, zero_formula_bytes
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, step
 from mfsdp_kit.perf.report import write_json

@@ -30,10 +30,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, generate, runtime
+from mfsdp_kit.train import data, generate
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import torch_dtype
-from mfsdp_kit.memory import format_table, memory_report
+from mfsdp_kit.distributed.introspect import torch_dtype
+from mfsdp_kit.distributed.memory import format_table, memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
@@ -163,7 +164,7 @@ def sft_stages(args, cfg, model, tok) -> dict:
         acc = generate.evaluate(model.chunks, tok, args.held2, reward_fn=data.verify)["accuracy"]
         out["rl_sft"] = dict(steps=0, seconds=0.0, accuracy_after=acc, accuracy_by_round=[])
     if args.save_rl_start:
-        from mfsdp_kit import sync
+        from mfsdp_kit.weights import sync
         sync.save_hf(model.chunks, model.bridge, args.save_rl_start)
     if args.ceiling_sft_steps:
         if not args.save_rl_start:

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from mfsdp_kit import data, engine, notebook_model, runtime
+from mfsdp_kit.train import data
+from mfsdp_kit.notebook import model as notebook_model
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import step

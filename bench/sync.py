@@ -1,6 +1,6 @@
 """Weight sync into a rollout model: seconds and GB/s to copy every weight from the training
 chunks (Megatron-FSDP shards, or DDP for comparison) into a Hugging Face model on the device,
-by the planned path (`sync_plan`: views of the gathered buckets) and by the bridge path (today's
+by the planned path (`weights.plan`: views of the gathered buckets) and by the bridge path (today's
 per-tensor conversion), next to the hardware's ceiling measured in the same run on the same ranks.
 
     torchrun --nproc_per_node 2 bench/sync.py --size l --out runs/bench/sync_l.json             # GPU, bf16, 1.7 B
@@ -35,14 +35,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig
-from mfsdp_kit.introspect import torch_dtype
+from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
-from mfsdp_kit.sync import export_hf_weights, load_into
+from mfsdp_kit.weights.sync import export_hf_weights, load_into
 from mfsdp_kit.perf.report import write_json
 
 
@@ -182,7 +182,7 @@ def main() -> None:
                     help="instead of --size/--arch: a real size, random megatron weights (qwen2.5-7b: 7.6 B)")
     ap.add_argument("--dtype", default="bf16" if on_gpu else "fp32", choices=["bf16", "fp32"])
     ap.add_argument("--modes", default="fsdp,ddp")
-    ap.add_argument("--paths", default="planned,bridge", help="planned (sync_plan) and/or bridge (per tensor)")
+    ap.add_argument("--paths", default="planned,bridge", help="planned (weights.plan) and/or bridge (per tensor)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--workdir", default="runs/bench/sync_models")

@@ -43,10 +43,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import runtime
+from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import EngineConfig
-from mfsdp_kit.data import Batch
-from mfsdp_kit.memory import zero_formula_bytes
+from mfsdp_kit.train.data import Batch
+from mfsdp_kit.distributed.memory import zero_formula_bytes
 from mfsdp_kit.models.gpt import SPECS, GPTSpec
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run

@@ -40,7 +40,7 @@ def tokenizer_for(src: str):
     demo needs when it has no chat template."""
     from transformers import AutoTokenizer
 
-    from .chat import ChatTemplateError, require_template
+    from .train.chat import ChatTemplateError, require_template
     tok = AutoTokenizer.from_pretrained(src)
     try:
         require_template(tok)
@@ -56,7 +56,7 @@ def stops(tok, src: str) -> list[int]:
     generation_config.json lists (Llama 3.1 also ends on <|eom_id|>)."""
     from transformers import GenerationConfig
 
-    from .chat import stop_ids
+    from .train.chat import stop_ids
     ids = stop_ids(tok)
     try:
         extra = GenerationConfig.from_pretrained(src).eos_token_id
@@ -68,7 +68,7 @@ def stops(tok, src: str) -> list[int]:
 def plan(tok, recipe: dict, *, heldout: int) -> dict:
     """The demo's data for this tokenizer: task, train pairs, held-out prompts, the sequence length
     that keeps every pair whole (at least the recipe's) and the new tokens a full answer needs."""
-    from . import chat, data
+    from .train import chat, data
     task = data.ArithmeticTask(digits=recipe["digits"], tokenizer=tok)
     pairs = task.train_pairs(recipe["train_pairs"])
     longest_reply = len(chat.encode_text(tok, task.reply("9" * (recipe["digits"] + 1))))
@@ -94,7 +94,7 @@ def _samples(hf_model, tok, prompts, device, *, max_new_tokens: int, stop_ids: l
     (problem, completion without special tokens)."""
     import torch
 
-    from .chat import encode_text, pad_id
+    from .train.chat import encode_text, pad_id
     out = []
     for prompt in prompts:
         ids = torch.tensor([encode_text(tok, prompt)], device=device)
@@ -108,10 +108,12 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from . import data, engine, generate, runtime, sync
+    from .train import data, generate
+    from .weights import sync
+    from .distributed import engine, runtime
     from .checkpoint import CheckpointManager
     from .config import EngineConfig, OptimConfig, Wrapper
-    from .memory import memory_report, zero_formula_bytes
+    from .distributed.memory import memory_report, zero_formula_bytes
     from .models.hf import load
     from .models.tiny import tiny
     from .train import fit
@@ -230,7 +232,7 @@ def _verification(v: dict | None) -> str:
 
 def summarize(out: Path) -> str:
     """The summary table; also writes runs/demo/loss.png and memory.png."""
-    from . import plots
+    from .notebook import plots
     s = json.loads((out / "summary.json").read_text())
     mem, formula = s["memory"], s["formula"]
     plots.loss_curves({f"Megatron-FSDP, {s['world_size']} ranks": s["loss"]}, out / "loss.png",

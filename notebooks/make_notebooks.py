@@ -25,7 +25,7 @@ def code(text: str):
     return new_code_cell(text.strip("\n"))
 
 
-# The model knob (mfsdp_kit.notebook_model): MODEL here, else $MFSDP_MODEL, else tiny xs (fp32) on CPU and
+# The model knob (mfsdp_kit.notebook.model): MODEL here, else $MFSDP_MODEL, else tiny xs (fp32) on CPU and
 # tiny mw (180.9 M in 4 wide layers, bf16) on GPUs; "xs" | "s" | "m" | "mw" | "l" or the path of your own HF folder.
 KNOB = '''
 MODEL = None   # None: $MFSDP_MODEL or the hardware's default; "xs" | "s" | "m" | "mw" | "l" | "/path/to/your/hf/folder"
@@ -144,7 +144,7 @@ seq = data.seq_len_needed(task.train_pairs(90), tok, multiple_of=16)   # tiny mo
 heldout = task.rl_prompts(10, split="heldout")     # problems the training split never contains
 ocfg = OptimConfig(lr=nbm.lr(3e-3), warmup_steps=10)   # 3e-3 on xs, scaled down for larger models
 # packed: each micro-batch is its sequences end to end, at most micro_batch_size x seq tokens, none of them padding
-# (mfsdp_kit.packing); that needs the kit's SDPA attention, on CPU too
+# (mfsdp_kit.train.packing); that needs the kit's SDPA attention, on CPU too
 attention = nbm.packing_attention
 padding = packing.padding_fraction(data.tokenize_sft(task.train_pairs(90), tok, seq_len_tokens=seq))
 
@@ -246,11 +246,11 @@ check becomes statistical: over the last 50 steps the two runs' median losses mu
 3x their own step-to-step spread (the interquartile range of those 50 losses). Measured with
 three CPU kernel sets (AVX-512, AVX2, no SIMD) the warm-up differed by at most 4.6e-7 and the
 late gap was at most half the spread; a real sharding bug shows at step 1 already, and later as
-a gap of many spreads. `mfsdp_kit.parity.compare_curves` holds this logic;
+a gap of many spreads. `mfsdp_kit.train.parity.compare_curves` holds this logic;
 its docstring has the details.
 '''),
     code('''
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 report = compare_curves(ddp.loss, fsdp.loss, exact_steps=10, late_window=50,
                         reference_grad_norm=ddp.grad_norm, candidate_grad_norm=fsdp.grad_norm)
 print(report)
@@ -383,7 +383,7 @@ With Adam in fp32 every parameter costs 4 B weights + 4 B grads + 8 B moments = 
 
 The formula is what lives between steps. Inside Megatron-FSDP's optimizer step, megatron-core 0.16.1 would
 add fp32 copies of the whole bf16 grad shard: +4 B/param / N, the step's peak for a large model. The kit's
-default, `OptimConfig.grad_upcast="by_part"` (`mfsdp_kit/grad_upcast.py`), makes them 256 MiB at a time, with
+default, `OptimConfig.grad_upcast="by_part"` (`mfsdp_kit/distributed/grad_upcast.py`), makes them 256 MiB at a time, with
 the same bits. On one H200 at 1.37 B that is 4.85 GiB less at the step and 1.0 % faster
 (docs/benchmarks.md, levers7).
 
@@ -398,7 +398,7 @@ the H100/H200 dense bf16 peak; reported in bf16 on GPUs only) and the peak memor
 '''),
     code(KNOB + '''
 from mfsdp_kit import cluster, gpus, notebook_model, plots
-from mfsdp_kit.memory import format_table, zero_formula_bytes, MemoryReport
+from mfsdp_kit.distributed.memory import format_table, zero_formula_bytes, MemoryReport
 
 nbm = notebook_model.prepare(MODEL)
 src = nbm.path
@@ -413,7 +413,7 @@ def measure(fsdp, timed=True):
     from transformers import AutoTokenizer
     from mfsdp_kit import data, engine, notebook_model, runtime
     from mfsdp_kit.config import OptimConfig
-    from mfsdp_kit.memory import memory_report
+    from mfsdp_kit.distributed.memory import memory_report
     from mfsdp_kit.models.hf import load
     from mfsdp_kit.train import step
 
@@ -903,7 +903,7 @@ import torch
 from transformers import AutoTokenizer
 from mfsdp_kit import adapters, data, engine, generate, lora, runtime
 from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.memory import memory_report
+from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import fit, step
 
@@ -959,7 +959,7 @@ Model state per rank, measured (bars) and predicted (black marks): full fine-tun
 LoRA's, the frozen base's weights / N plus the ZeRO-3 formula of the adapters (`memory.lora_formula_bytes`).
 """),
     code("""
-from mfsdp_kit.memory import lora_formula_bytes, zero_formula_bytes
+from mfsdp_kit.distributed.memory import lora_formula_bytes, zero_formula_bytes
 
 counts, n = handle.view["counts"][0], len(handle.ranks)
 reports = {"full fine-tuning": handle.view["full_memory"][0], "LoRA r=8": handle.view["lora_memory"][0]}

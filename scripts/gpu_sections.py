@@ -93,7 +93,7 @@ SECTIONS = {
                       "--grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits "
                       "--grpo-temperature 0.5 --grpo-lr {GRPO_LR} --grpo-warmup 10 --grpo-iterations {GRPO_ITERS} "
                       "--grpo-eval-every 30 --grpo-micro-batch-size 256 {GRPO_ARGS}")],
-    # the planned sync (sync_plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
+    # the planned sync (weights.plan) and the bridge path, with the all-gather / on-device copy ceiling of the same ranks
     "sync": [Row(name="sync", script="bench/sync.py", args="--size l --repeats 5", writes="sync_l.json")],
     # a 7.6 B Qwen2.5-7B-shaped model (random megatron chunks from the bridge's provider, the rollout built from the
     # config on the GPU, checked bit-exact against the bridge's export), Megatron-FSDP only, planned path only
@@ -119,23 +119,23 @@ SECTIONS = {
              "checkpoint_fsdp_async_shm.json", after=CLEAN_SHM)],
     # the checkpoint tests that move tensors between GPU and host (items through pinned buffers), ~2 min
     "gpu_tests_ckpt": [Row(name="gpu_tests_ckpt", script="-m pytest", launch="python",
-                           args="-q -p no:cacheprovider tests/test_checkpoint_format.py tests/test_checkpoint.py "
+                           args="-q -p no:cacheprovider tests/checkpoint/test_format.py tests/checkpoint/test_checkpoint.py "
                                 "-k 'roundtrip or resume or async or io_options or reshard or format'")],
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call; that public
     # calls take CPU inputs for a GPU model), ~1 min
     # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
     # controller exit, under the image's Python)
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
-                          args="-q -p no:cacheprovider tests/test_train.py tests/test_gpus.py tests/test_grad_upcast.py "
-                               "tests/test_cluster.py tests/test_keep_gathered.py tests/models/test_varlen.py "
-                               "tests/rl/test_continuous.py tests/test_runtime.py "
+                          args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
+                               "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
+                               "tests/rl/test_continuous.py tests/distributed/test_runtime.py "
                                "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",
                   writes="architectures_gpu.json")],
     "gpu_tests": [Row(name="gpu_tests", script="-m pytest", launch="python",   # NCCL, one GPU per rank
-                      args="-q -p no:cacheprovider tests/test_checkpoint.py tests/test_checkpoint_hardening.py")],
+                      args="-q -p no:cacheprovider tests/checkpoint/test_checkpoint.py tests/checkpoint/test_hardening.py")],
 }
 
 
@@ -266,7 +266,7 @@ SECTIONS.update({
     # every notebook under nbval with %px engines on the GPUs (the .whl/ Jupyter stack), timed per notebook
     # the notebooks' model is written first, as `make lab` does while JupyterLab starts (its seconds in
     # notebook_model.log); NB_PREWRITE=0 leaves that to the first notebook, as on a machine without `make lab`
-    "notebooks": [Row(name="notebook_model", script="-m mfsdp_kit.notebook_model", launch="python", only_if="NB_PREWRITE=1"),
+    "notebooks": [Row(name="notebook_model", script="-m mfsdp_kit.notebook.model", launch="python", only_if="NB_PREWRITE=1"),
                   Row(name="notebooks", script="bench/notebook_suite.py", launch="python", args="{out} {NOTEBOOKS}",
                       writes="notebooks.json")],
     # the same on a folder the kit did not make (tests/user_folder.py: transformers' Llama, a Llama 3 template

@@ -19,7 +19,7 @@ from mfsdp_kit.perf import release  # noqa: E402
 
 def draw_grpo(folder: Path, out: Path) -> None:
     """The split of every iteration of the release run beside its floors (`plots.iteration_time`)."""
-    from mfsdp_kit import plots
+    from mfsdp_kit.notebook import plots
     from mfsdp_kit.rl.grpo import GRPOHistory
     d = json.loads((folder / "grpo_iteration.json").read_text())
     h = release.grpo_history(d)

@@ -7,7 +7,7 @@
 An exported HTML page only shows widget state someone saved; it cannot tell whether the widgets
 work against a kernel. This drives the path a user takes instead:
   1. copy the notebooks (without outputs) into a temporary folder, so JupyterLab's autosave never
-     writes into notebooks/, and start JupyterLab the kit's way (`mfsdp_kit.lab.start`: 127.0.0.1,
+     writes into notebooks/, and start JupyterLab the kit's way (`mfsdp_kit.notebook.lab.start`: 127.0.0.1,
      a token), with its own settings folder (no news pop-up, every cell kept in the DOM);
   2. open each notebook in headless Chromium (playwright) and click Run > Run All Cells;
   3. while the cells run, read the page's DOM every `--poll-s` seconds; once the training panel
@@ -43,7 +43,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from mfsdp_kit import lab
+from mfsdp_kit.notebook import lab
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"

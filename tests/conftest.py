@@ -2,7 +2,7 @@
 import pytest
 
 STARTS_PROCESSES = ("launch", "cluster", "subprocess")
-"""Module globals that mean its tests start processes: tests.dist.launch (gloo ranks), mfsdp_kit.cluster
+"""Module globals that mean its tests start processes: tests.dist.launch (gloo ranks), mfsdp_kit.notebook.cluster
 (ipyparallel engines), subprocess (a script, a server, a browser)."""
 
 
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="module")
 def handle():
     """Two CPU engines (ipyparallel, gloo) for one test module: started once, stopped after it."""
-    from mfsdp_kit import cluster
+    from mfsdp_kit.notebook import cluster
     h = cluster.start(2)
     yield h
     h.stop()

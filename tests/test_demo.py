@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mfsdp_kit import chat, data, demo
+from mfsdp_kit.train import chat, data
+from mfsdp_kit import demo
 from tests import chat_tokenizers as ct
 
 

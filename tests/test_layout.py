@@ -1,5 +1,7 @@
 """The package's shape, checked from source with `ast`: no import cycle, short modules, tests that
-use only public names of the kit and nothing of bench/, perf/ above the runtime (`PERF_FOR_THE_RUNTIME`).
+use only public names of the kit and nothing of bench/, perf/ above the runtime (`PERF_FOR_THE_RUNTIME`),
+a root of a few modules (`ROOT_MODULES`) with every other module in a subpackage that docs/design.md's tree
+lists, tests/ mirroring the package, and the notebooks' short imports served by `mfsdp_kit.SHORT_NAMES`.
 Run alone: pytest tests/test_layout.py -s."""
 import ast
 from pathlib import Path
@@ -71,7 +73,7 @@ def test_find_cycle_finds_one():
 
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
-    assert len(graph) > 20 and graph[f"{PACKAGE}.memory"]  # the scan sees the package and its edges
+    assert len(graph) > 20 and graph[f"{PACKAGE}.distributed.memory"]  # the scan sees the package and its edges
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
@@ -105,6 +107,97 @@ def private_attributes(path: Path) -> list[str]:
             and isinstance(node.value, ast.Name) and node.value.id in aliases and node.attr.startswith("_")
             and not node.attr.startswith("__")]
 
+
+
+ROOT_MODULES = {"__init__", "cache", "demo", "fieldtypes", "folders"}
+"""The package root holds these only (issue 52); every other module lives in a subpackage named for its role."""
+HELPER_TEST_FOLDERS = {"dist": "the multi-process launcher and its scenarios", "bench": "the bench scripts run as a user does"}
+ROOT_TESTS = {
+    "test_layout": "the package's shape", "test_cache": "mfsdp_kit/cache.py", "test_demo": "mfsdp_kit/demo.py",
+    "test_folders": "mfsdp_kit/folders.py", "test_commit_msg": "scripts/hooks/commit-msg",
+    "test_gpu_sections": "scripts/gpu_sections.py", "test_make_notebooks": "notebooks/make_notebooks.py",
+    "test_loopback": "a local world (cluster, runtime, gloo) listens on 127.0.0.1 only",
+    "test_ui_live": "the notebooks in a browser",
+}
+"""The tests at tests/'s top, each with what it tests: a root module or something that is no one subpackage's."""
+
+
+def subpackages() -> dict[str, set[str]]:
+    """Each folder of the package ("" for the root, "rl/rollout") -> its modules' names."""
+    top = ROOT / PACKAGE
+    return {str(init.parent.relative_to(top)).replace(".", ""): {p.stem for p in init.parent.glob("*.py")}
+            for init in top.rglob("__init__.py")}
+
+
+def design_tree() -> dict[str, set[str]]:
+    """docs/design.md's tree of the package (its first fenced block starting `mfsdp_kit/`): folder -> the names
+    listed on its line (parenthesised notes dropped)."""
+    import re
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = next(b for b in text.split("```")[1::2] if b.lstrip("\n").startswith(f"{PACKAGE}/"))
+    tree, path = {}, []
+    for line in block.strip("\n").splitlines():
+        depth = (len(line) - len(line.lstrip())) // 2
+        folder, _, names = line.strip().partition("/")
+        path = path[:depth] + [folder]
+        tree["/".join(path[1:])] = set(re.findall(r"[A-Za-z_]\w*", re.sub(r"\([^)]*\)", "", names)))
+    return tree
+
+
+def test_the_root_holds_only_a_few_modules():
+    assert subpackages()[""] == ROOT_MODULES, f"modules at the package root beyond {sorted(ROOT_MODULES)}: " \
+        f"{sorted(subpackages()[''] - ROOT_MODULES)} (each belongs in a subpackage: docs/design.md's tree)"
+
+
+def test_design_tree_lists_every_folder_and_module():
+    tree, actual = design_tree(), subpackages()
+    assert len(tree) > 10, "the scan finds no tree in docs/design.md"
+    assert tree.keys() == actual.keys(), f"folders: only in docs/design.md {sorted(tree.keys() - actual.keys())}, " \
+                                         f"only in the package {sorted(actual.keys() - tree.keys())}"
+    bad = {f: (sorted(tree[f] - actual[f]), sorted(actual[f] - tree[f] - {"__init__"})) for f in actual
+           if tree[f] - actual[f] or actual[f] - tree[f] - {"__init__"}}
+    assert not bad, f"docs/design.md's tree vs the package, per folder (listed but absent, present but not listed): {bad}"
+
+
+def test_tests_mirror_the_package():
+    folders, bad = subpackages(), []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        folder = path.parent.relative_to(ROOT / "tests")
+        if folder.parts and folder.parts[0] in HELPER_TEST_FOLDERS:
+            continue
+        if not folder.parts:
+            if path.stem not in ROOT_TESTS:
+                bad.append(f"tests/{path.name}: at the top of tests/ (a module's tests go in tests/<its subpackage>/; "
+                           f"else a row of ROOT_TESTS)")
+        elif str(folder) not in folders:
+            bad.append(f"tests/{folder}/{path.name}: mfsdp_kit/{folder}/ is no subpackage")
+    assert not bad, "\n".join(bad)
+    stale = [name for name in ROOT_TESTS if not (ROOT / "tests" / f"{name}.py").exists()]
+    assert not stale, f"ROOT_TESTS rows whose file is gone (delete them): {stale}"
+
+
+def short_names() -> dict[str, str]:
+    """mfsdp_kit.SHORT_NAMES, read from source (importing the package would import nothing more, but read it anyway)."""
+    tree = ast.parse((ROOT / PACKAGE / "__init__.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "SHORT_NAMES")
+    return ast.literal_eval(node.value)
+
+
+def test_short_names_cover_what_notebooks_and_readme_import():
+    """`from mfsdp_kit import X` in the notebooks, their generator and README: X is a subpackage, a root module or a
+    SHORT_NAMES entry, and each entry names a module of the kit."""
+    import re
+    names, modules = short_names(), kit_modules()
+    assert not {n: m for n, m in names.items() if m not in modules}, f"SHORT_NAMES naming no module: {names}"
+    real = ({f.split("/")[0] for f in subpackages()} | ROOT_MODULES) - {"", "__init__"}   # what needs no short name
+    assert not names.keys() & real, f"SHORT_NAMES shadowing a real subpackage or module: {names.keys() & real}"
+    texts = [p.read_text() for p in [*(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "notebooks").glob("*.py"),
+                                     ROOT / "README.md"]]
+    used = {n.strip() for t in texts for line in re.findall(rf"from {PACKAGE} import ([\w, ]+)", t)
+            for n in line.split(",") if n.strip()}
+    assert used, "the scan finds no import in the notebooks"
+    missing = used - names.keys() - real
+    assert not missing, f"names the notebooks or README import from {PACKAGE} that it does not have: {missing}"
 
 PERF = f"{PACKAGE}.perf"
 PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options",
@@ -203,12 +296,12 @@ PROCESS_SETTERS = ("os.environ.setdefault", "os.environ.update", "os.environ.pop
 `os.environ[k] = v` or `torch._dynamo.config.x = v`, are found apart). `torch._dynamo.config.patch(...)` (a scoped
 change, undone when its block ends) is allowed anywhere."""
 KIT_PROCESS_SETTINGS = {
-    "mfsdp_kit.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
+    "mfsdp_kit.distributed.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
                          "torch.distributed reads: the kit's own world, configured the documented way",
-    "mfsdp_kit.cluster": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
-    "mfsdp_kit.ipengine": "os.environ: IPP_CONNECTION_INFO, what ipyparallel's engine reads to find its controller",
-    "mfsdp_kit.ipcontroller": "os.environ: the kit's own parent-watch marker, dropped in the controller's children",
-    "mfsdp_kit.lab": "signal.signal: the lab launcher's own main(), stopping the server it started",
+    "mfsdp_kit.notebook.cluster": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
+    "mfsdp_kit.notebook.ipengine": "os.environ: IPP_CONNECTION_INFO, what ipyparallel's engine reads to find its controller",
+    "mfsdp_kit.notebook.ipcontroller": "os.environ: the kit's own parent-watch marker, dropped in the controller's children",
+    "mfsdp_kit.notebook.lab": "signal.signal: the lab launcher's own main(), stopping the server it started",
 }
 """Modules outside compat/patches that set a process-wide setting, each for the kit's own processes (no upstream
 behaviour changes); anything else goes through `compat.apply` and a registry row."""
@@ -354,3 +447,17 @@ def test_private_aten_ops_only_through_compat_access():
     assert found[f"{ACCESS}.aten"], "the scan sees no private aten op: it would pass anything"
     bad = {name: uses for name, uses in found.items() if uses and not name.startswith(ACCESS + ".")}
     assert not bad, f"private aten ops called outside {ACCESS}: {bad}"
+
+
+def test_import_has_no_side_effects_and_short_names_resolve():
+    """`import mfsdp_kit` imports no module of the kit, torch or megatron; the notebooks' first line,
+    `from mfsdp_kit import cluster, widgets, plots`, gets the modules in notebook/ and still no torch."""
+    import subprocess
+    import sys
+    code = ("import sys, mfsdp_kit\n"
+            "before = sorted(m for m in sys.modules if m.startswith(('mfsdp_kit.', 'torch', 'megatron')))\n"
+            "from mfsdp_kit import cluster, widgets, plots\n"
+            "print(before, cluster.__name__, widgets.__name__, plots.__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split() == ["[]", f"{PACKAGE}.notebook.cluster", f"{PACKAGE}.notebook.widgets",
+                           f"{PACKAGE}.notebook.plots", "False"], out

@@ -80,7 +80,7 @@ def test_local_cluster_and_torchrun_listen_on_loopback_only(tmp_path):
 
 
 def test_user_gloo_interface_wins(monkeypatch):
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     runtime.sockets_on_loopback_if_master_is("127.0.0.1")

@@ -1,5 +1,5 @@
 """The notebooks' widgets, live in a real browser: scripts/ui_check.py opens 00_cluster and 02_sft in
-headless Chromium against a JupyterLab started by mfsdp_kit.lab, runs them with Run > Run All Cells,
+headless Chromium against a JupyterLab started by mfsdp_kit.notebook.lab, runs them with Run > Run All Cells,
 and checks the page's DOM while `fit` runs (its docstring lists the checks), the visible output's
 cleanliness included. Outside CI it skips without chromium, playwright (the `ui` extra) or jupyterlab
 (the `lab` extra); under CI (CI=true, as .ci/run sets, which installs all three) it fails instead."""

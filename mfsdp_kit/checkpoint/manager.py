@@ -233,7 +233,7 @@ class CheckpointManager:
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
         """meta.json's fields; `fsdp` and `num_chunks` describe the model component (`components.model`)."""
-        from .. import runtime
+        from ..distributed import runtime
         layout = state.layout()
         model = parts.model(components)
         cfg = runtime.current_config() if runtime._current is not None else None

@@ -142,7 +142,8 @@ def to_hf(checkpoint_dir, out_dir, hf_source=None, *, trust_checkpoint: bool = F
     """
     import torch.distributed as dist
 
-    from .. import engine, runtime, sync
+    from ..distributed import engine, runtime
+    from ..weights import sync
     from ..config import EngineConfig
     from ..models import hf as hf_models
     checkpoint_dir = Path(checkpoint_dir)

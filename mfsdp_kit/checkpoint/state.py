@@ -45,7 +45,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import introspect, lora
+from ..distributed import introspect
+from .. import lora
 from ..compat.access import fsdp as megatron_fsdp
 from . import collective
 from .errors import CheckpointError
@@ -254,7 +255,7 @@ def mp_prefix(chunks) -> str:
 def install_compute_weights(chunks) -> None:
     """Megatron-FSDP: copy the (loaded) main weights into the compute weights, then drop the all-gathers a forward
     before the load left prefetched (the sharded view resets the gather pipeline): else the next forward runs on
-    those, the weights from before the load (tests/test_checkpoint_live.py). A no-op for DDP."""
+    those, the weights from before the load (tests/checkpoint/test_live.py). A no-op for DDP."""
     for chunk in chunks:
         if introspect.is_fsdp(chunk):
             megatron_fsdp.install_optimized_weights(chunk)

@@ -71,7 +71,7 @@ class FlexAttention(SDPAttention):
         from megatron.core.transformer.enums import AttnMaskType
         if params.qkv_format != "thd" or attention_mask is not None:
             raise _unsupported(f"packed sequences as {params.qkv_format!r} or with an attention_mask",
-                               "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
+                               "pack with mfsdp_kit.train.packing (qkv_format='thd', no mask)")
         if self.training and self.dropout_p > 0:
             raise _unsupported(f"attention dropout ({self.dropout_p}) with flex_attention",
                                "use attention_backend='sdpa'")

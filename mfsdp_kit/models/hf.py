@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .. import compat, engine, lora
+from .. import compat, lora
+from ..distributed import engine
 from ..compat.access import bridge_model
 from ..config import ConfigError, EngineConfig
-from ..introspect import torch_dtype
+from ..distributed.introspect import torch_dtype
 from . import support, transformer_settings, vocab
 
 @dataclass

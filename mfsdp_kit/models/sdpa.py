@@ -18,7 +18,7 @@ megatron/core/transformer/dot_product_attention.py):
   mask is used as given, with no causal mask added (as megatron's torch softmax does); a causal
   layer without a mask is `is_causal=True`; one query row (sq == 1) attends to everything;
 - dropout `attention_dropout` (arg, else config) in training only, under megatron's RNG tracker.
-Packed sequences (`packed_seq_params`, megatron's "thd" layout that `mfsdp_kit.packing` builds): on a GPU in
+Packed sequences (`packed_seq_params`, megatron's "thd" layout that `mfsdp_kit.train.packing` builds): on a GPU in
 fp16/bf16 one varlen flash-attention call per layer (`models.varlen`), elsewhere one SDPA per sequence; causal
 within each sequence either way. Not supported (raise NotImplementedError naming the feature): attention
 bias, sliding-window attention, context parallelism, softmax_type other than "vanilla".
@@ -127,7 +127,7 @@ class SDPAttention(MegatronModule):
         (`packing.pack` keeps them on the host: no sync)."""
         if params.qkv_format != "thd" or attention_mask is not None:
             raise _unsupported(f"packed sequences as {params.qkv_format!r} or with an attention_mask",
-                               "pack with mfsdp_kit.packing (qkv_format='thd', no mask)")
+                               "pack with mfsdp_kit.train.packing (qkv_format='thd', no mask)")
         dropout_p = self.dropout_p if self.training else 0.0
         causal = mask_type == AttnMaskType.causal
         if varlen.usable(query):

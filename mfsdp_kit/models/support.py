@@ -197,7 +197,7 @@ def attention_backend(cfg: EngineConfig, config: dict | None = None) -> str:
 def on_gpu() -> bool:
     """Does this process's model live on a GPU (the runtime's device; before `runtime.init`, whether one exists)?
     What the "auto" kernel choices resolve against."""
-    from .. import runtime
+    from ..distributed import runtime
     return runtime.current().device.type == "cuda" if runtime.is_initialized() else torch.cuda.is_available()
 
 

@@ -71,7 +71,7 @@ CHAT_TEMPLATE = (
 )
 """system -> "content\\n", user -> "<|user|>content", assistant -> "<|assistant|>content</s>";
 the generation prompt is "<|assistant|>", the end of a turn eos. The kit renders all chat text
-through a tokenizer's template (`mfsdp_kit.chat`), this one for the tiny model, a user's own for
+through a tokenizer's template (`mfsdp_kit.train.chat`), this one for the tiny model, a user's own for
 theirs: one code path."""
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import EngineConfig
-from ..introspect import torch_dtype
+from ..distributed.introspect import torch_dtype
 from . import fusions, support
 
 FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False, bias_activation_fusion=False,

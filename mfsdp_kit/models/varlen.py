@@ -56,7 +56,7 @@ def device_bounds(params, device: torch.device) -> Tensor:
     forward gets the same one) through pinned memory, so no layer waits on the host."""
     cached = getattr(params, "_mfsdp_cu_device", None)
     if cached is None or cached.device != device:
-        from ..runtime import to_device
+        from ..distributed.runtime import to_device
         cached = to_device(params.cu_seqlens_q.to(torch.int32), device)
         params._mfsdp_cu_device = cached
     return cached

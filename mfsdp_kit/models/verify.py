@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..introspect import torch_dtype
+from ..distributed.introspect import torch_dtype
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 """Largest |Megatron - HF| / logit scale accepted per compute dtype."""
@@ -78,7 +78,7 @@ def verify(model, *, tokens: torch.Tensor | None = None, sequences: int = 2, seq
     `tokens` [batch, seq] default to `fixed_tokens`. With `strict`, a difference beyond the
     tolerance raises `VerificationError` instead of being only reported.
     """
-    from ..generate import logits
+    from ..train.generate import logits
     vocab = model.vocab_size
     if tokens is None:
         tokens = fixed_tokens(vocab, sequences=sequences, seq_len_tokens=seq_len_tokens)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..data import Batch
+from ..train.data import Batch
 from ..fieldtypes import bad_value
 
 MIXES = ("sft", "rl")
@@ -49,5 +49,5 @@ def batch(pairs: list[tuple[int, int]], *, seq_len_tokens: int, vocab_size: int,
 
 def real_tokens(b: Batch) -> int:
     """Tokens up to each sequence's last loss token: what a packed run computes."""
-    from ..packing import loss_lengths
+    from ..train.packing import loss_lengths
     return sum(loss_lengths(b))

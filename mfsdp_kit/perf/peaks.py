@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .. import engine, runtime, step_pipeline
+from ..distributed import engine, runtime, step_pipeline
 from ..compat.access import fsdp
 from ..config import ConfigError, EngineConfig
 

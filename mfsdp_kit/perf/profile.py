@@ -185,7 +185,7 @@ def profile_mode(mode: str, spec, *, dtype: str, micro_batch_size: int, steps: i
                  attention: str = "sdpa") -> tuple[list[Event], list[tuple[float, float]]]:
     """Variant `mode` (perf.variants: "ddp", "fsdp", "fsdp2", ...) of the GPT `spec` on this world:
     `warmup` unprofiled steps, then `profile_steps` of `steps` steps, one micro-batch per rank each."""
-    from .. import runtime
+    from ..distributed import runtime
     from .trainers import batches, build_trainer, run_step
     from .variants import engine_config
     cfg = engine_config(mode, spec, dtype=dtype, attention=attention,

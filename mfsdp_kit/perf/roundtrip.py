@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from .. import engine, runtime, sync
+from ..distributed import engine, runtime
+from ..weights import sync
 from ..config import EngineConfig, OptimConfig, Parallelism, Wrapper
-from ..data import random_token_batches
-from ..generate import logits
-from ..introspect import torch_dtype
+from ..train.data import random_token_batches
+from ..train.generate import logits
+from ..distributed.introspect import torch_dtype
 from ..models.hf import load
 from ..models.tiny import tiny
 from ..train import step

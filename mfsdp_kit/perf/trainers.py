@@ -13,11 +13,12 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from .. import compat, engine, runtime
+from .. import compat
+from ..distributed import engine, runtime
 from ..config import EngineConfig, OptimConfig
-from ..data import random_token_batches
-from ..introspect import local, torch_dtype
-from ..memory import memory_report
+from ..train.data import random_token_batches
+from ..distributed.introspect import local, torch_dtype
+from ..distributed.memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
 from ..train import Batch, start_step
 from .peaks import PhasePeaks, record_step_phases

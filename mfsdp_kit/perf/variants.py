@@ -17,7 +17,7 @@ import json
 import torch
 
 from ..config import EngineConfig
-from ..config_flat import nest
+from ..config.flat import nest
 from ..lora import LoRAConfig
 from ..models.gpt import GPTSpec
 from .flops import layer_params
@@ -62,7 +62,7 @@ VARIANTS = {
     "fsdp-recompute": ("fsdp", dict(recompute="full")),
     "ddp-recompute": ("ddp", dict(recompute="full")),
     "fsdp2-recompute": ("fsdp2", dict(recompute="full")),
-    # Adam moments + fp32 main weights (12 B/param / N) on the host between steps (mfsdp_kit.offload)
+    # Adam moments + fp32 main weights (12 B/param / N) on the host between steps (mfsdp_kit.distributed.offload)
     "fsdp-optoffload": ("fsdp", dict(optimizer_offload=True)),
     # the effect of fused kernels in the same run (megatron's unfused RoPE and SwiGLU)
     "fsdp-unfused": ("fsdp", dict(fused_kernels=False)),

@@ -46,9 +46,10 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import engine, runtime, sync
+    from ..distributed import engine, runtime
+    from ..weights import sync
     from ..config import EngineConfig, OptimConfig, Wrapper
-    from ..introspect import torch_dtype
+    from ..distributed.introspect import torch_dtype
     from ..models.hf import load
     from ..perf import options
     from . import grpo

@@ -31,7 +31,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
-from .. import offload, runtime
+from ..distributed import offload, runtime
 from ..config import bad_value
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
@@ -300,7 +300,7 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_pe
     decides (`packing.token_logprobs`: 0 after each sequence's last loss token)."""
     from megatron.core import parallel_state as ps
 
-    from .. import packing
+    from ..train import packing
     budget = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
                             max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed, forward_only=True)
     if budget is not None:

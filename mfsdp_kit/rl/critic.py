@@ -37,7 +37,8 @@ from functools import partial
 
 import torch
 
-from .. import compat, engine
+from .. import compat
+from ..distributed import engine
 from ..config import bad_value
 from ..fieldtypes import COUNT, checked_args, optional
 from ..train import Batch

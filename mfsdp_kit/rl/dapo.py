@@ -26,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from .. import chat
+from ..train import chat
 from . import core, correction, grpo, loop
 from .core import RolloutBatch
 from .rollout import RolloutBackend
 from ..config import bad_value
 from ..fieldtypes import COUNT, checked_args, optional
-from ..data import Batch
+from ..train.data import Batch
 
 
 @dataclass(kw_only=True)

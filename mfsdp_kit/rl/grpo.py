@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from .. import chat
+from ..train import chat
 from . import core, loop
 from .core import ADV_EPS, Reward, group_advantages, rollout_batch, token_logprobs  # noqa: F401 (public names)
 from .rollout import RolloutBackend, default_backend

@@ -87,8 +87,8 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
     tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each."""
     from tqdm.auto import tqdm
 
-    from .. import runtime
-    from ..progress import report
+    from ..distributed import runtime
+    from ..notebook.progress import report
     bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
     for it in bar:
         m = iteration(it)

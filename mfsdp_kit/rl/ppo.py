@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from .. import chat
+from ..train import chat
 from ..fieldtypes import COUNT, check_fields, checked_args, number_in, optional
 from . import advantages, core, critic, grpo, loop
 from .rollout import RolloutBackend

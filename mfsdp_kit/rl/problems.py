@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import data
+from ..train import data
 from ..config import bad_value
 
 FORMATS = (".jsonl", ".parquet")

@@ -33,7 +33,7 @@ def test_tp_scatter_fix_still_needed():
 
 def test_a_load_draws_no_progress_bar(tmp_path, capsys):
     """A CPU load of the tiny model through the bridge prints no rich bar (on an engine it froze at 0 %)."""
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     from mfsdp_kit.config import EngineConfig
     from mfsdp_kit.models import hf
     from mfsdp_kit.models.tiny import tiny

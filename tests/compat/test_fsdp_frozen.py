@@ -1,4 +1,4 @@
-"""Megatron-FSDP's wrap of frozen params: the patch is still needed (tests/test_lora.py shows it works)."""
+"""Megatron-FSDP's wrap of frozen params: the patch is still needed (tests/lora/test_lora.py shows it works)."""
 from mfsdp_kit import compat
 from mfsdp_kit.compat.patches import fsdp_frozen
 

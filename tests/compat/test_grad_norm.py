@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from mfsdp_kit import compat, runtime
+from mfsdp_kit import compat
+from mfsdp_kit.distributed import runtime
 from mfsdp_kit.compat.patches import grad_norm
 from mfsdp_kit.compat import registry
 from mfsdp_kit.config import EngineConfig

@@ -10,7 +10,7 @@ from mfsdp_kit.compat.patches import lazy_compile
 PROBE = """
 import sys, torch
 from mfsdp_kit import compat; compat.apply("startup")  # what runtime.init does first
-import mfsdp_kit, megatron.core, mfsdp_kit.engine, mfsdp_kit.models.hf
+import mfsdp_kit, megatron.core, mfsdp_kit.distributed.engine, mfsdp_kit.models.hf
 import megatron.core.jit as jit
 from mfsdp_kit.compat.patches import lazy_compile
 from mfsdp_kit.compat import registry

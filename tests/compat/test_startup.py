@@ -7,7 +7,7 @@ from tests.dist.launch import free_port
 
 IMPORT_ONLY = """
 import os, sys, torch
-import mfsdp_kit, mfsdp_kit.config, mfsdp_kit.engine, mfsdp_kit.checkpoint
+import mfsdp_kit, mfsdp_kit.config, mfsdp_kit.distributed.engine, mfsdp_kit.checkpoint
 import megatron.core.jit as jit
 from mfsdp_kit.compat import registry
 kit_finders = [f for f in sys.meta_path if type(f).__module__.startswith("mfsdp_kit")]

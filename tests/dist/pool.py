@@ -38,7 +38,7 @@ def preload() -> None:
     from mfsdp_kit import compat
     compat.apply("startup")   # what runtime.init installs first, before these imports reach megatron
     for module in ("torch", "torch.distributed.checkpoint", "transformers", "mfsdp_kit", "mfsdp_kit.models.hf",
-                   "mfsdp_kit.checkpoint", "mfsdp_kit.sync", "mfsdp_kit.rl.grpo", "worker"):
+                   "mfsdp_kit.checkpoint", "mfsdp_kit.weights.sync", "mfsdp_kit.rl.grpo", "worker"):
         importlib.import_module(module)
     for path in sorted(glob.glob(os.path.join(HERE, "scenarios*.py"))):
         importlib.import_module(os.path.basename(path)[:-3])

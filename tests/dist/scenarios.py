@@ -6,9 +6,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.train import Batch, forward_backward, step
 
@@ -38,7 +38,7 @@ def train_losses(*, fsdp: bool, steps: int = 5, tp: int = 1, micro_batch_size: i
         r = step(chunks, opt, b, micro_batch_size=micro_batch_size, step_index=i)
         losses.append(r.loss)
         norms.append(r.grad_norm)
-    from mfsdp_kit.memory import memory_report
+    from mfsdp_kit.distributed.memory import memory_report
     result = dict(losses=losses, grad_norms=norms, local_numel=[int(t) for t in per_rank],
                   memory=memory_report(chunks, opt).as_dict(),
                   global_numel=engine.global_numel(chunks), spec_params=SPEC.param_count(),
@@ -75,7 +75,7 @@ def sync_after_a_prefetching_forward() -> dict:
     profile's end) waits for it quietly; megatron's own synchronize_param_gather warns that it found it (the
     control: the same state, the same wait)."""
     import warnings
-    from mfsdp_kit.introspect import all_gather_pipelines
+    from mfsdp_kit.distributed.introspect import all_gather_pipelines
     cfg = EngineConfig(use_megatron_fsdp=True)
     runtime.init(cfg)
     chunks = engine.build(cfg, gpt_model_fn(dataclasses.replace(SPEC, num_layers=4), cfg))
@@ -224,7 +224,7 @@ def finalize_grads_match(*, fsdp: bool) -> dict:
     import contextlib
     from hostreads import no_host_reads
     from megatron.core.distributed import finalize_model_grads
-    from mfsdp_kit.introspect import fsdp_buffers
+    from mfsdp_kit.distributed.introspect import fsdp_buffers
 
     cfg = EngineConfig(use_megatron_fsdp=fsdp, seed=7)
     runtime.init(cfg)

@@ -12,11 +12,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime, sync
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.weights import sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models
-from mfsdp_kit.generate import logits
+from mfsdp_kit.train.generate import logits
 from mfsdp_kit.models.verify import fixed_tokens, hf_logits, verify
 from mfsdp_kit.train import forward_backward, step
 from scenarios_chat import hf_greedy
@@ -40,7 +41,7 @@ def greedy_vs_hf(model, src: str, *, vocab_size: int) -> dict:
     """32 greedy tokens from the Megatron model vs transformers' `generate` (no stop id) on two
     prompts. Equal, or equal up to the first position where HF's top-2 logits tie within TIE of
     the logit scale (there fp32 roundoff of either side may pick either token)."""
-    from mfsdp_kit import generate
+    from mfsdp_kit.train import generate
     prompts = fixed_tokens(vocab_size, sequences=2, seq_len_tokens=8, seed=11).tolist()
     mine = generate.greedy(model.chunks, prompts, max_new_tokens=GREEDY_TOKENS, stop_ids=[10**6], vocab_size=vocab_size)
     parts = [None] * dist.get_world_size()
@@ -71,7 +72,7 @@ def arch_roundtrip(*, arch: str, tp: int = 1, fsdp: bool = True, workdir: str, v
         archs.write_tiny(arch, src, vocab_size=vocab_size, **(overrides or {}))
     dist.barrier()
     if attention == "gpu-default":
-        from mfsdp_kit.notebook_model import attention_backend
+        from mfsdp_kit.notebook.model import attention_backend
         attention = attention_backend(src, on_gpu=True, env={})
     if attention != cfg.kernels.attention_backend:
         cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend=attention))

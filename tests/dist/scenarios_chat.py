@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, generate, runtime
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.train import generate
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mfsdp_kit import checkpoint as ckpt
 from mfsdp_kit.checkpoint import state as ckpt_state
 from mfsdp_kit.checkpoint import storage as ckpt_storage
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.train import step
@@ -29,7 +29,7 @@ OCFG = OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=20, min_lr=1e-4)
 
 @torch.no_grad()
 def _megatron_logits(chunks, tokens):
-    from mfsdp_kit.generate import logits
+    from mfsdp_kit.train.generate import logits
     return logits(chunks, tokens.to(runtime.current().device), vocab_size=128).cpu()
 
 

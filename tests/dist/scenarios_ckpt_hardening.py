@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.checkpoint import CheckpointManager
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import gpt_model_fn

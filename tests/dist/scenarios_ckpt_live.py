@@ -1,7 +1,9 @@
 """Checkpoint scenario (2 gloo ranks): a load into the live model, after it has trained and run forwards."""
 from __future__ import annotations
 
-from mfsdp_kit import checkpoint, data, engine, runtime
+from mfsdp_kit import checkpoint
+from mfsdp_kit.train import data
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.rl import core

@@ -9,7 +9,7 @@ straight(save 2), leg(2 -> 4) on 2 ranks, leg(4 -> 6) on 1 rank; the losses must
 from __future__ import annotations
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.train import step

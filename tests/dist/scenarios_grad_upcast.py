@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp_kit import engine, grad_upcast, offload, runtime
+from mfsdp_kit.distributed import engine, grad_upcast, offload, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import inner_optimizers, local
+from mfsdp_kit.distributed.introspect import inner_optimizers, local
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.train import step
 from scenarios import SPEC, random_batches

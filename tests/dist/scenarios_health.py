@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from mfsdp_kit import data, engine, runtime
+from mfsdp_kit.train import data
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import BadBatchError, DeadModelWarning, fit, vocab_size_of

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit import runtime
+from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import EngineConfig
 from scenarios_ckpt import SAVE_AT, _batches, _build, _train, weights_as_saved  # noqa: E402  (tests/dist on path)
 

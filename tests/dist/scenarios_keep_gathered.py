@@ -6,12 +6,12 @@ import dataclasses
 
 from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import BucketStatus
 
-from mfsdp_kit import engine, keep_gathered, runtime
+from mfsdp_kit.distributed import engine, keep_gathered, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.introspect import all_gather_pipelines
+from mfsdp_kit.distributed.introspect import all_gather_pipelines
 from mfsdp_kit.models import gpt_model_fn
 from mfsdp_kit.models.gpt import MOE_SPECS
-from mfsdp_kit.generate import greedy
+from mfsdp_kit.train.generate import greedy
 from mfsdp_kit.train import step
 from scenarios import SPEC, random_batches
 from scenarios_grad_upcast import _weight_bits

@@ -7,10 +7,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import adapters, data, engine, generate, lora, runtime, sync
+from mfsdp_kit.lora import adapters
+from mfsdp_kit import lora
+from mfsdp_kit.weights import sync
+from mfsdp_kit.train import data, generate
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig, OptimConfig, Parallelism, Wrapper
-from mfsdp_kit.introspect import inner_optimizers, local
-from mfsdp_kit.memory import memory_report
+from mfsdp_kit.distributed.introspect import inner_optimizers, local
+from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models.hf import expected_tensors, load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import forward_backward, step

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit import engine, runtime, sync
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.weights import sync
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
+from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.models import archs, hf as hf_models
-from mfsdp_kit.generate import logits
+from mfsdp_kit.train.generate import logits
 from mfsdp_kit.models.verify import fixed_tokens, hf_logits, verify
 from mfsdp_kit.train import forward_backward, step
 from scenarios_arch import hf_loss  # noqa: E402  (tests/dist is on the path)
@@ -100,7 +101,7 @@ def _layout(arch: str, src: str, original: dict, *, ep: int, fsdp: bool, root: s
         engine.release(model.chunks)
         runtime.shutdown()
         return out
-    from mfsdp_kit.memory import memory_report   # counts DDP's expert-parallel buffers too
+    from mfsdp_kit.distributed.memory import memory_report   # counts DDP's expert-parallel buffers too
     out["memory_params_bytes"] = memory_report(model.chunks, opt).params_bytes
     out["local_params_bytes"] = sum(p.numel() * p.element_size() for c in engine.unwrap_model(model.chunks)
                                     for p in c.parameters())

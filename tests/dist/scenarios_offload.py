@@ -8,7 +8,8 @@ import dataclasses
 
 import torch
 
-from mfsdp_kit import data, engine, offload, runtime
+from mfsdp_kit.train import data
+from mfsdp_kit.distributed import engine, offload, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.train import forward_backward, step
@@ -38,7 +39,7 @@ def _error(fn) -> str:
 
 def _grad_copies(chunks, opt) -> int:
     """Grad tensors the optimizer step left behind (Megatron-FSDP's dist_main_grad, params' .grad)."""
-    from mfsdp_kit.introspect import inner_optimizers
+    from mfsdp_kit.distributed.introspect import inner_optimizers
     n = sum(len(c.module.param_and_grad_buffer.dist_main_grad) for c in chunks if engine.is_fsdp(c))
     return n + sum(p.grad is not None for o in inner_optimizers(opt) for g in o.optimizer.param_groups
                    for p in g["params"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.perf import length_mix

@@ -6,9 +6,10 @@ import dataclasses
 
 import torch
 
-from mfsdp_kit import data, engine, packing, runtime
+from mfsdp_kit.train import data, packing
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
-from mfsdp_kit.introspect import inner_optimizers
+from mfsdp_kit.distributed.introspect import inner_optimizers
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.rl import core, critic, ppo
 from mfsdp_kit.rl.rollout import HFRollout

@@ -7,7 +7,9 @@ from functools import partial
 
 import torch
 
-from mfsdp_kit import data, engine, runtime, sync
+from mfsdp_kit.train import data
+from mfsdp_kit.weights import sync
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.rl import core, dapo, grpo, loop

@@ -1,4 +1,4 @@
-"""Rollout weight sync on the torchrun world: the planned path (`sync_plan`) against the bridge path.
+"""Rollout weight sync on the torchrun world: the planned path (`weights.plan`) against the bridge path.
 
 `sync_paths`: load an HF folder into DDP or Megatron-FSDP chunks, sync into two rollout models (one
 by the plan, one by the bridge), train a step, sync again (the plan is reused; one more sync counts
@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfsdp_kit import runtime, sync, sync_plan, sync_views
+from mfsdp_kit.distributed import runtime
+from mfsdp_kit.weights import sync, plan as sync_plan, views as sync_views
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.data import random_token_batches
-from mfsdp_kit.engine import build_optimizer
+from mfsdp_kit.train.data import random_token_batches
+from mfsdp_kit.distributed.engine import build_optimizer
 from mfsdp_kit.models import archs, hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step

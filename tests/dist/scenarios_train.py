@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit import data, engine, generate, runtime
+from mfsdp_kit.train import data, generate
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
-from mfsdp_kit.memory import memory_report
+from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import fit, forward_backward

@@ -19,7 +19,7 @@ def main(name: str, kwargs: dict, out: str) -> None:
     # End as a user's job should: leave megatron's groups and the world before the interpreter
     # exits. Left to exit-time destruction, gloo's threads raced torch.profiler's state and
     # aborted a rank ("terminate called without an active exception") after a profiled scenario.
-    from mfsdp_kit import runtime
+    from mfsdp_kit.distributed import runtime
     runtime.shutdown(destroy_process_group=True)
 
 

@@ -2,7 +2,7 @@
 compares between its fused and unfused configs."""
 import torch
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 

@@ -4,7 +4,8 @@ rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it.
 import pytest
 import torch
 
-from mfsdp_kit import compat, runtime
+from mfsdp_kit import compat
+from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import cross_entropy
 from tests.dist.launch import run

@@ -3,7 +3,8 @@ forwards only (torch has no CPU backward for flex_attention; the GPU bench train
 import pytest
 import torch
 
-from mfsdp_kit import engine, generate, runtime
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.train import generate
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.models.flex import FlexAttention

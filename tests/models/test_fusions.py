@@ -3,7 +3,8 @@ gloo rank: same outputs, same grads. The compiled kernels come from torch.compil
 import pytest
 import torch
 
-from mfsdp_kit import compat, engine, runtime
+from mfsdp_kit import compat
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import GPTSpec, fusions
 from tests.models.gpt_grads import loss_and_grads
@@ -164,7 +165,7 @@ def test_bad_value_is_named():
 def test_hf_model_logits_match_transformers(arch, tmp_path):
     """The Megatron-Bridge path: a tiny HF folder loaded with fused_kernels=True gives transformers' logits."""
     import transformers
-    from mfsdp_kit.generate import logits
+    from mfsdp_kit.train.generate import logits
     from mfsdp_kit.models.hf import load
     from mfsdp_kit.models.tiny import tiny
     src = tiny(tmp_path / arch, arch=arch, size="xs", seed=1)

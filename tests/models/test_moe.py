@@ -5,7 +5,7 @@ loss vs transformers', FSDP == DDP and EP 2 == EP 1 training, save_hf at EP 2 re
 logits, and a checkpoint round trip that is bitwise."""
 import pytest
 
-from mfsdp_kit.parity import compare_curves
+from mfsdp_kit.train.parity import compare_curves
 from tests.dist import launch
 from tests.selection import parity_only
 
@@ -49,7 +49,7 @@ def test_moe_matches_hf_exports_exactly_and_checkpoints_bitwise(runs, case):
 
 
 def same_training(a: dict, b: dict):
-    """Every step compared at the dense tests' tolerance (tests/test_engine_dist.py)."""
+    """Every step compared at the dense tests' tolerance (tests/distributed/test_engine_dist.py)."""
     report = compare_curves(a["losses"], b["losses"], exact_steps=len(a["losses"]),
                             reference_grad_norm=a["grad_norms"], candidate_grad_norm=b["grad_norms"])
     print(report)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mfsdp_kit import engine, runtime
+from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.models.gpt import transformer_config

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mfsdp_kit.chat import end_of_turn_id, stop_ids
+from mfsdp_kit.train.chat import end_of_turn_id, stop_ids
 from mfsdp_kit.models import SIZES, tiny
 from mfsdp_kit.models.tiny import SPECIAL_TOKENS, VOCAB_MULTIPLE, cached, param_count
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from mfsdp_kit.config_flat import flat_values
+from mfsdp_kit.config.flat import flat_values
 from mfsdp_kit.models.gpt import SPECS
 from mfsdp_kit.perf.flops import flops_per_token, layer_params, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, record_step_phases

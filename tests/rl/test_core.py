@@ -3,7 +3,7 @@ training batch layout, prompt draws; the HF backend against the RolloutBackend P
 import pytest
 import torch
 
-from mfsdp_kit import data
+from mfsdp_kit.train import data
 from mfsdp_kit.rl import core
 from mfsdp_kit.rl.rollout import HFRollout, RolloutBackend
 

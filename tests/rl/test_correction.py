@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mfsdp_kit.data import Batch
+from mfsdp_kit.train.data import Batch
 from mfsdp_kit.rl import correction
 from mfsdp_kit.rl.grpo import policy_loss
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mfsdp_kit import data
+from mfsdp_kit.train import data
 from mfsdp_kit.config import ConfigError
 from mfsdp_kit.rl.problems import load_problems
 from mfsdp_kit.rl import rewards

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mfsdp_kit.config import ConfigError
-from mfsdp_kit.generate import cut_at_stop
+from mfsdp_kit.train.generate import cut_at_stop
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl import core
 from mfsdp_kit.rl.correction import rollout_logprobs_like

@@ -31,7 +31,7 @@ from .. import registry
 
 MODULE = "megatron.core.optimizer.clip_grads"
 UPSTREAM = "megatron/core/optimizer/clip_grads.py:35-43 + utils.py:1200-1215 (a .item()-like sync per tensor)"
-# A param with this attribute gets its fp32 grad inside the optimizer step (mfsdp_kit.grad_upcast): the clip
+# A param with this attribute gets its fp32 grad inside the optimizer step (mfsdp_kit.distributed.grad_upcast): the clip
 # stores its factor here (a 0-dim fp32 tensor) and the step multiplies that grad by it once it exists.
 LATER_SCALE = "_mfsdp_grad_scale"
 

@@ -7,7 +7,7 @@ output, and it hides the warnings that may matter. `compat.apply("quiet")` silen
 matched by its message and the module that emits it, each with the reason it says nothing here; every other
 warning is left as it ships. Nothing is filtered by importing the kit: `compat.apply("startup")` applies
 it (runtime.init, an engine's boot, the test harness), before megatron is imported. It lives in compat/,
-the kit's one door into megatron's internals: it names their modules and loggers, and tests/test_quiet.py fails
+the kit's one door into megatron's internals: it names their modules and loggers, and tests/compat/test_quiet.py fails
 (a canary per row) when upstream stops emitting one, so the row can go.
 
     from mfsdp_kit.compat.patches import quiet
@@ -87,7 +87,7 @@ KNOWN: tuple[KnownWarning, ...] = (
 PATCH = Patch(target="warnings", needed_if=lambda: apex_note_still_emitted(),
               upstream="megatron/core/models/backends.py:21 and the other emitters each row of KNOWN cites; "
                        "python's warnings filters and the named loggers' filters, process-wide")
-"""The registry row of the filters (tests/test_quiet.py holds a canary per row of KNOWN)."""
+"""The registry row of the filters (tests/compat/test_quiet.py holds a canary per row of KNOWN)."""
 
 
 def apex_note_still_emitted() -> bool:

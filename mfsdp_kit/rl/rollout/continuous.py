@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from ... import chat
+from ...train import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
 from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, rope_table

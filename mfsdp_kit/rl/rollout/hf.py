@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import chat, engine, sync
-from ...generate import cut_at_stop
+from ...train import chat
+from ...weights import sync
+from ...distributed import engine
+from ...train.generate import cut_at_stop
 
 
 class Completions(list):

@@ -1,0 +1,118 @@
+"""The sections of `EngineConfig`, one dataclass per concern (torchtitan's job config): how the ranks are laid
+out, which wrapper shards what, which kernels run, how the collectives are tuned, what lives on the host.
+
+Each field keeps the name it had when `EngineConfig` was one flat list (`tensor_model_parallel_size` is now
+`parallelism.tensor_model_parallel_size`; `config.flat` maps the old spelling until it goes). Sections only hold
+values: `EngineConfig` checks them when made and in `validate()` (the rank arithmetic in
+`parallel_dims.ParallelDims`), naming a field by its path, e.g. `parallelism.context_parallel_size=0 is not
+allowed; allowed: a positive integer`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class Parallelism:
+    """How the world's ranks are split: world = data_replicate x data_shard x tensor x pipeline ranks, where the
+    data_shard ranks of one replica include the context-parallel ones (Megatron-FSDP shards over data x context)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's matrices (megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layer stack into stages (megatron PP). Not with Megatron-FSDP."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); None = one chunk."""
+    context_parallel_size: int = 1
+    """Ranks that split the sequence (megatron CP)."""
+    expert_model_parallel_size: int = 1
+    """Ranks that split an MoE layer's experts (megatron EP): each holds num_experts / EP of them and
+    tokens travel to their experts by all-to-all. EP groups are carved out of the data-parallel
+    ranks, so it must divide tensor*context*data-parallel ranks; expert weights are then sharded
+    (FSDP) or all-reduced (DDP) over the remaining expert-data-parallel ranks only."""
+    data_parallel_replicate_size: int = 1
+    """HSDP (`hsdp.py`): replicas of the sharded state. The data x context ranks split into this many instances;
+    Megatron-FSDP shards weights, grads and optimizer state within an instance (a node, on NVLink) and all-reduces
+    each grad shard across instances once a step (megatron's `num_distributed_optimizer_instances`). 1 = plain
+    Megatron-FSDP / distributed optimizer over all data-parallel ranks."""
+    data_parallel_shard_size: int = -1
+    """Ranks one replica shards over (its data x context ranks): -1 = what the world leaves, i.e.
+    world / (tensor * pipeline * data_parallel_replicate_size). A positive value is checked against that."""
+
+
+@dataclass(kw_only=True)
+class Wrapper:
+    """Which data-parallel wrapper holds the model, and what it shards."""
+
+    use_megatron_fsdp: bool = False
+    """Wrap with Megatron-FSDP (ZeRO-3: params, grads and optimizer state sharded) instead of DDP."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1). Required by Megatron-FSDP."""
+    override_ddp_config: dict = field(default_factory=dict)
+    """Fields of megatron's DistributedDataParallelConfig that win over the kit's defaults, e.g.
+    {"data_parallel_sharding_strategy": "optim_grads"}. HSDP is `parallelism.data_parallel_replicate_size`."""
+    fsdp_keep_gathered: bool = False
+    """Keep each FSDP unit's all-gathered weights from its first gather in a step to the end of the step's backward
+    (`keep_gathered`; FSDP2's `reshard_after_forward=False`): one all-gather per unit per step instead of two per
+    micro-batch, same numbers. Costs the whole model's weights in the compute dtype (2 B/param in bf16, not divided
+    by N) through forward and backward. Megatron-FSDP with optim_grads_params and its default allocator only."""
+
+
+@dataclass(kw_only=True)
+class Kernels:
+    """Which kernels compute attention, the MLP's activation, RoPE and the loss."""
+
+    attention_backend: str = "auto"
+    """Core attention: "auto" ("sdpa" on a GPU, so batches are packed by default, unless the model has a sliding
+    window; "local" on CPU: `models.support.attention_backend`) | "local" (megatron's DotProductAttention: padded
+    batches only) | "sdpa" (torch's fused kernels; packed rows through varlen flash on a GPU, one SDPA per sequence
+    on CPU) | "flex" ("sdpa", packed rows through one flex_attention: GPU for training)."""
+    fused_kernels: bool | Literal["auto"] = "auto"
+    """Fuse RoPE and SwiGLU (forward and backward) with torch.compile, as TE would (`models.fusions`): megatron's
+    local spec runs them unfused. "auto": on a GPU, each that applies to the model (none on CPU, where the kit's
+    checks compare megatron's own kernels) | True (an error if neither applies) | False. The first step compiles
+    (seconds, once per process: sizes are symbolic). Measured: docs/benchmarks.md, "throughput", "levers, fourth
+    set" and "grpo_iteration" (the update 1.9 -> 1.6 s)."""
+    fused_cross_entropy: bool = False
+    """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
+    (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
+    fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
+    Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
+    Measured: docs/benchmarks.md, "levers, fourth set". Off by default: the first step compiles (seconds),
+    more than a tiny model's run gains."""
+
+
+@dataclass(kw_only=True)
+class Communication:
+    """How the data-parallel collectives run (GPU, NCCL)."""
+
+    fsdp_all_gather_group: bool = False
+    """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's
+    `create_all_gather_group`): one communicator runs its collectives in issue order, so a shared one
+    makes the next layer's gather wait behind queued gradient reduce-scatters. Costs one communicator."""
+    high_priority_comm: bool = False
+    """Data-parallel collectives on high-priority CUDA streams (megatron's `high_priority_stream_groups`
+    = ["dp_cp"]): their kernels are scheduled ahead of queued compute kernels. GPU (NCCL) only."""
+    nccl_max_ctas: int | None = None
+    """Most thread blocks (CTAs, one SM each) a data-parallel NCCL collective may run on (megatron's per-communicator
+    `max_ctas`, groups dp_cp and dp; NCCL's Hopper default is 32 of 132 SMs). Collectives that overlap compute take
+    their SMs from the GEMMs beside them; fewer CTAs leave the GEMMs more, and make each collective slower.
+    None: NCCL's choice. GPU (NCCL) only."""
+
+
+@dataclass(kw_only=True)
+class Offload:
+    """What lives in host memory between optimizer steps."""
+
+    optimizer_offload: bool = False
+    """Keep Adam's exp_avg/exp_avg_sq and the fp32 main weights in (pinned) host memory between
+    steps, streamed to the device only for `optimizer.step()` (the kit's `offload.stream_optimizer`,
+    applied by `offload.apply_config`; megatron-core 0.16.1's optimizer_cpu_offload fails with
+    Megatron-FSDP on DTensor shards). Saves 12 B/param / N on the device, costs 24 B/param / N of
+    host<->device copies per step. For all state between steps use `offload.offload`/`reload`."""
+
+
+SECTIONS: dict[str, type] = {"parallelism": Parallelism, "wrapper": Wrapper, "kernels": Kernels,
+                             "communication": Communication, "offload": Offload}
+"""EngineConfig field -> its section class, in the order they are declared there."""

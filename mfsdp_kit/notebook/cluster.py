@@ -1,0 +1,394 @@
+"""Engines for a notebook: `start` an ipyparallel cluster whose engines are one torch.distributed world.
+
+`start(n=2)` does what torchrun does for a script, but for `%%px` cells: it launches n engines
+(ipyparallel's own launchers: local processes by default, `engines="mpi" | "slurm" | "ssh"` for
+several nodes), gives each a rank that does not depend on ipyparallel's engine ids, picks a free
+rendezvous port and calls `mfsdp_kit.distributed.runtime.init` on every engine. The naive version -- rank :=
+engine id -- breaks on the first restart, because ipyparallel numbers new engines 2, 3, ...
+
+A dead engine, a dead controller or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank (or
+the controller) that died, watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with
+the same ranks. `report(step=, total=, **metrics)` on engines plus `run_with_progress` give per-rank progress bars.
+
+Processes (launchers, killing, waiting for registration, start-time phases) live in launch.py.
+Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
+points GLOO_SOCKET_IFNAME at the loopback interface): see docs/cluster.md for what a multi-node launcher opens.
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ipyparallel as ipp
+
+from . import gpus, launch, watchdog
+from ..config import EngineConfig
+from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
+from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
+
+LOCALHOST = "127.0.0.1"
+RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+"""Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+"""Where they put its rank within the node."""
+
+
+# ---- engine side: these run on the engines (pickled by reference, so importable there) ----------
+def _first_env_int(names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return None
+
+
+def _engine_identity() -> dict:
+    """Who this engine is: pid, host and the ranks its launcher gave it (None when it gave none)."""
+    return dict(pid=os.getpid(), host=socket.gethostname(),
+                env_rank=_first_env_int(RANK_ENV), env_local_rank=_first_env_int(LOCAL_RANK_ENV))
+
+
+def _engine_free_port(addr: str) -> int:
+    """A TCP port free on this engine's host at `addr` (asked on rank 0, which hosts the rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((addr, 0))
+        return sock.getsockname()[1]
+
+
+def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
+                 master_addr: str, master_port: int, abort_key: str = "") -> dict:
+    """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`.
+
+    Returns device, backend and seconds per phase (the imports are timed apart: they dominate on CPU).
+    """
+    watch = Stopwatch()
+    from mfsdp_kit.notebook import ipengine
+    ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.notebook.ipengine)
+    watch.lap("preload_wait")
+    from mfsdp_kit import compat
+    compat.apply("startup")   # before megatron's import (compat/patches/startup.py); a no-op after ipengine's
+    import torch
+    watch.lap("import_torch")
+    import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)
+    from mfsdp_kit.distributed import runtime
+    watch.lap("import_megatron")
+    if torch.cuda.is_available():   # local_rank >= GPUs on this node fails here, not silently shared
+        torch.cuda.set_device(local_rank)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
+                      master_addr=master_addr, master_port=master_port)
+    watch.lap("runtime_init")
+    if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
+        watchdog.arm(master_addr, master_port, abort_key)
+    return dict(device=f"{rt.device}", backend=rt.backend, phases=watch.phases)
+
+
+def _engine_shutdown() -> None:
+    from mfsdp_kit.distributed import runtime
+    runtime.shutdown(destroy_process_group=True)
+
+
+# ---- client side ---------------------------------------------------------------------------------
+def assign_ranks(identities: dict[int, dict]) -> dict[int, tuple[int, int]]:
+    """engine id -> (rank, local_rank): the launcher's ranks when it set them all, else engine-id order.
+
+    local_rank is the launcher's too when it gave one, else the position among engines on the same host.
+    """
+    eids = sorted(identities)
+    env_ranks = [identities[e]["env_rank"] for e in eids]
+    from_launcher = None not in env_ranks and sorted(env_ranks) == list(range(len(eids)))
+    rank = {e: (identities[e]["env_rank"] if from_launcher else i) for i, e in enumerate(eids)}
+    by_rank = sorted(eids, key=rank.get)
+    out = {}
+    for e in eids:
+        local = identities[e]["env_local_rank"] if from_launcher else None
+        if local is None:
+            local = [x for x in by_rank if identities[x]["host"] == identities[e]["host"]].index(e)
+        out[e] = (rank[e], local)
+    return out
+
+
+@dataclass
+class ClusterHandle:
+    """A running world: `.view` (DirectView in rank order), `.ranks`, `.wait`, `.restart()`, `.stop()`."""
+
+    cluster: ipp.Cluster
+    client: ipp.Client
+    n: int
+    init_kwargs: dict
+    """cfg, backend, timeout_s and master_addr, replayed by restart()."""
+    rank_of: dict[int, int] = field(default_factory=dict)
+    """ipyparallel engine id -> rank (engine ids change on restart, ranks do not)."""
+    local_rank_of: dict[int, int] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
+    backend: str = ""
+    """What the engines use ("nccl" | "gloo"), resolved from the `backend="auto"` asked for."""
+    master_port: int | None = None
+    view: Any = None
+    world_key: str = ""
+    abort_reason: str | None = None   # why the client aborted the world (watchdog.py); reinit() clears it
+    startup_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the last start / restart (bench/cluster_start.py prints them); the engine-side
+    phases (`engine.import_torch`, ...) are the slowest rank's."""
+    stop_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of `stop()`: kill_engines, stop_cluster (controller and engine processes gone)."""
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.rank_of.values())
+
+    @property
+    def engine_of(self) -> dict[int, int]:
+        return {r: e for e, r in self.rank_of.items()}
+
+    @property
+    def connection_files(self) -> list[str]:
+        """ipyparallel's connection files (they hold the message-signing key) and the cluster file."""
+        sec = os.path.join(self.cluster.profile_dir, "security")
+        return sorted(glob.glob(os.path.join(sec, f"*{self.cluster.cluster_id}*.json")))
+
+    def __repr__(self) -> str:
+        master = f"{self.init_kwargs['master_addr']}:{self.master_port}"
+        return (f"ClusterHandle(engines={len(self.rank_of)}, ranks={self.ranks}, devices={self.devices}, "
+                f"backend={self.backend!r}, master={master})")
+
+    # ---- running code --------------------------------------------------------------------------
+    def dead_ranks(self) -> list[int]:
+        alive = set(self.client.ids)
+        return sorted(r for e, r in self.rank_of.items() if e not in alive)
+
+    def wait(self, result: Any, *, timeout_s: float | None = None, poll_s: float = 0.1,
+             on_poll: Callable[[Any], None] | None = None) -> list:
+        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies, or the controller."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not result.ready():
+            result.wait(poll_s)
+            if on_poll is not None:
+                on_poll(result)
+            if lost := (self._died(dead) if (dead := self.dead_ranks()) else launch.controller_error(self.cluster)):
+                raise lost   # an engine or the controller died: no reply can come
+            if deadline is not None and time.monotonic() > deadline:
+                raise ClusterError(f"engines did not finish within timeout_s={timeout_s}; the cell may still "
+                                   "run on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
+        try:
+            return result.get()
+        except ipp.error.CompositeError as err:
+            if self.dead_ranks():
+                raise self._died(self.dead_ranks()) from err
+            raise (ClusterError(watchdog.describe(self, err)) if self.abort_reason else err) from err
+
+    def run(self, code: str, *, timeout_s: float | None = None) -> None:
+        """Execute `code` on every rank (like a %%px cell), raising `ClusterError` if an engine dies."""
+        self.wait(self.view.execute(code, block=False), timeout_s=timeout_s)
+
+    def apply(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+        """`fn(*args, **kwargs)` on every rank; the results in rank order."""
+        return self.wait(self.view.apply_async(fn, *args, **kwargs), timeout_s=timeout_s)
+
+    def _died(self, dead: list[int]) -> ClusterError:
+        return ClusterError(", ".join(f"rank {r} (engine {self.engine_of[r]})" for r in dead) + " died mid-cell; the "
+                            "process group is broken for every rank. Call handle.restart() to rebuild the world.")
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def reinit(self) -> "ClusterHandle":
+        """A new world on the same engines (after a failure aborted the process groups); variables stay."""
+        self.view.apply_sync(_engine_shutdown)
+        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
+        return self
+
+    def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
+        """Stop every engine, start n new ones and rebuild the world with the same ranks (a live controller needed)."""
+        if lost := launch.controller_error(self.cluster):   # no engine could register: say so, not time out
+            raise lost
+        timeout_s = timeout_s or self.init_kwargs["timeout_s"]
+        old_ranks, old_ids, watch = self.ranks, set(self.client.ids), Stopwatch()
+        launch.kill_engines(self.cluster, self.client)   # survivors may sit in a collective until its timeout
+        self.cluster.stop_engines_sync()
+        launch.wait_until_unregistered(self.client, old_ids, timeout_s)
+        watch.lap("stop_engines")
+        self.cluster.start_engines_sync(self.n)
+        watch.lap("engines_spawn")
+        new_ids = launch.wait_for_new_engines(self.cluster, self.client, set(), self.n, timeout_s)
+        watch.lap("register")
+        _setup_world(self, new_ids, watch)
+        if self.ranks != old_ranks:
+            raise ClusterError(f"the launcher gave ranks {self.ranks} after restart, {old_ranks} before")
+        return self
+
+    def stop(self) -> None:
+        """Stop engines and controller. The engines are SIGKILLed, as `restart()` does, without first leaving the
+        process group: nothing is left to save, an engine with torch loaded takes 4-5 s to finish after SIGTERM
+        (ipyparallel then SIGKILLs it anyway), and a graceful NCCL teardown of a notebook's world (megatron's
+        groups, a model's memory) took 1.6 s of a 1.8 s stop on an H200 (bench/cluster_start.py --model)."""
+        if self.view is None:   # already stopped
+            return
+        watch = Stopwatch()
+        launch.kill_engines(self.cluster, self.client)
+        watch.lap("kill_engines")
+        launch.stop(self.cluster, self.client)
+        watch.lap("stop_cluster")
+        self.stop_s = dict(watch.phases, total=watch.total())
+        self.view = None
+
+
+def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch) -> None:
+    """Ask engines who they are, assign ranks, rendezvous on rank 0's free port, init every engine."""
+    client, kw = handle.client, handle.init_kwargs
+    idents = dict(zip(engine_ids, client[engine_ids].apply_sync(_engine_identity)))
+    ranks = assign_ranks(idents)
+    handle.rank_of = {e: r for e, (r, _) in ranks.items()}
+    handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
+    order = sorted(engine_ids, key=handle.rank_of.get)
+    handle.master_port = client[order[0]].apply_sync(_engine_free_port, kw["master_addr"])
+    handle.world_key, handle.abort_reason = watchdog.new_key(), None
+    pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
+                             block=False) for e in order]   # the names %%px cells use
+    pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
+                                     world_size=len(order), local_rank=handle.local_rank_of[e],
+                                     master_addr=kw["master_addr"], master_port=handle.master_port,
+                                     abort_key=handle.world_key) for e in order]
+    handle.view = client[order]
+    handle.view.block = True
+    watchdog.guard_view(handle)
+    watch.lap("identify")
+    for ar in pushed:   # a push to a dead engine fails here, with its rank named
+        _get(handle, ar, kw["timeout_s"])
+    inits = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
+    watch.lap("world_init")
+    handle.devices, handle.backend = [i["device"] for i in inits], inits[0]["backend"]
+    _secure_connection_files(handle)
+    _activate(handle)
+    handle.startup_s = dict(watch.phases, total=watch.total())
+    for phase in inits[0]["phases"]:   # the slowest rank's engine-side phases
+        handle.startup_s[f"engine.{phase}"] = max(i["phases"][phase] for i in inits)
+
+
+def _get(handle: ClusterHandle, ar: Any, timeout_s: float) -> Any:
+    try:
+        return handle.wait(ar, timeout_s=timeout_s)
+    except ipp.error.RemoteError as err:
+        raise ClusterError(f"runtime.init failed on an engine: {err}") from err
+
+
+def _secure_connection_files(handle: ClusterHandle) -> None:
+    """Connection files carry the message-signing key: owner read/write only (0600)."""
+    for path in handle.connection_files:
+        if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
+            os.chmod(path, 0o600)
+
+
+def _activate(handle: ClusterHandle) -> None:
+    """Register %px / %%px on the rank-ordered view; a failed px cell's error names each rank's exception and line
+    (`watchdog.px_exception_handler`), or the dead rank."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    handle.view.activate()
+    shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), watchdog.px_exception_handler(handle))
+
+
+def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
+          master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
+          device: str = "auto", **launcher: Any) -> ClusterHandle:
+    """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
+
+    ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
+    master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
+    timeout_s: engines must register, and the process group form, within this many seconds (not collectives).
+    device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
+    device: "auto" (one GPU per engine, else the CPU) | "cpu" (local engines that see no GPU, even on a GPU node:
+      gloo and CPU tensors; n=2 on a machine with one GPU).
+    launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...); the
+      kit's defaults fill only what neither it nor the profile's ipcluster_config.py sets.
+      engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
+      running as root (launch.openmpi_env; docs/cluster.md says how to override).
+    """
+    watch = Stopwatch()
+    launcher = launch.with_profile(launcher)   # the profile's ipcluster_config.py counts in every check below
+    launch.check_start(n=n, backend=backend, timeout_s=timeout_s, device_count=device_count, device=device,
+                       launcher=launcher)   # fail here, not after engines have started
+    local = launch.kind(launcher) == "local"
+    if device == "cpu":
+        device_count = 0
+    elif device_count is None:
+        device_count = gpus.visible()   # the driver's count: no torch yet
+    n = n if n is not None else (device_count or 2)
+    if cfg is not None:   # a bad cfg fails here, not on every engine after launch (each re-checks on its device)
+        cfg.validate(world_size=n, on_gpu=bool(device_count) or not local)   # other hosts: their GPUs unknown
+    if local and device_count and n > device_count:
+        raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
+                                 f"engine); allowed: n <= {device_count}, device='cpu' for engines on the CPU, or "
+                                 "engines='slurm' / 'mpi' to span nodes")
+    watch.lap("checks")
+    cluster = launch.make_cluster(n=n, ip=ip, timeout_s=timeout_s, launcher=launcher, see_gpus=device != "cpu")
+    init_kwargs = dict(cfg=cfg, backend=backend, timeout_s=timeout_s, master_addr=master_addr or ip)
+    client = None
+    try:
+        client = launch.start_processes(cluster, n, watch)
+        _import_in_background("torch")   # what the notebook's next lines need, while the engines boot
+        engine_ids = launch.wait_for_new_engines(cluster, client, set(), n, timeout_s)
+        watch.lap("register")
+        handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
+        if not local and master_addr is None:
+            host = client[engine_ids].apply_sync(_engine_identity)
+            init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
+        _setup_world(handle, engine_ids, watch)
+        return handle
+    except BaseException:
+        launch.stop(cluster, client)
+        raise
+
+
+def _import_in_background(module: str) -> None:
+    """Import `module` in a daemon thread unless it is imported already. A notebook imports torch right after
+    `start()` (its model, its plots): in the kernel that is 1-2 s on a GPU node, spent here while the engines boot
+    instead of after. Python's per-module import locks make a main-thread import of it wait for this one."""
+    if module not in sys.modules:
+        threading.Thread(target=importlib.import_module, args=(module,), name=f"import-{module}", daemon=True).start()
+
+
+def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:
+    ranks = assign_ranks(dict(zip(engine_ids, idents)))
+    rank0 = next(e for e, (r, _) in ranks.items() if r == 0)
+    return idents[engine_ids.index(rank0)]["host"]
+
+
+def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
+                      timeout_s: float | None = None, **kwargs: Any) -> tuple[list, ProgressPanel]:
+    """Run a function (or code string) on every rank while showing what each rank `report`s.
+
+    Returns (results in rank order, the panel with the last reported data per rank).
+    """
+    panel = ProgressPanel(handle.ranks)
+    results = run_with_panel(handle, panel, fn_or_code, *args, poll_s=poll_s, timeout_s=timeout_s, **kwargs)
+    return results, panel
+
+
+def run_with_panel(handle: ClusterHandle, panel: Any, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
+                   timeout_s: float | None = None, **kwargs: Any) -> list:
+    """`run_with_progress` with a panel of your own: anything with `update({rank: data})`, such as
+    `widgets.TrainingPanel` (live loss curve, tokens/s, memory per rank). Returns results in rank order."""
+    if isinstance(fn_or_code, str):
+        ar = handle.view.execute(fn_or_code, block=False)
+    else:
+        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
+
+    def refresh(result: Any) -> None:
+        panel.update(dict(zip(handle.ranks, result.data)))
+
+    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
+    ar.wait_for_output(timeout=5)  # published data travels on IOPub and can trail the result
+    refresh(ar)
+    return results

@@ -1,0 +1,63 @@
+"""engine helpers on one gloo rank: unwrap, device, counting, the FSDP communication unit, Adam's kernels."""
+import pytest
+
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.config import EngineConfig, OptimConfig
+from mfsdp_kit.distributed.introspect import is_fsdp
+from mfsdp_kit.models import GPTSpec, gpt_model_fn
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["ddp", "fsdp"])
+def chunks(request):
+    from tests.dist.launch import free_port
+    cfg = EngineConfig(use_megatron_fsdp=request.param)
+    runtime.init(cfg, rank=0, world_size=1, master_port=free_port())
+    yield engine.build(cfg, gpt_model_fn(GPTSpec(), cfg))
+    runtime.shutdown()
+
+
+def test_unwrap_strips_every_wrapper(chunks):
+    from megatron.core.models.gpt import GPTModel
+    inner = engine.unwrap_model(chunks)
+    assert isinstance(inner[0], GPTModel)
+    assert engine.unwrap_model(inner[0]) is inner[0]
+
+
+def test_module_device(chunks):
+    assert engine.module_device(chunks[0]).type == "cpu"
+
+
+def test_counts_match_spec(chunks):
+    assert engine.global_numel(chunks) == GPTSpec().param_count()
+    assert engine.local_numel(chunks) == GPTSpec().param_count()  # one rank holds everything
+
+
+def test_runtime_current_before_init_is_clear():
+    runtime.shutdown()
+    with pytest.raises(RuntimeError, match="cluster.start"):
+        runtime.current()
+
+
+def test_fsdp_communication_unit_is_twice_the_mean_layer(chunks):
+    """compat.access.fsdp_unit: megatron's own default would be 1e9 elements (a floor, not a cap)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from mfsdp_kit.compat.access import fsdp_unit
+    from mfsdp_kit.compat import registry
+    if not is_fsdp(chunks[0]):
+        return
+    inner = chunks[0].module
+    layers = [m for m in inner.modules() if isinstance(m, TransformerLayer)]
+    mean = sum(p.numel() for m in layers for p in m.parameters()) // len(layers)
+    assert inner.suggested_AG_prefetch_size == 2 * mean // 2 and inner.suggested_RS_queue_capacity == 2 * mean
+    assert fsdp_unit.PATCH in registry.ACTIVE and fsdp_unit.PATCH.still_needed()
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach", "fused"])
+def test_adam_implementation(chunks, implementation):
+    """The flags torch's Adam reads at each step; "auto" keeps torch's choice off GPUs. One fused step runs."""
+    from mfsdp_kit.distributed.introspect import inner_optimizers
+    opt = engine.build_optimizer(chunks, OptimConfig(adam_implementation=implementation), EngineConfig(
+        use_megatron_fsdp=is_fsdp(chunks[0])))
+    groups = [g for o in inner_optimizers(opt) for g in o.optimizer.param_groups]
+    want = {"auto": (None, None), "foreach": (False, True), "fused": (True, False)}[implementation]
+    assert {(g.get("fused"), g.get("foreach")) for g in groups} == {want}
