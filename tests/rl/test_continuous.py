@@ -204,3 +204,28 @@ def test_prefill_under_a_small_budget_gives_the_same_tokens(tmp_path):
         ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0]
     many = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=6, prefill_tokens=10))
     assert many.generate(ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0] == one
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(max_batch_size=4, check_every=1, slot_bucket=4, prefill_tokens=10),
+                                    DecodeConfig(max_batch_size=8, check_every=5, slot_bucket=16)])
+def test_queue_stops_and_compaction_keep_the_models_tokens(config, tmp_path):
+    """The scheduler's paths under one seed (rows > cache rows wait in the queue, a frequent stop id ends rows at
+    different steps, the batch is compacted, one-step chunks and tight slot buckets): greedy tokens equal generate's
+    row by row, and at T 1 every sampled token's log-prob equals a teacher-forced forward, each completion ending at
+    its first stop id or at max_new_tokens."""
+    model, tok = load("LlamaForCausalLM", tmp_path)
+    free = ContinuousRollout(model, tok, config=config).generate(ROWS, max_new_tokens=16, temperature=0, top_p=1.0,
+                                                                 seed=0)[0]
+    stop = max({t for row in free for t in row[1:8]}, key=lambda t: sum(t in r for r in free))
+    tok.eos_token_id = model.generation_config.eos_token_id = stop
+    rollout = ContinuousRollout(model, tok, config=config)
+    assert rollout.generate(ROWS * 2, max_new_tokens=16, temperature=0, top_p=1.0, seed=0)[0] == \
+        hf_greedy(model, tok, ROWS * 2, 16)
+    assert len(rollout.stats["by_batch"]) > 1, rollout.stats["by_batch"]   # the batch was compacted to a smaller bucket
+    tokens, lps = rollout.generate(ROWS * 2, max_new_tokens=16, temperature=1.0, top_p=1.0, seed=5)
+    assert any(stop in c for c in tokens) and any(len(c) == 16 for c in tokens)
+    for prompt, completion, lp in zip(ROWS * 2, tokens, lps):
+        assert completion == cut_at_stop(completion, [stop]) and (len(completion) == 16 or completion[-1] == stop)
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert (torch.tensor(lp) - want).abs().max() <= 1e-5

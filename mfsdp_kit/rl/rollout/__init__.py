@@ -14,7 +14,7 @@ batching over a slot KV cache sized from free memory, a CUDA graph per batch and
 `decoder.py`'s fused projections): Llama, Mistral, Qwen2/3 and their MoE kin; docs/benchmarks.md, "rollout".
 `default_backend` picks it where it runs, HFRollout elsewhere.
 `tools`: `Tool`s a row may call mid-completion (a calculator, `tools.calculator`); the engine pauses the row,
-prefills the tool's output into its own KV cache and resumes (`run.py`); HFRollout refuses them.
+prefills the tool's output into its own KV cache and resumes (`scheduler.py`, `run.py`); HFRollout refuses them.
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
     sampled token's log-prob at the sampling temperature comes back with it (the train-inference mismatch).
   - with tools (`tools.ToolConfig`), a row that writes a tool's stop string pauses at the check point, its tool
     runs, and its output is prefilled into the row's own cache slots (`decoder.extend`) before it resumes: the
-    naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`run.py`).
-The host bookkeeping of one call (rows, queue, stops, tool pauses) is `run.Run`.
+    naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`scheduler.py`, `run.py`).
+The policy of one call (sequences, queue, compaction, stops, tool pauses) is `scheduler.Scheduler`, on the host
+alone; its device work (prefills, extends, row copies, the decode steps) is `run.Run`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ...fieldtypes import COUNT, check_fields, number_in
 from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, rope_table
 from .hf import Completions, HFRollout
 from .run import Run
+from .scheduler import Scheduler
 from .schedule import bucketed
 from .tools import ToolConfig
 
@@ -100,7 +102,8 @@ class ContinuousRollout(HFRollout):
         super().__init__(hf_model, tokenizer)
         self.config = config or DecodeConfig()
         self.tools = tools
-        """Tools every row may call (`tools.ToolConfig`; `run.py` pauses, prefills their output, resumes)."""
+        """Tools every row may call (`tools.ToolConfig`; `scheduler.py` pauses and resumes a row, `run.py` prefills
+        the tool's output)."""
         fuse_projections(hf_model)
         c = hf_model.config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -147,15 +150,18 @@ class ContinuousRollout(HFRollout):
         t0 = time.perf_counter()
         state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0, capture_s=0.0)
-        run = Run(self, state, rows, max_new_tokens=max_new_tokens, stops=set(chat.stop_ids(self.tokenizer)),
-                  sample=dict(temperature=temperature, top_p=top_p,
-                              generator=torch.Generator(device=state.tok.device).manual_seed(seed)), tools=self.tools)
+        scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
+                              stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
+                              slot_bucket=cfg.slot_bucket, prefill_tokens=cfg.prefill_tokens, tools=self.tools,
+                              tokenizer=self.tokenizer, stats=self.stats)
+        run = Run(self, state, scheduler, sample=dict(
+            temperature=temperature, top_p=top_p, generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
         try:
             return run.loop()
         finally:
             self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
-            self.stats["tokens"] = sum(map(sum, run.mask))
+            self.stats["tokens"] = sum(map(sum, scheduler.results()[2]))
             self.stats["tokens_per_s"] = self.stats["tokens"] / self.stats["seconds"]
             if not cfg.keep_cache:
                 self.release()

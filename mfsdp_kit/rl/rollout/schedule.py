@@ -1,6 +1,6 @@
 """The rollout engine's scheduling policy, host arithmetic only (no model, no device): which slots a step reads,
-which batch a step runs, which prompts one prefill takes. nano-vllm keeps its scheduler apart from its model runner
-the same way; tests/rl/test_continuous.py checks these without a model."""
+which batch a step runs, which prompts one prefill takes: `scheduler.Scheduler`'s arithmetic, kept apart so
+tests/rl/test_continuous.py checks it alone."""
 from __future__ import annotations
 
 

@@ -1,0 +1,244 @@
+"""One `ContinuousRollout.generate` call's scheduling policy, on the host alone: which sequence each cache row serves,
+what each sequence has sampled, where it stops, and (with tools) which sequences wait on a tool. It imports no model
+code and launches nothing, so the policy is tested without a model (tests/rl/test_scheduler.py, against a naive
+reference); `run.Run` carries its decisions out on the device, as nano-vllm's ModelRunner does its Scheduler's.
+
+A sequence's life: admitted (its prompt prefilled into a free cache row, `admit`), decoded `check_every` steps at a
+time (`next_chunk`), cut at its first stop id or at `max_new_tokens` (`record`), its cache row then refilled from the
+queue. Once the queue is empty and at most half the batch runs, the live rows move to the front and the batch
+shrinks to their bucket (`compact`). With tools (`tools.ToolConfig`), a sequence whose new tokens end a call (a
+tool's stop string, found in the decoded text of its current turn at the check point) is cut right after the stop
+and paused: it takes no part in the decode steps while its tool runs (inline, or on `workers` threads). At the next
+check point every paused sequence resumes (`resume`): its last token (its KV may not be written yet) and the tool's
+output tokens go into its own cache slots after its completion so far (one batched `decoder.extend` in the runner),
+and the next token is sampled from the last one. The naive loop (a new prompt per turn) would prefill the prompt and
+every earlier turn again each time. Resuming at the next check point, whatever the tool's speed, keeps the samples a
+function of the seed alone (ranks of one replica must draw the same tokens); sequences wait on their tool for
+`stats["tool_wait_s"]`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .schedule import batch_bucket, bucketed, prefill_groups
+from .tools import ToolConfig, find_call
+
+
+@dataclass(kw_only=True, eq=False)
+class Sequence:
+    """One input row of the call: its prompt and what it has become. One object per row (not parallel lists), so a
+    move to another cache row (`Scheduler.compact`) carries all its state at once."""
+
+    index: int
+    """Its place in the call's input (and output) rows."""
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    """The completion: the model's tokens and the tools' outputs."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-probs of the model's tokens only."""
+    mask: list[int] = field(default_factory=list)
+    """1 per model token, 0 per tool token."""
+    turn: int = 0
+    """Where its current turn (its text since the last tool output) starts in `tokens`."""
+    calls: int = 0
+    """Tool calls made."""
+    row: int = -1
+    """The cache row serving it (-1: queued or done)."""
+    length: int = 0
+    """Tokens in its cache row = the slot its next token goes to."""
+    done: bool = False
+    """Ended (stop id, max_new_tokens or the turn limit): its tokens are final."""
+    waiting: tuple | None = None
+    """(tool, future of its output text, paused at) while it waits on a tool."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunk:
+    """The next decode steps: the first `batch` cache rows, one step per entry of `slots` (the slot bucket it reads);
+    the `idle` rows (no sequence) decode junk at slot 0 of their own row until refilled."""
+
+    batch: int
+    slots: list[int]
+    idle: list[int]
+
+
+class Scheduler:
+    """The sequences of one call over `rows` cache rows of `slots` slots (module docstring). The runner asks it what to
+    launch (`admit`, `resume`, `compact`, `next_chunk`) and hands back what the launches sampled (`record`,
+    `decoded`); `results()` gives per input row (tokens, log-probs of the model's tokens, model mask)."""
+
+    def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
+                 check_every: int, slot_bucket: int, prefill_tokens: int, tools: ToolConfig | None = None,
+                 tokenizer=None, stats: dict | None = None):
+        self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
+        self.queue = deque(self.seqs)
+        self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
+        self.slots, self.max_new, self.check_every, self.slot_bucket = slots, max_new_tokens, check_every, slot_bucket
+        self.prefill_tokens = prefill_tokens
+        self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
+        self.tools = tools if tools is not None and tools.tools else None
+        self.tokenizer = tokenizer
+        self.stats = stats if stats is not None else {}
+        self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
+        self.batch = batch_bucket(min(len(prompts), rows), rows=rows)
+        if self.tools:
+            self.stats.update(tool_calls=0, tool_tokens=0, tool_s=0.0, tool_wait_s=0.0, extend_s=0.0)
+
+    # ---- what runs next ---------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """Sequences are queued, decoding or waiting on a tool."""
+        return bool(self.queue) or any(s is not None for s in self.cache)
+
+    def live(self) -> list[int]:
+        """Cache rows whose sequence decodes (not waiting on a tool)."""
+        return [r for r, s in enumerate(self.cache) if s is not None and s.waiting is None]
+
+    def admit(self) -> list[list[Sequence]]:
+        """Queued sequences placed in the free rows (left-aligned from slot 0), in prefill groups of similar length
+        under the prefill token budget (`prefill_groups`); the runner prefills each group and `record`s its first
+        tokens."""
+        free = [r for r, s in enumerate(self.cache) if s is None][:len(self.queue)]
+        if not free:
+            return []
+        take = [self.queue.popleft() for _ in free]
+        for r, s in zip(free, take):
+            s.row, s.length, self.cache[r] = r, len(s.prompt), s
+        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.cache)))
+        groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens)
+        return [[take[j] for j in group] for group in groups]
+
+    def compact(self) -> list[int] | None:
+        """With the queue empty, no sequence waiting and at most half the batch live: the live rows move to the
+        front and the batch shrinks to their bucket. Returns the rows whose cache the runner copies to rows 0..n-1
+        (None: nothing moves)."""
+        live = self.live()
+        if self.queue or not live or len(live) > self.batch // 2 or any(s.waiting for s in self.cache if s):
+            return None
+        self.batch = batch_bucket(len(live), rows=len(self.cache))
+        if live == list(range(len(live))):
+            return None
+        moved = [self.cache[r] for r in live]
+        self.cache = moved + [None] * (len(self.cache) - len(live))
+        for r, s in enumerate(moved):
+            s.row = r
+        return live
+
+    def next_chunk(self) -> Chunk | None:
+        """Up to `check_every` decode steps of the batch (fewer when every live sequence has less room left), each
+        reading the cache up to the next `slot_bucket` past the longest live row; None when none decodes."""
+        b = self.batch
+        live = [s for s in self.cache[:b] if s is not None and s.waiting is None]
+        if not live:
+            return None
+        top = max(s.length for s in live)
+        left = max(self.max_new - len(s.tokens) for s in live)
+        slots = [min(self.slots, bucketed(top + k + 1, self.slot_bucket)) for k in range(min(self.check_every, left))]
+        return Chunk(batch=b, slots=slots, idle=[r for r in range(b) if self.cache[r] is None])
+
+    # ---- what was sampled -------------------------------------------------------------------------
+    def decoded(self, chunk: Chunk, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The chunk's sampled tokens and log-probs [batch, steps] (CPU), row by row."""
+        rows = self.cache[:chunk.batch]
+        for s in rows:
+            if s is not None and s.waiting is None:
+                s.length += tokens.shape[1]
+        self.record(rows, tokens, logprobs)
+
+    def record(self, seqs: list[Sequence | None], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append each decoding sequence's new tokens [len(seqs), k] up to its first stop id or `max_new_tokens`;
+        one that ends frees its cache row, one that ends a tool call pauses (`pause`). The first stop of every row
+        is found at once (no loop over tokens)."""
+        k = tokens.shape[1]
+        stop = torch.isin(tokens, self.stop_ids.to(tokens.dtype))
+        first = torch.where(stop.any(1), stop.int().argmax(1) + 1, k + 1).tolist()   # tokens kept up to the stop
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        for j, s in enumerate(seqs):
+            if s is None or s.done or s.waiting is not None:
+                continue
+            room = self.max_new - len(s.tokens)
+            keep = min(first[j], k, room)
+            s.tokens += tokens[j][:keep]
+            s.logprobs += logprobs[j][:keep]
+            s.mask += [1] * keep
+            if self.tools and self.pause(s, keep):
+                continue
+            if first[j] <= k or room <= k:
+                self.finish(s)
+
+    def finish(self, s: Sequence) -> None:
+        """The sequence ends; its cache row is free for the queue at the next `admit`."""
+        self.cache[s.row], s.row, s.done = None, -1, True
+
+    def results(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+        """Per input row, in input order: (tokens, log-probs of the model's tokens, model mask)."""
+        return [s.tokens for s in self.seqs], [s.logprobs for s in self.seqs], [s.mask for s in self.seqs]
+
+    def close(self) -> None:
+        """Wait for the tool threads (a call that raised still leaves none running)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    # ---- tools ------------------------------------------------------------------------------------
+    def pause(self, s: Sequence, new: int) -> bool:
+        """If the sequence's last `new` tokens end a tool call: cut it after the stop and start the tool (True), or
+        end it when it has made `max_calls` calls or has no room left (True); else False."""
+        found = find_call(self.tokenizer, s.tokens, turn_start=s.turn, new=new, tools=self.tools.tools)
+        if found is None:
+            return False
+        n, tool = found
+        del s.tokens[n:], s.mask[n:]
+        del s.logprobs[sum(s.mask):]
+        if s.calls >= self.tools.max_calls or len(s.tokens) >= self.max_new:
+            self.finish(s)   # the turn limit (or the length limit): the sequence ends at this call
+            return True
+        s.calls += 1
+        call = tool.call_text(self.tokenizer.decode(s.tokens[s.turn:n]).rpartition(tool.stop)[0])
+        since = time.perf_counter()
+        if self.pool is not None:
+            future = self.pool.submit(timed, tool, call)
+        else:   # inline: the tool has returned before the next sequence is looked at
+            future = Future()
+            future.set_result(timed(tool, call))
+        s.waiting = (tool, future, since)
+        return True
+
+    def resume(self) -> list[tuple[Sequence, list[int], int]]:
+        """Wait for every paused sequence's tool and append its output (cut to the tool's `max_output_tokens` and
+        the room left) as tool tokens; a sequence left without room ends. Returns, per sequence to extend, (it,
+        [last token] + output, the slot of its last token): the runner prefills them in one `decoder.extend` and
+        `record`s the tokens sampled after them."""
+        out = []
+        for s in [s for s in self.cache if s is not None and s.waiting is not None]:
+            tool, future, since = s.waiting
+            s.waiting = None
+            text, seconds = future.result()
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:tool.max_output_tokens]
+            ids = ids[:self.max_new - len(s.tokens)]
+            start = len(s.prompt) + len(s.tokens) - 1   # the slot of the sequence's last token
+            item = (s, [s.tokens[-1]] + ids, start)
+            s.tokens += ids
+            s.mask += [0] * len(ids)
+            s.turn = len(s.tokens)
+            self.stats["tool_calls"] += 1
+            self.stats["tool_tokens"] += len(ids)
+            self.stats["tool_s"] += seconds
+            self.stats["tool_wait_s"] += time.perf_counter() - since
+            if len(s.tokens) >= self.max_new:
+                self.finish(s)
+                continue
+            s.length = start + len(item[1])
+            out.append(item)
+        if out:
+            self.batch = max(self.batch, batch_bucket(max(s.row for s, _, _ in out) + 1, rows=len(self.cache)))
+        return out
+
+
+def timed(tool, call: str) -> tuple[str, float]:
+    """(the tool's output text, seconds it took): what a worker thread returns."""
+    t0 = time.perf_counter()
+    return tool.output(call), time.perf_counter() - t0
