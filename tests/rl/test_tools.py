@@ -13,7 +13,8 @@ from mfsdp_kit.rl import core
 from mfsdp_kit.rl.correction import rollout_logprobs_like
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, default_backend
 from mfsdp_kit.rl.rollout.hf import left_padded
-from mfsdp_kit.rl.rollout.tools import CALCULATOR, Tool, ToolConfig, ToolError, calculator
+from mfsdp_kit.rl.rollout.tools import CALCULATOR, Tool, ToolConfig, ToolError, calculator, find_call
+from tests.rl.test_scheduler import CharTokenizer
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
         [12, 13]]
@@ -44,6 +45,23 @@ def test_a_tool_error_becomes_the_tools_output():
         Tool(name="t", stop="x", fn=str, max_output_tokens=0)
     with pytest.raises(ConfigError, match="max_calls"):
         ToolConfig(tools=[CALCULATOR], max_calls=0)
+
+
+def test_a_call_needs_its_start_before_the_stop():
+    """A stop with no start earlier in the turn is text (a `)` in prose), not a call; a later stop after a start
+    is; the start must be in the turn, not before it (an earlier turn's call)."""
+    tok = CharTokenizer()
+    ids = lambda text: tok(text)["input_ids"]
+    calc = Tool(name="calc", start="calc(", stop=")", fn=calculator)
+    prose = ids("so x) then calc(2+3)")
+    assert find_call(tok, prose, turn_start=0, new=len(prose), tools=[calc]) == (len(prose), calc)
+    assert find_call(tok, prose[:5], turn_start=0, new=5, tools=[calc]) is None   # "so x)": no start
+    # the orphan `)` stays in the turn: the next check point finds the real call after it, and only that
+    assert find_call(tok, prose, turn_start=0, new=len(prose) - 5, tools=[calc]) == (len(prose), calc)
+    earlier = ids("calc(1+1)=2 and 3)")
+    assert find_call(tok, earlier, turn_start=11, new=len(earlier) - 11, tools=[calc]) is None
+    plain = Tool(name="plain", stop=")", fn=calculator)   # no start: any stop is a call
+    assert find_call(tok, prose[:5], turn_start=0, new=5, tools=[plain]) == (5, plain)
 
 
 # ---- the engine with a tool ------------------------------------------------------------------

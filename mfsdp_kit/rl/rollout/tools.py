@@ -87,8 +87,9 @@ TAIL_TOKENS = 16
 
 
 def find_call(tokenizer, tokens: list[int], *, turn_start: int, new: int, tools) -> tuple[int, Tool] | None:
-    """(n, tool): `tokens[:n]` ends with the first tool stop that completes within the last `new` tokens of the
-    turn `tokens[turn_start:]`, or None. One decode of the turn's tail (the new tokens and `TAIL_TOKENS` before
+    """(n, tool): `tokens[:n]` ends with the first call that completes within the last `new` tokens of the turn
+    `tokens[turn_start:]`, or None. A call is a tool's stop with the tool's `start` earlier in the turn (a stop alone,
+    say a `)` in prose, is text, not a call). One decode of the turn's tail (the new tokens and `TAIL_TOKENS` before
     them: a check point's cost does not grow with the completion) rules most rows out; a hit is placed by decoding
     growing prefixes of the new tokens only (a stop is text, so it may span tokens or share one with other text)."""
     start = max(turn_start, len(tokens) - new - TAIL_TOKENS)
@@ -96,12 +97,24 @@ def find_call(tokenizer, tokens: list[int], *, turn_start: int, new: int, tools)
     hits = [t for t in tools if t.stop in text]
     if not hits:
         return None
+    seen = {t.name: tokenizer.decode(tokens[start:len(tokens) - new]).count(t.stop) for t in hits}
     for n in range(len(tokens) - new + 1, len(tokens) + 1):
         prefix = tokenizer.decode(tokens[start:n])
         for tool in hits:
-            if tool.stop in prefix:
-                return n, tool
+            count = prefix.count(tool.stop)
+            if count > seen[tool.name]:   # a stop completed at token n
+                seen[tool.name] = count
+                if opened(tokenizer, tokens[turn_start:n], tool):
+                    return n, tool
     return None
+
+
+def opened(tokenizer, turn: list[int], tool: Tool) -> bool:
+    """Whether the turn, which ends with `tool`'s stop, holds the tool's start before that stop (no start: always)."""
+    if not tool.start:
+        return True
+    text = tokenizer.decode(turn)
+    return tool.start in text[:text.rfind(tool.stop)]
 
 
 def joined_masks(masks: list, completions: list) -> list[list[int]] | None:
