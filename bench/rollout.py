@@ -167,9 +167,9 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
     kit.release()
     graphed = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
     graphed.generate(rows, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
-    state = graphed._kept
+    state = graphed.runner.cache
     slots = min(state.shape[1], 64 * -(-(prompt_tokens + new_tokens // 2) // 64))   # the call's mean bucket
-    step = graphed.step(state, batch, slots)
+    step = graphed.runner.step(batch, slots)
     gen = torch.Generator(device=device).manual_seed(0)
     graph_ms = clock.mean_ms(step, repeats=50, warmup=1, device=device)
     logits = model.lm_head(step())

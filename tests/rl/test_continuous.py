@@ -76,11 +76,11 @@ def test_same_seed_same_samples_kept_or_fresh(tmp_path):
     rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=5, check_every=4, keep_cache=True))
     kw = dict(max_new_tokens=12, temperature=1.0, top_p=0.95)
     a, b = rollout.generate(ROWS * 2, seed=1, **kw), rollout.generate(ROWS * 2, seed=1, **kw)   # b: a's kept cache
-    assert rollout._kept is not None and a == b and a != rollout.generate(ROWS * 2, seed=2, **kw)
+    assert rollout.runner.cache is not None and a == b and a != rollout.generate(ROWS * 2, seed=2, **kw)
     rollout.release()
-    assert rollout._kept is None and a == rollout.generate(ROWS * 2, seed=1, **kw)
+    assert rollout.runner.cache is None and a == rollout.generate(ROWS * 2, seed=1, **kw)
     rollout.config.keep_cache = False
-    assert a == rollout.generate(ROWS * 2, seed=1, **kw) and rollout._kept is None   # freed after the call
+    assert a == rollout.generate(ROWS * 2, seed=1, **kw) and rollout.runner.cache is None   # freed after the call
 
 
 def test_bad_config_is_refused_by_name():

@@ -12,20 +12,22 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
   - once the queue is empty and at most half the rows still run, they move to the front and the steps run a
     smaller batch bucket (powers of two): the long tail of a GRPO batch costs what its live rows cost;
   - a decode step reads the cache up to the next `slot_bucket` past the longest live row, and runs as one
-    CUDA graph per (batch bucket, slot bucket) on a GPU (all graphs share one memory pool); elsewhere, or for
-    MoE models (their routing syncs the host), it runs eagerly: the same code, so CPU tests cover it;
+    CUDA graph per (batch bucket, slot bucket) on a GPU (all graphs share one memory pool, all captured when the
+    cache is made: `runner.Runner`); elsewhere, or for MoE models (their routing syncs the host), it runs
+    eagerly: the same code, so CPU tests cover it;
   - sampling (temperature, top-p, `sampling.pick`) runs on the device from one seeded generator, and each
     sampled token's log-prob at the sampling temperature comes back with it (the train-inference mismatch).
   - with tools (`tools.ToolConfig`), a row that writes a tool's stop string pauses at the check point, its tool
     runs, and its output is prefilled into the row's own cache slots (`decoder.extend`) before it resumes: the
     naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`scheduler.py`, `run.py`).
 The policy of one call (sequences, queue, compaction, stops, tool pauses) is `scheduler.Scheduler`, on the host
-alone; its device work (prefills, extends, row copies, the decode steps) is `run.Run`.
+alone; its device work (prefills, extends, row copies, the decode steps) is `run.Run`, over the state that
+`runner.Runner` keeps across calls (cache, static buffers, graphs).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -33,9 +35,10 @@ import torch
 from ...train import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
-from .decoder import EAGER, Glue, check_model, decode, fuse_projections, is_moe, layer_windows, rope_table
+from .decoder import check_model, fuse_projections, layer_windows
 from .hf import Completions, HFRollout
 from .run import Run
+from .runner import Runner
 from .scheduler import Scheduler
 from .schedule import bucketed
 from .tools import ToolConfig
@@ -78,22 +81,6 @@ class DecodeConfig:
                      cache_memory_fraction=number_in(0, 1, low_open=True))
 
 
-@dataclass
-class _Cache:
-    """The device state of the engine: KV cache, rotary table, each row's next token and position, graphs."""
-
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    rope: tuple[torch.Tensor, torch.Tensor]
-    tok: torch.Tensor
-    pos: torch.Tensor
-    steps: dict = field(default_factory=dict)
-    pool: object = None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
-
-
 class ContinuousRollout(HFRollout):
     """`HFRollout`'s model and refresh (its q/k/v and gate/up regrouped in place: `decoder.fuse_projections`),
     sampled by continuous batching (module docstring)."""
@@ -109,9 +96,9 @@ class ContinuousRollout(HFRollout):
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.clip_qkv = getattr(c, "clip_qkv", None)
         self.windows = layer_windows(hf_model)
-        self._kept: _Cache | None = None
-        self._glue: Glue | None = None
-        self._compiled = None
+        self.runner = Runner(hf_model, config=self.config, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
+                             windows=self.windows)
+        """The device state across calls: KV cache, static buffers, the decode steps' graphs (`runner.py`)."""
         self.stats: dict = {}
         """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds, tokens
         (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
@@ -147,9 +134,9 @@ class ContinuousRollout(HFRollout):
         longest = max(map(len, rows))
         check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
-        t0 = time.perf_counter()
-        state = self.kept_state(self.rows_for(len(rows), slots=slots), slots)
-        self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0, capture_s=0.0)
+        t0, captured_s = time.perf_counter(), self.runner.capture_s
+        state = self.runner.cache_for(self.rows_for(len(rows), slots=slots), slots)
+        self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
                               slot_bucket=cfg.slot_bucket, prefill_tokens=cfg.prefill_tokens, tools=self.tools,
@@ -159,6 +146,7 @@ class ContinuousRollout(HFRollout):
         try:
             return run.loop()
         finally:
+            self.stats["capture_s"] = self.runner.capture_s - captured_s
             self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
             self.stats["tokens"] = sum(map(sum, scheduler.results()[2]))
@@ -185,115 +173,20 @@ class ContinuousRollout(HFRollout):
         """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits in
         `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free)."""
         want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
-        if self._kept is not None and self._kept.shape[0] >= want and self._kept.shape[1] >= slots:
-            return self._kept.shape[0]   # the kept cache holds the call: its graphs replay
+        kept = self.runner.cache
+        if kept is not None and kept.shape[0] >= want and kept.shape[1] >= slots:
+            return kept.shape[0]   # the kept cache holds the call: its graphs replay
         device = self.model.device
         if device.type != "cuda":
             return want
-        free = torch.cuda.mem_get_info(device)[0] + (self._kept_bytes() if self._kept else 0)
-        fit = int(self.config.cache_memory_fraction * free // self.row_bytes(slots))
+        free = torch.cuda.mem_get_info(device)[0] + (kept.nbytes() if kept else 0)
+        fit = int(self.config.cache_memory_fraction * free // self.runner.row_bytes(slots))
         if fit < 1:
             raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
                             f"a share of the {free / 2**30:.1f} GiB free that holds one row of {slots} slots "
-                            f"({self.row_bytes(slots) / 2**20:.0f} MiB)")
+                            f"({self.runner.row_bytes(slots) / 2**20:.0f} MiB)")
         return min(want, fit)
 
-    def row_bytes(self, slots: int) -> int:
-        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
-        c, p = self.model.config, next(self.model.parameters())
-        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
-
-    def _kept_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self._kept.kv)
-
-    def kept_state(self, rows: int, slots: int) -> _Cache:
-        """The device state for `rows` x `slots`: the kept one when it has these rows and at least these slots (its
-        graphs replay at once), else a new one, the old freed first. Stale slots are harmless: a slot is read only
-        once this call's prefill or decode has written it."""
-        if self._kept is None or self._kept.shape[0] != rows or self._kept.shape[1] < slots:
-            self._kept = None
-            p = next(self.model.parameters())
-            shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
-            kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
-                  for _ in self.model.model.layers]
-            idx = torch.zeros(rows, dtype=torch.long, device=p.device)
-            self._kept = _Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx,
-                                pos=idx.clone())
-        return self._kept
-
     def release(self) -> None:
-        """Free the KV cache and CUDA graphs; the next call makes them again."""
-        self._kept = None
-
-    def step(self, state: _Cache, batch: int, slots: int):
-        """A decode step over the first `batch` rows and `slots` slots: reads `state.tok`/`state.pos`, writes the
-        rows' K, V, returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the
-        same slots with the same values), so its warm-up and capture leave the cache as they found it."""
-        if (batch, slots) in state.steps:
-            return state.steps[(batch, slots)]
-        t0 = time.perf_counter()
-        tok, pos = state.tok[:batch], state.pos[:batch]
-        gpu = tok.device.type == "cuda"
-        glue = self.glue(gpu)
-
-        def eager():
-            return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
-        fn = eager
-        if self.config.cuda_graphs and gpu and not is_moe(self.model):
-            if self.config.graph_mode == "reduce-overhead":
-                fn = self.compiled_step(state, tok, pos, slots)
-            else:
-                fn = captured(eager, pool=state.pool)
-                state.pool = fn.pool
-        state.steps[(batch, slots)] = fn
-        self.stats["capture_s"] = self.stats.get("capture_s", 0.0) + time.perf_counter() - t0
-        return fn
-
-    def compiled_step(self, state: _Cache, tok: torch.Tensor, pos: torch.Tensor, slots: int):
-        """The step through `torch.compile(decode, mode="reduce-overhead")` (`graph_mode`): one compile per batch
-        and slot bucket; the cache tensors are marked static so inductor's graphs may write them in place."""
-        from torch import _dynamo
-        if self._compiled is None:
-            self._compiled = torch.compile(decode, mode="reduce-overhead", dynamic=False)
-        for t in (*[x for kv in state.kv for x in kv], *state.rope):
-            _dynamo.mark_static_address(t)
-
-        def run():
-            torch.compiler.cudagraph_mark_step_begin()
-            # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
-            with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
-                return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
-                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER,
-                                      windows=self.windows)
-        run()   # compiles and records now, not inside the timed loop
-        return run
-
-    def glue(self, gpu: bool) -> Glue:
-        """The decode step's elementwise functions: compiled once per engine on a GPU (`compile_glue`)."""
-        if not (gpu and self.config.compile_glue):
-            return EAGER
-        if self._glue is None:
-            self._glue = Glue(compiled=True)
-        return self._glue
-
-
-def captured(fn, *, pool=None):
-    """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
-    memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
-    rewritten by the next replay of any graph of the pool."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-    replay.pool = pool
-    return replay
+        """Free the KV cache and its CUDA graphs (`runner.Runner.release`); the next call makes them again."""
+        self.runner.release()

@@ -1,9 +1,9 @@
 """One `ContinuousRollout.generate` call's device work: the launches that carry out `scheduler.Scheduler`'s decisions
-over the engine's cache (`continuous._Cache`). The scheduler decides on the host which sequences are admitted,
+over the engine's cache (`runner.Cache`). The scheduler decides on the host which sequences are admitted,
 which rows move, how many steps the next chunk runs and where each sequence stops; `Run` prefills, extends (a tool's
 output into a paused sequence's own cache slots), copies cache rows, writes the rows' next token and position, and
-replays the decode steps (`ContinuousRollout.step`: a CUDA graph per batch and slot bucket on a GPU, captured the
-first time a bucket runs). `Run.loop` is the whole call: the two joined, one check point per turn of the loop.
+replays the decode steps (`runner.Runner.step`: a CUDA graph per batch and slot bucket on a GPU, all captured when
+the cache was made). `Run.loop` is the whole call: the two joined, one check point per turn of the loop.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class Run:
             st.pos[torch.tensor(chunk.idle, device=st.pos.device)] = 0
         sampled, head = [], self.engine.model.lm_head
         for slots in chunk.slots:
-            hidden = self.engine.step(st, b, slots)()
+            hidden = self.engine.runner.step(b, slots)()
             tok, logp = pick(head(hidden), **self.sample)
             st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
             sampled.append((tok, logp))

@@ -1,0 +1,167 @@
+"""The rollout engine's device state across calls (nano-vllm's model runner): the KV cache, the rotary table, each
+row's next token and position (the static buffers every decode step reads), and the decode steps themselves, one per
+batch and slot bucket.
+
+On a GPU the steps are CUDA graphs in one memory pool, all captured when the cache is made (`Runner.cache_for`), for
+the fixed set of buckets a call on that cache can ask for (`buckets`): a call never captures inside its decode
+loop, and a kept cache's later calls capture nothing. Elsewhere, or for MoE models (their routing syncs the host),
+a step is the same code run eagerly, so CPU tests cover it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .decoder import EAGER, Glue, decode, is_moe, rope_table
+from .schedule import batch_bucket
+
+
+@dataclass
+class Cache:
+    """The device state of one cache shape: KV per layer, rotary table, each row's next token and position, steps."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    rope: tuple[torch.Tensor, torch.Tensor]
+    tok: torch.Tensor
+    pos: torch.Tensor
+    steps: dict = field(default_factory=dict)
+    """(batch, slots) -> the step: a graph's replay on a GPU, else the eager decode."""
+    pool: object = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, slots)."""
+        return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
+
+
+def buckets(*, rows: int, slots: int, slot_bucket: int) -> list[tuple[int, int]]:
+    """Every (batch, slots) a decode step on a `rows` x `slots` cache can run: the batch buckets of 1..rows live rows
+    (`schedule.batch_bucket`) times the multiples of `slot_bucket` up to `slots`, largest first (the pool's biggest
+    buffers are made first and the smaller graphs reuse them)."""
+    batches = sorted({batch_bucket(n, rows=rows) for n in range(1, rows + 1)}, reverse=True)
+    return [(b, s) for b in batches for s in range(slots, 0, -slot_bucket)]
+
+
+class Runner:
+    """The model's decode state and steps (module docstring); `ContinuousRollout` owns one."""
+
+    def __init__(self, model, *, config, head_dim: int, clip_qkv, windows):
+        self.model, self.config, self.head_dim, self.clip_qkv, self.windows = model, config, head_dim, clip_qkv, windows
+        self.cache: Cache | None = None
+        self.capture_s = 0.0
+        """Seconds spent making steps (graph warm-ups and captures), summed over the runner's life."""
+        self._glue: Glue | None = None
+        self._compiled = None
+
+    def row_bytes(self, slots: int) -> int:
+        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
+        c, p = self.model.config, next(self.model.parameters())
+        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
+
+    def cache_for(self, rows: int, slots: int) -> Cache:
+        """The cache for `rows` x `slots`: the kept one when it has these rows and at least these slots (its steps
+        replay at once), else a new one, the old freed first, with every step of `buckets` made now. Stale slots are
+        harmless: a slot is read only once this call's prefill or decode has written it."""
+        if self.cache is not None and self.cache.shape[0] == rows and self.cache.shape[1] >= slots:
+            return self.cache
+        self.cache = None
+        p = next(self.model.parameters())
+        shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
+        kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+              for _ in self.model.model.layers]
+        idx = torch.zeros(rows, dtype=torch.long, device=p.device)
+        self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone())
+        if self.graphed():
+            for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket):
+                self.step(batch, s)
+        return self.cache
+
+    def release(self) -> None:
+        """Free the KV cache and its steps; the next call makes them again."""
+        self.cache = None
+
+    def graphed(self) -> bool:
+        """Whether steps are CUDA graphs captured by hand (`DecodeConfig.cuda_graphs`, "capture" mode, a dense model
+        on a GPU): those are made up front; eager and reduce-overhead steps are made when first asked for."""
+        return (self.config.cuda_graphs and self.config.graph_mode == "capture" and self.cache.tok.device.type == "cuda"
+                and not is_moe(self.model))
+
+    def step(self, batch: int, slots: int):
+        """A decode step over the first `batch` rows and `slots` slots: reads `tok`/`pos`, writes the rows' K, V,
+        returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the same slots
+        with the same values), so its warm-up and capture leave the cache as they found it."""
+        state = self.cache
+        if (batch, slots) in state.steps:
+            return state.steps[(batch, slots)]
+        t0 = time.perf_counter()
+        tok, pos = state.tok[:batch], state.pos[:batch]
+        gpu = tok.device.type == "cuda"
+        glue = self.glue(gpu)
+
+        def eager():
+            return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
+                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
+        fn = eager
+        if self.config.cuda_graphs and gpu and not is_moe(self.model):
+            if self.config.graph_mode == "reduce-overhead":
+                fn = self.compiled_step(tok, pos, slots)
+            else:
+                fn = captured(eager, pool=state.pool)
+                state.pool = fn.pool
+        state.steps[(batch, slots)] = fn
+        self.capture_s += time.perf_counter() - t0
+        return fn
+
+    def compiled_step(self, tok: torch.Tensor, pos: torch.Tensor, slots: int):
+        """The step through `torch.compile(decode, mode="reduce-overhead")` (`graph_mode`): one compile per batch
+        and slot bucket; the cache tensors are marked static so inductor's graphs may write them in place."""
+        from torch import _dynamo
+        state = self.cache
+        if self._compiled is None:
+            self._compiled = torch.compile(decode, mode="reduce-overhead", dynamic=False)
+        for t in (*[x for kv in state.kv for x in kv], *state.rope):
+            _dynamo.mark_static_address(t)
+
+        def run():
+            torch.compiler.cudagraph_mark_step_begin()
+            # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
+            with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
+                return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
+                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER,
+                                      windows=self.windows)
+        run()   # compiles and records now, not inside the timed loop
+        return run
+
+    def glue(self, gpu: bool) -> Glue:
+        """The decode step's elementwise functions: compiled once per runner on a GPU (`compile_glue`)."""
+        if not (gpu and self.config.compile_glue):
+            return EAGER
+        if self._glue is None:
+            self._glue = Glue(compiled=True)
+        return self._glue
+
+
+def captured(fn, *, pool=None):
+    """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
+    memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
+    rewritten by the next replay of any graph of the pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    replay.pool = pool
+    return replay

@@ -1,0 +1,83 @@
+"""rl.rollout.runner: the bucket set covers every step the scheduler can ask for, a kept cache serves later calls
+with the steps it has, and on a GPU every graph is captured when the cache is made: a second call captures nothing,
+and its tokens equal a fresh engine's."""
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mfsdp_kit.models.archs import write_tiny
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
+from mfsdp_kit.rl.rollout.runner import buckets
+from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
+from mfsdp_kit.rl.rollout.scheduler import Scheduler
+
+ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98]]
+
+
+def test_buckets_cover_every_batch_and_slot_bucket_once():
+    for rows, slots, bucket in [(1, 8, 8), (5, 24, 8), (8, 64, 16), (512, 576, 64), (300, 1088, 64)]:
+        got = buckets(rows=rows, slots=slots, slot_bucket=bucket)
+        assert len(got) == len(set(got))
+        want = {(batch_bucket(n, rows=rows), s) for n in range(1, rows + 1) for s in range(bucket, slots + 1, bucket)}
+        assert set(got) == want, (rows, slots)
+        assert got[0] == (min(rows, max(2, 1 << (rows - 1).bit_length())), slots)   # the largest first
+
+
+def test_every_chunk_the_scheduler_plans_is_a_bucket():
+    """The scheduler's chunks over random calls (no model: each step samples token 1, a stop id on a random
+    schedule) ask only for (batch, slots) pairs in `buckets`, so the steps made up front are all a call needs."""
+    gen = random.Random(0)
+    for _ in range(30):
+        rows, bucket = gen.choice([2, 3, 4, 7, 8]), gen.choice([4, 8])
+        prompts = [[3] * gen.randint(1, 9) for _ in range(gen.randint(1, 12))]
+        new = gen.randint(1, 30)
+        slots = bucketed(max(map(len, prompts)) + new + 4, bucket)
+        allowed = set(buckets(rows=rows, slots=slots, slot_bucket=bucket))
+        s = Scheduler(prompts, rows=rows, slots=slots, max_new_tokens=new, stops={1}, check_every=4,
+                      slot_bucket=bucket, prefill_tokens=64, tools=None, tokenizer=None, stats={})
+        while s.busy():
+            for group in s.admit():
+                s.record(group, torch.full((len(group), 1), 2), torch.zeros(len(group), 1))
+            s.compact()
+            chunk = s.next_chunk()
+            if chunk is None:
+                continue
+            assert {(chunk.batch, k) for k in chunk.slots} <= allowed, (chunk, rows, slots)
+            stop = torch.tensor([[1 if gen.random() < 0.2 else 2 for _ in chunk.slots] for _ in range(chunk.batch)])
+            s.decoded(chunk, stop, torch.zeros(stop.shape))
+
+
+def load(tmp_path, device="cpu", dtype=torch.float32):
+    folder = write_tiny("Qwen2ForCausalLM", tmp_path / "qwen2")
+    return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device), AutoTokenizer.from_pretrained(folder))
+
+
+def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path):
+    model, tok = load(tmp_path)
+    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8))
+    kw = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=0)
+    rollout.generate(ROWS, **kw)
+    cache, steps = rollout.runner.cache, dict(rollout.runner.cache.steps)
+    assert cache.shape == (4, 24) and steps   # CPU: steps made as they are first asked for, eagerly
+    rollout.generate(ROWS[:2], **kw)
+    assert rollout.runner.cache is cache and all(cache.steps[k] is f for k, f in steps.items())
+    rollout.generate(ROWS, max_new_tokens=40, temperature=1.0, top_p=1.0, seed=0)   # more slots: a new cache
+    assert rollout.runner.cache is not cache and rollout.runner.cache.shape[1] >= 40
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a GPU")
+def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(tmp_path):
+    model, tok = load(tmp_path, "cuda", torch.bfloat16)
+    cfg = DecodeConfig(max_batch_size=16, check_every=4, slot_bucket=16)
+    rollout = ContinuousRollout(model, tok, config=cfg)
+    kw = dict(max_new_tokens=40, temperature=1.0, top_p=1.0)
+    first = rollout.generate(ROWS * 3, seed=1, **kw)
+    cache = rollout.runner.cache
+    assert set(cache.steps) == set(buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16))
+    assert rollout.stats["capture_s"] > 0
+    again = rollout.generate(ROWS * 3, seed=1, **kw)
+    assert rollout.stats["capture_s"] == 0 and again == first
+    fresh = ContinuousRollout(model, tok, config=cfg).generate(ROWS * 3, seed=1, **kw)
+    assert fresh == first
