@@ -76,8 +76,8 @@ def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(tmp_path):
     first = rollout.generate(ROWS * 3, seed=1, **kw)
     cache = rollout.runner.cache
     assert set(cache.steps) == set(buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16))
-    assert rollout.stats["capture_s"] > 0
+    assert rollout.stats["capture_s"] > 0 and rollout.stats["graphs"] == len(cache.steps)
     again = rollout.generate(ROWS * 3, seed=1, **kw)
-    assert rollout.stats["capture_s"] == 0 and again == first
+    assert rollout.stats["capture_s"] == 0 and rollout.stats["graphs"] == 0 and again == first
     fresh = ContinuousRollout(model, tok, config=cfg).generate(ROWS * 3, seed=1, **kw)
     assert fresh == first

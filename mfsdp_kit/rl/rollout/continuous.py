@@ -100,7 +100,8 @@ class ContinuousRollout(HFRollout):
                              windows=self.windows)
         """The device state across calls: KV cache, static buffers, the decode steps' graphs (`runner.py`)."""
         self.stats: dict = {}
-        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s (graphs made), seconds, tokens
+        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
+        of a new cache's graphs, in the call that makes it), seconds, tokens
         (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
         paused, summed over rows), extend_s (their outputs prefilled)."""
 
@@ -134,7 +135,7 @@ class ContinuousRollout(HFRollout):
         longest = max(map(len, rows))
         check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
-        t0, captured_s = time.perf_counter(), self.runner.capture_s
+        t0, captured_s, made = time.perf_counter(), self.runner.capture_s, self.runner.made
         state = self.runner.cache_for(self.rows_for(len(rows), slots=slots), slots)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
@@ -147,6 +148,7 @@ class ContinuousRollout(HFRollout):
             return run.loop()
         finally:
             self.stats["capture_s"] = self.runner.capture_s - captured_s
+            self.stats["graphs"] = self.runner.made - made
             self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
             self.stats["tokens"] = sum(map(sum, scheduler.results()[2]))

@@ -53,8 +53,9 @@ class Runner:
     def __init__(self, model, *, config, head_dim: int, clip_qkv, windows):
         self.model, self.config, self.head_dim, self.clip_qkv, self.windows = model, config, head_dim, clip_qkv, windows
         self.cache: Cache | None = None
-        self.capture_s = 0.0
-        """Seconds spent making steps (graph warm-ups and captures), summed over the runner's life."""
+        self.capture_s, self.made = 0.0, 0
+        """Seconds spent making steps (graph warm-ups and captures, the glue's compile in the first) and the steps
+        made, summed over the runner's life."""
         self._glue: Glue | None = None
         self._compiled = None
 
@@ -115,6 +116,7 @@ class Runner:
                 state.pool = fn.pool
         state.steps[(batch, slots)] = fn
         self.capture_s += time.perf_counter() - t0
+        self.made += 1
         return fn
 
     def compiled_step(self, tok: torch.Tensor, pos: torch.Tensor, slots: int):
@@ -149,16 +151,24 @@ class Runner:
 def captured(fn, *, pool=None):
     """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
     memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
-    rewritten by the next replay of any graph of the pool."""
+    rewritten by the next replay of any graph of the pool.
+
+    `CUDAGraph.capture_begin`/`capture_end` directly, not the `torch.cuda.graph` context: that one synchronizes the
+    device and empties the allocator's cache on entry, so each of a cache's ~80 captures would give back the blocks
+    the next warm-up allocates again."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()   # the warm-up's frees settle before the capture allocates from the pool
+        graph.capture_begin(pool)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
 
     def replay():
         graph.replay()
