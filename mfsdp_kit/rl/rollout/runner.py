@@ -29,6 +29,10 @@ class Cache:
     steps: dict = field(default_factory=dict)
     """(batch, slots) -> the step: a graph's replay on a GPU, else the eager decode."""
     pool: object = None
+    """The graphs' memory pool (made with the first graph)."""
+    stream: object = None
+    """The side stream of every warm-up and capture: the pool's freed blocks are reused only by allocations on the
+    stream that freed them, so one stream lets each graph reuse the last one's memory."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -112,7 +116,8 @@ class Runner:
             if self.config.graph_mode == "reduce-overhead":
                 fn = self.compiled_step(tok, pos, slots)
             else:
-                fn = captured(eager, pool=state.pool)
+                state.stream = state.stream or torch.cuda.Stream()
+                fn = captured(eager, pool=state.pool, stream=state.stream)
                 state.pool = fn.pool
         state.steps[(batch, slots)] = fn
         self.capture_s += time.perf_counter() - t0
@@ -148,15 +153,14 @@ class Runner:
         return self._glue
 
 
-def captured(fn, *, pool=None):
-    """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
+def captured(fn, *, pool=None, stream: torch.cuda.Stream):
+    """`fn()` recorded as one CUDA graph on `stream` (after a warm-up there: allocator, cuBLAS, compiles) in the
     memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
     rewritten by the next replay of any graph of the pool.
 
     `CUDAGraph.capture_begin`/`capture_end` directly, not the `torch.cuda.graph` context: that one synchronizes the
     device and empties the allocator's cache on entry, so each of a cache's ~80 captures would give back the blocks
     the next warm-up allocates again."""
-    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
