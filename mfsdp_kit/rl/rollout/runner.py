@@ -30,9 +30,6 @@ class Cache:
     """(batch, slots) -> the step: a graph's replay on a GPU, else the eager decode."""
     pool: object = None
     """The graphs' memory pool (made with the first graph)."""
-    stream: object = None
-    """The side stream of every warm-up and capture: the pool's freed blocks are reused only by allocations on the
-    stream that freed them, so one stream lets each graph reuse the last one's memory."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -116,8 +113,7 @@ class Runner:
             if self.config.graph_mode == "reduce-overhead":
                 fn = self.compiled_step(tok, pos, slots)
             else:
-                state.stream = state.stream or torch.cuda.Stream()
-                fn = captured(eager, pool=state.pool, stream=state.stream)
+                fn = captured(eager, pool=state.pool)
                 state.pool = fn.pool
         state.steps[(batch, slots)] = fn
         self.capture_s += time.perf_counter() - t0
@@ -153,26 +149,19 @@ class Runner:
         return self._glue
 
 
-def captured(fn, *, pool=None, stream: torch.cuda.Stream):
-    """`fn()` recorded as one CUDA graph on `stream` (after a warm-up there: allocator, cuBLAS, compiles) in the
+def captured(fn, *, pool=None):
+    """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
     memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
-    rewritten by the next replay of any graph of the pool.
-
-    `CUDAGraph.capture_begin`/`capture_end` directly, not the `torch.cuda.graph` context: that one synchronizes the
-    device and empties the allocator's cache on entry, so each of a cache's ~80 captures would give back the blocks
-    the next warm-up allocates again."""
+    rewritten by the next replay of any graph of the pool."""
+    stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         fn()
-        stream.synchronize()   # the warm-up's frees settle before the capture allocates from the pool
-        graph.capture_begin(pool)
-        try:
-            out = fn()
-        finally:
-            graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
 
     def replay():
         graph.replay()
