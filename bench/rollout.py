@@ -186,6 +186,51 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
                 kernels=table[:60])
 
 
+def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
+    """What making a cache's graphs costs (`runner.Runner.cache_for`: every bucket of `runner.buckets`), at `rows` x
+    `slots` twice (the first with the glue's compile), then one bucket's parts: its eager step's host time (the
+    launches) and device time, one capture, and cProfile's top functions of that capture."""
+    import cProfile
+    import io
+    import pstats
+    from mfsdp_kit.rl.rollout.decoder import decode
+    from mfsdp_kit.rl.rollout.runner import captured
+    kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
+    r = kit.runner
+
+    def made() -> float:
+        t0 = time.perf_counter()
+        r.cache_for(rows, slots)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    first_s, again_s = made(), (r.release(), made())[1]
+    graphs, state = len(r.cache.steps), r.cache
+
+    def eager():
+        return decode(model, state.tok[:rows], state.pos[:rows], state.kv, state.rope, slots=slots,
+                      head_dim=r.head_dim, clip_qkv=r.clip_qkv, glue=r.glue(True), windows=r.windows)
+    eager()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eager()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - t0) * 1e3
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(lambda: captured(eager, pool=state.pool))
+    torch.cuda.synchronize()
+    capture_ms = (time.perf_counter() - t0) * 1e3
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+    kit.release()
+    print(f"capture at {rows} rows x {slots} slots: {graphs} graphs, first {first_s:.2f} s (with compiles), again "
+          f"{again_s:.2f} s ({again_s / graphs * 1e3:.1f} ms a graph); one bucket: eager step {eager_ms:.1f} ms "
+          f"({host_ms:.1f} ms of launches), capture {capture_ms:.1f} ms\n" + text.getvalue()[:6000])
+    return dict(rows=rows, slots=slots, graphs=graphs, first_s=first_s, again_s=again_s, eager_ms=eager_ms,
+                eager_host_ms=host_ms, one_capture_ms=capture_ms)
+
+
 VARIANTS = {"compiled": {}, "eager": dict(compile_glue=False), "reduce-overhead": dict(graph_mode="reduce-overhead")}
 """The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, compiled glue
 on a GPU), eager (glue eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead"))."""
@@ -202,6 +247,8 @@ def main() -> None:
                    help=f"the kit's variants, comma-separated of {','.join(VARIANTS)}")
     p.add_argument("--agreement-rows", type=int, default=64, help="rows of the bf16 greedy comparison with HF")
     p.add_argument("--profile-batch", type=int, default=0, help="also profile a decode step at this many rows")
+    p.add_argument("--capture-split", default="", metavar="ROWS,SLOTS",
+                   help="also time making every graph of a ROWS x SLOTS cache, and one capture's parts")
     p.add_argument("--tools", action="store_true", help="also the engine with a tool (module docstring)")
     p.add_argument("--tool-tokens", type=int, default=16, help="tokens of each tool output")
     p.add_argument("--tool-latency-ms", type=float, default=0.0, help="each tool call sleeps this long")
@@ -257,10 +304,13 @@ def main() -> None:
               f"{c['token_agreement']:.4f}, max |log-prob diff| {c['max_logprob_diff']:.4f}")
     prof = (profile_decode(model, vocab, batch=args.profile_batch, prompt_tokens=args.prompt_tokens,
                            new_tokens=min(args.new_tokens, 64), device=device) if args.profile_batch else None)
+    capture = (capture_split(model, vocab, **dict(zip(("rows", "slots"), map(int, args.capture_split.split(",")))))
+               if args.capture_split else None)
     with_tools = (tool_rows(model, vocab, [int(b) for b in args.batches.split(",")], prompt_tokens=args.prompt_tokens,
                             new_tokens=args.new_tokens, tool_tokens=args.tool_tokens, latency_ms=args.tool_latency_ms,
                             device=device) if args.tools else None)
-    write_json(args.out, dict(tools=with_tools, profile=prof, shape=args.shape, device=device, dtype=str(dtype), weight_bytes=weight_bytes,
+    write_json(args.out, dict(tools=with_tools, profile=prof, capture=capture, shape=args.shape, device=device,
+                              dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results, agreement=checks))
 

@@ -313,6 +313,11 @@ SECTIONS.update({
     "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
                             args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "
                                  "--agreement-rows 0 --profile-batch 256")],
+    # what making a cache's graphs up front costs (`runner.Runner.cache_for`, 81 graphs at 512 x 576) and one capture's parts
+    "rollout_capture": [Row(name="rollout_capture", script="bench/rollout.py", launch="python",
+                            writes="rollout_capture.json",
+                            args="--shape qwen2-1.8b --batches 2 --new-tokens 8 --variants compiled --hf-new-tokens 2 "
+                                 "--agreement-rows 0 --capture-split 512,576")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

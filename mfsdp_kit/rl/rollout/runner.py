@@ -65,6 +65,7 @@ class Runner:
         c, p = self.model.config, next(self.model.parameters())
         return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
 
+    @torch.no_grad()   # decode is inference: a graph captured with grad on would record autograd's bookkeeping
     def cache_for(self, rows: int, slots: int) -> Cache:
         """The cache for `rows` x `slots`: the kept one when it has these rows and at least these slots (its steps
         replay at once), else a new one, the old freed first, with every step of `buckets` made now. Stale slots are
@@ -93,6 +94,7 @@ class Runner:
         return (self.config.cuda_graphs and self.config.graph_mode == "capture" and self.cache.tok.device.type == "cuda"
                 and not is_moe(self.model))
 
+    @torch.no_grad()
     def step(self, batch: int, slots: int):
         """A decode step over the first `batch` rows and `slots` slots: reads `tok`/`pos`, writes the rows' K, V,
         returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the same slots
