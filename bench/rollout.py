@@ -186,6 +186,7 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
                 kernels=table[:60])
 
 
+@torch.no_grad()   # as the engine runs: with grad on, the glue recompiles and runs autograd's wrappers
 def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
     """What making a cache's graphs costs (`runner.Runner.cache_for`: every bucket of `runner.buckets`), at `rows` x
     `slots` twice (the first with the glue's compile), then one bucket's parts: its eager step's host time (the
