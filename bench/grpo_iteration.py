@@ -3,6 +3,12 @@ rollout engine (`rl.rollout.ContinuousRollout`), the same model, prompts and see
 
     python bench/grpo_iteration.py --size l --iterations 3 --out runs/bench/grpo_iteration.json   # 1 GPU
     python bench/grpo_iteration.py --size xs --prompts 4 --samples 2 --max-new-tokens 16 --iterations 1  # CPU
+    python bench/grpo_iteration.py --shape qwen2.5-7b --lora-rank 16 --prompts 32 --samples 8 --max-new-tokens 1024
+
+--shape: instead of a tiny model, a real architecture's shape with random bf16 weights (`perf.hf_folder`, the seed's
+Qwen2.5-7B), given the tiny model's tokenizer (its ids are a small corner of the vocabulary; an untrained model
+rarely samples its stop id, so completions run to --max-new-tokens: the worst case). --lora-rank r: LoRA of rank r
+(alpha 2r) on every linear, the base frozen; the rollout's refresh merges W + s B A in the sync plan.
 
 The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrained, so its responses run long
 (written with 1024 positions for that), 64 prompts x 8 samples of the 3-digit arithmetic
@@ -24,6 +30,7 @@ from mfsdp_kit.train import data
 from mfsdp_kit.notebook import plots
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
+from mfsdp_kit.lora import LoRAConfig
 from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
@@ -35,6 +42,20 @@ from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
 
 
+def shape_folder(shape: str, *, root: str) -> Path:
+    """`shape`'s folder with random bf16 weights (`perf.hf_folder.write_for_world`) and the tiny model's tokenizer."""
+    import shutil
+    from mfsdp_kit.perf.hf_folder import write_for_world
+    path, _ = write_for_world(f"mfsdp_grpo_iteration_{shape}", shape, root=root, shard_gb=4.0)
+    tokenizer = model_folder("xs", positions=1024)
+    if runtime.current().rank == 0:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy(Path(tokenizer) / name, path / name)
+    dist.barrier()
+    return path
+
+
 def model_folder(size: str, *, positions: int) -> str:
     """A tiny model of `size` written once per run on rank 0, with `positions` rotary positions."""
     src = f"/tmp/mfsdp_grpo_iteration_{size}"
@@ -44,9 +65,10 @@ def model_folder(size: str, *, positions: int) -> str:
     return src
 
 
-def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardware) -> list[dict]:
+def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardware, lora: bool = False) -> list[dict]:
     """Print one backend's per-iteration split with each pass's floor on `hw` (`perf.floors`) and its MFU on real
-    tokens; returns the rows (seconds, floors, MFU) for the JSON."""
+    tokens (with `lora`, the update's floor at 4N FLOPs a token: the frozen base needs no weight gradients); returns
+    the rows (seconds, floors, MFU) for the JSON."""
     rows = []
     print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, "
           f"<= {gcfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor ({hw.name}) / MFU beside each "
@@ -58,6 +80,8 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     steps = [e.get("steps", longest) for e, longest in zip(engines, result["response_tokens_max"])]
     per_iteration = floors.rl_iterations(SimpleNamespace(**result), params=params, hw=hw, samples=samples,
                                          decode_steps=steps)   # the engine's decode steps where it counts them
+    for floor in per_iteration if lora else []:
+        floor["update_s"] *= 4 / 6
     for i, (engine, floor) in enumerate(zip(engines, per_iteration)):
         split = {k: result[k][i] for k in SPLIT}
         tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
@@ -102,6 +126,9 @@ def profiled(history_fn, *, iterations: int):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="l")
+    p.add_argument("--shape", default="", help="a perf.hf_folder shape instead of --size (module docstring)")
+    p.add_argument("--root", default="/dev/shm", help="where --shape's folder is written (removed at the end)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA of this rank on every linear (0: full fine-tuning)")
     p.add_argument("--iterations", type=int, default=3)
     options.add_options(p, grpo.GRPOConfig, prefix="", names=dict(prompts_per_iteration="prompts",
                                                                   samples_per_prompt="samples"),
@@ -116,9 +143,10 @@ def main() -> None:
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32", seed=0,
-                       kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto")))
+                       kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto")),
+                       lora=LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank) if args.lora_rank else None)
     rt = runtime.init(cfg)
-    src = model_folder(args.size, positions=1024)
+    src = str(shape_folder(args.shape, root=args.root)) if args.shape else model_folder(args.size, positions=1024)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(src)
     model = load(src, cfg)
@@ -148,7 +176,8 @@ def main() -> None:
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
         results[name] = dict(vars(history), engine=engine_stats, rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
-            results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw)
+            results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw,
+                                                  lora=bool(args.lora_rank))
             if gpu:   # the floors are an H200's
                 plots.iteration_time(history, Path(args.out).with_name(f"grpo_iteration_{name}.png"),
                                      floors=[row["floors"] for row in results[name]["table"]])
@@ -156,6 +185,9 @@ def main() -> None:
         torch.cuda.empty_cache() if gpu else None
     if rt.rank == 0:
         write_json(args.out, dict(args=vars(args), histories=results))
+    if args.shape:
+        from mfsdp_kit.perf.hf_folder import remove_for_world
+        remove_for_world(Path(src), keep=False)
     runtime.shutdown(destroy_process_group=True)
 
 

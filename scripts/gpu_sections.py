@@ -323,6 +323,11 @@ SECTIONS.update({
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine
     # (GRPO_BACKENDS: a subset of hf,continuous,continuous_freed; GRPO_ITER_ARGS: more options, e.g. --fused-kernels)
+    # issue 49 item 5, the seed's scale: the Qwen2.5-7B shape (random bf16 weights under LOAD_ROOT, removed after),
+    # LoRA rank 16, 32 prompts x 8 samples, <= 1024 new tokens; the iteration split with its floors
+    "grpo_lora_7b": [Row(name="grpo_lora_7b", script="bench/grpo_iteration.py", writes="grpo_lora_7b.json",
+                         args="--shape qwen2.5-7b --root {LOAD_ROOT} --lora-rank 16 --prompts 32 --samples 8 "
+                              "--max-new-tokens 1024 --iterations 3 --backends continuous --profile")],
     "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],

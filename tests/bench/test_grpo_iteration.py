@@ -13,3 +13,16 @@ def test_grpo_iteration_bench(tmp_path):
     assert res["histories"]["hf"]["engine"] == [{}]
     stats = res["histories"]["continuous"]["engine"][0]
     assert stats["sequences"] == 4 and stats["steps"] > 0 and stats["seconds"] > 0
+
+
+def test_grpo_iteration_bench_with_lora_on_a_shape(tmp_path):
+    """--shape small --lora-rank 4: a perf.hf_folder shape with the tiny tokenizer, LoRA on every linear, two
+    iterations (the second samples from the refreshed, merged weights) with fp32 log-probs that agree; the folder
+    is removed after. (The merge itself is checked against the bridge in tests/weights/.)"""
+    res = run("grpo_iteration.py", "--shape", "small", "--lora-rank", "4", "--root", str(tmp_path), "--prompts", "2",
+              "--samples", "2", "--max-new-tokens", "8", "--iterations", "2", "--micro-batch-size", "2",
+              "--backends", "continuous", out=tmp_path / "g.json", nproc=1)
+    h = res["histories"]["continuous"]
+    assert res["args"]["lora_rank"] == 4 and len(h["update_s"]) == 2
+    assert max(h["logprob_diff_max"]) <= 1e-5, h["logprob_diff_max"]
+    assert not (tmp_path / "mfsdp_grpo_iteration_small").exists()
