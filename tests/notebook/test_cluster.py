@@ -45,14 +45,14 @@ def test_engines_split_the_cores_between_them(handle):
 def test_engine_threads_leave_a_users_setting_alone(monkeypatch):
     from mfsdp_kit.notebook import launch
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert launch.engine_threads_env(n_engines=2, cores=2) == {"OMP_NUM_THREADS": "1"}
-    assert launch.engine_threads_env(n_engines=4, cores=2) == {"OMP_NUM_THREADS": "1"}
-    assert launch.engine_threads_env(n_engines=2, cores=16) == {"OMP_NUM_THREADS": "8"}
+    assert launch.engine_threads_env(2, 2) == {"OMP_NUM_THREADS": "1"}
+    assert launch.engine_threads_env(4, 2) == {"OMP_NUM_THREADS": "1"}
+    assert launch.engine_threads_env(2, 16) == {"OMP_NUM_THREADS": "8"}
     mine = {"config": {"LocalEngineSetLauncher": {"environment": {"OMP_NUM_THREADS": "3"}}}}
     c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=mine)
     assert c.config.LocalEngineSetLauncher.environment["OMP_NUM_THREADS"] == "3"   # the caller's config wins
     monkeypatch.setenv("OMP_NUM_THREADS", "5")   # the engines inherit the kernel's own
-    assert launch.engine_threads_env(n_engines=2, cores=2) == {}
+    assert launch.engine_threads_env(2, 2) == {}
 
 
 def test_default_bind_address_and_connection_file_permissions(handle):
