@@ -40,7 +40,11 @@ demo: install
 # Then the parity checks (tests marked `parity` and the DDP-vs-FSDP notebook) once more on the
 # portable ATen kernels: a comparison that only holds for this CPU's SIMD kernels fails here, not on
 # a user's machine. Inductor's C++ cache is per capability (a cache built natively breaks the build).
+# One of each kind of comparison (PORTABLE_PARITY): dense DDP vs FSDP over 20 steps and TP 2 vs 1
+# (train, distributed), packed vs padded rows (train), MoE's expert layouts (models). LoRA's and HSDP's
+# parity tests compare the same dense reductions in other groupings: they run natively only.
 PORTABLE := ATEN_CPU_CAPABILITY=default TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/$(VENV)/inductor-default
+PORTABLE_PARITY := tests/train tests/distributed tests/models/test_moe.py
 # With an MPI on PATH (CI installs Debian's OpenMPI), mpi4py too, so tests/notebook/test_cluster_mpi.py runs, not skips.
 mpi: install
 	@if command -v mpiexec >/dev/null && ! $(BIN)/python -c "import mpi4py" 2>/dev/null; then \
@@ -64,7 +68,7 @@ test: test-deps
 	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider notebooks/ \
 	  $(if $(shell command -v chromium || command -v chromium-browser),--deselect notebooks/00_cluster.ipynb \
 	  --deselect notebooks/02_sft.ipynb --deselect notebooks/widgets_demo.ipynb))
-	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -rs -m parity tests
+	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -rs -m parity $(PORTABLE_PARITY)
 	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py;
 	# on the portable kernels too, so its 02_sft is also the DDP-vs-FSDP notebook's portable run (the same
 	# compare_curves check as on the kit's tiny model; that model's learning-pace checks run natively above)

@@ -17,7 +17,7 @@ HSDP = {"num_distributed_optimizer_instances": 2}
 @pytest.fixture(scope="module")
 def trained():
     """The same training under DDP, Megatron-FSDP and HSDP over 4 ranks: all the parity test needs, in a job of
-    its own, so `make test`'s portable pass (`-m parity`) runs only these three."""
+    its own, so a `-m parity` run runs only these three (make test's portable pass leaves HSDP out: PORTABLE_PARITY)."""
     calls = {
         "ddp": ["train_losses", dict(fsdp=False, steps=3)],
         "fsdp": ["train_losses", dict(fsdp=True, steps=3)],

@@ -15,8 +15,8 @@ IDS = ["ddp-tp1", "ddp-tp2", "fsdp-tp1", "fsdp-tp2"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, request):
-    """LoRA training under the four layouts (TP2 on 2 ranks: DP 1), one 2-rank job. In the portable pass
-    (-m parity) only what the parity tests read: the same training, grads and resume; no exits, no GRPO."""
+    """LoRA training under the four layouts (TP2 on 2 ranks: DP 1), one 2-rank job. In a `-m parity` run
+    only what the parity tests read: the same training, grads and resume; no exits, no GRPO."""
     workdir = str(tmp_path_factory.mktemp("lora"))
     lean = parity_only(request)
     calls = [["scenarios_lora:train_adapters", dict(fsdp=fsdp, tp=tp, workdir=workdir, exits=not lean)]

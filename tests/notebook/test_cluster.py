@@ -34,6 +34,27 @@ def test_all_reduce_of_rank_plus_one(handle):
     assert list(handle.startup_s)[1:3] == ["engines_spawn", "controller"], handle.startup_s
 
 
+def test_engines_split_the_cores_between_them(handle):
+    """Each engine's torch runs this machine's cores / engines intra-op threads (launch.engine_threads_env), not
+    every core each: 2 CPU engines on 2 cores ran 4 spinning threads, 5x slower."""
+    threads = handle.apply(lambda: __import__("torch").get_num_threads())
+    want = os.environ.get("OMP_NUM_THREADS") or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert threads == [int(want)] * 2
+
+
+def test_engine_threads_leave_a_users_setting_alone(monkeypatch):
+    from mfsdp_kit.notebook import launch
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch.engine_threads_env(2, 2) == {"OMP_NUM_THREADS": "1"}
+    assert launch.engine_threads_env(4, 2) == {"OMP_NUM_THREADS": "1"}
+    assert launch.engine_threads_env(2, 16) == {"OMP_NUM_THREADS": "8"}
+    mine = {"config": {"LocalEngineSetLauncher": {"environment": {"OMP_NUM_THREADS": "3"}}}}
+    c = launch.make_cluster(n=2, ip="127.0.0.1", timeout_s=5, launcher=mine)
+    assert c.config.LocalEngineSetLauncher.environment["OMP_NUM_THREADS"] == "3"   # the caller's config wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")   # the engines inherit the kernel's own
+    assert launch.engine_threads_env(2, 2) == {}
+
+
 def test_default_bind_address_and_connection_file_permissions(handle):
     files = handle.connection_files
     assert any(f.endswith("-client.json") for f in files) and any(f.endswith("-engine.json") for f in files)

@@ -107,7 +107,8 @@ def test_a_px_cell_fails_when_the_controller_dies():
 KERNEL = """
 import json, os, signal, time
 import psutil
-from mfsdp_kit import cluster, launch
+from mfsdp_kit import cluster
+from mfsdp_kit.notebook import launch
 h = cluster.start(2, device="cpu")
 controller = launch.controller_process(h.cluster).pid
 group = [p.pid for p in psutil.process_iter() if p.pid != os.getpid() and os.getpgid(p.pid) == controller]
