@@ -1053,7 +1053,7 @@ sft_steps, iterations, prompts_per_iteration = (400, 8, 32) if gpu else (150, 6,
 tok = AutoTokenizer.from_pretrained(src)
 task = data.ArithmeticTask(digits=4, tokenizer=tok)
 problems = [p for p in task.problems(3000) if min(p[0], p[2]) >= 1000]   # both operands of 4 digits
-heldout = [p for p in task.problems(300, split="heldout") if min(p[0], p[2]) >= 1000][:64]
+heldout = [p for p in task.problems(300, split="heldout") if min(p[0], p[2]) >= 1000][:128]
 
 def reply(a, op, b, call):   # a demonstration: call the calculator, or answer directly
     result = data.solve(a, op, b)
@@ -1129,7 +1129,9 @@ plt.show()
 '''),
     md("""
 The check: the tool ran, and over the GRPO iterations the model calls the calculator more often and solves more sums
-(the mean of the last three iterations above the first three's; held-out greedy call rate and accuracy not lower).
+(the mean of the last three iterations above the first three's; held-out greedy call rate and accuracy not lower by more than two standard errors of a 128-problem
+estimate, ~0.07: greedy decoding on a tiny model flips a few answers with any change to the sampled
+completions).
 """),
     code('''
 first, last = slice(0, 3), slice(-3, None)
@@ -1139,7 +1141,8 @@ assert stats["tool_calls"] > 0 and stats["tool_wait_s"] >= 0
 if nbm.size:   # the tiny models' pace; a folder of yours may call from the start, or never find the format
     assert mean(history.tool_call_rate[last]) > mean(history.tool_call_rate[first]), history.tool_call_rate
     assert mean(history.accuracy[last]) > mean(history.accuracy[first]), history.accuracy
-    assert call1 >= call0 and acc1 >= acc0, (call0, call1, acc0, acc1)
+    noise = 2 * (0.25 / len(handle.view["heldout"][0])) ** 0.5   # two standard errors of a held-out share, at its widest (p = 0.5)
+    assert call1 >= call0 - noise and acc1 >= acc0 - noise, (call0, call1, acc0, acc1, noise)
 '''),
     *STOP,
 ]
