@@ -194,7 +194,6 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
     import cProfile
     import io
     import pstats
-    from mfsdp_kit.rl.rollout.decoder import decode
     from mfsdp_kit.rl.rollout.runner import captured
     kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
     r = kit.runner
@@ -207,9 +206,7 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
     first_s, again_s = made(), (r.release(), made())[1]
     graphs, state = len(r.cache.steps), r.cache
 
-    def eager():
-        return decode(model, state.tok[:rows], state.pos[:rows], state.kv, state.rope, slots=slots,
-                      head_dim=r.head_dim, clip_qkv=r.clip_qkv, glue=r.glue(True), windows=r.windows)
+    eager = r.eager(rows, slots)
     eager()
     torch.cuda.synchronize()
     t0 = time.perf_counter()

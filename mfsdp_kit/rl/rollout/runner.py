@@ -88,11 +88,22 @@ class Runner:
         """Free the KV cache and its steps; the next call makes them again."""
         self.cache = None
 
+    def graphs(self) -> bool:
+        """Whether steps are CUDA graphs (`DecodeConfig.cuda_graphs`, a dense model on a GPU: MoE routing syncs)."""
+        return self.config.cuda_graphs and self.cache.tok.device.type == "cuda" and not is_moe(self.model)
+
     def graphed(self) -> bool:
-        """Whether steps are CUDA graphs captured by hand (`DecodeConfig.cuda_graphs`, "capture" mode, a dense model
-        on a GPU): those are made up front; eager and reduce-overhead steps are made when first asked for."""
-        return (self.config.cuda_graphs and self.config.graph_mode == "capture" and self.cache.tok.device.type == "cuda"
-                and not is_moe(self.model))
+        """Whether steps are CUDA graphs captured by hand ("capture" mode): those are made up front; eager and
+        reduce-overhead steps are made when first asked for."""
+        return self.graphs() and self.config.graph_mode == "capture"
+
+    def eager(self, batch: int, slots: int):
+        """The decode step over the first `batch` rows and `slots` slots as plain calls (`decoder.decode` with the
+        glue): what a graph records, and the step itself where there are no graphs."""
+        state = self.cache
+        tok, pos, glue = state.tok[:batch], state.pos[:batch], self.glue(state.tok.device.type == "cuda")
+        return lambda: decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
+                              clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
 
     @torch.no_grad()
     def step(self, batch: int, slots: int):
@@ -103,19 +114,12 @@ class Runner:
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
         t0 = time.perf_counter()
-        tok, pos = state.tok[:batch], state.pos[:batch]
-        gpu = tok.device.type == "cuda"
-        glue = self.glue(gpu)
-
-        def eager():
-            return decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                          clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
-        fn = eager
-        if self.config.cuda_graphs and gpu and not is_moe(self.model):
+        fn = self.eager(batch, slots)
+        if self.graphs():
             if self.config.graph_mode == "reduce-overhead":
-                fn = self.compiled_step(tok, pos, slots)
+                fn = self.compiled_step(state.tok[:batch], state.pos[:batch], slots)
             else:
-                fn = captured(eager, pool=state.pool)
+                fn = captured(fn, pool=state.pool)
                 state.pool = fn.pool
         state.steps[(batch, slots)] = fn
         self.capture_s += time.perf_counter() - t0

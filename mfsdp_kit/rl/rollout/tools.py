@@ -97,13 +97,14 @@ def find_call(tokenizer, tokens: list[int], *, turn_start: int, new: int, tools)
     hits = [t for t in tools if t.stop in text]
     if not hits:
         return None
-    seen = {t.name: tokenizer.decode(tokens[start:len(tokens) - new]).count(t.stop) for t in hits}
+    before = tokenizer.decode(tokens[start:len(tokens) - new])
+    seen = [before.count(t.stop) for t in hits]   # per tool (names need not be unique)
     for n in range(len(tokens) - new + 1, len(tokens) + 1):
         prefix = tokenizer.decode(tokens[start:n])
-        for tool in hits:
+        for i, tool in enumerate(hits):
             count = prefix.count(tool.stop)
-            if count > seen[tool.name]:   # a stop completed at token n
-                seen[tool.name] = count
+            if count > seen[i]:   # a stop completed at token n
+                seen[i] = count
                 if opened(tokenizer, tokens[turn_start:n], tool):
                     return n, tool
     return None
