@@ -79,9 +79,7 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     engines = [result["engine"][i] if i < len(result["engine"]) else {} for i in range(len(result["rollout_s"]))]
     steps = [e.get("steps", longest) for e, longest in zip(engines, result["response_tokens_max"])]
     per_iteration = floors.rl_iterations(SimpleNamespace(**result), params=params, hw=hw, samples=samples,
-                                         decode_steps=steps)   # the engine's decode steps where it counts them
-    for floor in per_iteration if lora else []:
-        floor["update_s"] *= 4 / 6
+                                         decode_steps=steps, lora=lora)   # the engine's decode steps where known
     for i, (engine, floor) in enumerate(zip(engines, per_iteration)):
         split = {k: result[k][i] for k in SPLIT}
         tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)

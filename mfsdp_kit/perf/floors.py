@@ -37,31 +37,32 @@ def hardware(device: torch.device | str | None = None) -> Hardware | None:
 
 
 def rl_iteration(*, params: int, train_tokens: float, new_tokens: float, decode_steps: int, sync_bytes: float,
-                 hw: Hardware, world: int = 1, logprob_passes: int = 1) -> dict[str, float]:
+                 hw: Hardware, world: int = 1, logprob_passes: int = 1, lora: bool = False) -> dict[str, float]:
     """Seconds per part of one RL iteration on each of `world` GPUs sharing the work by data parallelism.
 
     params: parameters in a matmul (embedding table excluded); train_tokens: prompt + response tokens the
     trainer scores; new_tokens: sampled tokens; decode_steps: sequential decode steps (each reads every weight
     once: at least the longest response); sync_bytes: bytes copied into the rollout model (read + write);
-    logprob_passes: no-grad forwards over the batch before the update (0 when the update's gives pi_old).
-    Forward 2N, forward + backward 6N FLOPs per token; attention's few percent left out."""
+    logprob_passes: no-grad forwards over the batch before the update (0 when the update's gives pi_old);
+    lora: the base is frozen (LoRA), so the backward computes no weight gradients.
+    Forward 2N, forward + backward 6N FLOPs per token (4N with `lora`); attention's few percent left out."""
     flops, bw = hw.matmul_flops * world, hw.memory_bytes_per_s
     return dict(sync_s=2 * sync_bytes / (bw * world),
                 rollout_s=max(2 * params * new_tokens / flops, decode_steps * 2 * params / bw),
                 logprob_s=logprob_passes * 2 * params * train_tokens / flops,
-                update_s=6 * params * train_tokens / flops)
+                update_s=(4 if lora else 6) * params * train_tokens / flops)
 
 
 def rl_iterations(history, *, params: int, hw: Hardware | None, samples: int, world: int = 1,
-                  decode_steps: list[int] | None = None) -> list[dict[str, float]] | None:
+                  decode_steps: list[int] | None = None, lora: bool = False) -> list[dict[str, float]] | None:
     """`rl_iteration` for each iteration of a GRPO/DAPO history (`samples` completions an iteration; decode steps:
-    the engine's count where known, else the longest response); None without `hw`."""
+    the engine's count where known, else the longest response; `lora` as there); None without `hw`."""
     if hw is None:
         return None
     steps = decode_steps or history.response_tokens_max
     passes = getattr(history, "logprob_passes", None) or [1] * len(steps)   # histories from before rl.on_policy: 1
     return [rl_iteration(params=params, train_tokens=(p + r) * samples, new_tokens=r * samples, decode_steps=s,
-                         sync_bytes=b, hw=hw, world=world, logprob_passes=n)
+                         sync_bytes=b, hw=hw, world=world, logprob_passes=n, lora=lora)
             for p, r, s, b, n in zip(history.prompt_tokens, history.response_tokens, steps,
                                      history.sync_bytes or [0] * len(steps), passes)]
 

@@ -38,6 +38,10 @@ def test_a_history_gets_one_floor_per_iteration_from_its_own_lengths():
     engine = floors.rl_iterations(h, params=10**6, hw=HW, samples=8, decode_steps=[60, 70])
     assert engine[1]["rollout_s"] == pytest.approx(70 * 2e6 / 1e9)
     assert floors.rl_iterations(h, params=10**6, hw=None, samples=8) is None
+    lora = floors.rl_iterations(h, params=10**6, hw=HW, samples=8, lora=True)   # no weight gradients: 4N
+    assert lora[1]["update_s"] == pytest.approx(4e6 * (5 + 20) * 8 / 1e12)
+    others = lambda row: {k: v for k, v in row.items() if k != "update_s"}
+    assert others(lora[1]) == others(rows[1])
 
 
 def test_hardware_is_named_or_none(monkeypatch):
