@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A CPU machine gets the CPU wheel of torch; a GPU machine keeps the torch it has.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-deps check lab clean mpi hooks docs
+.PHONY: install demo test test-deps test-portable-parity test-portable-folder check lab clean mpi hooks docs
 install: $(STAMP) hooks
 
 # The repository's git hooks (scripts/hooks; commit-msg: a subject of at most 72 characters), set only where
@@ -60,18 +60,30 @@ $(UI_STAMP): $(LAB_STAMP)
 
 test-deps: install $(LAB_STAMP) $(UI_STAMP) mpi
 
+# pytest over tests/ and nbval over notebooks/ in one session on TEST_JOBS workers (pytest-xdist): a test file or a
+# notebook stays on one worker (--dist loadfile), so a module's fixtures and a notebook's kernel are made once.
+# Two workers fill a 2-core machine: one alone left ~30 % of it idle (engines starting, kernels waiting on each
+# other), and many tests already run 2 ranks, so more workers only contend.
+TEST_JOBS ?= 2
+# Where chromium is, tests/test_ui_live.py has run 00_cluster, 02_sft and widgets_demo natively in JupyterLab and
+# checked what nbval does here (every cell ran, no error, no warning shown) and more: not again.
+UI_RAN := $(if $(shell command -v chromium || command -v chromium-browser),--deselect notebooks/00_cluster.ipynb \
+  --deselect notebooks/02_sft.ipynb --deselect notebooks/widgets_demo.ipynb)
+
 test: test-deps
 	rm -f runs/test_times.tsv
-	$(TIMED) pytest $(BIN)/python -m pytest -q -rs --durations=60 tests
-	# Where chromium is, tests/test_ui_live.py (above) has run 00_cluster, 02_sft and widgets_demo natively in
-	# JupyterLab and checked what nbval does here (every cell ran, no error, no warning shown) and more: not again
-	$(if $(wildcard notebooks/*.ipynb),$(TIMED) notebooks $(BIN)/python -m pytest -q -rs --nbval-lax -p no:cacheprovider notebooks/ \
-	  $(if $(shell command -v chromium || command -v chromium-browser),--deselect notebooks/00_cluster.ipynb \
-	  --deselect notebooks/02_sft.ipynb --deselect notebooks/widgets_demo.ipynb))
+	$(TIMED) "pytest+notebooks" $(BIN)/python -m pytest -q -rs --durations=60 -n $(TEST_JOBS) --dist loadfile \
+	  -p no:cacheprovider --nbval-lax tests $(if $(wildcard notebooks/*.ipynb),notebooks/ $(UI_RAN))
+	$(MAKE) --no-print-directory -j2 test-portable-parity test-portable-folder
+
+# make test's two passes on the portable ATen kernels, side by side (each ~1 core: 2 ranks that wait on each other).
+test-portable-parity:
 	$(TIMED) "portable parity" env $(PORTABLE) $(BIN)/python -m pytest -q -rs -m parity $(PORTABLE_PARITY)
-	# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py;
-	# on the portable kernels too, so its 02_sft is also the DDP-vs-FSDP notebook's portable run (the same
-	# compare_curves check as on the kit's tiny model; that model's learning-pace checks run natively above)
+
+# a folder the kit did not make (transformers' Llama, a Llama 3 chat template, no pad token): tests/user_folder.py;
+# on the portable kernels too, so its 02_sft is also the DDP-vs-FSDP notebook's portable run (the same
+# compare_curves check as on the kit's tiny model; that model's learning-pace checks run natively above)
+test-portable-folder:
 	$(TIMED) "portable folder" sh -c '$(BIN)/python -m tests.user_folder runs/user_llama3 --style llama3 >/dev/null && \
 	  MFSDP_MODEL=$(CURDIR)/runs/user_llama3 env $(PORTABLE) $(BIN)/python -m pytest -q -rs --nbval-lax \
 	  -p no:cacheprovider notebooks/02_sft.ipynb notebooks/05_grpo.ipynb'

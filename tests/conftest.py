@@ -12,14 +12,22 @@ def pytest_configure(config):
     compat.apply("startup")
 
 
+FIRST = ("tests/test_ui_live.py",)
+"""Files started first: the longest (the browser check, ~60 s) would otherwise come last and leave one of make
+test's workers running it alone at the end."""
+
+
 def pytest_collection_modifyitems(items):
     """`make check` runs `-m "not slow"`: the tests that start no process. A module that starts processes
     (or a test that uses the engines' `handle`) is slow as a whole; pytest.ini's marker says so."""
     for item in items:
+        if getattr(item, "module", None) is None:   # a notebook's cell (nbval), when make test collects notebooks/ too
+            continue
         names = vars(item.module)
         bench = getattr(names.get("run"), "__module__", "") == "tests.bench.cli"
         if bench or "handle" in item.fixturenames or any(n in names for n in STARTS_PROCESSES):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))   # stable: the rest keep their order
 
 
 @pytest.fixture(scope="module")
