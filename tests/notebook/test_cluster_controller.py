@@ -11,7 +11,7 @@ import pytest
 
 from mfsdp_kit.notebook import cluster, launch
 from mfsdp_kit.notebook.cluster import ClusterError
-from tests.sockets import listening
+from tests.sockets import listening, still_listening
 
 SLEEPY = "import time\ntime.sleep(60)"
 
@@ -47,6 +47,7 @@ def test_killed_controller_fails_the_cell_and_stop_leaves_nothing():
     try:
         procs = _cluster_processes(h)
         ports = {port for _, port in listening(procs)}
+        pgids = {_pgid(p.pid) for p in procs}
         controller = launch.controller_process(h.cluster).pid
         assert len(procs) >= 4 and ports, (procs, ports)   # controller, its forked hub processes, 2 engines
         guarded = h.view.execute(SLEEPY, block=False)       # what %%px submits
@@ -66,8 +67,7 @@ def test_killed_controller_fails_the_cell_and_stop_leaves_nothing():
     while _running(procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _running(procs) == []
-    still = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-    assert not ports & still, ports & still
+    assert still_listening(ports, pgids) == set()
 
 
 def test_a_controller_killed_without_stop_takes_its_forked_processes_along():
@@ -115,7 +115,7 @@ group = [p.pid for p in psutil.process_iter() if p.pid != os.getpid() and os.get
 pids = [*group, *h.apply(os.getpid)]
 ports = [c.laddr.port for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
          if c.status == psutil.CONN_LISTEN]
-print(json.dumps(dict(pids=pids, ports=ports)), flush=True)
+print(json.dumps(dict(pids=pids, ports=ports, pgids=sorted({os.getpgid(pid) for pid in pids}))), flush=True)
 pending = h.view.execute("import time\\ntime.sleep(60)", block=False)
 time.sleep(0.5)
 os.kill(controller, signal.SIGKILL)
@@ -146,5 +146,4 @@ def test_a_kernel_that_exits_after_its_controller_died_leaves_nothing():
     for pid in left:   # nothing may be left running after this test, whatever it asserts
         os.kill(pid, signal.SIGKILL)
     assert left == []
-    still = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-    assert not set(before["ports"]) & still
+    assert still_listening(set(before["ports"]), set(before["pgids"])) == set()
