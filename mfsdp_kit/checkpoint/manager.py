@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import folders
+from ..stopwatch import Stopwatch
 from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
 from . import components as parts
@@ -165,7 +166,8 @@ class CheckpointManager:
         checks that again under the root's lock (`steps.publish`), so a concurrent saver's later step refuses it.
         """
         self.wait()
-        start = time.perf_counter()
+        watch = Stopwatch()   # one run of marks: the phases sum to last_save_s exactly
+        self.last_save_phases_s = watch.phases
         components = parts.as_components(components, optimizer, scheduler)
         extra = dict(extra or {})
         with agreed("saving a checkpoint under", self.root) as mine:
@@ -186,20 +188,19 @@ class CheckpointManager:
         try:
             to_save, as_json, formats = self._collect(components, tmp)
             meta = self._meta(step, components, formats, extra, hf_source)
-            self.last_save_phases_s["state"] = time.perf_counter() - start
-            future = self._write(to_save, tmp, fs)
+            watch.lap("state")
+            future = self._write(to_save, tmp, fs, watch)
         except CheckpointError:
             self._discard(tmp)
             raise
-        self._pending = (future, fs, tmp, final, meta, as_json, start, allow_backwards)
+        self._pending = (future, fs, tmp, final, meta, as_json, watch, allow_backwards)
         if future is None:
             self.wait()
-        self.last_blocking_s = time.perf_counter() - start
+        self.last_blocking_s = watch.total()
         return final
 
     def _collect(self, components: dict, tmp: Path):
         """Phase 3: the states to save; (DCP's state, the JSON components' states, {name: format})."""
-        self.last_save_phases_s = {}
         with agreed("building the state of checkpoint", tmp) as mine:
             to_save, as_json = parts.collect(components, loading=False)
             state.mark_uneven_shards(to_save)
@@ -210,25 +211,25 @@ class CheckpointManager:
                                   + ", ".join(f"rank {r}: {v}" for r, v in enumerate(mine.values)))
         return to_save, as_json, formats
 
-    def _write(self, to_save: dict, tmp: Path, fs: storage.HashingFileSystem):
+    def _write(self, to_save: dict, tmp: Path, fs: storage.HashingFileSystem, watch: Stopwatch):
         """Phase 4: stage (async or `host_staging`), hand the tensors to DCP; its future (async) or None.
-        Async phases that block the caller: stage, write.submit (DCP takes the state),
-        write.submit_wait_peers (the slowest rank's staging)."""
-        phases, t0 = self.last_save_phases_s, time.perf_counter()
+        The write phase runs from here (or the stage's end) to `wait`'s `write` lap. Async phases that
+        block the caller: stage, write.submit (DCP takes the state), write.submit_wait_peers (the slowest
+        rank's staging)."""
         with agreed("writing checkpoint", tmp):
             if self.async_save or self.host_staging:
                 to_save = storage.stage(to_save, self._pinned)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()  # the host copies are complete before training goes on
-                phases["stage"] = time.perf_counter() - t0
-            self._write_start = time.perf_counter()
+                watch.lap("stage")
+            write_start = watch.last
             future = storage.write(to_save, tmp, async_save=self.async_save, thread_count=self.write_threads,
                                    process_group=collective.gloo_group() if self.async_save else None, fs=fs,
                                    tensor_format=self.tensor_format)
             submitted = time.perf_counter()
         if self.async_save:
-            phases["write.submit"] = submitted - self._write_start
-            phases["write.submit_wait_peers"] = time.perf_counter() - submitted
+            watch.phases["write.submit"] = submitted - write_start
+            watch.phases["write.submit_wait_peers"] = time.perf_counter() - submitted
         return future
 
     def _meta(self, step: int, components: dict, formats: dict, extra: dict, hf_source) -> dict:
@@ -254,29 +255,28 @@ class CheckpointManager:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
         if self._pending is None:
             return None
-        future, fs, tmp, final, meta, as_json, start, allow_backwards = self._pending
+        future, fs, tmp, final, meta, as_json, watch, allow_backwards = self._pending
         self._pending = None
-        phases, parts_s = self.last_save_phases_s, {}
+        phases, parts_s, write_start = watch.phases, {}, watch.last
         try:
             with agreed("writing checkpoint", tmp) as mine:
                 if future is not None:
                     future.result()
-                written = time.perf_counter()
+                written = watch.lap("write")
                 mine.value = integrity.written(tmp, collective.rank(), fs.sums)
             peers = time.perf_counter()
             sums = {name: s for per_rank in mine.values for name, s in per_rank.items()}
             with agreed("committing checkpoint", final):
                 if collective.rank() == 0:
-                    parts_s = committing.commit(tmp, final, meta, as_json, sums, start=start,
+                    parts_s = committing.commit(tmp, final, meta, as_json, sums, start=watch.start,
                                                 allow_backwards=allow_backwards)
                     parts_s["prune"] = self._prune()
         except CheckpointError:
             self._discard(tmp)
             raise
-        self.last_save_s = time.perf_counter() - start
-        phases["write"] = written - self._write_start
-        phases.update(fs.write_phases(self._write_start, written))
-        phases["commit"] = self.last_save_s - (written - start)
+        watch.lap("commit")
+        self.last_save_s = watch.lapped()
+        phases.update(fs.write_phases(write_start, written))
         phases["commit.wait_peers"] = peers - written
         phases.update({f"commit.{k}": v for k, v in parts_s.items()})
         phases["commit.agree"] = phases["commit"] - sum(v for k, v in phases.items() if k.startswith("commit."))
@@ -315,23 +315,27 @@ class CheckpointManager:
         meta["restored"] names the components loaded.
         """
         self.wait()
-        start = time.perf_counter()
+        watch = Stopwatch()   # one run of marks: the phases sum to last_load_s exactly
+        self.last_load_phases_s = watch.phases
         with agreed("finding the checkpoint to load under", self.root) as mine:
             mine.value = self._candidates(steps.check_step(step, latest_ok=True), trust_checkpoint, fallback)
         if any(v != mine.values[0] for v in mine.values):
             raise CheckpointError(f"ranks asked for different checkpoints under {self.root}: "
                                   + ", ".join(f"rank {r}: {v[:1]}" for r, v in enumerate(mine.values)))
-        skipped, found = [], time.perf_counter() - start
+        skipped = []
+        watch.lap("find")
         for s in mine.values[0]:
             try:
-                self.last_load_phases_s = {"find": found}
                 meta = restore.load_dir(self.path(s), components, optimizer, scheduler, trust_checkpoint=trust_checkpoint,
                                         restore_rng=restore_rng, root=self.root, read_threads=self.read_threads,
-                                        phases=self.last_load_phases_s)
+                                        watch=watch)
             except CheckpointCorruptError as e:
                 if not fallback:
                     raise
                 skipped.append({"step": s, "error": str(e)})
+                watch.lap("find")   # the damaged step's tries count as finding the step to load
+                tried = {k: watch.phases.pop(k) for k in list(watch.phases) if k != "find"}
+                watch.phases["find"] += sum(v for k, v in tried.items() if "." not in k)
                 continue
             break
         else:
@@ -344,7 +348,7 @@ class CheckpointManager:
             log.warning(msg)
         meta["fallback_from"] = skipped
         self.loaded_step = s
-        self.last_load_s = time.perf_counter() - start
+        self.last_load_s = watch.lapped()
         return meta
 
     def _candidates(self, step, trust_checkpoint: bool, fallback: bool) -> list[int]:

@@ -22,9 +22,9 @@ same CheckpointError everywhere):
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
+from ..stopwatch import Stopwatch
 from . import collective, integrity, state, storage, trust
 from . import components as parts
 from .collective import agreed
@@ -69,20 +69,16 @@ def json_state(path: Path, name: str, files) -> dict:
 
 
 def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoint: bool = False,
-             restore_rng: bool = True, root=None, read_threads: int = 4, phases: dict | None = None) -> dict:
+             restore_rng: bool = True, root=None, read_threads: int = 4, watch: Stopwatch | None = None) -> dict:
     """Load one checkpoint directory into `components` (a dict of name -> Stateful, or model chunks
     with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
     `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
-    `rng_restored` and `restored` (the component names loaded). `phases` (a dict) gets the seconds
-    of check, match, read and restore, and read's parts as `read.<part>` (`storage.read`)."""
+    `rng_restored` and `restored` (the component names loaded). `watch` (a `Stopwatch`; the caller's, so
+    its phases continue one run of marks) gets laps check, match, read and restore, and read's parts as
+    `read.<part>` (`storage.read`)."""
     path = Path(path)
-    phases = {} if phases is None else phases
-    tick = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal tick
-        now = time.perf_counter()
-        phases[name], tick = now - tick, now
+    watch = watch or Stopwatch()
+    phases, lap = watch.phases, watch.lap
     components = parts.as_components(components, optimizer, scheduler, rng=restore_rng)
     with agreed("checking checkpoint", path):
         parts.check(components)

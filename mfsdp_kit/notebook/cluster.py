@@ -31,7 +31,8 @@ import ipyparallel as ipp
 
 from . import gpus, launch, watchdog
 from ..config import EngineConfig
-from .launch import ClusterConfigError, ClusterError, Stopwatch  # noqa: F401  (re-exported)
+from ..stopwatch import Stopwatch
+from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 
 LOCALHOST = "127.0.0.1"

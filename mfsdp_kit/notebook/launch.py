@@ -4,8 +4,7 @@
 the checks of `start`'s arguments before any process exists (`check_start`), the kit's defaults for ipyparallel's `Cluster` (its own engine, ipengine.py, for local engines, spawned before
 the controller so that their boot overlaps the controller's), OpenMPI's switches for `engines="mpi"`, waiting
 for engines to register (failing at once when the launcher itself exited, e.g. `mpiexec` refusing to run),
-killing engines stuck in a collective, and `Stopwatch`, the per-phase record behind `handle.startup_s`
-and bench/cluster_start.py.
+and killing engines stuck in a collective. Where the start's time goes is a `stopwatch.Stopwatch`.
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from traitlets.config import Config, LazyConfigValue
 from .. import cache
 from ..config import BACKENDS, ConfigError, bad_value
 from ..fieldtypes import is_int
+from ..stopwatch import Stopwatch
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 LOCAL_CONTROLLERS = ("local", "localcontroller", "localcontrollerlauncher", "")
@@ -50,22 +50,6 @@ class ClusterError(RuntimeError):
 class ClusterConfigError(ClusterError, ConfigError):
     """A `start` argument is not allowed; raised before anything starts. Both a `ClusterError` (what
     `start` raises) and a `ConfigError` / `ValueError` (what a bad value is everywhere else in the kit)."""
-
-
-class Stopwatch:
-    """Seconds per phase, in the order the phases ran: `lap("register")` closes the phase since the last lap."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = self._start = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
-        self._last = now
-
-    def total(self) -> float:
-        return time.perf_counter() - self._start
 
 
 DEVICES = ("auto", "cpu")

@@ -1,6 +1,7 @@
 """checkpoint.commit: old steps leave the listing at once and their files go in the background."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mfsdp_kit import checkpoint as ckpt
@@ -46,26 +47,40 @@ def test_keep_last_prunes_in_the_background(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "latest", "step_000004"]
 
 
+PER_FILE = ("serialise", "checksum", "file_write", "fsync")   # means over a rank's files, not phases
+
+
+def _top(phases: dict) -> dict:
+    return {k: v for k, v in phases.items() if "." not in k and k not in PER_FILE}
+
+
 def test_phases_add_up_to_the_save_and_the_load(tmp_path):
+    """The phases are laps of one stopwatch: they cover the total with no untimed gap, however loaded the machine."""
     mgr = ckpt.CheckpointManager(tmp_path, host_staging=True, write_threads=2, read_threads=2)
     mgr.save(1, {"t": _Tensor(1)})
-    top = {k: v for k, v in mgr.last_save_phases_s.items() if "." not in k}
-    assert {"state", "stage", "write", "commit"} <= set(top)
-    # the phases cover the total but for the bookkeeping between them (1.5 ms was seen on a loaded machine)
-    assert abs(sum(top[k] for k in ("state", "stage", "write", "commit")) - mgr.last_save_s) < max(1e-3, 0.03 * mgr.last_save_s)
+    top = _top(mgr.last_save_phases_s)
+    assert list(top) == ["state", "stage", "write", "commit"] and min(top.values()) >= 0
+    assert abs(sum(top.values()) - mgr.last_save_s) < 1e-6
     write_parts = ("write.plan", "write.data", "write.finish", "write.rest")
-    assert abs(sum(mgr.last_save_phases_s[k] for k in write_parts) - top["write"]) < max(1e-3, 0.03 * top["write"])
+    assert abs(sum(mgr.last_save_phases_s[k] for k in write_parts) - top["write"]) < 1e-6
     mgr.load({"t": _Tensor(0)})
     load = mgr.last_load_phases_s
-    assert abs(sum(load[k] for k in ("find", "check", "match", "read", "restore")) - mgr.last_load_s) < max(1e-3, 0.03 * mgr.last_load_s)
+    assert list(_top(load)) == ["find", "check", "match", "read", "restore"]
+    assert abs(sum(_top(load).values()) - mgr.last_load_s) < 1e-6
     read_parts = ("read.plan", "read.data", "read.finish", "read.wait_peers")
     assert abs(sum(load[k] for k in read_parts) - load["read"]) < 1e-6
 
 
-def test_host_staging_is_opt_in(tmp_path):
-    assert ckpt.CheckpointManager(tmp_path).host_staging is False
-    assert ckpt.CheckpointManager(tmp_path, host_staging=True).host_staging is True
-    assert ckpt.CheckpointManager(tmp_path, host_staging=False).host_staging is False
+def test_a_fallback_load_counts_the_damaged_step_in_find(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path)
+    mgr.save(1, {"t": _Tensor(1)})
+    mgr.save(2, {"t": _Tensor(2)})
+    (tmp_path / "step_000002" / "meta.json").write_text("{")   # damaged: the load falls back to step 1
+    with pytest.warns(UserWarning, match="instead of the damaged step_000002"):
+        info = mgr.load({"t": _Tensor(0)}, fallback=True)
+    load = mgr.last_load_phases_s
+    assert info["step"] == 1 and list(_top(load)) == ["find", "check", "match", "read", "restore"]
+    assert abs(sum(_top(load).values()) - mgr.last_load_s) < 1e-6
 
 
 class _Tensor:
