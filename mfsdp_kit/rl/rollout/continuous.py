@@ -4,8 +4,9 @@ The naive loop (HF `generate`, as `HFRollout` calls it) pads every prompt of a c
 dynamic cache and launches every kernel of every step from Python: a step costs the same whatever the batch
 (docs/benchmarks.md, rollout), and a batch runs until its longest row ends, however many rows have stopped. Here:
   - the KV cache holds `rows` sequences of `slots` slots (`decoder.py`); rows are sized from the device's free
-    memory (`DecodeConfig.cache_memory_fraction`, vLLM's gpu_memory_utilization) and the cache is freed after
-    each call unless `keep_cache`, so the policy update gets the memory back;
+    memory (`DecodeConfig.cache_memory_fraction`, vLLM's gpu_memory_utilization) less the call's measured transient
+    peak (a probe prefill and sampling, nano-vllm's warm-up: `Runner.transient_bytes`), and the cache is kept
+    between calls (`keep_cache`; the training passes' token budget counts it) or freed after each;
   - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
     `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
     at its first stop id (`chat.stop_ids`) or at `max_new_tokens`, and refills finished rows from the queue;
@@ -51,8 +52,10 @@ class DecodeConfig:
     max_batch_size: int = 512
     """Sequences in flight at most (cache rows); more prompts wait in the queue for a free row."""
     cache_memory_fraction: float = 0.5
-    """Share of the device's free memory (when the cache is made) the KV cache may take (GPUs only): rows are
-    the fewest of `max_batch_size`, the sequences of the call, and what fits."""
+    """Share of the device's free memory (when the cache is made) a call may take (GPUs only): its KV cache plus
+    its measured transient peak (the largest prefill under `prefill_tokens`, a decode step's sampling at the
+    call's rows: `Runner.transient_bytes`). Rows are the fewest of `max_batch_size`, the sequences of the call,
+    and what fits."""
     check_every: int = 16
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
@@ -100,7 +103,8 @@ class ContinuousRollout(HFRollout):
                              windows=self.windows)
         """The device state across calls: KV cache, static buffers, the decode steps' graphs (`runner.py`)."""
         self.stats: dict = {}
-        """The last call's: sequences, rows, steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
+        """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
+        GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
         of a new cache's graphs, in the call that makes it), seconds, tokens
         (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
         paused, summed over rows), extend_s (their outputs prefilled)."""
@@ -137,7 +141,8 @@ class ContinuousRollout(HFRollout):
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
         t0, captured_s, made = time.perf_counter(), self.runner.capture_s, self.runner.made
         state = self.runner.cache_for(self.rows_for(len(rows), slots=slots), slots)
-        self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0)
+        self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0,
+                          transient_bytes=self.runner.sized_beside)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
                               slot_bucket=cfg.slot_bucket, prefill_tokens=cfg.prefill_tokens, tools=self.tools,
@@ -173,7 +178,8 @@ class ContinuousRollout(HFRollout):
 
     def fitting_rows(self, sequences: int, *, slots: int) -> int:
         """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits in
-        `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free)."""
+        `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free) beside the call's
+        measured transient peak (`Runner.transient_bytes`: the largest prefill, a decode step's sampling)."""
         want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
         kept = self.runner.cache
         if kept is not None and kept.shape[0] >= want and kept.shape[1] >= slots:
@@ -181,12 +187,15 @@ class ContinuousRollout(HFRollout):
         device = self.model.device
         if device.type != "cuda":
             return want
+        transient = self.runner.transient_bytes(rows=want, slots=slots)
         free = torch.cuda.mem_get_info(device)[0] + (kept.nbytes() if kept else 0)
-        fit = int(self.config.cache_memory_fraction * free // self.runner.row_bytes(slots))
+        fit = int((self.config.cache_memory_fraction * free - transient) // self.runner.row_bytes(slots))
         if fit < 1:
             raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
                             f"a share of the {free / 2**30:.1f} GiB free that holds one row of {slots} slots "
-                            f"({self.runner.row_bytes(slots) / 2**20:.0f} MiB)")
+                            f"({self.runner.row_bytes(slots) / 2**20:.0f} MiB) beside the call's measured peak "
+                            f"of {transient / 2**30:.2f} GiB (the largest prefill, `prefill_tokens` "
+                            f"{self.config.prefill_tokens}, or a decode step's sampling)")
         return min(want, fit)
 
     def release(self) -> None:

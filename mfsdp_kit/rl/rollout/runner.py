@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decoder import EAGER, Glue, decode, is_moe, rope_table
+from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
+from .sampling import pick
 from .schedule import batch_bucket
 
 
@@ -59,6 +60,59 @@ class Runner:
         made, summed over the runner's life."""
         self._glue: Glue | None = None
         self._compiled = None
+        self._transient: dict[tuple[int, int], int] = {}
+        self.sized_beside = 0
+        """`transient_bytes` of the shape the last cache was sized for (0 off a GPU)."""
+
+    def transient_bytes(self, *, rows: int, slots: int) -> int:
+        """Peak device bytes a call on a `rows` x `slots` cache needs beside the cache (a GPU; 0 elsewhere), measured
+        once per shape: the larger of the biggest prefill `prefill_tokens` allows (activations, attention mask,
+        logits; run on a scratch cache whose own bytes are not counted) and one decode step's sampling at `rows`
+        rows (logits, the top-p sort, the exponential draws). `ContinuousRollout.fitting_rows` sizes the cache
+        under what is left. Resets torch's peak counter, as `perf.peaks` does at its phase boundaries."""
+        p = next(self.model.parameters())
+        if p.device.type != "cuda":
+            return 0
+        if (rows, slots) not in self._transient:
+            self._transient[(rows, slots)] = max(self._peak(lambda: self._probe_prefill(slots)),
+                                                 self._peak(lambda: self._probe_sampling(rows)))
+        self.sized_beside = self._transient[(rows, slots)]
+        return self.sized_beside
+
+    @staticmethod
+    def _peak(fn) -> int:
+        """Bytes allocated at `fn()`'s peak beyond what was allocated before it (less what it returns)."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        kept = fn()
+        torch.cuda.synchronize()
+        return max(0, torch.cuda.max_memory_allocated() - before - kept)
+
+    @torch.no_grad()
+    def _probe_prefill(self, slots: int) -> int:
+        """The largest prefill one group may run (rows x longest <= prefill_tokens) into a scratch cache; its bytes."""
+        p, c = next(self.model.parameters()), self.model.config
+        length = min(slots, self.config.prefill_tokens)
+        rows = max(1, self.config.prefill_tokens // length)
+        shape = (rows, c.num_key_value_heads, length, self.head_dim)
+        kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+              for _ in self.model.model.layers]
+        rope = rope_table(self.model, slots=length, like=kv[0][0])
+        ids = torch.zeros(rows, length, dtype=torch.long, device=p.device)
+        prefill(self.model, ids, torch.full((rows,), length, device=p.device), kv, torch.arange(rows, device=p.device),
+                rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv, windows=self.windows)
+        return sum(t.numel() * t.element_size() for pair in kv for t in pair) + sum(
+            t.numel() * t.element_size() for t in rope)
+
+    @torch.no_grad()
+    def _probe_sampling(self, rows: int) -> int:
+        """One decode step's head and top-p sampling at `rows` rows (the sort's worst case: top_p < 1)."""
+        p = next(self.model.parameters())
+        hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=p.dtype, device=p.device)
+        pick(self.model.lm_head(hidden), temperature=1.0, top_p=0.5,
+             generator=torch.Generator(device=p.device).manual_seed(0))
+        return 0
 
     def row_bytes(self, slots: int) -> int:
         """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
