@@ -92,12 +92,10 @@ class Runner:
     @torch.no_grad()
     def _probe_prefill(self, slots: int) -> int:
         """The largest prefill one group may run (rows x longest <= prefill_tokens) into a scratch cache; its bytes."""
-        p, c = next(self.model.parameters()), self.model.config
+        p = next(self.model.parameters())
         length = min(slots, self.config.prefill_tokens)
         rows = max(1, self.config.prefill_tokens // length)
-        shape = (rows, c.num_key_value_heads, length, self.head_dim)
-        kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
-              for _ in self.model.model.layers]
+        kv = self._zero_kv(rows, length)
         rope = rope_table(self.model, slots=length, like=kv[0][0])
         ids = torch.zeros(rows, length, dtype=torch.long, device=p.device)
         prefill(self.model, ids, torch.full((rows,), length, device=p.device), kv, torch.arange(rows, device=p.device),
@@ -128,15 +126,20 @@ class Runner:
             return self.cache
         self.cache = None
         p = next(self.model.parameters())
-        shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
-        kv = [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
-              for _ in self.model.model.layers]
+        kv = self._zero_kv(rows, slots)
         idx = torch.zeros(rows, dtype=torch.long, device=p.device)
         self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone())
         if self.graphed():
             for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket):
                 self.step(batch, s)
         return self.cache
+
+    def _zero_kv(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V per layer, each [rows, kv_heads, slots, head_dim] in the model's dtype and device."""
+        p = next(self.model.parameters())
+        shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
+        return [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
+                for _ in self.model.model.layers]
 
     def release(self) -> None:
         """Free the KV cache and its steps; the next call makes them again."""
