@@ -201,11 +201,12 @@ def test_short_names_cover_what_notebooks_and_readme_import():
 
 PERF = f"{PACKAGE}.perf"
 PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options",
-                        f"{PERF}.clock"}
+                        f"{PERF}.clock", f"{PERF}.stopwatch"}
 """The boundary of perf/ (measuring training: what bench/ and the tests compute). perf sits above the runtime - it
 imports engine, train, models, memory - and the rest of the kit imports only these of its modules: FLOPs and MFU
 (notebook_model), a trace's intervals and exposed communication (plots), command-line options made from a config
-dataclass (rl.cli) and the one clock of device work (rl.rollout's per-batch timer, offload's synchronize), which
+dataclass (rl.cli), the one clock of device work (rl.rollout's per-batch timer, offload's synchronize) and the
+host's phase stopwatch (checkpoint saves and loads, the cluster's start), which
 at import time bring nothing of the training stack (their own imports of it are inside the functions that train)."""
 PERF_LIGHT_IMPORTS = {f"{PERF}.timeline", f"{PERF}.flops", f"{PACKAGE}.models.gpt", f"{PACKAGE}.fieldtypes"}
 """What those modules may import from the kit at module level."""

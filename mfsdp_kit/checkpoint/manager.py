@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import folders
-from ..stopwatch import Stopwatch
+from ..perf.stopwatch import Stopwatch
 from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
 from . import components as parts

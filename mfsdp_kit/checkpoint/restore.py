@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..stopwatch import Stopwatch
+from ..perf.stopwatch import Stopwatch
 from . import collective, integrity, state, storage, trust
 from . import components as parts
 from .collective import agreed

@@ -31,7 +31,7 @@ import ipyparallel as ipp
 
 from . import gpus, launch, watchdog
 from ..config import EngineConfig
-from ..stopwatch import Stopwatch
+from ..perf.stopwatch import Stopwatch
 from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
 

@@ -1,9 +1,7 @@
-"""`Stopwatch`: seconds per phase from one run of contiguous `perf_counter` marks.
+"""`Stopwatch`: host work split into phases that add up to its total (a cluster's start, a checkpoint's save and load).
 
-Each `lap` closes the phase since the previous lap, so the phases partition the span from the start
-to the last lap: their sum is `lapped()` exactly, with no untimed gap between two phases however loaded
-the machine is (a gap between two separately timed phases can reach milliseconds when another thread
-holds the GIL). Used by the cluster's startup record and by checkpoint saves and loads.
+The standard library alone, so the runtime and a kernel that has not imported torch yet may import it
+(tests/test_layout.py, `PERF_FOR_THE_RUNTIME`).
 """
 from __future__ import annotations
 
@@ -11,7 +9,10 @@ import time
 
 
 class Stopwatch:
-    """Seconds per phase, in the order the phases ran: `lap("register")` closes the phase since the last lap.
+    """Seconds per phase of host work, in the order the phases ran: `lap("register")` closes the phase since the last
+    lap. The phases are laps of one run of `perf_counter` marks, so they sum to `lapped()` exactly, with no untimed
+    gap between two of them however loaded the machine (two separately timed phases can lose milliseconds between
+    them when another thread holds the GIL). The cluster's startup record and checkpoint saves and loads use it.
 
     `phases`: the dict to fill (a fresh one if None); a lap of a name already there adds to it.
     `start`: the `time.perf_counter()` mark the first phase starts at (now if None).
