@@ -290,11 +290,12 @@ def kill_engines(cluster: ipp.Cluster, client: ipp.Client) -> None:
     """SIGKILL every engine still running; a Python SIGTERM handler never runs inside a C++ collective.
 
     Local engines through their launchers; engines under mpiexec & co through each engine's nanny
-    (SIGKILL to mpiexec itself would orphan its engines).
+    (SIGKILL to mpiexec itself would orphan its engines). Over copies of ipyparallel's dicts: its own thread
+    drops an engine's launcher (and an engine set) from them as soon as it notices the process end.
     """
-    for engine_set in cluster.engines.values():
+    for engine_set in list(cluster.engines.values()):
         launchers = getattr(engine_set, "launchers", None)
-        for launcher in (launchers or {}).values():
+        for launcher in list((launchers or {}).values()):
             _quietly(launcher.signal, signal.SIGKILL)
         if launchers is None and client.ids:
             _quietly(lambda: client.send_signal(signal.SIGKILL, targets=client.ids, block=True))
