@@ -23,7 +23,6 @@ the tool (summed over rows), in the tool, and prefilling its outputs (stats of `
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import torch
@@ -195,9 +194,6 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
     import cProfile
     import io
     import pstats
-    from unittest import mock
-
-    from mfsdp_kit.rl.rollout import runner
     from mfsdp_kit.rl.rollout.runner import captured
     kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
     r = kit.runner
@@ -208,9 +204,6 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
     first_s, again_s = made(), (r.release(), made())[1]
-    r.release()
-    with mock.patch.object(runner, "captured", functools.partial(runner.captured, direct=False)):
-        via_graph_s = made()   # torch.cuda.graph's path: a device sync and empty_cache before each capture
     graphs, state = len(r.cache.steps), r.cache
 
     eager = r.eager(rows, slots)
@@ -230,11 +223,9 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
     kit.release()
     print(f"capture at {rows} rows x {slots} slots: {graphs} graphs, first {first_s:.2f} s (with compiles), again "
-          f"{again_s:.2f} s ({again_s / graphs * 1e3:.1f} ms a graph; through torch.cuda.graph "
-          f"{via_graph_s:.2f} s); one bucket: eager step {eager_ms:.1f} ms "
+          f"{again_s:.2f} s ({again_s / graphs * 1e3:.1f} ms a graph); one bucket: eager step {eager_ms:.1f} ms "
           f"({host_ms:.1f} ms of launches), capture {capture_ms:.1f} ms\n" + text.getvalue()[:6000])
-    return dict(rows=rows, slots=slots, graphs=graphs, first_s=first_s, again_s=again_s, via_graph_s=via_graph_s,
-                eager_ms=eager_ms,
+    return dict(rows=rows, slots=slots, graphs=graphs, first_s=first_s, again_s=again_s, eager_ms=eager_ms,
                 eager_host_ms=host_ms, one_capture_ms=capture_ms)
 
 

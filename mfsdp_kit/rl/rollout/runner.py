@@ -212,18 +212,10 @@ class Runner:
         return self._glue
 
 
-_CAPTURE_STREAM: dict = {}
-
-
-def captured(fn, *, pool=None, direct: bool = True):
+def captured(fn, *, pool=None):
     """`fn()` recorded as one CUDA graph (after a warm-up on a side stream: allocator, cuBLAS, compiles) in the
     memory pool `pool` (None: a new one, then kept in `.pool`). Returns the replay, whose output tensor is
-    rewritten by the next replay of any graph of the pool.
-
-    direct: capture with `CUDAGraph.capture_begin`/`capture_end` on one side stream per device, ordered after
-    the current stream; False: through `torch.cuda.graph`, which also syncs the device and empties the
-    allocator's cache before every capture (half of a capture's time, measured by bench/rollout.py
-    --capture-split; a cache's ~80 graphs pay it ~80 times)."""
+    rewritten by the next replay of any graph of the pool."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -231,20 +223,8 @@ def captured(fn, *, pool=None, direct: bool = True):
     torch.cuda.current_stream().wait_stream(stream)
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
-    if direct:
-        device = torch.cuda.current_device()
-        side = _CAPTURE_STREAM.setdefault(device, torch.cuda.Stream(device))
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=pool)
-            try:
-                out = fn()
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-    else:
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
 
     def replay():
         graph.replay()
