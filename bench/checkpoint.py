@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit.checkpoint import collective
+from mfsdp_kit.checkpoint import collective, storage
 from mfsdp_kit.checkpoint.manager import TENSOR_FORMATS
 from mfsdp_kit.distributed import engine, introspect, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
@@ -51,7 +51,7 @@ def disk_write_gb_per_s(root: Path, nbytes: int) -> float:
     return nbytes * dist.get_world_size() / seconds / 1e9
 
 
-PER_FILE = ("serialise", "checksum", "file_write", "fsync")
+PER_FILE = storage.PER_FILE
 """Save phases that are a writer thread's seconds per file (mean), not parts of the save's wall time."""
 
 

@@ -281,6 +281,8 @@ def main() -> None:
                 print(f"{batch:>9} {name:>9} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 kit.release()
                 continue
+            if device == "cuda":   # peak_bytes: the timed calls' own (the warm-up's probe resets torch's counter)
+                torch.cuda.reset_peak_memory_stats()
             whole, steps = timed_kit(kit, rows, args.new_tokens, device)
             one, _ = timed_kit(kit, rows, 1, device)   # prefill (and a small cache): the call less its decode
             kit.release()

@@ -120,7 +120,8 @@ class CheckpointManager:
         and `commit.agree` (the rest: the other ranks wait for rank 0 there)."""
         self.last_load_s: float | None = None
         self.last_load_phases_s: dict = {}
-        """Seconds per phase of the last load: find (the step to load), check (trust, sizes, crc32 of this rank's share of
+        """Seconds per phase of the last load: find (the step to load; with `fallback`, the tries of damaged steps
+        too), check (trust, sizes, crc32 of this rank's share of
         the small files, DCP metadata), match (layout, state to load into, names and shapes), read
         (DCP: file reads straight into the state, crc32 of the shard files this rank verifies;
         `read_threads` files at a time), restore (the components' load_state_dict). read's parts:

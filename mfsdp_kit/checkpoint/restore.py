@@ -69,15 +69,16 @@ def json_state(path: Path, name: str, files) -> dict:
 
 
 def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoint: bool = False,
-             restore_rng: bool = True, root=None, read_threads: int = 4, watch: Stopwatch | None = None) -> dict:
+             restore_rng: bool = True, root=None, read_threads: int = 4, phases: dict | None = None,
+             watch: Stopwatch | None = None) -> dict:
     """Load one checkpoint directory into `components` (a dict of name -> Stateful, or model chunks
     with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
     `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
-    `rng_restored` and `restored` (the component names loaded). `watch` (a `Stopwatch`; the caller's, so
-    its phases continue one run of marks) gets laps check, match, read and restore, and read's parts as
-    `read.<part>` (`storage.read`)."""
+    `rng_restored` and `restored` (the component names loaded). `phases` (a dict) gets the seconds of check,
+    match, read and restore, and read's parts as `read.<part>` (`storage.read`); `watch` (a `Stopwatch`, the
+    caller's, so its phases continue one run of marks: `CheckpointManager.load`) gets them instead."""
     path = Path(path)
-    watch = watch or Stopwatch()
+    watch = watch or Stopwatch(phases)
     phases, lap = watch.phases, watch.lap
     components = parts.as_components(components, optimizer, scheduler, rng=restore_rng)
     with agreed("checking checkpoint", path):

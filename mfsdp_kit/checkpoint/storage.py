@@ -124,6 +124,10 @@ class HashingStream:
         self.file.close()
 
 
+PER_FILE = ("serialise", "checksum", "file_write", "fsync")
+"""The per-file means among the save's phases (`write_phases`): writer-thread seconds, not a lap of the save."""
+
+
 class HashingFileSystem(FileSystem):
     """DCP's FileSystem whose write streams are `HashingStream`s.
 
@@ -138,7 +142,7 @@ class HashingFileSystem(FileSystem):
     def __init__(self):
         super().__init__()
         self.sums: dict = {}
-        self.thread_s = dict.fromkeys(("serialise", "checksum", "file_write", "fsync"), 0.0)
+        self.thread_s = dict.fromkeys(PER_FILE, 0.0)
         self.slowest_s, self.marks = 0.0, {}
         self._lock = threading.Lock()
 

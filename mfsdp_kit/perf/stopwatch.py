@@ -10,9 +10,9 @@ import time
 
 class Stopwatch:
     """Seconds per phase of host work, in the order the phases ran: `lap("register")` closes the phase since the last
-    lap. The phases are laps of one run of `perf_counter` marks, so they sum to `lapped()` exactly, with no untimed
-    gap between two of them however loaded the machine (two separately timed phases can lose milliseconds between
-    them when another thread holds the GIL). The cluster's startup record and checkpoint saves and loads use it.
+    lap. The phases are laps of one run of `perf_counter` marks, so the laps sum to `lapped()` exactly, with no
+    untimed gap between two of them however loaded the machine (two separately timed phases can lose milliseconds
+    between them when another thread holds the GIL). The cluster's startup record and checkpoint saves and loads use it.
 
     `phases`: the dict to fill (a fresh one if None); a lap of a name already there adds to it.
     `start`: the `time.perf_counter()` mark the first phase starts at (now if None).

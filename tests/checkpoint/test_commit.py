@@ -1,11 +1,13 @@
 """checkpoint.commit: old steps leave the listing at once and their files go in the background."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from mfsdp_kit import checkpoint as ckpt
-from mfsdp_kit.checkpoint import commit
+from mfsdp_kit.checkpoint import commit, restore, storage
 
 
 def _step(root, name: str, nbytes: int = 1 << 20):
@@ -47,11 +49,8 @@ def test_keep_last_prunes_in_the_background(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "latest", "step_000004"]
 
 
-PER_FILE = ("serialise", "checksum", "file_write", "fsync")   # means over a rank's files, not phases
-
-
 def _top(phases: dict) -> dict:
-    return {k: v for k, v in phases.items() if "." not in k and k not in PER_FILE}
+    return {k: v for k, v in phases.items() if "." not in k and k not in storage.PER_FILE}
 
 
 def test_phases_add_up_to_the_save_and_the_load(tmp_path):
@@ -71,16 +70,37 @@ def test_phases_add_up_to_the_save_and_the_load(tmp_path):
     assert abs(sum(load[k] for k in read_parts) - load["read"]) < 1e-6
 
 
-def test_a_fallback_load_counts_the_damaged_step_in_find(tmp_path):
+def test_a_fallback_load_counts_the_damaged_step_in_find(tmp_path, monkeypatch):
+    """A shard of the newest step is damaged, so its try fails in `read`, after its `check` and `match` laps: those
+    count in `find` (the search for an intact step), and the loaded step's phases are its own."""
     mgr = ckpt.CheckpointManager(tmp_path)
     mgr.save(1, {"t": _Tensor(1)})
     mgr.save(2, {"t": _Tensor(2)})
-    (tmp_path / "step_000002" / "meta.json").write_text("{")   # damaged: the load falls back to step 1
+    shard = next((tmp_path / "step_000002").glob("*.distcp"))
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    accepted, calls = restore.parts.accepted, []
+
+    def slow_first_match(*args, **kwargs):   # the damaged try's match phase takes 0.2 s more
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.2)
+        return accepted(*args, **kwargs)
+    monkeypatch.setattr(restore.parts, "accepted", slow_first_match)
     with pytest.warns(UserWarning, match="instead of the damaged step_000002"):
         info = mgr.load({"t": _Tensor(0)}, fallback=True)
     load = mgr.last_load_phases_s
-    assert info["step"] == 1 and list(_top(load)) == ["find", "check", "match", "read", "restore"]
+    assert info["step"] == 1 and len(calls) == 2 and list(_top(load)) == ["find", "check", "match", "read", "restore"]
+    assert load["find"] >= 0.2 > load["match"]
     assert abs(sum(_top(load).values()) - mgr.last_load_s) < 1e-6
+
+
+def test_host_staging_is_opt_in(tmp_path):
+    assert ckpt.CheckpointManager(tmp_path).host_staging is False
+    assert ckpt.CheckpointManager(tmp_path, host_staging=True).host_staging is True
+    assert ckpt.CheckpointManager(tmp_path, host_staging=False).host_staging is False
 
 
 class _Tensor:

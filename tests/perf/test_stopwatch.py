@@ -14,5 +14,5 @@ def test_a_stopwatchs_laps_partition_its_span():
         end = watch.lap(name)
     assert watch.phases is phases and list(phases) == ["before", "a", "b"]
     assert end == watch.last and watch.lapped() == end - start
-    assert abs(phases["a"] + phases["b"] - watch.lapped()) < 1e-9 and phases["a"] > phases["b"] > 0
+    assert abs(phases["a"] + phases["b"] - watch.lapped()) < 1e-9 and phases["a"] >= 0.004 and phases["b"] >= 0.002
     assert watch.total() >= watch.lapped()

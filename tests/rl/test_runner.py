@@ -86,26 +86,31 @@ def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the transient peak is measured on a GPU")
 def test_the_measured_peak_covers_a_calls_memory_beside_its_cache_on_a_gpu(tmp_path):
-    """The cache is sized beside a measured transient peak (a probe prefill at `prefill_tokens`, top-p sampling at
-    the call's rows): a later call's own peak above the kept cache stays under it, and a share of free memory
-    smaller than that peak is refused by name before a cache is made."""
+    """The cache is sized beside a measured transient peak (a probe prefill of max(prefill_tokens, longest prompt)
+    tokens, top-p sampling at the call's rows, a compaction's copies): a later call's own peak above the kept cache
+    stays under it, for prefill groups at the budget and for a prompt longer than the budget (prefilled alone); a
+    share of free memory smaller than that peak is refused by name before a cache is made."""
     from mfsdp_kit.config import ConfigError
     model, tok = load(tmp_path, "cuda", torch.bfloat16)
     cfg = DecodeConfig(max_batch_size=16, check_every=4, slot_bucket=16, prefill_tokens=256)
     rollout = ContinuousRollout(model, tok, config=cfg)
-    long = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(16)]   # prefill groups at the budget
     kw = dict(max_new_tokens=24, temperature=1.0, top_p=0.9)
-    rollout.generate(long, seed=0, **kw)
-    transient = rollout.stats["transient_bytes"]
-    assert transient > 0 and rollout.stats["rows"] == 16
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()   # the model, the kept cache and its graphs' outputs
-    torch.cuda.reset_peak_memory_stats()
-    rollout.generate(long[::-1], seed=1, **kw)
-    assert rollout.stats["graphs"] == 0   # the kept cache: no new graphs, no new probe
-    assert torch.cuda.max_memory_allocated() - before <= transient
-    free = torch.cuda.mem_get_info()[0]
-    small = ContinuousRollout(model, tok, config=replace(cfg, cache_memory_fraction=transient / 2 / free))
+    budget = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(16)]   # groups of 6 x 40 tokens
+    beyond = [[(3 * i + j) % 200 + 3 for j in range(300 if i < 2 else 9)] for i in range(16)]   # 300 > 256, alone
+    measured = []
+    for prompts in (budget, beyond):
+        rollout.generate(prompts, seed=0, **kw)
+        transient, probes = rollout.stats["transient_bytes"], dict(rollout.runner.probes)
+        measured.append(transient)
+        assert transient > 0 and rollout.stats["rows"] == 16
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()   # the model, the kept cache and its graphs' outputs
+        torch.cuda.reset_peak_memory_stats()
+        rollout.generate(prompts[::-1], seed=1, **kw)
+        assert rollout.stats["graphs"] == 0 and rollout.runner.probes == probes   # the kept cache: no new probe
+        assert torch.cuda.max_memory_allocated() - before <= transient
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    small = ContinuousRollout(model, tok, config=replace(cfg, cache_memory_fraction=measured[0] / 2 / free))
     with pytest.raises(ConfigError, match=r"cache_memory_fraction.*measured peak"):
-        small.generate(long, seed=0, **kw)
+        small.generate(budget, seed=0, **kw)
     assert small.runner.cache is None

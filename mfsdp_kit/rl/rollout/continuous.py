@@ -52,10 +52,10 @@ class DecodeConfig:
     max_batch_size: int = 512
     """Sequences in flight at most (cache rows); more prompts wait in the queue for a free row."""
     cache_memory_fraction: float = 0.5
-    """Share of the device's free memory (when the cache is made) a call may take (GPUs only): its KV cache plus
-    its measured transient peak (the largest prefill under `prefill_tokens`, a decode step's sampling at the
-    call's rows: `Runner.transient_bytes`). Rows are the fewest of `max_batch_size`, the sequences of the call,
-    and what fits."""
+    """Share of the device's free memory (when the cache is made; blocks torch's allocator holds unused count as
+    free) a call may take (GPUs only): its KV cache plus its measured transient peak (the largest prefill under
+    `prefill_tokens`, a decode step's sampling at the call's rows, a compaction's copies: `Runner.transient_bytes`).
+    Rows are the fewest of `max_batch_size`, the sequences of the call, and what fits."""
     check_every: int = 16
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
@@ -102,6 +102,8 @@ class ContinuousRollout(HFRollout):
         self.runner = Runner(hf_model, config=self.config, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
                              windows=self.windows)
         """The device state across calls: KV cache, static buffers, the decode steps' graphs (`runner.py`)."""
+        self._sizing: dict = {}
+        """The last sizing's free bytes, measured peak and row bytes (`fitting_rows`; empty when none was made)."""
         self.stats: dict = {}
         """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
         GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
@@ -140,9 +142,10 @@ class ContinuousRollout(HFRollout):
         check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
         t0, captured_s, made = time.perf_counter(), self.runner.capture_s, self.runner.made
-        state = self.runner.cache_for(self.rows_for(len(rows), slots=slots), slots)
+        fitted = self.rows_for(len(rows), slots=slots, longest=longest)
+        state = self.runner.cache_for(fitted, slots, transient_bytes=self._sizing.get("transient", 0))
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0,
-                          transient_bytes=self.runner.sized_beside)
+                          transient_bytes=state.transient_bytes)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
                               slot_bucket=cfg.slot_bucket, prefill_tokens=cfg.prefill_tokens, tools=self.tools,
@@ -161,42 +164,48 @@ class ContinuousRollout(HFRollout):
             if not cfg.keep_cache:
                 self.release()
 
-    def rows_for(self, sequences: int, *, slots: int) -> int:
+    def rows_for(self, sequences: int, *, slots: int, longest: int) -> int:
         """`fitting_rows`, agreed by the model-parallel peers (their minimum): the ranks of one replica sample the
-        same prompts with the same seed, and draw the same tokens only with the same rows (every peer calls it)."""
-        rows = self.fitting_rows(sequences, slots=slots)
+        same prompts with the same seed, and draw the same tokens only with the same rows (every peer calls it).
+        Where not one row fits on some peer, every peer raises (none is left waiting in the agreement)."""
+        rows = self.fitting_rows(sequences, slots=slots, longest=longest)
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
-            return rows
-        group = ps.get_model_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return rows
-        agreed = torch.tensor([rows], device=self.model.device if dist.get_backend(group) == "nccl" else "cpu")
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        return int(agreed.item())
+        if dist.is_initialized() and ps.model_parallel_is_initialized():
+            group = ps.get_model_parallel_group()
+            if dist.get_world_size(group) > 1:
+                agreed = torch.tensor([rows], device=self.model.device if dist.get_backend(group) == "nccl" else "cpu")
+                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+                rows = int(agreed.item())
+        if rows < 1:
+            s = self._sizing
+            here = (f" (here: {s['free'] / 2**30:.1f} GiB free, a row {s['row'] / 2**20:.0f} MiB, the peak "
+                    f"{s['transient'] / 2**30:.2f} GiB)" if s else "")
+            raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
+                            f"a share of the free memory that holds one row of {slots} slots beside the call's "
+                            f"measured peak (the largest prefill under `prefill_tokens` {self.config.prefill_tokens}, "
+                            f"a decode step's sampling or a compaction's copies) on every model-parallel rank{here}")
+        return rows
 
-    def fitting_rows(self, sequences: int, *, slots: int) -> int:
-        """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits in
-        `cache_memory_fraction` of the free device memory (a kept cache's bytes count as free) beside the call's
-        measured transient peak (`Runner.transient_bytes`: the largest prefill, a decode step's sampling)."""
+    def fitting_rows(self, sequences: int, *, slots: int, longest: int) -> int:
+        """Cache rows for a call whose prompts are at most `longest` tokens: the fewest of the sequences,
+        `max_batch_size` and what fits in `cache_memory_fraction` of the free device memory beside the call's
+        measured transient peak (`Runner.transient_bytes`); 0 when not one row does (`rows_for` raises). A kept
+        cache too small for the call is freed first: its bytes count as free, and the probe may use them."""
         want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
-        kept = self.runner.cache
+        kept, self._sizing = self.runner.cache, {}
         if kept is not None and kept.shape[0] >= want and kept.shape[1] >= slots:
             return kept.shape[0]   # the kept cache holds the call: its graphs replay
         device = self.model.device
         if device.type != "cuda":
             return want
-        transient = self.runner.transient_bytes(rows=want, slots=slots)
-        free = torch.cuda.mem_get_info(device)[0] + (kept.nbytes() if kept else 0)
-        fit = int((self.config.cache_memory_fraction * free - transient) // self.runner.row_bytes(slots))
-        if fit < 1:
-            raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
-                            f"a share of the {free / 2**30:.1f} GiB free that holds one row of {slots} slots "
-                            f"({self.runner.row_bytes(slots) / 2**20:.0f} MiB) beside the call's measured peak "
-                            f"of {transient / 2**30:.2f} GiB (the largest prefill, `prefill_tokens` "
-                            f"{self.config.prefill_tokens}, or a decode step's sampling)")
-        return min(want, fit)
+        self.release()
+        transient = self.runner.transient_bytes(rows=want, slots=slots, longest=longest)
+        # the driver's free memory and the blocks torch's allocator holds unused (the freed cache's among them)
+        free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
+        self._sizing = dict(free=free, transient=transient, row=self.runner.row_bytes(slots))
+        return max(0, min(want, int((self.config.cache_memory_fraction * free - transient) // self._sizing["row"])))
 
     def release(self) -> None:
         """Free the KV cache and its CUDA graphs (`runner.Runner.release`); the next call makes them again."""

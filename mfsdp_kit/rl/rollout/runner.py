@@ -31,6 +31,8 @@ class Cache:
     """(batch, slots) -> the step: a graph's replay on a GPU, else the eager decode."""
     pool: object = None
     """The graphs' memory pool (made with the first graph)."""
+    transient_bytes: int = 0
+    """The measured peak the rows were sized beside (`Runner.transient_bytes`; 0 off a GPU)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,41 +62,37 @@ class Runner:
         made, summed over the runner's life."""
         self._glue: Glue | None = None
         self._compiled = None
-        self._transient: dict[tuple[int, int], int] = {}
-        self.sized_beside = 0
-        """`transient_bytes` of the shape the last cache was sized for (0 off a GPU)."""
+        self.probes: dict[tuple[int, int, int], int] = {}
+        """(rows, slots, prefill tokens) -> the measured peak of `transient_bytes`: one probe per shape."""
 
-    def transient_bytes(self, *, rows: int, slots: int) -> int:
-        """Peak device bytes a call on a `rows` x `slots` cache needs beside the cache (a GPU; 0 elsewhere), measured
-        once per shape: the larger of the biggest prefill `prefill_tokens` allows (activations, attention mask,
-        logits; run on a scratch cache whose own bytes are not counted) and one decode step's sampling at `rows`
-        rows (logits, the top-p sort, the exponential draws). `ContinuousRollout.fitting_rows` sizes the cache
-        under what is left. Resets torch's peak counter, as `perf.peaks` does at its phase boundaries."""
+    def transient_bytes(self, *, rows: int, slots: int, longest: int) -> int:
+        """Peak device bytes a call on a `rows` x `slots` cache needs beside the cache, its prompts at most `longest`
+        tokens (a GPU; 0 elsewhere), measured once per shape; the largest of:
+          - a prefill group (`schedule.prefill_groups`: rows x their longest <= `prefill_tokens`, a longer prompt
+            alone): max(prefill_tokens, longest) tokens in rows of the call's longest possible length, run on a
+            scratch cache whose own bytes are not counted (activations, the attention mask, logits);
+          - one decode step's sampling at `rows` rows (logits, the top-p sort, the exponential draws);
+          - a compaction's copies (`run.Run.move`: one layer's K and V of half the rows), by their size.
+        Not counted: the graphs' pool (a decode step's activations, a few MB) and a tool output's `extend`.
+        `ContinuousRollout.fitting_rows` sizes the cache beside it. Resets torch's peak counter, as `perf.peaks`
+        does at its phase boundaries."""
         p = next(self.model.parameters())
         if p.device.type != "cuda":
             return 0
-        if (rows, slots) not in self._transient:
-            self._transient[(rows, slots)] = max(self._peak(lambda: self._probe_prefill(slots)),
-                                                 self._peak(lambda: self._probe_sampling(rows)))
-        self.sized_beside = self._transient[(rows, slots)]
-        return self.sized_beside
-
-    @staticmethod
-    def _peak(fn) -> int:
-        """Bytes allocated at `fn()`'s peak beyond what was allocated before it (less what it returns)."""
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        kept = fn()
-        torch.cuda.synchronize()
-        return max(0, torch.cuda.max_memory_allocated() - before - kept)
+        tokens = max(self.config.prefill_tokens, longest)
+        if (rows, slots, tokens) not in self.probes:
+            moved = (rows + 1) // 2 * self.row_bytes(slots) // len(self.model.model.layers)
+            self.probes[(rows, slots, tokens)] = max(
+                _peak(p.device, lambda: self._probe_prefill(tokens=tokens, slots=slots)),
+                _peak(p.device, lambda: self._probe_sampling(rows)), moved)
+        return self.probes[(rows, slots, tokens)]
 
     @torch.no_grad()
-    def _probe_prefill(self, slots: int) -> int:
-        """The largest prefill one group may run (rows x longest <= prefill_tokens) into a scratch cache; its bytes."""
+    def _probe_prefill(self, *, tokens: int, slots: int) -> int:
+        """A prefill of at least `tokens` tokens in rows of min(slots, tokens) into a scratch cache; its bytes."""
         p = next(self.model.parameters())
-        length = min(slots, self.config.prefill_tokens)
-        rows = max(1, self.config.prefill_tokens // length)
+        length = min(slots, tokens)
+        rows = -(-tokens // length)
         kv = self._zero_kv(rows, length)
         rope = rope_table(self.model, slots=length, like=kv[0][0])
         ids = torch.zeros(rows, length, dtype=torch.long, device=p.device)
@@ -118,17 +116,19 @@ class Runner:
         return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
 
     @torch.no_grad()   # decode is inference: a graph captured with grad on would record autograd's bookkeeping
-    def cache_for(self, rows: int, slots: int) -> Cache:
+    def cache_for(self, rows: int, slots: int, *, transient_bytes: int = 0) -> Cache:
         """The cache for `rows` x `slots`: the kept one when it has these rows and at least these slots (its steps
-        replay at once), else a new one, the old freed first, with every step of `buckets` made now. Stale slots are
-        harmless: a slot is read only once this call's prefill or decode has written it."""
+        replay at once), else a new one (sized beside `transient_bytes`), the old freed first, with every step of
+        `buckets` made now. Stale slots are harmless: a slot is read only once this call's prefill or decode has
+        written it."""
         if self.cache is not None and self.cache.shape[0] == rows and self.cache.shape[1] >= slots:
             return self.cache
         self.cache = None
         p = next(self.model.parameters())
         kv = self._zero_kv(rows, slots)
         idx = torch.zeros(rows, dtype=torch.long, device=p.device)
-        self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone())
+        self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone(),
+                           transient_bytes=transient_bytes)
         if self.graphed():
             for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket):
                 self.step(batch, s)
@@ -210,6 +210,17 @@ class Runner:
         if self._glue is None:
             self._glue = Glue(compiled=True)
         return self._glue
+
+
+def _peak(device: torch.device, fn) -> int:
+    """Bytes allocated on `device` at `fn()`'s peak beyond what was allocated before it, less what `fn` returns
+    (the bytes of its own buffers still held at the peak)."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    held = fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before - held)
 
 
 def captured(fn, *, pool=None):
