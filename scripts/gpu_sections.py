@@ -318,6 +318,9 @@ SECTIONS.update({
                             writes="rollout_capture.json",
                             args="--shape qwen2-1.8b --batches 2 --new-tokens 8 --variants compiled --hf-new-tokens 2 "
                                  "--agreement-rows 0 --capture-split 512,576")],
+    # decode attention alone: cuDNN's SDPA over the masked bucket against the kit's Triton kernels, per rows x bucket
+    "decode_attention": [Row(name="decode_attention", script="bench/decode_attention.py", launch="python",
+                             writes="decode_attention.json")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

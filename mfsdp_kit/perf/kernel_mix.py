@@ -31,9 +31,10 @@ def classify(kernel: str) -> str:
     return next((name for name, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
 
 
-def breakdown(trace: dict) -> dict[str, dict]:
-    """{phase: {"wall_s", "kernels_s" (their union), one "<class>_s" per class, "host_gap_s", "kernels": n}} of
-    a chrome trace (`read_trace`); a phase marked more than once adds up."""
+def breakdown(trace: dict, *, top: int = 12) -> dict[str, dict]:
+    """{phase: {"wall_s", "kernels_s" (their union), one "<class>_s" per class, "host_gap_s", "kernels": n,
+    "top": the `top` kernel names by summed seconds, [[name, class, seconds, launches], ...]}} of a chrome trace
+    (`read_trace`); a phase marked more than once adds up."""
     marks = [(e["name"][len(PHASE_MARK):], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
              for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
              and str(e.get("name", "")).startswith(PHASE_MARK)]
@@ -51,6 +52,14 @@ def breakdown(trace: dict) -> dict[str, dict]:
         row["kernels"] += len(mine)
         for c in CLASSES:
             row[f"{c}_s"] += covered([(s, e) for s, e, k in mine if k == c]) / 1e6
+        names = row.setdefault("_names", {})
+        for a in acts:
+            if start <= a.start_us < end:
+                seconds, launches = names.get(a.name, (0.0, 0))
+                names[a.name] = (seconds + (a.end_us - a.start_us) / 1e6, launches + 1)
+    for row in out.values():
+        names = row.pop("_names")
+        row["top"] = [[n, classify(n), s, k] for n, (s, k) in sorted(names.items(), key=lambda x: -x[1][0])[:top]]
     return out
 
 
@@ -60,4 +69,6 @@ def format_breakdown(rows: dict[str, dict]) -> str:
     lines = [f"{'phase':<10}" + "".join(f"{c[:-2]:>11}" for c in cols) + f"{'kernels':>9}"]
     for name, r in rows.items():
         lines.append(f"{name:<10}" + "".join(f"{r[c]:>11.3f}" for c in cols) + f"{r['kernels']:>9}")
+    for name, r in rows.items():
+        lines += [f"  {name} top: {s:.3f} s {k:>6}x {c:<9} {n[:90]}" for n, c, s, k in r.get("top", [])]
     return "\n".join(lines)

@@ -30,8 +30,10 @@ def test_breakdown_splits_a_phase_into_classes_and_host_gaps():
     assert (up["wall_s"], up["gemm_s"], up["attention_s"], up["copy_s"]) == (1e-4, 4e-5, 1e-5, 5e-6)
     assert abs(up["host_gap_s"] - 4.5e-5) < 1e-12 and up["kernels"] == 4
     assert rows["logprobs"]["gemm_s"] == 4e-5 and abs(rows["logprobs"]["host_gap_s"] - 1e-5) < 1e-12
+    assert up["top"] == [["sm90_xmma_gemm", "gemm", 5e-5, 2], ["flash_bwd", "attention", 1e-5, 1],
+                         ["Memcpy HtoD", "copy", 5e-6, 1]]   # by summed seconds, overlaps not merged
     table = format_breakdown(rows)
-    assert all(c in table for c in CLASSES) and "update" in table
+    assert all(c in table for c in CLASSES) and "update" in table and "update top" in table
 
 
 def test_a_phase_is_a_profiler_range():

@@ -18,12 +18,16 @@ ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [9
 
 
 def test_buckets_cover_every_batch_and_slot_bucket_once():
-    for rows, slots, bucket in [(1, 8, 8), (5, 24, 8), (8, 64, 16), (512, 576, 64), (300, 1088, 64)]:
-        got = buckets(rows=rows, slots=slots, slot_bucket=bucket)
+    for rows, slots, bucket, least in [(1, 8, 8, 2), (5, 24, 8, 2), (8, 64, 16, 2), (512, 576, 64, 2),
+                                       (300, 1088, 64, 2), (512, 576, 64, 16), (12, 32, 16, 16)]:
+        got = buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least)
         assert len(got) == len(set(got))
-        want = {(batch_bucket(n, rows=rows), s) for n in range(1, rows + 1) for s in range(bucket, slots + 1, bucket)}
+        want = {(batch_bucket(n, rows=rows, least=least), s) for n in range(1, rows + 1)
+                for s in range(bucket, slots + 1, bucket)}
         assert set(got) == want, (rows, slots)
-        assert got[0] == (min(rows, max(2, 1 << (rows - 1).bit_length())), slots)   # the largest first
+        assert got[0] == (batch_bucket(rows, rows=rows), slots)   # the largest first
+        assert min(b for b, _ in got) == min(rows, max(2, least))
+    assert len(buckets(rows=512, slots=576, slot_bucket=64, min_batch=16)) == 6 * 9   # 16..512 rows x 9 slot buckets
 
 
 def test_every_chunk_the_scheduler_plans_is_a_bucket():
@@ -31,13 +35,13 @@ def test_every_chunk_the_scheduler_plans_is_a_bucket():
     schedule) ask only for (batch, slots) pairs in `buckets`, so the steps made up front are all a call needs."""
     gen = random.Random(0)
     for _ in range(30):
-        rows, bucket = gen.choice([2, 3, 4, 7, 8]), gen.choice([4, 8])
-        prompts = [[3] * gen.randint(1, 9) for _ in range(gen.randint(1, 12))]
+        rows, bucket, least = gen.choice([2, 3, 4, 7, 8, 20, 40]), gen.choice([4, 8]), gen.choice([2, 4, 16])
+        prompts = [[3] * gen.randint(1, 9) for _ in range(gen.randint(1, 50))]
         new = gen.randint(1, 30)
         slots = bucketed(max(map(len, prompts)) + new + 4, bucket)
-        allowed = set(buckets(rows=rows, slots=slots, slot_bucket=bucket))
+        allowed = set(buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least))
         s = Scheduler(prompts, rows=rows, slots=slots, max_new_tokens=new, stops={1}, check_every=4,
-                      slot_bucket=bucket, prefill_tokens=64, tools=None, tokenizer=None, stats={})
+                      slot_bucket=bucket, prefill_tokens=64, min_batch=least, tools=None, tokenizer=None, stats={})
         while s.busy():
             for group in s.admit():
                 s.record(group, torch.full((len(group), 1), 2), torch.zeros(len(group), 1))
@@ -57,7 +61,8 @@ def load(tmp_path, device="cpu", dtype=torch.float32):
 
 def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path):
     model, tok = load(tmp_path)
-    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8))
+    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=4, min_batch=2, check_every=3,
+                                                                slot_bucket=8))
     kw = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=0)
     rollout.generate(ROWS, **kw)
     cache, steps = rollout.runner.cache, dict(rollout.runner.cache.steps)
@@ -76,7 +81,9 @@ def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(tmp_path):
     kw = dict(max_new_tokens=40, temperature=1.0, top_p=1.0)
     first = rollout.generate(ROWS * 3, seed=1, **kw)
     cache = rollout.runner.cache
-    assert set(cache.steps) == set(buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16))
+    made = {(b, rollout.runner.step_slots(s))
+            for b, s in buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16, min_batch=cfg.min_batch)}
+    assert set(cache.steps) == made and {s for _, s in made} == {cache.shape[1]}   # one step per batch bucket
     assert rollout.stats["capture_s"] > 0 and rollout.stats["graphs"] == len(cache.steps)
     again = rollout.generate(ROWS * 3, seed=1, **kw)
     assert rollout.stats["capture_s"] == 0 and rollout.stats["graphs"] == 0 and again == first

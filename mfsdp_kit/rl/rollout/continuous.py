@@ -59,6 +59,11 @@ class DecodeConfig:
     check_every: int = 16
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
+    min_batch: int = 16
+    """The smallest decode batch bucket (rows): once fewer rows live, the step still runs this many (idle rows decode
+    junk). Below it a step costs about the same (the weights' read: on 1 H200 at 1.7 B a step took 2.2 ms at 32 rows
+    against 0.71 ms of weight read), so smaller buckets only add graphs to capture (at 512 rows, 16 against 2 makes
+    54 graphs instead of 81)."""
     slot_bucket: int = 64
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
     cuda_graphs: bool = True
@@ -68,6 +73,10 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
+    attention: Literal["auto", "sdpa"] = "auto"
+    """Decode attention: "auto" (`attention.decode_attention`'s Triton kernels on a GPU where Triton imports: each row
+    reads its own keys once per KV head, and no per-shape plan; SDPA elsewhere) | "sdpa" (over the slot bucket with
+    a mask: cuDNN's kernel on a GPU; the two are compared in docs/benchmarks.md)."""
     compile_glue: bool = True
     """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
     prefill_tokens: int = 16384
@@ -80,8 +89,8 @@ class DecodeConfig:
     call (`release`) for the policy update."""
 
     def __post_init__(self):
-        check_fields(self, max_batch_size=COUNT, check_every=COUNT, slot_bucket=COUNT, prefill_tokens=COUNT,
-                     cache_memory_fraction=number_in(0, 1, low_open=True))
+        check_fields(self, max_batch_size=COUNT, min_batch=COUNT, check_every=COUNT, slot_bucket=COUNT,
+                     prefill_tokens=COUNT, cache_memory_fraction=number_in(0, 1, low_open=True))
 
 
 class ContinuousRollout(HFRollout):
@@ -148,7 +157,8 @@ class ContinuousRollout(HFRollout):
                           transient_bytes=state.transient_bytes)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
-                              slot_bucket=cfg.slot_bucket, prefill_tokens=cfg.prefill_tokens, tools=self.tools,
+                              slot_bucket=cfg.slot_bucket, min_batch=cfg.min_batch,
+                              prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats)
         run = Run(self, state, scheduler, sample=dict(
             temperature=temperature, top_p=top_p, generator=torch.Generator(device=state.tok.device).manual_seed(seed)))

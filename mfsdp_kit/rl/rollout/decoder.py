@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import ConfigError
+from .attention import decode_attention
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
@@ -182,14 +183,15 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 class Glue:
-    """The decode step's elementwise functions, each `torch.compile`d when `compiled` (on a GPU), once for every
-    batch and cache size: the batch and cache dimensions are symbolic (`maybe_mark_dynamic`; a batch of 1 takes
-    its own static graph), so no batch bucket compiles again and dynamo's recompile limit is never reached.
-    `fullgraph=True`: a function that cannot compile whole raises instead of running eager glue in silence. Eager
-    elsewhere (CPU tests): the same functions."""
+    """The decode step's functions between the GEMMs. The elementwise ones are each `torch.compile`d when
+    `compiled` (on a GPU), once for every batch and cache size: the batch and cache dimensions are symbolic
+    (`maybe_mark_dynamic`; a batch of 1 takes its own static graph), so no batch bucket compiles again and dynamo's
+    recompile limit is never reached. `fullgraph=True`: a function that cannot compile whole raises instead of
+    running eager glue in silence. Attention is `attention.decode_attention`'s Triton kernels when `kernel_attention`
+    (on a GPU), else SDPA over an additive mask. Eager elsewhere (CPU tests): the same functions."""
 
-    def __init__(self, *, compiled: bool):
-        self.compiled = compiled
+    def __init__(self, *, compiled: bool, kernel_attention: bool = False):
+        self.compiled, self.kernel_attention = compiled, kernel_attention
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if compiled else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
 
@@ -214,6 +216,19 @@ class Glue:
             return x, norm(x)
         self._dynamic(x, delta)
         return self._add_rms(x, delta, norm.weight, eps)
+
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, bias, *,
+               slots: int, window: int | None, scale: float) -> torch.Tensor:
+        """Attention of `q` [b, heads, 1, D] (one query a row at `pos` [b]) over the first b rows of the cache's
+        first `slots` slots: the Triton kernels (each row its own keys), or SDPA with `bias` [b, 1, 1, slots]
+        (`decode` makes it only for SDPA). Returns [b, heads * D]."""
+        b = q.shape[0]
+        if self.kernel_attention:
+            return decode_attention(q[:, :, 0], k_cache, v_cache, pos, slots=slots, window=window,
+                                    scale=scale).reshape(b, -1)
+        return F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots], attn_mask=bias,
+                                              enable_gqa=True, scale=scale).reshape(b, -1)
 
 
 EAGER = Glue(compiled=False)
@@ -290,26 +305,32 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
     kv_heads, all_slots = k0.shape[1], k0.shape[2]
     heads = torch.arange(kv_heads, device=tok.device)
     where = ((torch.arange(b, device=tok.device)[:, None] * kv_heads + heads) * all_slots + pos[:, None]).flatten()
-    slot = torch.arange(slots, device=tok.device)
-    visible = slot <= pos[:, None]
-
-    def bias_of(seen: torch.Tensor) -> torch.Tensor:   # [b, 1, 1, slots], shared by every layer and head
-        zero = torch.zeros(seen.shape, dtype=k0.dtype, device=tok.device)
-        return zero.masked_fill_(~seen, float("-inf"))[:, None, None]
-    biases = {None: bias_of(visible)}
-    biases.update({w: bias_of(visible & (slot > pos[:, None] - w)) for w in set(windows) if w is not None})
+    biases = {} if glue.kernel_attention else masks(pos, slots=slots, windows=windows, dtype=k0.dtype)
     cos, sin = (t[pos][:, None, :] for t in rope)
     x = m.embed_tokens(tok)
     h = rms(m.layers[0].input_layernorm, x)
     for i, (layer, (k_cache, v_cache), window) in enumerate(zip(m.layers, cache, windows)):
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
         q = glue.rope_store(q, k, v, cos, sin, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), where)
-        out = F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots],
-                                             attn_mask=biases[window], enable_gqa=True, scale=_scale(layer, head_dim))
-        x, h = glue.add_rms(x, layer.self_attn.o_proj(out.reshape(b, -1)), layer.post_attention_layernorm)
+        out = glue.attend(q, k_cache, v_cache, pos, biases.get(window), slots=slots, window=window,
+                          scale=_scale(layer, head_dim))
+        x, h = glue.add_rms(x, layer.self_attn.o_proj(out), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
     return h
+
+
+def masks(pos: torch.Tensor, *, slots: int, windows: list[int | None], dtype) -> dict:
+    """SDPA's additive masks of a decode step, [b, 1, 1, slots] per window (None: full attention), shared by every
+    layer and head: 0 where row r sees slot s (s <= pos[r], and s > pos[r] - window), -inf elsewhere."""
+    slot = torch.arange(slots, device=pos.device)
+    visible = slot <= pos[:, None]
+
+    def bias_of(seen: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(seen.shape, dtype=dtype, device=pos.device).masked_fill_(~seen, float("-inf"))[:, None, None]
+    out = {None: bias_of(visible)}
+    out.update({w: bias_of(visible & (slot > pos[:, None] - w)) for w in set(windows) if w is not None})
+    return out
 
 
 def _scale(layer, head_dim: int) -> float:

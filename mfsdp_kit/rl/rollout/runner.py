@@ -3,8 +3,9 @@ row's next token and position (the static buffers every decode step reads), and 
 batch and slot bucket.
 
 On a GPU the steps are CUDA graphs in one memory pool, all captured when the cache is made (`Runner.cache_for`), for
-the fixed set of buckets a call on that cache can ask for (`buckets`): a call never captures inside its decode
-loop, and a kept cache's later calls capture nothing. Elsewhere, or for MoE models (their routing syncs the host),
+the fixed set of buckets a call on that cache can ask for (`buckets`; with the Triton attention kernels one per batch
+bucket, `Runner.step_slots`): a call never captures inside its decode loop, and a kept cache's later calls capture
+nothing. Elsewhere, or for MoE models (their routing syncs the host),
 a step is the same code run eagerly, so CPU tests cover it.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import attention
 from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
 from .sampling import pick
 from .schedule import batch_bucket
@@ -43,11 +45,11 @@ class Cache:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
 
 
-def buckets(*, rows: int, slots: int, slot_bucket: int) -> list[tuple[int, int]]:
+def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2) -> list[tuple[int, int]]:
     """Every (batch, slots) a decode step on a `rows` x `slots` cache can run: the batch buckets of 1..rows live rows
-    (`schedule.batch_bucket`) times the multiples of `slot_bucket` up to `slots`, largest first (the pool's biggest
-    buffers are made first and the smaller graphs reuse them)."""
-    batches = sorted({batch_bucket(n, rows=rows) for n in range(1, rows + 1)}, reverse=True)
+    (`schedule.batch_bucket`, at least `min_batch`) times the multiples of `slot_bucket` up to `slots`, largest first
+    (the pool's biggest buffers are made first and the smaller graphs reuse them)."""
+    batches = sorted({batch_bucket(n, rows=rows, least=min_batch) for n in range(1, rows + 1)}, reverse=True)
     return [(b, s) for b in batches for s in range(slots, 0, -slot_bucket)]
 
 
@@ -130,7 +132,8 @@ class Runner:
         self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone(),
                            transient_bytes=transient_bytes)
         if self.graphed():
-            for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket):
+            for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket,
+                                    min_batch=self.config.min_batch):
                 self.step(batch, s)
         return self.cache
 
@@ -162,12 +165,20 @@ class Runner:
         return lambda: decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
                               clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
 
+    def step_slots(self, slots: int) -> int:
+        """The slots a step asked for `slots` is made for: all the cache's when the Triton kernels attend (a row reads
+        its own keys up to its position whatever the bucket, so one step per batch bucket serves every slot bucket:
+        6 graphs at 512 x 576 instead of 54), else `slots` (SDPA reads the whole bucket under a mask)."""
+        state = self.cache
+        return state.shape[1] if self.glue(state.tok.device.type == "cuda").kernel_attention else slots
+
     @torch.no_grad()
     def step(self, batch: int, slots: int):
-        """A decode step over the first `batch` rows and `slots` slots: reads `tok`/`pos`, writes the rows' K, V,
-        returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites the same slots
-        with the same values), so its warm-up and capture leave the cache as they found it."""
+        """A decode step over the first `batch` rows and `slots` slots (`step_slots`): reads `tok`/`pos`, writes
+        the rows' K, V, returns the final hidden states [batch, hidden] (`decoder.decode`). Idempotent (it rewrites
+        the same slots with the same values), so its warm-up and capture leave the cache as they found it."""
         state = self.cache
+        slots = self.step_slots(slots)
         if (batch, slots) in state.steps:
             return state.steps[(batch, slots)]
         t0 = time.perf_counter()
@@ -204,11 +215,13 @@ class Runner:
         return run
 
     def glue(self, gpu: bool) -> Glue:
-        """The decode step's elementwise functions: compiled once per runner on a GPU (`compile_glue`)."""
-        if not (gpu and self.config.compile_glue):
+        """The decode step's functions between the GEMMs: on a GPU compiled once per runner (`compile_glue`), with
+        the Triton attention kernels (`DecodeConfig.attention`); eager elsewhere."""
+        kernels = gpu and self.config.attention == "auto" and attention.available(self.cache.tok.device)
+        if not (gpu and self.config.compile_glue) and not kernels:
             return EAGER
         if self._glue is None:
-            self._glue = Glue(compiled=True)
+            self._glue = Glue(compiled=gpu and self.config.compile_glue, kernel_attention=kernels)
         return self._glue
 
 

@@ -9,10 +9,10 @@ def bucketed(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
 
-def batch_bucket(n: int, *, rows: int) -> int:
-    """The decode batch for `n` live rows: the next power of two, at least 2 (a batch of 1 would compile glue of
-    its own), at most `rows`."""
-    return min(rows, max(2, 1 << max(n - 1, 0).bit_length()))
+def batch_bucket(n: int, *, rows: int, least: int = 2) -> int:
+    """The decode batch for `n` live rows: the next power of two, at least `least` (`DecodeConfig.min_batch`) and 2
+    (a batch of 1 would compile glue of its own), at most `rows`."""
+    return min(rows, max(least, 2, 1 << max(n - 1, 0).bit_length()))
 
 
 def prefill_groups(lengths: list[int], *, budget_tokens: int) -> list[list[int]]:

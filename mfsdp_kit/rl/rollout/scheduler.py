@@ -73,19 +73,19 @@ class Scheduler:
     `decoded`); `results()` gives per input row (tokens, log-probs of the model's tokens, model mask)."""
 
     def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
-                 check_every: int, slot_bucket: int, prefill_tokens: int, tools: ToolConfig | None = None,
-                 tokenizer=None, stats: dict | None = None):
+                 check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
+                 tools: ToolConfig | None = None, tokenizer=None, stats: dict | None = None):
         self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
         self.queue = deque(self.seqs)
         self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
         self.slots, self.max_new, self.check_every, self.slot_bucket = slots, max_new_tokens, check_every, slot_bucket
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.min_batch = prefill_tokens, min_batch
         self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
         self.tools = tools if tools is not None and tools.tools else None
         self.tokenizer = tokenizer
         self.stats = stats if stats is not None else {}
         self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
-        self.batch = batch_bucket(min(len(prompts), rows), rows=rows)
+        self.batch = batch_bucket(min(len(prompts), rows), rows=rows, least=min_batch)
         if self.tools:
             self.stats.update(tool_calls=0, tool_tokens=0, tool_s=0.0, tool_wait_s=0.0, extend_s=0.0)
 
@@ -108,18 +108,20 @@ class Scheduler:
         take = [self.queue.popleft() for _ in free]
         for r, s in zip(free, take):
             s.row, s.length, self.cache[r] = r, len(s.prompt), s
-        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.cache)))
+        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.cache), least=self.min_batch))
         groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens)
         return [[take[j] for j in group] for group in groups]
 
     def compact(self) -> list[int] | None:
-        """With the queue empty, no sequence waiting and at most half the batch live: the live rows move to the
-        front and the batch shrinks to their bucket. Returns the rows whose cache the runner copies to rows 0..n-1
+        """With the queue empty, no sequence waiting and the live rows' bucket smaller than the batch (at most half
+        of it live, and the batch above `min_batch`): the live rows move to the front and the batch shrinks to their
+        bucket. Returns the rows whose cache the runner copies to rows 0..n-1
         (None: nothing moves)."""
         live = self.live()
-        if self.queue or not live or len(live) > self.batch // 2 or any(s.waiting for s in self.cache if s):
+        smaller = batch_bucket(len(live), rows=len(self.cache), least=self.min_batch) if live else self.batch
+        if self.queue or smaller >= self.batch or any(s.waiting for s in self.cache if s):
             return None
-        self.batch = batch_bucket(len(live), rows=len(self.cache))
+        self.batch = smaller
         if live == list(range(len(live))):
             return None
         moved = [self.cache[r] for r in live]
@@ -234,7 +236,8 @@ class Scheduler:
             s.length = start + len(item[1])
             out.append(item)
         if out:
-            self.batch = max(self.batch, batch_bucket(max(s.row for s, _, _ in out) + 1, rows=len(self.cache)))
+            last = max(s.row for s, _, _ in out)
+            self.batch = max(self.batch, batch_bucket(last + 1, rows=len(self.cache), least=self.min_batch))
         return out
 
 

@@ -1,0 +1,130 @@
+"""Decode attention on a GPU: one query per row against that row's own cached keys, in two Triton kernels.
+
+SDPA over the slot bucket (`decoder.decode` off a GPU) reads every row up to the bucket and, in cuDNN's kernel for
+grouped heads, reads each K/V head once per query head of its group; and cuDNN builds a plan for every new (batch,
+slots) shape, about 40 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, tiny `l`, 16 query and
+4 KV heads; docs/benchmarks.md). Here, flash-decoding's split over the keys:
+  - `_attention_partial`: a program per (row, KV head, split of the slots) reads its keys once for the whole query
+    group (the group's queries are the rows of one tile), only up to the row's position (and from its window's
+    start), with an online softmax; it writes the split's unnormalised output, max and sum;
+  - `_attention_combine`: a program per (row, query head) merges the splits.
+Splits are as many as fill the device twice over at small batch, one at large. Triton compiles each kernel once
+per head size and group (any batch and slot bucket), and the disk cache keeps it: no plan per shape.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only torch: `decoder.decode` attends with SDPA
+    triton = None
+
+BLOCK_N = 64
+"""Keys per inner step (the tile's columns)."""
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run on `device`: a CUDA device and Triton importable."""
+    return triton is not None and device.type == "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def splits_for(*, programs: int, slots: int, sms: int) -> int:
+    """Splits of `slots` keys so that `programs` (rows x KV heads) x splits fill `sms` twice, each split at least
+    `BLOCK_N` keys."""
+    return max(1, min(-(-2 * sms // programs), -(-slots // BLOCK_N)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
+                     slots: int, window: int | None, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v per row r and query head, over the keys of slots max(0, pos[r] - window + 1) ..
+    pos[r] (every slot <= pos[r] without a window) among the first `slots`: `q` [b, heads, D] against the first b rows
+    of the cache's [rows, kv_heads, all slots, D] K and V (query head h reads KV head h // (heads / kv_heads)).
+    Returns [b, heads, D] in q's dtype."""
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device.index or 0))
+    chunk = -(-(-(-slots // splits)) // BLOCK_N) * BLOCK_N   # ceil(slots / splits), rounded up to BLOCK_N
+    splits = -(-slots // chunk)
+    part = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
+    q = q.contiguous()
+    _attention_partial[(b, kv_heads, splits)](
+        q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), stats.stride(0), scale, window or 0, chunk,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, D_PAD=triton.next_power_of_2(dim),
+        BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _attention_combine[(b, heads)](part, stats, out, splits, stats.stride(0), DIM=dim,
+                                   D_PAD=triton.next_power_of_2(dim), S_PAD=max(2, triton.next_power_of_2(splits)),
+                                   num_warps=4)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _attention_partial(Q, K, V, POS, PART, STATS, stride_qb, stride_qh, stride_kr, stride_kh, stride_ks,
+                           stride_stat, scale, window, chunk, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                           DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+                           PRECISION: tl.constexpr):
+        row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n_rows, n_kv, n_splits = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
+        pos = tl.load(POS + row).to(tl.int32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, pos + 1)
+        if WINDOWED:
+            lo = tl.maximum(lo, pos - window + 1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        head = kv * GROUP + g
+        g_ok, d_ok = g < GROUP, d < DIM
+        q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        base = row * stride_kr + kv * stride_kh
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            offs = base + n[:, None] * stride_ks + d[None, :]
+            k = tl.load(K + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        at = (row * n_kv * GROUP + head) * n_splits + split   # [b, heads, splits] index of each head of the group
+        tl.store(PART + at[:, None] * DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(STATS + at, m_i, mask=g_ok)
+        tl.store(STATS + stride_stat + at, l_i, mask=g_ok)
+
+    @triton.jit
+    def _attention_combine(PART, STATS, OUT, splits, stride_stat, DIM: tl.constexpr, D_PAD: tl.constexpr,
+                           S_PAD: tl.constexpr):
+        row, head = tl.program_id(0), tl.program_id(1)
+        n_heads = tl.num_programs(1)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        s_ok, d_ok = s < splits, d < DIM
+        at = (row * n_heads + head) * splits + s
+        m = tl.load(STATS + at, mask=s_ok, other=float("-inf"))
+        l = tl.load(STATS + stride_stat + at, mask=s_ok, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))   # an empty split (max -inf) weighs 0
+        o = tl.load(PART + at[:, None] * DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(OUT + (row * n_heads + head) * DIM + d, out.to(OUT.dtype.element_ty), mask=d_ok)

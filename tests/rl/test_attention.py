@@ -1,0 +1,77 @@
+"""rl.rollout.attention: the Triton decode kernels equal SDPA over the masked slot bucket (each row up to its own
+position, a sliding window's start, query groups of 1 to 8 heads, head sizes that are and are not powers of two,
+one split or many), inside a CUDA graph too; and the engine decodes with them by default on a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mfsdp_kit.rl.rollout import attention
+from mfsdp_kit.rl.rollout.decoder import masks
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and attention.triton is not None),
+                         reason="the decode kernels run on a GPU (Triton)")
+
+
+def sdpa(q, k, v, pos, *, slots, window, scale):
+    bias = masks(pos, slots=slots, windows=[window], dtype=q.dtype)[window]
+    b = q.shape[0]
+    return F.scaled_dot_product_attention(q[:, :, None], k[:b, :, :slots], v[:b, :, :slots], attn_mask=bias,
+                                          enable_gqa=True, scale=scale)[:, :, 0]
+
+
+def test_splits_fill_the_device_at_small_batch_and_stay_whole_at_large():
+    assert attention.splits_for(programs=16 * 4, slots=576, sms=132) == 5
+    assert attention.splits_for(programs=512 * 4, slots=576, sms=132) == 1
+    assert attention.splits_for(programs=2, slots=64, sms=132) == 1   # never a split under BLOCK_N keys
+
+
+@gpu
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 128), (8, 8, 64), (8, 1, 80), (12, 2, 96)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_kernels_equal_sdpa_over_the_masked_bucket(heads, kv_heads, dim, window):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, b, slots in [(40, 33, 192), (512, 512, 128), (16, 3, 576)]:
+        k, v = (torch.randn(rows, kv_heads, 640, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        pos = torch.randint(0, slots, (b,), device="cuda", generator=gen)
+        pos[0], pos[-1] = slots - 1, 0
+        got = attention.decode_attention(q, k, v, pos, slots=slots, window=window, scale=dim ** -0.5)
+        want = sdpa(q, k, v, pos, slots=slots, window=window, scale=dim ** -0.5)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_kernels_replay_in_a_cuda_graph_with_new_positions():
+    k, v = (torch.randn(64, 4, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.zeros(64, dtype=torch.long, device="cuda")
+    attention.decode_attention(q, k, v, pos, slots=256, window=None, scale=0.1)   # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.decode_attention(q, k, v, pos, slots=256, window=None, scale=0.1)
+    for step in (5, 200):
+        pos.copy_(torch.randint(0, step + 1, (64,), device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out.float(), sdpa(q, k, v, pos, slots=256, window=None, scale=0.1).float(),
+                                   atol=2e-2, rtol=2e-2)
+
+
+@gpu
+def test_the_engine_decodes_with_the_kernels_on_a_gpu_and_sdpa_when_asked(tmp_path):
+    """Greedy tokens of an fp32 engine with the kernels (fp32 products, no TF32) equal those of the same engine on
+    SDPA (`attention="sdpa"`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from mfsdp_kit.models.archs import write_tiny
+    from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
+    folder = write_tiny("Qwen2ForCausalLM", tmp_path / "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda()
+    tok = AutoTokenizer.from_pretrained(folder)
+    rows = [[(7 * i + j) % 200 + 3 for j in range(3 + i % 9)] for i in range(40)]
+    kw = dict(max_new_tokens=60, temperature=0, top_p=1.0, seed=0)
+    fast = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16))
+    tokens = fast.generate(rows, **kw)[0]
+    assert fast.runner.glue(True).kernel_attention
+    plain = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16, attention="sdpa"))
+    assert plain.generate(rows, **kw)[0] == tokens and not plain.runner.glue(True).kernel_attention
