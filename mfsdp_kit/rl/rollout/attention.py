@@ -7,7 +7,8 @@ slots) shape, about 40 ms each, so a cache's 54 graphs cost ~2 s of plans at cap
   - `_attention_partial`: a program per (row, KV head, split of the slots) reads its keys once for the whole query
     group (the group's queries are the rows of one tile), only up to the row's position (and from its window's
     start), with an online softmax; it writes the split's unnormalised output, max and sum;
-  - `_attention_combine`: a program per (row, query head) merges the splits.
+  - `_attention_combine`: a program per (row, query head) merges the splits (with one split, the first kernel
+    writes the output itself).
 Splits are as many as fill the device twice over at small batch, one at large. Triton compiles each kernel once
 per head size and group (any batch and slot bucket), and the disk cache keeps it: no plan per shape.
 """
@@ -55,19 +56,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device.index or 0))
     chunk = -(-(-(-slots // splits)) // BLOCK_N) * BLOCK_N   # ceil(slots / splits), rounded up to BLOCK_N
     splits = -(-slots // chunk)
-    part = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
-    stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
     q = q.contiguous()
+    out = torch.empty_like(q)
+    whole = splits == 1   # one split: the partial kernel normalises and writes the output itself
+    part = out if whole else torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
     _attention_partial[(b, kv_heads, splits)](
         q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), stats.stride(0), scale, window or 0, chunk,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, D_PAD=triton.next_power_of_2(dim),
         BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
-    out = torch.empty_like(q)
-    _attention_combine[(b, heads)](part, stats, out, splits, stats.stride(0), DIM=dim,
-                                   D_PAD=triton.next_power_of_2(dim), S_PAD=max(2, triton.next_power_of_2(splits)),
-                                   num_warps=4)
+        WHOLE=whole, num_warps=4, num_stages=2)
+    if not whole:
+        _attention_combine[(b, heads)](part, stats, out, splits, stats.stride(0), DIM=dim,
+                                       D_PAD=triton.next_power_of_2(dim),
+                                       S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
 
 
@@ -76,7 +79,7 @@ if triton is not None:
     def _attention_partial(Q, K, V, POS, PART, STATS, stride_qb, stride_qh, stride_kr, stride_kh, stride_ks,
                            stride_stat, scale, window, chunk, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                            DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, WHOLE: tl.constexpr):
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_rows, n_kv, n_splits = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
         pos = tl.load(POS + row).to(tl.int32)
@@ -109,9 +112,13 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         at = (row * n_kv * GROUP + head) * n_splits + split   # [b, heads, splits] index of each head of the group
-        tl.store(PART + at[:, None] * DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(STATS + at, m_i, mask=g_ok)
-        tl.store(STATS + stride_stat + at, l_i, mask=g_ok)
+        if WHOLE:   # PART is the output [b, heads, D]
+            tl.store(PART + at[:, None] * DIM + d[None, :], (acc / l_i[:, None]).to(PART.dtype.element_ty),
+                     mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(PART + at[:, None] * DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(STATS + at, m_i, mask=g_ok)
+            tl.store(STATS + stride_stat + at, l_i, mask=g_ok)
 
     @triton.jit
     def _attention_combine(PART, STATS, OUT, splits, stride_stat, DIM: tl.constexpr, D_PAD: tl.constexpr,
