@@ -61,7 +61,7 @@ def test_kernels_replay_in_a_cuda_graph_with_new_positions():
 @gpu
 def test_the_engine_decodes_with_the_kernels_on_a_gpu_and_sdpa_when_asked(tmp_path):
     """Greedy tokens of an fp32 engine with the kernels (fp32 products, no TF32) equal those of the same engine on
-    SDPA (`attention="sdpa"`)."""
+    SDPA and compiled glue (`kernels="torch"`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from mfsdp_kit.models.archs import write_tiny
     from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
@@ -72,6 +72,6 @@ def test_the_engine_decodes_with_the_kernels_on_a_gpu_and_sdpa_when_asked(tmp_pa
     kw = dict(max_new_tokens=60, temperature=0, top_p=1.0, seed=0)
     fast = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16))
     tokens = fast.generate(rows, **kw)[0]
-    assert fast.runner.glue(True).kernel_attention
-    plain = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16, attention="sdpa"))
-    assert plain.generate(rows, **kw)[0] == tokens and not plain.runner.glue(True).kernel_attention
+    assert fast.runner.glue(True).mode == "triton"
+    plain = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16, kernels="torch"))
+    assert plain.generate(rows, **kw)[0] == tokens and plain.runner.glue(True).mode == "compiled"

@@ -73,12 +73,14 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
-    attention: Literal["auto", "sdpa"] = "auto"
-    """Decode attention: "auto" (`attention.decode_attention`'s Triton kernels on a GPU where Triton imports: each row
-    reads its own keys once per KV head, and no per-shape plan; SDPA elsewhere) | "sdpa" (over the slot bucket with
-    a mask: cuDNN's kernel on a GPU; the two are compared in docs/benchmarks.md)."""
+    kernels: Literal["triton", "torch"] = "triton"
+    """The decode step's attention and elementwise work on a GPU: "triton" (the kit's Triton kernels,
+    `attention.py` and `elementwise.py`: a row reads its own keys once per KV head, so one CUDA graph per batch
+    bucket; no plan per shape and no dynamo compile) | "torch" (SDPA over the masked slot bucket, cuDNN's kernel, and
+    the elementwise work through `compile_glue`; one graph per batch and slot bucket; compared in
+    docs/benchmarks.md). Off a GPU, or where Triton does not import, "torch" ops run eagerly either way."""
     compile_glue: bool = True
-    """`torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU; eager elsewhere."""
+    """With `kernels="torch"`: `torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""

@@ -11,15 +11,15 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
     only (`layer_windows`), in prefill and decode alike;
-  - decode attention is one SDPA per layer in the grouped-query layout (q [b, heads, 1, D] against the cache's
-    kv_heads, `enable_gqa`: no `repeat_kv` copy) with one additive mask per step, [b, 1, 1, slots]: on a GPU
-    cuDNN's kernel, faster than a visibility-lane layout (head_dim padded past 128) and than flex_attention,
-    whose block mask alone costs more than the kernel (docs/benchmarks.md, rollout), and than flash attention's
-    varlen kernel reading each row's own length of a [rows * slots, kv_heads, D] cache (`seqused_k`): on 1 H200,
-    GRPO's 512 rows at 1.7 B sampled in 2.38-2.40 s that way against 1.98-2.08 s (one query a row: the kernel
-    splits no row's keys over blocks);
+  - decode attention on a GPU is `attention.py`'s Triton kernels: each row reads its own keys up to its position,
+    once per KV head for its query group, split over the keys at small batch (flash-decoding). Off a GPU (and with
+    `DecodeConfig.kernels="torch"`) it is one SDPA per layer in the grouped-query layout (`enable_gqa`) with one
+    additive mask per step, [b, 1, 1, slots]: on a GPU cuDNN's kernel, which reads every row up to the slot bucket,
+    each KV head once per query head, and builds a plan per (batch, slots) shape. Tried before and slower than
+    cuDNN: a visibility-lane layout, flex_attention (its block mask alone cost more than the kernel), and flash
+    attention's varlen kernel with `seqused_k` (one query a row: it splits no row's keys over blocks);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes;
+    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`) and attention in two more (`attention.py`);
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ...config import ConfigError
+from . import elementwise
 from .attention import decode_attention
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -183,20 +184,29 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 class Glue:
-    """The decode step's functions between the GEMMs. The elementwise ones are each `torch.compile`d when
-    `compiled` (on a GPU), once for every batch and cache size: the batch and cache dimensions are symbolic
-    (`maybe_mark_dynamic`; a batch of 1 takes its own static graph), so no batch bucket compiles again and dynamo's
-    recompile limit is never reached. `fullgraph=True`: a function that cannot compile whole raises instead of
-    running eager glue in silence. Attention is `attention.decode_attention`'s Triton kernels when `kernel_attention`
-    (on a GPU), else SDPA over an additive mask. Eager elsewhere (CPU tests): the same functions."""
+    """The decode step's functions between the GEMMs (RoPE + the cache write, attention, act * up, residual add +
+    RMSNorm), in one of three `mode`s:
+      - "triton" (on a GPU, the default): `elementwise`'s and `attention`'s Triton kernels; no dynamo frame;
+      - "compiled": the torch functions below, each `torch.compile`d once for every batch and cache size (the batch
+        and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises instead of running eager glue in
+        silence), attention through SDPA over an additive mask;
+      - "eager": the same torch functions as they are (CPU tests run this).
+    A model whose MLP is not SiLU-gated takes the torch function for act * up in every mode."""
 
-    def __init__(self, *, compiled: bool, kernel_attention: bool = False):
-        self.compiled, self.kernel_attention = compiled, kernel_attention
-        wrap = (lambda f: torch.compile(f, fullgraph=True)) if compiled else (lambda f: f)
+    def __init__(self, *, mode: str):
+        self.mode = mode
+        wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
+        if mode == "triton":
+            self._rope_store, self._add_rms = elementwise.rope_store, elementwise.add_rms
+
+    @property
+    def kernel_attention(self) -> bool:
+        """Whether attention runs in the Triton kernels (each row reads its own keys: no mask, no slot bucket)."""
+        return self.mode == "triton"
 
     def _dynamic(self, *tensors: torch.Tensor) -> None:
-        if self.compiled:
+        if self.mode == "compiled":
             for t in tensors:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
 
@@ -205,6 +215,8 @@ class Glue:
         return self._rope_store(q, k, v, cos, sin, k_rows, v_rows, where)
 
     def gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
+        if self.mode == "triton" and type(act).__name__ in ("SiLU", "SiLUActivation"):
+            return elementwise.gated(gate_up)
         self._dynamic(gate_up)
         return self._gated(gate_up, act)
 
@@ -216,7 +228,6 @@ class Glue:
             return x, norm(x)
         self._dynamic(x, delta)
         return self._add_rms(x, delta, norm.weight, eps)
-
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, bias, *,
                slots: int, window: int | None, scale: float) -> torch.Tensor:
@@ -231,7 +242,7 @@ class Glue:
                                               enable_gqa=True, scale=scale).reshape(b, -1)
 
 
-EAGER = Glue(compiled=False)
+EAGER = Glue(mode="eager")
 
 
 # ---- prefill and decode ----------------------------------------------------------------------

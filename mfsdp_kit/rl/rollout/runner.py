@@ -215,13 +215,14 @@ class Runner:
         return run
 
     def glue(self, gpu: bool) -> Glue:
-        """The decode step's functions between the GEMMs: on a GPU compiled once per runner (`compile_glue`), with
-        the Triton attention kernels (`DecodeConfig.attention`); eager elsewhere."""
-        kernels = gpu and self.config.attention == "auto" and attention.available(self.cache.tok.device)
-        if not (gpu and self.config.compile_glue) and not kernels:
+        """The decode step's functions between the GEMMs (`decoder.Glue`), made once per runner: on a GPU the
+        Triton kernels (`DecodeConfig.kernels`, where Triton imports), else compiled (`compile_glue`) or eager;
+        eager elsewhere."""
+        if not gpu:
             return EAGER
         if self._glue is None:
-            self._glue = Glue(compiled=gpu and self.config.compile_glue, kernel_attention=kernels)
+            triton = self.config.kernels == "triton" and attention.available(self.cache.tok.device)
+            self._glue = Glue(mode="triton" if triton else "compiled" if self.config.compile_glue else "eager")
         return self._glue
 
 
