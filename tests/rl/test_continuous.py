@@ -137,9 +137,10 @@ def shape_run(folder, *, engines: int = 2) -> list[list[list[int]]]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode glue compiles on a GPU only")
 def test_glue_compiles_once_for_forty_call_shapes_on_a_gpu(tmp_path):
-    """One process, two engines, 40 call shapes (many batch and slot buckets): the compiled glue never falls back to
-    eager (fullgraph raises if it would; dynamo's counters show no recompile-limit hit, and at most two graphs per
-    glue function: a batch of 1 and a symbolic one), and the tokens equal a fresh process's."""
+    """One process, two engines, 40 call shapes (many batch and slot buckets): the glue never falls back to eager
+    (the Triton kernels have no dynamo frame; compiled glue, `kernels="torch"`, raises under fullgraph if it would;
+    dynamo's counters show no recompile-limit hit, and at most two graphs per glue function: a batch of 1 and a
+    symbolic one), and the tokens equal a fresh process's."""
     import json
     import subprocess
     import sys
