@@ -133,8 +133,8 @@ def main() -> None:
                         defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
     p.add_argument("--backends", default="hf,continuous",
                    help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call), "
-                        "continuous_torch (decode attention through SDPA, glue compiled: `DecodeConfig.kernels="
-                        "'torch'`), continuous_eager (the same, glue eager: `compile_glue=False`)")
+                        "continuous_eager (its decode glue not compiled: `DecodeConfig.compile_glue=False`), "
+                        "continuous_triton (the decode step in the kit's Triton kernels: `kernels='triton'`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
@@ -158,7 +158,7 @@ def main() -> None:
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
         decode = DecodeConfig(keep_cache=name != "continuous_freed", compile_glue=name != "continuous_eager",
-                              kernels="torch" if name in ("continuous_torch", "continuous_eager") else "triton")
+                              kernels="triton" if name == "continuous_triton" else "torch")
         rollout = HFRollout(hf, tok) if name == "hf" else ContinuousRollout(hf, tok, config=decode)
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)

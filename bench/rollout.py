@@ -229,12 +229,11 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
                 eager_host_ms=host_ms, one_capture_ms=capture_ms)
 
 
-VARIANTS = {"compiled": {}, "torch": dict(kernels="torch"), "eager": dict(kernels="torch", compile_glue=False),
-            "reduce-overhead": dict(kernels="torch", graph_mode="reduce-overhead")}
-"""The kit's variants as DecodeConfig fields: compiled (the default, a name kept for the results' history: CUDA
-graphs captured by hand, since a8d139b the Triton kernels on a GPU, before that compiled glue and SDPA), torch (SDPA
-and compiled glue), eager (SDPA, glue eager), reduce-overhead (the whole step through
-torch.compile(mode="reduce-overhead"))."""
+VARIANTS = {"compiled": {}, "triton": dict(kernels="triton"), "eager": dict(compile_glue=False),
+            "reduce-overhead": dict(graph_mode="reduce-overhead")}
+"""The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, compiled glue
+and SDPA on a GPU), triton (the decode step in the kit's Triton kernels: one graph per batch bucket), eager (glue
+eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead"))."""
 
 
 def main() -> None:

@@ -318,9 +318,15 @@ SECTIONS.update({
                             writes="rollout_capture.json",
                             args="--shape qwen2-1.8b --batches 2 --new-tokens 8 --variants compiled --hf-new-tokens 2 "
                                  "--agreement-rows 0 --capture-split 512,576")],
-    # decode attention alone: cuDNN's SDPA over the masked bucket against the kit's Triton kernels, per rows x bucket
-    "decode_attention": [Row(name="decode_attention", script="bench/decode_attention.py", launch="python",
-                             writes="decode_attention.json")],
+    # the decode step in the kit's Triton kernels (DecodeConfig.kernels="triton", opt-in): their GPU tests, decode
+    # attention alone against cuDNN's SDPA per rows x bucket, then GRPO iterations with and without them
+    "decode_kernels": [
+        Row(name="decode_kernels_tests", script="-m pytest", launch="python",
+            args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
+                 "-k 'gpu or kernels or rope or add_rms or splits'"),
+        Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
+        Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
+            args="--size l --iterations 3 --profile --backends continuous_triton,continuous")],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

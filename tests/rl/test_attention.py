@@ -1,6 +1,13 @@
 """rl.rollout.attention: the Triton decode kernels equal SDPA over the masked slot bucket (each row up to its own
 position, a sliding window's start, query groups of 1 to 8 heads, head sizes that are and are not powers of two,
-one split or many), inside a CUDA graph too; and the engine decodes with them by default on a GPU."""
+one split or many), inside a CUDA graph too; and the engine decodes with them (`DecodeConfig.kernels="triton"`) the
+tokens it decodes with SDPA.
+
+On a GPU these run with Triton; on CPU they run in Triton's interpreter when asked (triton >= 3.9 installed,
+`TRITON_INTERPRET=1 pytest tests/rl/test_attention.py tests/rl/test_elementwise.py`, fp32 only), else they skip:
+CI installs no Triton."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,8 +15,13 @@ import torch.nn.functional as F
 from mfsdp_kit.rl.rollout import attention
 from mfsdp_kit.rl.rollout.decoder import masks
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+kernels = pytest.mark.skipif(attention.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+                             reason="the kernels run on a GPU (Triton), or on CPU in Triton's interpreter")
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and attention.triton is not None),
-                         reason="the decode kernels run on a GPU (Triton)")
+                         reason="CUDA graphs and the engine's GPU path")
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
 
 
 def sdpa(q, k, v, pos, *, slots, window, scale):
@@ -25,21 +37,21 @@ def test_splits_fill_the_device_at_small_batch_and_stay_whole_at_large():
     assert attention.splits_for(programs=2, slots=64, sms=132) == 1   # never a split under BLOCK_N keys
 
 
-@gpu
+@kernels
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 128), (8, 8, 64), (8, 1, 80), (12, 2, 96)])
 @pytest.mark.parametrize("window", [None, 40])
 def test_kernels_equal_sdpa_over_the_masked_bucket(heads, kv_heads, dim, window):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for rows, b, slots in [(40, 33, 192), (512, 512, 128), (16, 3, 576)]:
-        k, v = (torch.randn(rows, kv_heads, 640, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                for _ in range(2))
-        q = torch.randn(b, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        pos = torch.randint(0, slots, (b,), device="cuda", generator=gen)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    shapes = [(40, 33, 192), (512, 512, 128), (16, 3, 576)] if DEVICE == "cuda" else [(8, 5, 192), (4, 3, 320)]
+    for rows, b, slots in shapes:
+        k, v = (torch.randn(rows, kv_heads, 640, dim, device=DEVICE, dtype=DTYPE, generator=gen) for _ in range(2))
+        q = torch.randn(b, heads, dim, device=DEVICE, dtype=DTYPE, generator=gen)
+        pos = torch.randint(0, slots, (b,), device=DEVICE, generator=gen)
         pos[0], pos[-1] = slots - 1, 0
         got = attention.decode_attention(q, k, v, pos, slots=slots, window=window, scale=dim ** -0.5)
         want = sdpa(q, k, v, pos, slots=slots, window=window, scale=dim ** -0.5)
-        assert got.shape == want.shape and got.dtype == torch.bfloat16
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert got.shape == want.shape and got.dtype == DTYPE
+        torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
 @gpu
@@ -59,7 +71,7 @@ def test_kernels_replay_in_a_cuda_graph_with_new_positions():
 
 
 @gpu
-def test_the_engine_decodes_with_the_kernels_on_a_gpu_and_sdpa_when_asked(tmp_path):
+def test_the_engine_decodes_with_the_kernels_when_asked_on_a_gpu(tmp_path):
     """Greedy tokens of an fp32 engine with the kernels (fp32 products, no TF32) equal those of the same engine on
     SDPA and compiled glue (`kernels="torch"`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,7 +82,7 @@ def test_the_engine_decodes_with_the_kernels_on_a_gpu_and_sdpa_when_asked(tmp_pa
     tok = AutoTokenizer.from_pretrained(folder)
     rows = [[(7 * i + j) % 200 + 3 for j in range(3 + i % 9)] for i in range(40)]
     kw = dict(max_new_tokens=60, temperature=0, top_p=1.0, seed=0)
-    fast = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16))
+    fast = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16, kernels="triton"))
     tokens = fast.generate(rows, **kw)[0]
     assert fast.runner.glue(True).mode == "triton"
     plain = ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16, kernels="torch"))

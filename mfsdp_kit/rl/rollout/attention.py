@@ -1,9 +1,11 @@
-"""Decode attention on a GPU: one query per row against that row's own cached keys, in two Triton kernels.
+"""Decode attention on a GPU: one query per row against that row's own cached keys, in two Triton kernels
+(`DecodeConfig.kernels="triton"`, opt-in until measured on a GPU against cuDNN; `decoder.decode`'s SDPA is the
+default).
 
 SDPA over the slot bucket (`decoder.decode` off a GPU) reads every row up to the bucket and, in cuDNN's kernel for
 grouped heads, reads each K/V head once per query head of its group; and cuDNN builds a plan for every new (batch,
-slots) shape, about 40 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, tiny `l`, 16 query and
-4 KV heads; docs/benchmarks.md). Here, flash-decoding's split over the keys:
+slots) shape, 38-46 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, 16 query and 4 KV heads
+of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over the keys:
   - `_attention_partial`: a program per (row, KV head, split of the slots) reads its keys once for the whole query
     group (the group's queries are the rows of one tile), only up to the row's position (and from its window's
     start), with an online softmax; it writes the split's unnormalised output, max and sum;
@@ -34,8 +36,9 @@ def available(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (CPU tensors run in Triton's interpreter, TRITON_INTERPRET=1: say 4)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def splits_for(*, programs: int, slots: int, sms: int) -> int:
@@ -53,7 +56,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device.index or 0))
+    splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device))
     chunk = -(-(-(-slots // splits)) // BLOCK_N) * BLOCK_N   # ceil(slots / splits), rounded up to BLOCK_N
     splits = -(-slots // chunk)
     q = q.contiguous()

@@ -73,12 +73,14 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
-    kernels: Literal["triton", "torch"] = "triton"
-    """The decode step's attention and elementwise work on a GPU: "triton" (the kit's Triton kernels,
-    `attention.py` and `elementwise.py`: a row reads its own keys once per KV head, so one CUDA graph per batch
-    bucket; no plan per shape and no dynamo compile) | "torch" (SDPA over the masked slot bucket, cuDNN's kernel, and
-    the elementwise work through `compile_glue`; one graph per batch and slot bucket; compared in
-    docs/benchmarks.md). Off a GPU, or where Triton does not import, "torch" ops run eagerly either way."""
+    kernels: Literal["torch", "triton"] = "torch"
+    """The decode step's attention and elementwise work on a GPU: "torch" (SDPA over the masked slot bucket, cuDNN's
+    kernel there, and the elementwise work through `compile_glue`; one CUDA graph per batch and slot bucket) |
+    "triton" (the kit's Triton kernels, `attention.py` and `elementwise.py`: a row reads its own keys, once per KV
+    head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile). "triton" is opt-in until
+    a GPU has measured it against "torch" (`SECTIONS=decode_kernels`; docs/benchmarks.md): it was checked in
+    Triton's interpreter and compiled for sm90, not run on a GPU. Off a GPU, or where Triton does not import, the
+    torch ops run eagerly either way."""
     compile_glue: bool = True
     """With `kernels="torch"`: `torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU."""
     prefill_tokens: int = 16384

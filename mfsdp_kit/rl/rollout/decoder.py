@@ -11,15 +11,17 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
     only (`layer_windows`), in prefill and decode alike;
-  - decode attention on a GPU is `attention.py`'s Triton kernels: each row reads its own keys up to its position,
-    once per KV head for its query group, split over the keys at small batch (flash-decoding). Off a GPU (and with
-    `DecodeConfig.kernels="torch"`) it is one SDPA per layer in the grouped-query layout (`enable_gqa`) with one
+  - decode attention is one SDPA per layer in the grouped-query layout (`enable_gqa`: no `repeat_kv` copy) with one
     additive mask per step, [b, 1, 1, slots]: on a GPU cuDNN's kernel, which reads every row up to the slot bucket,
-    each KV head once per query head, and builds a plan per (batch, slots) shape. Tried before and slower than
-    cuDNN: a visibility-lane layout, flex_attention (its block mask alone cost more than the kernel), and flash
-    attention's varlen kernel with `seqused_k` (one query a row: it splits no row's keys over blocks);
+    each KV head once per query head, and builds a plan per (batch, slots) shape. Tried and slower than cuDNN: a
+    visibility-lane layout, flex_attention (its block mask alone cost more than the kernel), flash attention's
+    varlen kernel with `seqused_k` (one query a row: it splits no row's keys over blocks), and q grouped per KV
+    head as a 4-query sequence (docs/benchmarks.md). `DecodeConfig.kernels="triton"` (opt-in) runs `attention.py`'s
+    Triton kernels instead: each row reads its own keys up to its position, once per KV head for its query group,
+    split over the keys at small batch (flash-decoding);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`) and attention in two more (`attention.py`);
+    functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes, or with `kernels="triton"` three
+    Triton kernels (`elementwise.py`);
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
@@ -186,8 +188,9 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 class Glue:
     """The decode step's functions between the GEMMs (RoPE + the cache write, attention, act * up, residual add +
     RMSNorm), in one of three `mode`s:
-      - "triton" (on a GPU, the default): `elementwise`'s and `attention`'s Triton kernels; no dynamo frame;
-      - "compiled": the torch functions below, each `torch.compile`d once for every batch and cache size (the batch
+      - "triton" (on a GPU with `DecodeConfig.kernels="triton"`): `elementwise`'s and `attention`'s Triton kernels;
+        no dynamo frame;
+      - "compiled" (on a GPU, the default): the torch functions below, each `torch.compile`d once for every batch and cache size (the batch
         and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises instead of running eager glue in
         silence), attention through SDPA over an additive mask;
       - "eager": the same torch functions as they are (CPU tests run this).
