@@ -16,7 +16,8 @@ from mfsdp_kit.rl.rollout import attention
 from mfsdp_kit.rl.rollout.decoder import masks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-kernels = pytest.mark.skipif(attention.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+kernels = pytest.mark.skipif(attention.triton is None or (DEVICE == "cpu" and not INTERPRETED),
                              reason="the kernels run on a GPU (Triton), or on CPU in Triton's interpreter")
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and attention.triton is not None),
                          reason="CUDA graphs and the engine's GPU path")

@@ -190,9 +190,9 @@ class Glue:
     RMSNorm), in one of three `mode`s:
       - "triton" (on a GPU with `DecodeConfig.kernels="triton"`): `elementwise`'s and `attention`'s Triton kernels;
         no dynamo frame;
-      - "compiled" (on a GPU, the default): the torch functions below, each `torch.compile`d once for every batch and cache size (the batch
-        and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises instead of running eager glue in
-        silence), attention through SDPA over an additive mask;
+      - "compiled" (on a GPU, the default): the torch functions below, each `torch.compile`d once for every batch
+        and cache size (the batch and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises
+        instead of running eager glue in silence), attention through SDPA over an additive mask;
       - "eager": the same torch functions as they are (CPU tests run this).
     A model whose MLP is not SiLU-gated takes the torch function for act * up in every mode."""
 
