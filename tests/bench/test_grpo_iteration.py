@@ -11,6 +11,7 @@ def test_grpo_iteration_bench(tmp_path):
         assert all(h[k][0] > 0 for k in ("rollout_s", "logprob_s", "update_s")), name
         assert 0 <= h["logprob_diff_max"][0] <= 1e-5, (name, h["logprob_diff_max"])
     assert res["histories"]["hf"]["engine"] == [{}]
+    assert all(len(h["compile_s"]) == 1 and h["compile_s"][0] >= 0 for h in res["histories"].values())
     stats = res["histories"]["continuous"]["engine"][0]
     assert stats["sequences"] == 4 and stats["steps"] > 0 and stats["seconds"] > 0
 
