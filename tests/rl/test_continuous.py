@@ -15,7 +15,7 @@ from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
         [12, 13]]   # six lengths: rows of a batch start at different slots
-SMALL = DecodeConfig(max_batch_size=4, min_batch=2, check_every=3, slot_bucket=8)
+SMALL = DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8)
 """Four cache rows for six prompts (two wait in the queue), a host read every 3 steps, 8-slot buckets."""
 
 
@@ -207,9 +207,8 @@ def test_prefill_under_a_small_budget_gives_the_same_tokens(tmp_path):
     assert many.generate(ROWS, max_new_tokens=12, temperature=0, top_p=1.0, seed=0)[0] == one
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(max_batch_size=4, min_batch=2, check_every=1, slot_bucket=4,
-                                                 prefill_tokens=10),
-                                    DecodeConfig(max_batch_size=8, min_batch=2, check_every=5, slot_bucket=16)])
+@pytest.mark.parametrize("config", [DecodeConfig(max_batch_size=4, check_every=1, slot_bucket=4, prefill_tokens=10),
+                                    DecodeConfig(max_batch_size=8, check_every=5, slot_bucket=16)])
 def test_queue_stops_and_compaction_keep_the_models_tokens(config, tmp_path):
     """The scheduler's paths under one seed (rows > cache rows wait in the queue, a frequent stop id ends rows at
     different steps, the batch is compacted, one-step chunks and tight slot buckets): greedy tokens equal generate's

@@ -61,8 +61,7 @@ def load(tmp_path, device="cpu", dtype=torch.float32):
 
 def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path):
     model, tok = load(tmp_path)
-    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=4, min_batch=2, check_every=3,
-                                                                slot_bucket=8))
+    rollout = ContinuousRollout(model, tok, config=DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8))
     kw = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, seed=0)
     rollout.generate(ROWS, **kw)
     cache, steps = rollout.runner.cache, dict(rollout.runner.cache.steps)

@@ -18,7 +18,7 @@ from tests.rl.test_scheduler import CharTokenizer
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
         [12, 13]]
-SMALL = DecodeConfig(max_batch_size=4, min_batch=2, check_every=3, slot_bucket=8)
+SMALL = DecodeConfig(max_batch_size=4, check_every=3, slot_bucket=8)
 
 
 # ---- the calculator --------------------------------------------------------------------------

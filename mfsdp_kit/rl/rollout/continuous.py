@@ -60,10 +60,11 @@ class DecodeConfig:
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
     min_batch: int = 16
-    """The smallest decode batch bucket (rows): once fewer rows live, the step still runs this many (idle rows decode
-    junk). Below it a step costs about the same (the weights' read: on 1 H200 at 1.7 B a step took 2.2 ms at 32 rows
-    against 0.71 ms of weight read), so smaller buckets only add graphs to capture (at 512 rows, 16 against 2 makes
-    54 graphs instead of 81)."""
+    """The smallest decode batch bucket (rows) where steps are CUDA graphs: once fewer rows live, the step still runs
+    this many (idle rows decode junk). Below it a step costs about the same (the weights' read: on 1 H200 at 1.7 B a
+    step took 2.2 ms at 32 rows against 0.71 ms of weight read), so smaller buckets only add graphs to capture (at
+    512 rows, 16 against 2 makes 54 graphs instead of 81). Eager steps (a CPU, MoE models) keep buckets down to 2:
+    there a step costs what its rows cost."""
     slot_bucket: int = 64
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
     cuda_graphs: bool = True
@@ -161,7 +162,7 @@ class ContinuousRollout(HFRollout):
                           transient_bytes=state.transient_bytes)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
-                              slot_bucket=cfg.slot_bucket, min_batch=cfg.min_batch,
+                              slot_bucket=cfg.slot_bucket, min_batch=self.runner.min_batch(),
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats)
         run = Run(self, state, scheduler, sample=dict(

@@ -133,7 +133,7 @@ class Runner:
                            transient_bytes=transient_bytes)
         if self.graphed():
             for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket,
-                                    min_batch=self.config.min_batch):
+                                    min_batch=self.min_batch()):
                 self.step(batch, s)
         return self.cache
 
@@ -147,6 +147,11 @@ class Runner:
     def release(self) -> None:
         """Free the KV cache and its steps; the next call makes them again."""
         self.cache = None
+
+    def min_batch(self) -> int:
+        """The smallest batch bucket: `DecodeConfig.min_batch` where steps are graphs, else 2 (an eager step costs
+        what its rows cost)."""
+        return self.config.min_batch if self.graphs() else 2
 
     def graphs(self) -> bool:
         """Whether steps are CUDA graphs (`DecodeConfig.cuda_graphs`, a dense model on a GPU: MoE routing syncs)."""
