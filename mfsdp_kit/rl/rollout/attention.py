@@ -96,7 +96,7 @@ if triton is not None:
         g_ok, d_ok = g < GROUP, d < DIM
         q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        base = row * stride_kr + kv * stride_kh
+        base = row.to(tl.int64) * stride_kr + kv.to(tl.int64) * stride_kh   # a cache may pass 2**31 elements
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
