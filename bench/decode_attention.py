@@ -3,7 +3,8 @@ against the kit's Triton kernels (`rl.rollout.attention`), per (rows, slot bucke
 
     python bench/decode_attention.py --out runs/bench/decode_attention.json   # 1 GPU
 
-Each row's position is drawn uniformly below the bucket (a GRPO batch's rows are of many lengths). Microseconds per
+SDPA reads the bucket under a mask; the kernels are given the whole cache's slots, as the engine calls them (their
+splits share out each row's own keys). Each row's position is drawn uniformly below the bucket (a GRPO batch's rows are of many lengths). Microseconds per
 call are the mean of 20 calls recorded in one CUDA graph, replayed 10 times (how the engine runs them); "first ms"
 is the first call of a new shape (cuDNN builds a plan per shape; the kernels compile once per head size and group).
 Floor: the K and V bytes the rows' positions need (each KV head read once) at the device's memory bandwidth.
@@ -76,8 +77,8 @@ def main() -> None:
             return F.scaled_dot_product_attention(q[:, :, None], k[:b, :, :slots], v[:b, :, :slots], attn_mask=bias,
                                                   enable_gqa=True, scale=scale)[:, :, 0]
 
-        def kernels():
-            return decode_attention(q, k, v, pos, slots=slots, window=None, scale=scale)
+        def kernels():   # given the whole cache's slots, as the engine does (one graph per batch bucket)
+            return decode_attention(q, k, v, pos, slots=slots_max, window=None, scale=scale)
         first = dict(sdpa=first_ms(sdpa), kernels=first_ms(kernels))
         us = dict(sdpa=graphed_us(sdpa), kernels=graphed_us(kernels))
         diff = (sdpa().float() - kernels().float()).abs().max().item()

@@ -92,6 +92,10 @@ def test_bad_config_is_refused_by_name():
         DecodeConfig(max_batch_size=0)
     with pytest.raises(ConfigError, match="graph_mode='graphs' .*'capture' \\| 'reduce-overhead'"):
         DecodeConfig(graph_mode="graphs")
+    with pytest.raises(ConfigError, match="kernels='triton' .*graph_mode=\"capture\""):
+        DecodeConfig(kernels="triton", graph_mode="reduce-overhead")
+    with pytest.raises(ConfigError, match="min_batch=0"):
+        DecodeConfig(min_batch=0)
 
 
 def test_default_backend_is_the_engine_where_it_runs(tmp_path):

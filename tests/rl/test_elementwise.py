@@ -49,9 +49,11 @@ def test_add_rms_and_gated_equal_the_torch_functions(dtype, hidden):
     torch.testing.assert_close(elementwise.gated(gate_up), decoder.gated(gate_up, torch.nn.SiLU()), **TOL[dtype])
 
 
-def test_a_decode_step_with_the_kernels_equals_the_torch_step(tmp_path):
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_step_with_the_kernels_equals_the_torch_step(window, tmp_path):
     """`decoder.decode` of a tiny Qwen2 (written by transformers) with the Triton glue and attention against the torch
-    functions: the same hidden states and the same K/V written, rows at different positions, fp32."""
+    functions: the same hidden states and the same K/V written, rows at different positions, fp32; with `window`,
+    every other layer attends to its last `window` slots."""
     from transformers import AutoModelForCausalLM
     from mfsdp_kit.models.archs import write_tiny
     model = AutoModelForCausalLM.from_pretrained(write_tiny("Qwen2ForCausalLM", tmp_path / "q"),
@@ -69,7 +71,7 @@ def test_a_decode_step_with_the_kernels_equals_the_torch_step(tmp_path):
         cache = [(k.clone(), v.clone()) for k, v in kv]
         with torch.no_grad():
             h = decoder.decode(model, tok, pos, cache, rope, slots=64, head_dim=head_dim, clip_qkv=None, glue=glue,
-                               windows=[None] * len(cache))
+                               windows=[window if i % 2 else None for i in range(len(cache))])
         outs.append((h, cache))
     (want, want_cache), (got, got_cache) = outs
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mfsdp_kit.models.archs import write_tiny
-from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, attention
 from mfsdp_kit.rl.rollout.runner import buckets
 from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
@@ -73,7 +73,8 @@ def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: a GPU")
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    attention.triton is None, reason="Triton"))])
 def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(kernels, tmp_path):
     """Every step a call can ask for is captured with the cache (with the Triton kernels, one per batch bucket), a
     second call captures nothing, and its tokens equal the first's and a fresh engine's."""

@@ -2,7 +2,7 @@
 (`DecodeConfig.kernels="triton"`, opt-in until measured on a GPU against cuDNN; `decoder.decode`'s SDPA is the
 default).
 
-SDPA over the slot bucket (`decoder.decode` off a GPU) reads every row up to the bucket and, in cuDNN's kernel for
+SDPA over the slot bucket (`decoder.decode`'s default) reads every row up to the bucket and, in cuDNN's kernel for
 grouped heads, reads each K/V head once per query head of its group; and cuDNN builds a plan for every new (batch,
 slots) shape, 38-46 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, 16 query and 4 KV heads
 of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over the keys:
@@ -11,8 +11,9 @@ of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over the k
     start), with an online softmax; it writes the split's unnormalised output, max and sum;
   - `_attention_combine`: a program per (row, query head) merges the splits (with one split, the first kernel
     writes the output itself).
-Splits are as many as fill the device twice over at small batch, one at large. Triton compiles each kernel once
-per head size and group (any batch and slot bucket), and the disk cache keeps it: no plan per shape.
+Splits are as many as fill the device twice over at small batch, one at large; each row's own keys are shared out
+over them at run time. Triton compiles a kernel per head size and group and a few specialisations of its integer
+arguments (not per batch or slot bucket), and its disk cache keeps them: no plan per shape.
 """
 from __future__ import annotations
 
@@ -50,15 +51,14 @@ def splits_for(*, programs: int, slots: int, sms: int) -> int:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
                      slots: int, window: int | None, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) v per row r and query head, over the keys of slots max(0, pos[r] - window + 1) ..
-    pos[r] (every slot <= pos[r] without a window) among the first `slots`: `q` [b, heads, D] against the first b rows
-    of the cache's [rows, kv_heads, all slots, D] K and V (query head h reads KV head h // (heads / kv_heads)).
-    Returns [b, heads, D] in q's dtype."""
+    pos[r] (every slot <= pos[r] without a window; every pos[r] < `slots`): `q` [b, heads, D] against the first b
+    rows of the cache's [rows, kv_heads, all slots, D] K and V (query head h reads KV head h // (heads / kv_heads)).
+    Each row's own keys are split evenly over the splits at run time, so `slots` (the cache's, in the engine) only
+    bounds how many splits there are. Returns [b, heads, D] in q's dtype."""
     b, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device))
-    chunk = -(-(-(-slots // splits)) // BLOCK_N) * BLOCK_N   # ceil(slots / splits), rounded up to BLOCK_N
-    splits = -(-slots // chunk)
     q = q.contiguous()
     out = torch.empty_like(q)
     whole = splits == 1   # one split: the partial kernel normalises and writes the output itself
@@ -66,7 +66,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
     _attention_partial[(b, kv_heads, splits)](
         q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), stats.stride(0), scale, window or 0, chunk,
+        k_cache.stride(2), stats.stride(0), scale, window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, D_PAD=triton.next_power_of_2(dim),
         BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHOLE=whole, num_warps=4, num_stages=2)
@@ -80,16 +80,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 if triton is not None:
     @triton.jit
     def _attention_partial(Q, K, V, POS, PART, STATS, stride_qb, stride_qh, stride_kr, stride_kh, stride_ks,
-                           stride_stat, scale, window, chunk, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                           stride_stat, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                            DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
                            PRECISION: tl.constexpr, WHOLE: tl.constexpr):
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_rows, n_kv, n_splits = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
         pos = tl.load(POS + row).to(tl.int32)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, pos + 1)
+        first = pos * 0   # the row's keys: first .. pos
         if WINDOWED:
-            lo = tl.maximum(lo, pos - window + 1)
+            first = tl.maximum(pos - window + 1, 0)
+        chunk = tl.cdiv(tl.cdiv(pos + 1 - first, n_splits), BLOCK_N) * BLOCK_N   # its share, whole tiles
+        lo = first + split * chunk
+        hi = tl.minimum(lo + chunk, pos + 1)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
         head = kv * GROUP + g

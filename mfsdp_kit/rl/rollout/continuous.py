@@ -61,9 +61,10 @@ class DecodeConfig:
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
     min_batch: int = 16
     """The smallest decode batch bucket (rows) where steps are CUDA graphs: once fewer rows live, the step still runs
-    this many (idle rows decode junk). Below it a step costs about the same (the weights' read: on 1 H200 at 1.7 B a
-    step took 2.2 ms at 32 rows against 0.71 ms of weight read), so smaller buckets only add graphs to capture (at
-    512 rows, 16 against 2 makes 54 graphs instead of 81). Eager steps (a CPU, MoE models) keep buckets down to 2:
+    this many (idle rows decode junk). Below it a step should cost about the same (the weights' read dominates: on 1
+    H200 at 1.7 B a step's graph took 1.88 ms at 32 rows, 2.2 ms with its sampling, against 0.71 ms of weight read;
+    smaller batches were not timed), so smaller buckets only add graphs to capture (at 512 rows, 16 against 2 makes
+    54 graphs instead of 81). Eager steps (a CPU, MoE models) keep buckets down to 2:
     there a step costs what its rows cost."""
     slot_bucket: int = 64
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
@@ -80,8 +81,8 @@ class DecodeConfig:
     "triton" (the kit's Triton kernels, `attention.py` and `elementwise.py`: a row reads its own keys, once per KV
     head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile). "triton" is opt-in until
     a GPU has measured it against "torch" (`SECTIONS=decode_kernels`; docs/benchmarks.md): it was checked in
-    Triton's interpreter and compiled for sm90, not run on a GPU. Off a GPU, or where Triton does not import, the
-    torch ops run eagerly either way."""
+    Triton's interpreter and compiled for sm90, not run on a GPU. Where Triton does not import, a GPU runs "torch";
+    off a GPU the torch ops run eagerly either way. Needs `graph_mode="capture"`."""
     compile_glue: bool = True
     """With `kernels="torch"`: `torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU."""
     prefill_tokens: int = 16384
@@ -96,6 +97,9 @@ class DecodeConfig:
     def __post_init__(self):
         check_fields(self, max_batch_size=COUNT, min_batch=COUNT, check_every=COUNT, slot_bucket=COUNT,
                      prefill_tokens=COUNT, cache_memory_fraction=number_in(0, 1, low_open=True))
+        if self.kernels == "triton" and self.graph_mode == "reduce-overhead":   # its compiled step is torch's own
+            raise bad_value("kernels", self.kernels, '"torch" with graph_mode="reduce-overhead" (inductor compiles '
+                            'the whole step from torch ops), or graph_mode="capture" for "triton"')
 
 
 class ContinuousRollout(HFRollout):
