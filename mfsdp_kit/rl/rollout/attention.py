@@ -31,11 +31,6 @@ BLOCK_N = 64
 """Keys per inner step (the tile's columns)."""
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernels run on `device`: a CUDA device and Triton importable."""
-    return triton is not None and device.type == "cuda"
-
-
 @functools.lru_cache(maxsize=None)
 def _sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (CPU tensors run in Triton's interpreter, TRITON_INTERPRET=1: say 4)."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention
 from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
 from .sampling import pick
 from .schedule import batch_bucket
@@ -226,9 +225,16 @@ class Runner:
         if not gpu:
             return EAGER
         if self._glue is None:
-            triton = self.config.kernels == "triton" and attention.available(self.cache.tok.device)
+            triton = self.config.kernels == "triton" and kernels_available(self.cache.tok.device)
             self._glue = Glue(mode="triton" if triton else "compiled" if self.config.compile_glue else "eager")
         return self._glue
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on `device`: a CUDA device, Triton installed (not imported here: only the
+    engines that use the kernels load it)."""
+    import importlib.util
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _peak(device: torch.device, fn) -> int:

@@ -119,8 +119,9 @@ class Scheduler:
         (None: nothing moves)."""
         live = self.live()
         smaller = batch_bucket(len(live), rows=len(self.cache), least=self.min_batch) if live else self.batch
-        if self.queue or len(live) > self.batch // 2 or smaller >= self.batch or any(s.waiting for s in self.cache if s):
-            return None   # (at most half moves: `Runner.transient_bytes` holds the copies of half the rows)
+        waiting = any(s.waiting for s in self.cache if s)
+        if self.queue or waiting or len(live) > self.batch // 2 or smaller >= self.batch:
+            return None   # at most half moves: `Runner.transient_bytes` holds the copies of half the rows
         self.batch = smaller
         if live == list(range(len(live))):
             return None
