@@ -51,20 +51,16 @@ def disk_write_gb_per_s(root: Path, nbytes: int) -> float:
     return nbytes * dist.get_world_size() / seconds / 1e9
 
 
-PER_FILE = storage.PER_FILE
-"""Save phases that are a writer thread's seconds per file (mean), not parts of the save's wall time."""
-
-
 def phase_rows(phases: dict) -> list:
     """Table rows: the top-level phases (they add up to the save / load), then each one's parts."""
-    top = {k: v for k, v in phases.items() if "." not in k and k not in PER_FILE}
+    top = {k: v for k, v in phases.items() if "." not in k and k not in storage.PER_FILE}
     rows = [("  phases", "  ".join(f"{k} {v:.3f}" for k, v in top.items()) + f"  (sum {sum(top.values()):.3f} s)")]
     for name in top:
         parts = {k.split(".", 1)[1]: v for k, v in phases.items() if k.startswith(name + ".")}
         if parts:
             rows.append((f"    {name}", "  ".join(f"{k} {v:.3f}" for k, v in parts.items())))
-    if any(k in phases for k in PER_FILE):
-        rows.append(("    per file", "  ".join(f"{k} {phases[k]:.3f}" for k in PER_FILE if k in phases)))
+    if any(k in phases for k in storage.PER_FILE):
+        rows.append(("    per file", "  ".join(f"{k} {phases[k]:.3f}" for k in storage.PER_FILE if k in phases)))
     return rows
 
 

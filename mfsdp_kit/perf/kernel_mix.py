@@ -41,8 +41,8 @@ def breakdown(trace: dict, *, top: int = 12) -> dict[str, dict]:
     acts = gpu_activities(trace)
     out: dict[str, dict] = {}
     for name, start, end in marks:
-        mine = [(max(a.start_us, start), min(a.end_us, end), classify(a.name)) for a in acts
-                if start <= a.start_us < end]
+        inside = [a for a in acts if start <= a.start_us < end]
+        mine = [(max(a.start_us, start), min(a.end_us, end), classify(a.name)) for a in inside]
         row = out.setdefault(name, dict(wall_s=0.0, kernels_s=0.0, host_gap_s=0.0, kernels=0,
                                         **{f"{c}_s": 0.0 for c in CLASSES}))
         busy = covered([(s, e) for s, e, _ in mine]) / 1e6
@@ -53,10 +53,9 @@ def breakdown(trace: dict, *, top: int = 12) -> dict[str, dict]:
         for c in CLASSES:
             row[f"{c}_s"] += covered([(s, e) for s, e, k in mine if k == c]) / 1e6
         names = row.setdefault("_names", {})
-        for a in acts:
-            if start <= a.start_us < end:
-                seconds, launches = names.get(a.name, (0.0, 0))
-                names[a.name] = (seconds + (a.end_us - a.start_us) / 1e6, launches + 1)
+        for a in inside:
+            seconds, launches = names.get(a.name, (0.0, 0))
+            names[a.name] = (seconds + (a.end_us - a.start_us) / 1e6, launches + 1)
     for row in out.values():
         names = row.pop("_names")
         row["top"] = [[n, classify(n), s, k] for n, (s, k) in sorted(names.items(), key=lambda x: -x[1][0])[:top]]

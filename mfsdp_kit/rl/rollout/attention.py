@@ -79,7 +79,7 @@ if triton is not None:
                            DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
                            PRECISION: tl.constexpr, WHOLE: tl.constexpr):
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n_rows, n_kv, n_splits = tl.num_programs(0), tl.num_programs(1), tl.num_programs(2)
+        n_kv, n_splits = tl.num_programs(1), tl.num_programs(2)
         pos = tl.load(POS + row).to(tl.int32)
         first = pos * 0   # the row's keys: first .. pos
         if WINDOWED:

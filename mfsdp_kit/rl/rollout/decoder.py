@@ -198,11 +198,10 @@ class Glue:
         self.mode = mode
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
-        self._kernels = None
         if mode == "triton":   # imported here: Triton loads only for the engines that use it
             from . import attention, elementwise
-            self._kernels = (attention, elementwise)
             self._rope_store, self._add_rms = elementwise.rope_store, elementwise.add_rms
+            self._silu_gated, self._decode_attention = elementwise.gated, attention.decode_attention
 
     @property
     def kernel_attention(self) -> bool:
@@ -220,7 +219,7 @@ class Glue:
 
     def gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         if self.mode == "triton" and type(act).__name__ in ("SiLU", "SiLUActivation"):
-            return self._kernels[1].gated(gate_up)
+            return self._silu_gated(gate_up)
         self._dynamic(gate_up)
         return self._gated(gate_up, act)
 
@@ -240,8 +239,8 @@ class Glue:
         (`decode` makes it only for SDPA). Returns [b, heads * D]."""
         b = q.shape[0]
         if self.kernel_attention:
-            return self._kernels[0].decode_attention(q[:, :, 0], k_cache, v_cache, pos, slots=slots, window=window,
-                                                     scale=scale).reshape(b, -1)
+            return self._decode_attention(q[:, :, 0], k_cache, v_cache, pos, slots=slots, window=window,
+                                          scale=scale).reshape(b, -1)
         return F.scaled_dot_product_attention(q, k_cache[:b, :, :slots], v_cache[:b, :, :slots], attn_mask=bias,
                                               enable_gqa=True, scale=scale).reshape(b, -1)
 

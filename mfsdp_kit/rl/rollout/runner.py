@@ -40,9 +40,6 @@ class Cache:
         """(rows, slots)."""
         return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
-
 
 def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2) -> list[tuple[int, int]]:
     """Every (batch, slots) a decode step on a `rows` x `slots` cache can run: the batch buckets of 1..rows live rows
@@ -99,8 +96,7 @@ class Runner:
         ids = torch.zeros(rows, length, dtype=torch.long, device=p.device)
         prefill(self.model, ids, torch.full((rows,), length, device=p.device), kv, torch.arange(rows, device=p.device),
                 rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv, windows=self.windows)
-        return sum(t.numel() * t.element_size() for pair in kv for t in pair) + sum(
-            t.numel() * t.element_size() for t in rope)
+        return sum(t.nbytes for pair in kv for t in pair) + sum(t.nbytes for t in rope)
 
     @torch.no_grad()
     def _probe_sampling(self, rows: int) -> int:

@@ -85,11 +85,15 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.stats = stats if stats is not None else {}
         self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
-        self.batch = batch_bucket(min(len(prompts), rows), rows=rows, least=min_batch)
+        self.batch = self.bucket(min(len(prompts), rows))
         if self.tools:
             self.stats.update(tool_calls=0, tool_tokens=0, tool_s=0.0, tool_wait_s=0.0, extend_s=0.0)
 
     # ---- what runs next ---------------------------------------------------------------------------
+    def bucket(self, live: int) -> int:
+        """The batch bucket for `live` rows of this call's cache (`schedule.batch_bucket`, at least `min_batch`)."""
+        return batch_bucket(live, rows=len(self.cache), least=self.min_batch)
+
     def busy(self) -> bool:
         """Sequences are queued, decoding or waiting on a tool."""
         return bool(self.queue) or any(s is not None for s in self.cache)
@@ -108,7 +112,7 @@ class Scheduler:
         take = [self.queue.popleft() for _ in free]
         for r, s in zip(free, take):
             s.row, s.length, self.cache[r] = r, len(s.prompt), s
-        self.batch = max(self.batch, batch_bucket(max(free) + 1, rows=len(self.cache), least=self.min_batch))
+        self.batch = max(self.batch, self.bucket(max(free) + 1))
         groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens)
         return [[take[j] for j in group] for group in groups]
 
@@ -117,11 +121,12 @@ class Scheduler:
         of it live, and the batch above `min_batch`): the live rows move to the front and the batch shrinks to their
         bucket. Returns the rows whose cache the runner copies to rows 0..n-1
         (None: nothing moves)."""
-        live = self.live()
-        smaller = batch_bucket(len(live), rows=len(self.cache), least=self.min_batch) if live else self.batch
-        waiting = any(s.waiting for s in self.cache if s)
-        if self.queue or waiting or len(live) > self.batch // 2 or smaller >= self.batch:
-            return None   # at most half moves: `Runner.transient_bytes` holds the copies of half the rows
+        live = self.live()   # at most half moves: `Runner.transient_bytes` holds the copies of half the rows
+        if self.queue or not live or len(live) > self.batch // 2 or any(s.waiting for s in self.cache if s):
+            return None
+        smaller = self.bucket(len(live))
+        if smaller == self.batch:   # the batch is at `min_batch` already
+            return None
         self.batch = smaller
         if live == list(range(len(live))):
             return None
@@ -237,8 +242,7 @@ class Scheduler:
             s.length = start + len(item[1])
             out.append(item)
         if out:
-            last = max(s.row for s, _, _ in out)
-            self.batch = max(self.batch, batch_bucket(last + 1, rows=len(self.cache), least=self.min_batch))
+            self.batch = max(self.batch, self.bucket(max(s.row for s, _, _ in out) + 1))
         return out
 
 
