@@ -42,7 +42,7 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: flo
     """`decoder.add_rms` in one kernel: (x + delta, RMSNorm(x + delta) * weight) of [b, hidden] rows, the sum rounded
     to x's dtype before the norm (as the torch ops do)."""
     b, hidden = x.shape
-    total, normed = torch.empty_like(x), torch.empty_like(x)
+    total, normed = (torch.empty(b, hidden, dtype=x.dtype, device=x.device) for _ in range(2))   # rows contiguous
     _add_rms[(b,)](x, delta, weight, total, normed, x.stride(0), delta.stride(0), eps, HIDDEN=hidden,
                    BLOCK=_pow2(hidden), num_warps=8 if hidden > 4096 else 4)
     return total, normed
