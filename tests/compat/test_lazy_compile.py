@@ -46,3 +46,16 @@ def test_lazy_compiles_once_at_the_first_call_with_the_options():
     assert torch.equal(plain(x), x * 2) and torch.equal(plain(x), x * 2)
     assert torch.equal(with_options(x), x + 1)
     assert calls == [{}, {"dynamic": False}]
+
+
+def test_a_fusion_that_calls_another_compiles_with_symbolic_tokens():
+    """megatron's `bias_swiglu` (a jit_fuser function) calls `swiglu` (another): the inner one, reached while dynamo
+    traces the outer, is inlined instead of marking its input dynamic (a call dynamo refuses to trace). Same values
+    as megatron's math in eager, for two token counts."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    g = torch.Generator().manual_seed(0)
+    bias = torch.randn(16, generator=g)
+    for tokens in (7, 5):
+        y = torch.randn(tokens, 1, 16, generator=g)
+        gate, up = (y + bias).chunk(2, -1)
+        torch.testing.assert_close(bias_swiglu_impl(y, bias), torch.nn.functional.silu(gate) * up)

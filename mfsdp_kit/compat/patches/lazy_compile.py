@@ -54,6 +54,8 @@ def compile_tokens_dynamic(fn, **options):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():   # called from another compiled fusion (megatron's bias_swiglu -> swiglu):
+            return fn(*args, **kwargs)      # dynamo inlines fn; it may not trace maybe_mark_dynamic
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
