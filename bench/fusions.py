@@ -4,13 +4,17 @@
 
 For each op of a training step that is neither a GEMM nor attention, at the shapes of `--spec` x micro-batch, in
 bf16, per forward + backward: wall time of `--iters` calls back to back (host or GPU bound, whichever is slower),
-GPU kernel time (torch.profiler), kernel time per step (calls per micro-batch x `--micro-batches`), the memory the
+the first call's seconds (its compile: torch.compile's, or Triton's unless its disk cache has the kernel), GPU
+kernel time (torch.profiler), kernel time per step (calls per micro-batch x `--micro-batches`), the memory the
 call holds above its inputs at its peak, and max |diff| of the output and the input gradient against megatron's
 own function in fp32 on the same values.
 - rope (q of one layer; k is the same shape without GQA): megatron's `_apply_rotary_pos_emb_bshd` eager, that
-  function compiled whole (the kit's kernel until 2026-12-01), `models.fusions.rope`.
+  function compiled whole (the kit's kernel until 2026-12-01), `models.fusions.rope`, and its Triton rotation
+  (`kernels.fusion_kernels="triton"`, where Triton runs).
 - cross_entropy (the logits of one micro-batch): megatron's unfused vocab-parallel one, its 'native' fusion
   (`cross_entropy_loss_fusion`), `models.cross_entropy` (`EngineConfig.kernels.fused_cross_entropy`).
+- swiglu (one layer's gate/up output): SiLU(gate) * up eager, megatron's fused function (`bias_swiglu_impl`,
+  torch.compile), the kit's Triton kernels (`kernels.fusion_kernels="triton"`, where Triton runs).
 - rms_norm (one layer's input): torch's RMSNorm (megatron's local spec `WrappedTorchNorm`), and compiled.
 On CPU (`--spec tiny`) the same rows run at toy shapes, for the test; the times then mean nothing.
 """
@@ -43,6 +47,8 @@ def _rope_cases(spec: GPTSpec, mb: int, device, dtype):
     whole = torch.compile(_apply_rotary_pos_emb_bshd)
     cases = {"megatron eager": _apply_rotary_pos_emb_bshd, "megatron compiled whole": lambda x, f: whole(x, f),
              "kit (fusions.rope)": fusions.rope}
+    if _triton_runs(device):
+        cases["kit, Triton"] = lambda x, f: fusions.rope(x, f, kernels="triton")
     return cases, (t, freqs), _apply_rotary_pos_emb_bshd, 2 * spec.num_layers  # q and k in every layer
 
 
@@ -71,7 +77,35 @@ def _rms_norm_cases(spec: GPTSpec, mb: int, device, dtype):
     return cases, (x,), reference, 2 * spec.num_layers + 1
 
 
-OPS = {"rope": _rope_cases, "cross_entropy": _cross_entropy_cases, "rms_norm": _rms_norm_cases}
+def _swiglu_cases(spec: GPTSpec, mb: int, device, dtype):
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    g = torch.Generator().manual_seed(3)
+    ffn = spec.ffn_hidden_size or 4 * spec.hidden_size
+    y = torch.randn(spec.seq_len_tokens, mb, 2 * ffn, generator=g).to(device, dtype)
+
+    def eager(x):
+        gate, up = x.chunk(2, -1)
+        return torch.nn.functional.silu(gate) * up
+    cases = {"megatron eager": eager, "megatron fused (compiled)": lambda x: bias_swiglu_impl(x, None)}
+    if _triton_runs(device):
+        from mfsdp_kit.models.triton_fusions import swiglu
+        cases["kit, Triton"] = swiglu
+    return cases, (y,), eager, spec.num_layers
+
+
+def _triton_runs(device) -> bool:
+    """Whether `kernels.fusion_kernels="triton"` can run on `device` (its rows are left out where not)."""
+    from mfsdp_kit.config import ConfigError
+    from mfsdp_kit.models import fusions
+    try:
+        fusions.check_triton(on_gpu=torch.device(device).type == "cuda")
+    except ConfigError:
+        return False
+    return True
+
+
+OPS = {"rope": _rope_cases, "swiglu": _swiglu_cases, "cross_entropy": _cross_entropy_cases,
+       "rms_norm": _rms_norm_cases}
 
 
 def _call(fn, x: torch.Tensor, rest: tuple, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +130,8 @@ def _kernel_ms(run, *, calls: int) -> float | None:
 
 
 def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
-    """Per forward + backward: wall ms (calls back to back), GPU kernel ms, MiB held above the inputs at the
-    peak; max |diff| of output and input gradient against `reference` on the same values in fp32."""
+    """Per forward + backward: the first call's seconds (its compile), wall ms (calls back to back), GPU kernel ms,
+    MiB held above the inputs at the peak; max |diff| of output and input gradient against `reference` on the same values in fp32."""
     x, rest = inputs[0].detach().clone().requires_grad_(), inputs[1:]   # no case writes into its input in bf16
     ref_x = inputs[0].detach().float().requires_grad_()
     ref_rest = tuple(i.float() if i.is_floating_point() else i for i in rest)
@@ -107,13 +141,14 @@ def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
     ref_out, ref_grad = _call(reference, ref_x.detach().clone().requires_grad_(), ref_rest, grad_out)
     grad_out = grad_out.to(fn(x.detach(), *rest).dtype)
     run = lambda: _call(fn, x, rest, grad_out)  # noqa: E731
+    first_s, _ = clock.seconds(run)   # the first call compiles (or loads a compiled kernel from a disk cache)
     wall_ms = clock.mean_ms(run, repeats=iters, warmup=warmup)
     base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     out, grad = run()
     held = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
-    return dict(ms=wall_ms, kernel_ms=_kernel_ms(run, calls=3), held_mib=held / 2**20,
+    return dict(first_s=first_s, ms=wall_ms, kernel_ms=_kernel_ms(run, calls=3), held_mib=held / 2**20,
                 out_max_diff=(out.float() - ref_out).abs().max().item(),
                 grad_max_diff=(grad.float() - ref_grad).abs().max().item())
 
@@ -136,7 +171,7 @@ def main() -> None:
     device = runtime.current().device
     dtype = torch.bfloat16   # the training dtype these kernels are for; megatron's CE writes into fp32 inputs
     results = {}
-    print(f"{'op':<14} {'implementation':<26} {'wall ms':>8} {'kernel ms':>9} {'calls/step':>10} {'kernel ms/step':>14} "
+    print(f"{'op':<14} {'implementation':<26} {'1st call s':>10} {'wall ms':>8} {'kernel ms':>9} {'calls/step':>10} {'kernel ms/step':>14} "
           f"{'held MiB':>9} {'max|out diff|':>13} {'max|grad diff|':>14}")
     for op in ops:
         cases, inputs, reference, per_mb = OPS[op](spec, args.micro_batch_size, device, dtype)
@@ -147,7 +182,7 @@ def main() -> None:
             r["ms_per_step"] = per_call * calls
             results.setdefault(op, {})[name] = r
             kernel = f"{r['kernel_ms']:9.3f}" if r["kernel_ms"] is not None else f"{'-':>9}"
-            print(f"{op:<14} {name:<26} {r['ms']:8.3f} {kernel} {calls:10d} {r['ms_per_step']:14.2f} "
+            print(f"{op:<14} {name:<26} {r['first_s']:10.3f} {r['ms']:8.3f} {kernel} {calls:10d} {r['ms_per_step']:14.2f} "
                   f"{r['held_mib']:9.1f} {r['out_max_diff']:13.2e} {r['grad_max_diff']:14.2e}")
     write_json(args.out, dict(args=vars(args), spec=vars(spec), device=str(device), results=results))
     runtime.shutdown()

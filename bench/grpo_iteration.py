@@ -147,12 +147,16 @@ def main() -> None:
                         "continuous_triton (the decode step in the kit's Triton kernels: `kernels='triton'`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
+    p.add_argument("--fusion-kernels", default="torch", choices=("torch", "triton"),
+                   help="EngineConfig.kernels.fusion_kernels: what computes the fused RoPE and SwiGLU (torch.compile, "
+                        "the default, or the kit's Triton kernels)")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32", seed=0,
-                       kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto")),
+                       kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto"),
+                                       fusion_kernels=args.fusion_kernels),
                        lora=LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank) if args.lora_rank else None)
     rt = runtime.init(cfg)
     src = str(shape_folder(args.shape, root=args.root)) if args.shape else model_folder(args.size, positions=1024)

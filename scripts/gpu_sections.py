@@ -60,6 +60,9 @@ class Row:
     """KNOB=value: run only when the knob has that value."""
 
 
+COLD = "TRITON_CACHE_DIR=/tmp/cold_{0}/triton TORCHINDUCTOR_CACHE_DIR=/tmp/cold_{0}/inductor"
+"""A row's env for compile caches that hold nothing (`first_iteration`): what a fresh machine's first run meets."""
+CLEAN_COLD = "rm -rf /tmp/cold_{0}"
 CK = "--layers 16 --hidden 1024 --heads 16 --vocab 32768 --seq 1024 --dtype bf16"
 SHM = "--root /dev/shm/mfsdp_ckpt"
 CLEAN_SHM = "rm -rf /dev/shm/mfsdp_ckpt"
@@ -327,6 +330,21 @@ SECTIONS.update({
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous")],
+    # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels="triton"`): their tests on the
+    # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
+    "training_kernels": [
+        Row(name="training_kernels_tests", script="-m pytest", launch="python",
+            args="-q -p no:cacheprovider tests/models/test_triton_fusions.py tests/models/test_fusions.py"),
+        Row(name="fusions_triton", script="bench/fusions.py", launch="torchrun1", writes="fusions_triton.json",
+            args="--spec 1.7b --micro-batch-size 8 --ops rope,swiglu", env=COLD.format("fusions"),
+            after=CLEAN_COLD.format("fusions"))],
+    # issue 49: the first iteration on compile caches that hold nothing (torch.compile's and Triton's), one process
+    # each: the default (torch.compile) against the Triton kernels for the decode step and the training fusions
+    "first_iteration": [
+        Row(name=f"grpo_first_{kind}", script="bench/grpo_iteration.py", writes=f"grpo_first_{kind}.json",
+            args=f"--size l --iterations 2 {args}", env=COLD.format(kind), after=CLEAN_COLD.format(kind))
+        for kind, args in (("torch", "--backends continuous"),
+                           ("triton", "--backends continuous_triton --fusion-kernels triton"))],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

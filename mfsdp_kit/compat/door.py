@@ -58,6 +58,7 @@ FEATURES: dict[str, Feature] = {
     "peft": Feature(f"{_P}.peft:_enable", "process", "the bridge's LoRA told that TE is absent"),
     "fsdp_frozen": Feature(f"{_P}.fsdp_frozen:_enable", "process", "Megatron-FSDP wraps frozen params"),
     "rope": Feature(f"{_P}.rope:_install", "process", "megatron's empty fused-RoPE slots filled (fused_kernels)"),
+    "swiglu": Feature(f"{_P}.swiglu:_install", "process", "the MLP's fused SwiGLU in Triton (fusion_kernels)"),
     # one upstream object each
     "cross_entropy": Feature(f"{_P}.cross_entropy:_install", "object",
                              "model=: a LanguageModule's loss from its logits' dtype (fused_cross_entropy)"),

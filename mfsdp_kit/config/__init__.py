@@ -28,6 +28,8 @@ from .parallel_dims import ParallelDims, check_sizes
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("auto", "local", "sdpa", "flex")
+FUSION_KERNELS = ("torch", "triton")
+"""`kernels.fusion_kernels`: torch.compile of `models.fusions`' functions | `models.triton_fusions`' kernels."""
 BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")
@@ -130,7 +132,8 @@ class EngineConfig:
             raise bad_value("parallelism.virtual_pipeline_model_parallel_size", vpp,
                        "None or 1 when pipeline_model_parallel_size == 1 (virtual stages interleave pipeline stages)")
         for name, value, allowed in (("dtype", self.dtype, DTYPES), ("recompute", self.recompute, RECOMPUTE),
-                                     ("kernels.attention_backend", self.kernels.attention_backend, ATTENTION_BACKENDS)):
+                                     ("kernels.attention_backend", self.kernels.attention_backend, ATTENTION_BACKENDS),
+                                     ("kernels.fusion_kernels", self.kernels.fusion_kernels, FUSION_KERNELS)):
             if value not in allowed:
                 raise bad_value(name, value, " | ".join(allowed))
         if wrap.use_megatron_fsdp and not wrap.use_distributed_optimizer:

@@ -24,13 +24,18 @@ micro-batch, and torch's default (a static graph first, a dynamic one at the sec
 each kernel twice on the way. One graph for q's layout and one for k's (fewer heads, a strided slice
 of megatron's fused qkv output), each direction, whatever the lengths.
 `EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply.
+`kernels.fusion_kernels="triton"` computes the same two in the kit's Triton kernels instead (`models.triton_fusions`:
+no torch.compile, so no compile in a new process once Triton's disk cache holds them).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .. import compat
 from ..compat.patches.lazy_compile import compile_tokens_dynamic, lazy
+
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,21 +62,41 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((t * cos + _rotate_half(t, interleaved) * sin, t_pass), dim=-1)
 
 
-def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _rotation(kernels: str):
+    """The rotation of `kernels` (a config.FUSION_KERNELS value): compiled `_rotate`, or the Triton kernel (imported on
+    first use: Triton loads only where it is asked for)."""
+    if kernels == "torch":
+        return _rotate
+    from .triton_fusions import rotate
+
+    def triton_rotate(t, cos, sin, interleaved):
+        if interleaved:   # never installed so (`transformer_settings`); a direct call is told
+            raise NotImplementedError("the Triton RoPE rotates halves (rotate_half), not interleaved pairs")
+        return rotate(t, cos, sin)
+    return triton_rotate
+
+
+def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False, *, kernels: str = "torch") -> torch.Tensor:
     """RoPE on `t` [s, b, heads, head_dim] with `freqs` [s, 1, 1, rot_dim]: megatron's
-    `_apply_rotary_pos_emb_bshd`, its rotation compiled into one kernel per direction."""
+    `_apply_rotary_pos_emb_bshd`, its rotation one kernel per direction (`kernels`: config.FUSION_KERNELS)."""
     cos, sin = _cos_sin(freqs, t.dtype)
-    return _rotate(t, cos, sin, interleaved)
+    return _rotation(kernels)(t, cos, sin, interleaved)
 
 
 def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
-             cp_rank: int = 0) -> torch.Tensor:
+             cp_rank: int = 0, *, kernels: str = "torch") -> torch.Tensor:
     """RoPE on packed sequences `t` [total, heads, head_dim] (bounds `cu_seqlens`), positions restarting
-    at each: megatron's unfused `_apply_rotary_pos_emb_thd` (one rank of context), rotation compiled."""
+    at each: megatron's unfused `_apply_rotary_pos_emb_thd` (one rank of context), rotation fused."""
     if cp_size != 1:
         raise NotImplementedError(f"the kit's packed RoPE has no context parallelism (cp_size={cp_size})")
     cos, sin = _packed_cos_sin(cu_seqlens, freqs, t.dtype)
-    return _rotate(t.unsqueeze(1), cos, sin, False).squeeze(1)
+    return _rotation(kernels)(t.unsqueeze(1), cos, sin, False).squeeze(1)
+
+
+ROPE_SLOTS = {"torch": (rope, rope_thd),
+              "triton": (functools.partial(rope, kernels="triton"), functools.partial(rope_thd, kernels="triton"))}
+"""What `compat.apply("rope", kernels=)` puts in megatron's fused-RoPE slots (padded, packed), per config.FUSION_KERNELS."""
 
 
 def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
@@ -88,12 +113,14 @@ def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.
     return cos, sin
 
 
-def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: dict, on_gpu: bool) -> dict:
+def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: dict, on_gpu: bool,
+                         kernels: str = "torch") -> dict:
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
-    the fields `overrides` sets: explicit overrides win. Installs the RoPE kernel first:
-    TransformerConfig checks the slot when apply_rope_fusion is set. "auto": what applies, on a GPU
-    (`on_gpu`) only; True raises ConfigError when neither fusion applies to the model."""
+    the fields `overrides` sets: explicit overrides win. Installs the fused functions of `kernels`
+    (`kernels.fusion_kernels`) first: TransformerConfig checks the RoPE slot when apply_rope_fusion is set. Both are
+    process-wide slots of megatron's, so the last model built chooses for every model of the process. "auto": what
+    applies, on a GPU (`on_gpu`) only; True raises ConfigError when neither fusion applies to the model."""
     if not fused_kernels or (fused_kernels == "auto" and not on_gpu):
         return {}
     import torch.nn.functional as F
@@ -105,11 +132,29 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
     if act is F.silu and glu:
         settings["bias_activation_fusion"] = True
     if not interleaved and not mla:
-        compat.apply("rope")   # compat/patches/rope.py
         settings["apply_rope_fusion"] = True
     if not settings and fused_kernels is True:
         raise ConfigError(f"fused_kernels=True is not allowed for this model (activation "
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
                           f"{interleaved}, multi_latent_attention={mla}); allowed: False or \"auto\", or True for "
                           f"models with SwiGLU and/or plain RoPE")
+    if settings and kernels == "triton":
+        check_triton(on_gpu=on_gpu)
+    if "apply_rope_fusion" in settings:
+        compat.apply("rope", kernels=kernels)     # compat/patches/rope.py
+    if "bias_activation_fusion" in settings:
+        compat.apply("swiglu", kernels=kernels)   # compat/patches/swiglu.py
     return {k: v for k, v in settings.items() if k not in overrides}
+
+
+def check_triton(*, on_gpu: bool) -> None:
+    """ConfigError naming `kernels.fusion_kernels` unless the Triton kernels can run here: Triton installed, and a
+    GPU (or, for tests on CPU, Triton's interpreter: TRITON_INTERPRET=1)."""
+    import importlib.util
+    import os
+    from ..config import ConfigError
+    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+    if importlib.util.find_spec("triton") is None or not (on_gpu or interpreter):
+        raise ConfigError("kernels.fusion_kernels='triton' is not allowed here: it needs Triton installed and a GPU "
+                          "(or TRITON_INTERPRET=1 on CPU, for tests); allowed: 'torch' (torch.compile of the same "
+                          "functions)")

@@ -70,4 +70,5 @@ def fused_kernel_settings(cfg: EngineConfig, model_config: Any, *, te_spec: bool
     if te_spec:
         return {}
     return fusions.transformer_settings(cfg.kernels.fused_kernels, model_config,
-                                        overrides=cfg.override_transformer_config, on_gpu=support.on_gpu())
+                                        overrides=cfg.override_transformer_config, on_gpu=support.on_gpu(),
+                                        kernels=cfg.kernels.fusion_kernels)

@@ -1,5 +1,6 @@
-"""`compat.apply("rope")`: megatron's fused-RoPE slots, empty without TE, filled with the kit's compiled RoPE
-(`models.fusions.rope` / `rope_thd`; that module says why), a module patch made by `fused_kernels`.
+"""`compat.apply("rope", kernels=)`: megatron's fused-RoPE slots, empty without TE, filled with the kit's RoPE
+(`models.fusions.rope` / `rope_thd`, their rotation compiled or in Triton per `kernels`; that module says why), a
+module patch made by `fused_kernels`.
 """
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ PATCH = Patch(target="megatron.core.models.common.embeddings.rope_utils",
 """The module patch `_install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
 
-def _install() -> bool:
-    """Fill megatron's fused-RoPE slots (padded and packed) with `rope` and `rope_thd` when TE left them
-    empty; returns whether it did."""
+def _install(kernels: str = "torch") -> bool:
+    """Fill megatron's fused-RoPE slots (padded and packed) with the kit's pair for `kernels` ("torch" | "triton",
+    `models.fusions.ROPE_SLOTS`) when TE left them empty or the kit filled them before (the last call chooses);
+    returns whether they now hold the kit's pair."""
     from megatron.core.models.common.embeddings import rope_utils
-    from ...models.fusions import rope, rope_thd
-    if rope_utils.fused_apply_rotary_pos_emb is not None:
-        return rope_utils.fused_apply_rotary_pos_emb is rope
-    rope_utils.fused_apply_rotary_pos_emb = rope
-    rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
+    from ...models.fusions import ROPE_SLOTS
+    ours = [fn for pair in ROPE_SLOTS.values() for fn in pair]
+    if rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb not in ours:
+        return False   # TE's kernel
+    rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd = ROPE_SLOTS[kernels]
     record(PATCH)
     return True

@@ -1,0 +1,146 @@
+"""RoPE's rotation and SwiGLU, forward and backward, in the kit's own Triton kernels
+(`EngineConfig.kernels.fusion_kernels="triton"`, opt-in until measured on a GPU; `models.fusions` compiles the same
+math with torch.compile, the default).
+
+Why not torch.compile: a fresh 1 H200 machine's first GRPO update spent 6.27 s of its 8.32 s in torch.compile
+(dynamo, AOT autograd and inductor for the rotation of q and of k and for SwiGLU, each forward and backward;
+docs/benchmarks.md, 2026-12-05), and 3.3 s again in every new process with inductor's cache warm. A Triton kernel
+has no graph to trace: Triton compiles each of the six below once per dtype and head count (not per token count)
+and keeps it in its disk cache, so a new process loads them in milliseconds.
+
+The math is `models.fusions`' and megatron's:
+  - RoPE (megatron's `_rotate_half`, not interleaved): out = [lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi]
+    of each head's halves, dims past cos's width passed through. It is linear in t, so its backward is the
+    transposed map, the same kernel with the signs of sin swapped (BACKWARD): no saved activation, only cos and sin.
+  - SwiGLU (megatron's `swiglu` / `swiglu_back`): out = silu(gate) * up of the [..., 2 * ffn] input's halves;
+    d gate = g * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))) * up, d up = g * silu(gate).
+Arithmetic in fp32, one rounding to the input's dtype at each store, as inductor's fused kernels round.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SWIGLU_BLOCK = 1024
+"""Elements of one row's ffn half per program."""
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool) -> torch.Tensor:
+    """The rotation (or its transpose, `backward`) of `t` [s, b, heads, dim] (any strides, the last dim dense) by
+    `cos` / `sin` [s or 1, rot_dim] (rot_dim <= dim, even); a new contiguous tensor of t's shape and dtype."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    s, b, heads, dim = t.shape
+    half = cos.shape[-1] // 2
+    cos, sin = cos.reshape(-1, 2 * half).expand(s, -1), sin.reshape(-1, 2 * half).expand(s, -1)
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    block_h = min(_pow2(heads), max(1, 4096 // _pow2(dim)))   # at most ~4k elements a program
+    grid = (s * b, triton.cdiv(heads, block_h))
+    _rope_kernel[grid](t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
+                       sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=_pow2(half), DIM=dim,
+                       PASS_PAD=_pow2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope(t, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rope(grad, cos, sin, backward=True), None, None
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`models.fusions._rotate` (not interleaved) in one Triton kernel per direction: `t` [s, b, heads, dim] rotated
+    by `cos` / `sin` [s or 1, 1, 1, rot_dim] in t's dtype (megatron's layout)."""
+    return _Rotate.apply(t, cos, sin)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        y = y.contiguous()
+        ctx.save_for_backward(y)
+        rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
+        out = torch.empty(*y.shape[:-1], ffn, dtype=y.dtype, device=y.device)
+        _swiglu_kernel[(rows, triton.cdiv(ffn, SWIGLU_BLOCK))](y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
+        dy = torch.empty_like(y)
+        _swiglu_back_kernel[(rows, triton.cdiv(ffn, SWIGLU_BLOCK))](grad, y, dy, ffn, BLOCK=SWIGLU_BLOCK,
+                                                                    num_warps=4)
+        return dy
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of `y` [..., 2 * ffn] (gate first, megatron's `swiglu`), forward and backward one Triton
+    kernel each: [..., ffn] in y's dtype."""
+    return _SwiGLU.apply(y)
+
+
+@triton.jit
+def _rope_kernel(T, COS, SIN, OUT, B, HEADS, st_s, st_b, st_h, scos, ssin, BACKWARD: tl.constexpr,
+                 HALF: tl.constexpr, HALF_PAD: tl.constexpr, DIM: tl.constexpr, PASS_PAD: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)   # s * B + b; 64-bit: strides of a fused qkv output times 16k tokens
+    pos, row = tok // B, tok % B
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF_PAD)
+    d_ok = d < HALF
+    cos_lo = tl.load(COS + pos * scos + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(COS + pos * scos + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(SIN + pos * ssin + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(SIN + pos * ssin + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    ok = (h[:, None] < HEADS) & d_ok[None, :]
+    src = T + pos * st_s + row * st_b + h[:, None] * st_h + d[None, :]
+    lo = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    if BACKWARD:   # the transpose of [[cos_lo, -sin_lo], [sin_hi, cos_hi]]
+        new_lo, new_hi = lo * cos_lo + hi * sin_hi, hi * cos_hi - lo * sin_lo
+    else:
+        new_lo, new_hi = lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi
+    dst = OUT + (tok * HEADS + h[:, None]) * DIM + d[None, :]
+    tl.store(dst, new_lo.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, new_hi.to(OUT.dtype.element_ty), mask=ok)
+    if DIM > 2 * HALF:   # dims past the rotary width pass through
+        p = tl.arange(0, PASS_PAD)
+        ok = (h[:, None] < HEADS) & (p[None, :] < DIM - 2 * HALF)
+        rest = T + pos * st_s + row * st_b + h[:, None] * st_h + 2 * HALF + p[None, :]
+        tl.store(OUT + (tok * HEADS + h[:, None]) * DIM + 2 * HALF + p[None, :], tl.load(rest, mask=ok), mask=ok)
+
+
+@triton.jit
+def _swiglu_kernel(Y, OUT, FFN, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < FFN
+    gate = tl.load(Y + r * 2 * FFN + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(Y + r * 2 * FFN + FFN + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + r * FFN + c, (gate * tl.sigmoid(gate) * up).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _swiglu_back_kernel(G, Y, DY, FFN, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < FFN
+    g = tl.load(G + r * FFN + c, mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(Y + r * 2 * FFN + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(Y + r * 2 * FFN + FFN + c, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    tl.store(DY + r * 2 * FFN + c, (g * sig * (1 + gate * (1 - sig)) * up).to(DY.dtype.element_ty), mask=ok)
+    tl.store(DY + r * 2 * FFN + FFN + c, (g * gate * sig).to(DY.dtype.element_ty), mask=ok)
