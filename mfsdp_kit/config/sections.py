@@ -78,8 +78,9 @@ class Kernels:
     """What computes the fused RoPE and SwiGLU of `fused_kernels`: "torch" (torch.compile of the torch functions:
     `models.fusions`) | "triton" (the kit's Triton kernels, `models.triton_fusions`: no torch.compile, so a new
     process loads them from Triton's disk cache in milliseconds where torch.compile took 3.3 s warm and 6.3 s on a
-    fresh machine; needs Triton and a GPU). Opt-in until measured on a GPU. Process-wide: megatron's slots for
-    them are module attributes, so the last model built chooses for every model of the process."""
+    fresh machine; needs Triton and a GPU). Dense MLPs only: MoE experts keep megatron's compiled SwiGLU. Opt-in
+    until measured on a GPU. Process-wide: megatron's slots for them are module attributes, so the last model built
+    chooses for every model of the process."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
     (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to

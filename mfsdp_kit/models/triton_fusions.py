@@ -37,7 +37,10 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bo
         t = t.contiguous()
     s, b, heads, dim = t.shape
     half = cos.shape[-1] // 2
-    cos, sin = cos.reshape(-1, 2 * half).expand(s, -1), sin.reshape(-1, 2 * half).expand(s, -1)
+    if 2 * half > dim or cos.shape[-1] % 2 or cos.numel() // cos.shape[-1] not in (1, s):
+        raise ValueError(f"RoPE's cos/sin {tuple(cos.shape)} do not fit t {tuple(t.shape)}: one row of an even width "
+                         f"<= {dim} per position (or one for all)")
+    cos, sin = (x.reshape(-1, 2 * half).contiguous().expand(s, -1) for x in (cos, sin))   # rows dense, as read
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     block_h = min(_pow2(heads), max(1, 4096 // _pow2(dim)))   # at most ~4k elements a program
     grid = (s * b, triton.cdiv(heads, block_h))

@@ -5,7 +5,8 @@ import pytest
 
 from mfsdp_kit import compat
 from mfsdp_kit.compat import registry
-from mfsdp_kit.compat.patches import bridge_load, cross_entropy, fsdp_gather_hold, main_grads, rope, value_loss
+from mfsdp_kit.compat.patches import bridge_load, cross_entropy, fsdp_gather_hold, main_grads, rope, swiglu, \
+    value_loss
 
 ROWS = {
     "grad_upcast: update_main_grads deferred": main_grads.DEFERRED,
@@ -14,6 +15,7 @@ ROWS = {
     "models.vocab: HF tensors padded on load": bridge_load.LOAD_HOOK,
     "fused_cross_entropy: the loss from bf16 logits": cross_entropy.PATCH,
     "fused_kernels: the RoPE slots filled": rope.PATCH,
+    "fusion_kernels='triton': the MLP's SwiGLU": swiglu.PATCH,
     "rl.critic: the per-token output is compute_language_model_loss's": value_loss.PATCH,
 }
 

@@ -53,9 +53,15 @@ def test_a_fusion_that_calls_another_compiles_with_symbolic_tokens():
     traces the outer, is inlined instead of marking its input dynamic (a call dynamo refuses to trace). Same values
     as megatron's math in eager, for two token counts."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from torch._dynamo.utils import counters
     g = torch.Generator().manual_seed(0)
     bias = torch.randn(16, generator=g)
-    for tokens in (7, 5):
-        y = torch.randn(tokens, 1, 16, generator=g)
+    before = counters["stats"]["unique_graphs"]
+    for tokens in (7, 5, 3):
+        y = torch.randn(tokens, 1, 16, generator=g, requires_grad=True)
+        out = bias_swiglu_impl(y, bias)
         gate, up = (y + bias).chunk(2, -1)
-        torch.testing.assert_close(bias_swiglu_impl(y, bias), torch.nn.functional.silu(gate) * up)
+        torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up)
+        out.sum().backward()
+    # one graph for bias_swiglu and one for bias_swiglu_back, whatever the token count: no recompile
+    assert counters["stats"]["unique_graphs"] - before <= 2, counters["stats"]["unique_graphs"] - before

@@ -72,6 +72,30 @@ def test_rope_on_q_and_k_equals_megatron_unfused(dtype, rot_dim):
 
 
 @kernels_run
+@pytest.mark.parametrize("heads,dim,rot_dim", [(12, 128, 96), (40, 128, 128), (5, 80, 80)],
+                         ids=["12-heads-partial", "two-head-blocks", "5-heads-dim-80"])
+def test_rope_at_head_counts_that_fill_no_block(heads, dim, rot_dim):
+    """Head counts that are not a power of two (the tile's spare rows masked), and more heads than one program takes
+    (4096 elements: 32 heads of 128), on a strided view."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    g = torch.Generator().manual_seed(5)
+    t = torch.randn(3, 2, heads, dim + 16, generator=g).to(DEVICE)[..., :dim]   # rows strided past the head
+    freqs = (torch.rand(3, 1, 1, rot_dim, generator=g) * 6.28).to(DEVICE)
+    weights = torch.randn(t.shape, generator=g).to(DEVICE)
+    want = _out_and_grad(lambda x: _apply_rotary_pos_emb_bshd(x, freqs), t, weights)
+    _check(_out_and_grad(lambda x: fusions.rope(x, freqs, kernels="triton"), t, weights), want, torch.float32)
+
+
+@kernels_run
+def test_rope_refuses_cos_that_does_not_fit():
+    from mfsdp_kit.models.triton_fusions import rotate
+    t = torch.randn(4, 1, 2, 8, device=DEVICE)
+    for cos in (torch.rand(4, 1, 1, 10, device=DEVICE), torch.rand(3, 1, 1, 8, device=DEVICE)):   # too wide; 3 != 4
+        with pytest.raises(ValueError, match="do not fit t"):
+            rotate(t, cos, cos)
+
+
+@kernels_run
 def test_packed_rope_equals_megatron_unfused_thd():
     """Sequences of 5, 1 and 6 tokens end to end: positions restart at each."""
     from megatron.core import parallel_state as ps
@@ -114,13 +138,16 @@ def test_swiglu_patch_routes_only_what_the_kernels_compute(torch_slots_after):
     calls with a bias to megatron's own function; kernels="torch" puts megatron's function back."""
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.transformer import mlp
-    from mfsdp_kit.models import triton_fusions
     assert compat.apply("swiglu", kernels="triton") and mlp.bias_swiglu_impl is not fused_bias_swiglu.bias_swiglu_impl
     y, bias = torch.randn(5, 1, 16, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE)
-    assert mlp.bias_swiglu_impl(y, None).grad_fn.name() == "_SwiGLUBackward"
-    assert torch.equal(mlp.bias_swiglu_impl(y, None), triton_fusions.swiglu(y))
+    out = mlp.bias_swiglu_impl(y, None)
+    assert out.grad_fn.name() == "_SwiGLUBackward"   # the Triton kernels' autograd node
+    gate, up = y.detach().chunk(2, -1)
+    torch.testing.assert_close(out, F.silu(gate) * up)
     with_bias = mlp.bias_swiglu_impl(y, bias)
-    torch.testing.assert_close(with_bias, fused_bias_swiglu.bias_swiglu_impl(y, bias))
+    assert with_bias.grad_fn.name() != "_SwiGLUBackward"   # megatron's function
+    gate, up = (y.detach() + bias).chunk(2, -1)
+    torch.testing.assert_close(with_bias, F.silu(gate) * up)
     assert not compat.apply("swiglu", kernels="torch") and mlp.bias_swiglu_impl is fused_bias_swiglu.bias_swiglu_impl
 
 
@@ -152,9 +179,10 @@ def test_triton_without_a_gpu_or_the_interpreter_is_refused_before_any_compat_ch
     """On CPU without TRITON_INTERPRET (or without Triton at all), asking for the Triton kernels is a ConfigError
     naming the field, raised before megatron's slots change."""
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import mlp
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    slot = rope_utils.fused_apply_rotary_pos_emb
+    slots = rope_utils.fused_apply_rotary_pos_emb, mlp.bias_swiglu_impl
     with pytest.raises(ConfigError, match="kernels.fusion_kernels='triton' is not allowed here"):
         fusions.transformer_settings(True, dict(activation_func=F.silu, gated_linear_unit=True), overrides={},
                                      on_gpu=False, kernels="triton")
-    assert rope_utils.fused_apply_rotary_pos_emb is slot
+    assert (rope_utils.fused_apply_rotary_pos_emb, mlp.bias_swiglu_impl) == slots

@@ -37,11 +37,19 @@ def lazy(compile_fn):
         @functools.wraps(fn)
         def first_call_compiles(*args, **kwargs):
             nonlocal compiled
+            if _compiling():   # called from another compiled fusion (megatron's bias_swiglu -> swiglu): dynamo
+                return fn(*args, **kwargs)   # inlines fn (no guard on `compiled`, nothing it may not trace)
             if compiled is None:
                 compiled = compile_fn(fn, **options)
             return compiled(*args, **kwargs)
         return first_call_compiles
     return decorate
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing the caller (torch imported only once it is: this module imports nothing)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def compile_tokens_dynamic(fn, **options):
@@ -54,8 +62,8 @@ def compile_tokens_dynamic(fn, **options):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():   # called from another compiled fusion (megatron's bias_swiglu -> swiglu):
-            return fn(*args, **kwargs)      # dynamo inlines fn; it may not trace maybe_mark_dynamic
+        if torch.compiler.is_compiling():   # inside another compiled function: inlined, as in `lazy`
+            return fn(*args, **kwargs)
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)

@@ -5,7 +5,8 @@
 megatron-core 0.16.1's MLP calls `bias_swiglu_impl`, imported by name into megatron/core/transformer/mlp.py, whose
 `swiglu` / `swiglu_back` are `jit_fuser` (torch.compile) functions. The patch swaps that name in mlp only: calls
 without a bias, an fp8-stored input or activation offloading (the kit's models) go to the Triton kernels, the rest
-to megatron's function as before; MoE experts (their own `weighted_bias_swiglu_impl`) are untouched.
+to megatron's function as before. MoE layers keep megatron's compiled functions: the experts call their own
+`weighted_bias_swiglu_impl`, and moe/shared_experts.py imports `bias_swiglu_impl` by name too.
 `kernels="torch"` puts megatron's function back (the last model built chooses for the process).
 """
 from __future__ import annotations
