@@ -14,7 +14,8 @@ The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrai
 (written with 1024 positions for that), 64 prompts x 8 samples of the 3-digit arithmetic
 task, up to 512 new tokens at T 1. Each iteration is split into sync (weights into the rollout model), rollout,
 logprob (old log-probs) and update seconds (`GRPOHistory`), with the mean response length and the
-train-inference log-prob mismatch, and the seconds torch.compile took in each iteration (`compile_s`). Prints a table
+train-inference log-prob mismatch, and the seconds torch.compile took in each iteration (`compile_s`) and what the kit's
+Triton kernels compiled in it (`triton_compiles`: seconds, kernels, disk-cache loads). Prints a table
 per backend and writes JSON; `plots.iteration_time` draws it.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from mfsdp_kit.lora import LoRAConfig
 from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
-from mfsdp_kit.perf import floors, options
+from mfsdp_kit.perf import compile_time, floors, options
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl import grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
@@ -66,13 +67,6 @@ def model_folder(size: str, *, positions: int) -> str:
     return src
 
 
-def compile_seconds() -> float:
-    """Seconds torch.compile has spent in this process so far (dynamo's own count: tracing, inductor, Triton's
-    compile and cache loads), so an iteration's share of compiling is a difference of two reads."""
-    from torch._dynamo.utils import compilation_time_metrics
-    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
-
-
 def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardware, lora: bool = False) -> list[dict]:
     """Print one backend's per-iteration split with each pass's floor on `hw` (`perf.floors`) and its MFU on real
     tokens (with `lora`, the update's floor at 4N FLOPs a token: the frozen base needs no weight gradients); returns
@@ -97,7 +91,9 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
               f" {sum(split.values()):>8.2f} {result['response_tokens'][i]:>8.1f} "
               f"{result['logprob_diff_mean'][i]:>12.4f} {tail:>7.2f}")
         if result.get("compile_s"):
-            print(f"     torch.compile: {result['compile_s'][i]:.2f} s of the iteration")
+            triton = result["triton_compiles"][i]
+            print(f"     torch.compile: {result['compile_s'][i]:.2f} s of the iteration; the kit's Triton kernels: "
+                  f"{triton['seconds']:.2f} s, {triton['kernels']} compiled, {triton['cache_hits']} from the cache")
         if engine:
             print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in engine.items() if k != "by_batch"))
@@ -168,6 +164,7 @@ def main() -> None:
     hw = floors.hardware() or floors.HARDWARE["H200"]   # elsewhere (a CPU run): an H200's floors, so named
     gcfg = options.build(grpo.GRPOConfig, args, prefix="")
     results = {}
+    triton = compile_time.TritonCompiles().listen()   # the kit's Triton kernels' compiles, per iteration
     for name in args.backends.split(","):
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
@@ -176,20 +173,24 @@ def main() -> None:
         rollout = HFRollout(hf, tok) if name == "hf" else ContinuousRollout(hf, tok, config=decode)
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)
-        engine_stats, compile_s, compiled = [], [], [compile_seconds()]
+        engine_stats, compile_s, compiled = [], [], [compile_time.torch_compile_seconds()]
+        triton_compiles, triton_read = [], [triton.read()]
 
         def run(on_iteration):
             def record(i, m):
                 engine_stats.append(dict(getattr(rollout, "stats", {})))
-                compiled.append(compile_seconds())
+                compiled.append(compile_time.torch_compile_seconds())
                 compile_s.append(compiled[-1] - compiled[-2])
+                triton_read.append(triton.read())
+                triton_compiles.append({k: triton_read[-1][k] - triton_read[-2][k] for k in triton_read[-1]})
                 if on_iteration is not None:
                     on_iteration(i, m)
             return grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
                             prompt_pool=pool, reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations,
                             progress=False, on_iteration=record)
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
-        results[name] = dict(vars(history), engine=engine_stats, compile_s=compile_s, rollout_setup_s=setup_s,
+        results[name] = dict(vars(history), engine=engine_stats, compile_s=compile_s, triton_compiles=triton_compiles,
+                             rollout_setup_s=setup_s,
                              phases=phases)
         if rt.rank == 0:
             results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw,

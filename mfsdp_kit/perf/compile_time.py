@@ -1,0 +1,56 @@
+"""Seconds spent compiling, so a benchmark can say how much of a first iteration was compile.
+
+Two compilers run in a kit process on a GPU:
+  - torch.compile (the decode glue, the fused RoPE/SwiGLU with `fusion_kernels="torch"`): dynamo keeps its own
+    count, which includes inductor and the Triton kernels inductor compiles in its worker processes;
+  - Triton, for the kit's own kernels (`rl.rollout.attention` / `elementwise`, `models.triton_fusions`), compiled in
+    this process at their first launch. Triton tells a listener (`triton.knobs.compilation.listener`, Triton >= 3.4)
+    each compile's stage times, and each load from its disk cache.
+Read both before and after a piece of work; the difference is its compile.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass
+
+
+def torch_compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far (dynamo's own count: tracing, inductor, Triton's
+    compile and cache loads for inductor's kernels)."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+
+@dataclass
+class TritonCompiles:
+    """What Triton compiled in this process since `listen()` (the kit's own kernels; not inductor's, which compile in
+    worker processes)."""
+
+    seconds: float = 0.0
+    """Compile seconds, Triton's own stage times (IR, lowering to PTX and cubin, storing in its disk cache)."""
+    kernels: int = 0
+    """Kernels compiled (one per specialisation: dtype, constexprs, integer arguments equal to 1 or divisible by 16)."""
+    cache_hits: int = 0
+    """Kernels loaded from Triton's disk cache instead (TRITON_CACHE_DIR)."""
+
+    def listen(self) -> "TritonCompiles":
+        """Become Triton's compilation listener (replacing any other); without Triton, or with a Triton that has no
+        listener, nothing is counted. Returns self."""
+        if importlib.util.find_spec("triton") is None:
+            return self
+        import triton
+        compilation = getattr(getattr(triton, "knobs", None), "compilation", None)
+        if compilation is not None and hasattr(compilation, "listener"):
+            compilation.listener = self._record
+        return self
+
+    def _record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
+        if cache_hit:
+            self.cache_hits += 1
+        else:
+            self.kernels += 1
+            self.seconds += times.total / 1e6   # microseconds
+
+    def read(self) -> dict:
+        """{seconds, kernels, cache_hits} so far: two reads' difference is what a piece of work compiled."""
+        return asdict(self)
