@@ -37,7 +37,6 @@ from .. import compat
 from ..compat.patches.lazy_compile import compile_tokens_dynamic, lazy
 
 
-
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of `freqs` in `dtype`, as megatron's `_apply_rotary_pos_emb_bshd` makes them; kept on
     the freqs tensor itself (so they die with it), and made again if freqs changed in place. An inference
@@ -96,7 +95,8 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
 
 ROPE_SLOTS = {"torch": (rope, rope_thd),
               "triton": (functools.partial(rope, kernels="triton"), functools.partial(rope_thd, kernels="triton"))}
-"""What `compat.apply("rope", kernels=)` puts in megatron's fused-RoPE slots (padded, packed), per config.FUSION_KERNELS."""
+"""What `compat.apply("rope", kernels=)` puts in megatron's fused-RoPE slots (padded, packed), per
+config.FUSION_KERNELS."""
 
 
 def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):

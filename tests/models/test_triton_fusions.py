@@ -16,8 +16,9 @@ from mfsdp_kit.distributed import runtime
 from mfsdp_kit.models import fusions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-RUNS = importlib.util.find_spec("triton") is not None and (DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-kernels_run = pytest.mark.skipif(not RUNS, reason="the kernels run on a GPU (Triton), or on CPU in Triton's interpreter")
+RUNS = importlib.util.find_spec("triton") is not None and (DEVICE == "cuda"
+                                                            or os.environ.get("TRITON_INTERPRET") == "1")
+kernels_run = pytest.mark.skipif(not RUNS, reason="the kernels run on a GPU (Triton), or on CPU in its interpreter")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 
