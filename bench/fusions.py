@@ -95,13 +95,8 @@ def _swiglu_cases(spec: GPTSpec, mb: int, device, dtype):
 
 def _triton_runs(device) -> bool:
     """Whether `kernels.fusion_kernels="triton"` can run on `device` (its rows are left out where not)."""
-    from mfsdp_kit.config import ConfigError
     from mfsdp_kit.models import fusions
-    try:
-        fusions.check_triton(on_gpu=torch.device(device).type == "cuda")
-    except ConfigError:
-        return False
-    return True
+    return fusions.triton_runs(on_gpu=torch.device(device).type == "cuda")
 
 
 OPS = {"rope": _rope_cases, "swiglu": _swiglu_cases, "cross_entropy": _cross_entropy_cases,
@@ -130,8 +125,9 @@ def _kernel_ms(run, *, calls: int) -> float | None:
 
 
 def measure(fn, inputs, reference, *, warmup: int, iters: int) -> dict:
-    """Per forward + backward: the first no-grad forward's and forward + backward's seconds (their compile), wall ms (calls back to back), GPU kernel ms,
-    MiB held above the inputs at the peak; max |diff| of output and input gradient against `reference` on the same values in fp32."""
+    """Per forward + backward: the first no-grad forward's and forward + backward's seconds (their compile), wall ms
+    (calls back to back), GPU kernel ms, MiB held above the inputs at the peak; max |diff| of output and input
+    gradient against `reference` on the same values in fp32."""
     x, rest = inputs[0].detach().clone().requires_grad_(), inputs[1:]   # no case writes into its input in bf16
     ref_x = inputs[0].detach().float().requires_grad_()
     ref_rest = tuple(i.float() if i.is_floating_point() else i for i in rest)

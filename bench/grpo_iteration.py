@@ -190,8 +190,7 @@ def main() -> None:
                             progress=False, on_iteration=record)
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
         results[name] = dict(vars(history), engine=engine_stats, compile_s=compile_s, triton_compiles=triton_compiles,
-                             rollout_setup_s=setup_s,
-                             phases=phases)
+                             rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
             results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw,
                                                   lora=bool(args.lora_rank))

@@ -147,14 +147,19 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
     return {k: v for k, v in settings.items() if k not in overrides}
 
 
-def check_triton(*, on_gpu: bool) -> None:
-    """ConfigError naming `kernels.fusion_kernels` unless the Triton kernels can run here: Triton installed, and a
-    GPU (or, for tests on CPU, Triton's interpreter: TRITON_INTERPRET=1)."""
+def triton_runs(*, on_gpu: bool) -> bool:
+    """Whether the Triton kernels can run here: Triton installed, and a GPU (or, for tests on CPU, Triton's
+    interpreter: TRITON_INTERPRET=1)."""
     import importlib.util
     import os
-    from ..config import ConfigError
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
-    if importlib.util.find_spec("triton") is None or not (on_gpu or interpreter):
+    return importlib.util.find_spec("triton") is not None and (on_gpu or interpreter)
+
+
+def check_triton(*, on_gpu: bool) -> None:
+    """ConfigError naming `kernels.fusion_kernels` unless `triton_runs`."""
+    from ..config import ConfigError
+    if not triton_runs(on_gpu=on_gpu):
         raise ConfigError("kernels.fusion_kernels='triton' is not allowed here: it needs Triton installed and a GPU "
                           "(or TRITON_INTERPRET=1 on CPU, for tests); allowed: 'torch' (torch.compile of the same "
                           "functions)")

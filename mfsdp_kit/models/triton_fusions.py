@@ -21,13 +21,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import next_power_of_2
 
 SWIGLU_BLOCK = 1024
 """Elements of one row's ffn half per program."""
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool) -> torch.Tensor:
@@ -42,11 +39,11 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bo
                          f"<= {dim} per position (or one for all)")
     cos, sin = (x.reshape(-1, 2 * half).contiguous().expand(s, -1) for x in (cos, sin))   # rows dense, as read
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    block_h = min(_pow2(heads), max(1, 4096 // _pow2(dim)))   # at most ~4k elements a program
+    block_h = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(dim)))   # at most ~4k elements a program
     grid = (s * b, triton.cdiv(heads, block_h))
     _rope_kernel[grid](t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
-                       sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=_pow2(half), DIM=dim,
-                       PASS_PAD=_pow2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
+                       sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
+                       PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
     return out
 
 

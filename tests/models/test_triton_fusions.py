@@ -3,9 +3,6 @@ unfused functions on q and on k (a strided slice of a fused qkv output, as megat
 with a partial rotary width, and a whole GPT's loss and grads equal the unfused ones. On a GPU, or on CPU in Triton's
 interpreter (TRITON_INTERPRET=1, fp32; tests/rl/test_attention.py says how to run it). The config checks run
 everywhere."""
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,9 +13,7 @@ from mfsdp_kit.distributed import runtime
 from mfsdp_kit.models import fusions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-RUNS = importlib.util.find_spec("triton") is not None and (DEVICE == "cuda"
-                                                            or os.environ.get("TRITON_INTERPRET") == "1")
-kernels_run = pytest.mark.skipif(not RUNS, reason="the kernels run on a GPU (Triton), or on CPU in its interpreter")
+kernels_run = pytest.mark.skipif(not fusions.triton_runs(on_gpu=DEVICE == "cuda"), reason="the kernels run on a GPU (Triton), or on CPU in its interpreter")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 

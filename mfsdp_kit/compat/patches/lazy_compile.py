@@ -62,8 +62,6 @@ def compile_tokens_dynamic(fn, **options):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling():   # inside another compiled function: inlined, as in `lazy`
-            return fn(*args, **kwargs)
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(a, 0)

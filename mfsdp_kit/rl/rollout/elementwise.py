@@ -16,10 +16,7 @@ from .attention import triton
 
 if triton is not None:
     import triton.language as tl
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(n)
+    from triton import next_power_of_2
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -33,8 +30,8 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     out = torch.empty(b, heads, 1, dim, dtype=q.dtype, device=q.device)
     _rope_store[(b,)](q, k, v, cos, sin, k_rows, v_rows, where, out, q.stride(0), q.stride(1), k.stride(0),
                       k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-                      HEADS=heads, KV_HEADS=kv_heads, H_PAD=_pow2(heads), KV_PAD=_pow2(kv_heads), HALF=dim // 2,
-                      HALF_PAD=_pow2(dim // 2), num_warps=4)
+                      HEADS=heads, KV_HEADS=kv_heads, H_PAD=next_power_of_2(heads), KV_PAD=next_power_of_2(kv_heads),
+                      HALF=dim // 2, HALF_PAD=next_power_of_2(dim // 2), num_warps=4)
     return out
 
 
@@ -44,7 +41,7 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: flo
     b, hidden = x.shape
     total, normed = (torch.empty(b, hidden, dtype=x.dtype, device=x.device) for _ in range(2))   # rows contiguous
     _add_rms[(b,)](x, delta, weight, total, normed, x.stride(0), delta.stride(0), eps, HIDDEN=hidden,
-                   BLOCK=_pow2(hidden), num_warps=8 if hidden > 4096 else 4)
+                   BLOCK=next_power_of_2(hidden), num_warps=8 if hidden > 4096 else 4)
     return total, normed
 
 
