@@ -26,9 +26,38 @@ VOLATILE = ("PYTEST_CURRENT_TEST",)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, from this pytest-xdist worker's own slice of the ports below the kernel's
+    ephemeral range. A port the kernel hands out for a bind to port 0 (the naive way) can be handed out again to
+    anything else binding to 0 before our subprocess binds it: another worker's store, a gloo pair. A test failed so
+    (EADDRINUSE, 2026-12-05). Below the ephemeral range nothing draws by chance, and the workers' slices are
+    disjoint."""
+    for port in _ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue   # held by someone: the next one
+            return port
+    raise RuntimeError("no free port in this worker's slice")
+
+
+def _worker_ports():
+    """This worker's slice of [10000, the ephemeral range's start), walked in a cycle from a random place."""
+    import itertools
+    import random
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768   # Linux's default
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = (low - 10000) // workers
+    mine = list(range(10000 + worker * size, 10000 + (worker + 1) * size))
+    start = random.randrange(len(mine))
+    return itertools.islice(itertools.cycle(mine[start:] + mine[:start]), 2 * len(mine))
+
+
+_ports = _worker_ports()
 
 
 def run(scenario: str, *, nproc: int = 2, timeout_s: float = 600, torchrun: bool = False, **kwargs) -> dict:
