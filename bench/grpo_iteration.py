@@ -42,6 +42,9 @@ from mfsdp_kit.rl import grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
+KERNELS = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
+               continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False))
+"""Each `--backends` name's DecodeConfig fields besides the defaults ("continuous": none)."""
 
 
 def shape_folder(shape: str, *, root: str) -> Path:
@@ -138,14 +141,15 @@ def main() -> None:
                                                                   samples_per_prompt="samples"),
                         defaults=dict(prompts_per_iteration=64, samples_per_prompt=8, max_new_tokens=512))
     p.add_argument("--backends", default="hf,continuous",
-                   help="hf, continuous (the default: cache and graphs kept), continuous_freed (freed after each call), "
-                        "continuous_eager (its decode glue not compiled: `DecodeConfig.compile_glue=False`), "
-                        "continuous_triton (the decode step in the kit's Triton kernels: `kernels='triton'`)")
+                   help="hf, continuous (the default DecodeConfig: cache and graphs kept, kernels 'auto'), "
+                        "continuous_freed (freed after each call), continuous_torch (the decode step in torch ops: "
+                        "`kernels='torch'`, SDPA and compiled glue), continuous_eager (the same, its glue not "
+                        "compiled: `compile_glue=False`), continuous_triton (`kernels='triton'`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
-    p.add_argument("--fusion-kernels", default="torch", choices=("torch", "triton"),
-                   help="EngineConfig.kernels.fusion_kernels: what computes the fused RoPE and SwiGLU (torch.compile, "
-                        "the default, or the kit's Triton kernels)")
+    p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),
+                   help="EngineConfig.kernels.fusion_kernels: what computes the fused RoPE and SwiGLU (auto, the "
+                        "default: Triton where it runs; torch.compile; the kit's Triton kernels)")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
@@ -168,8 +172,7 @@ def main() -> None:
     for name in args.backends.split(","):
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
-        decode = DecodeConfig(keep_cache=name != "continuous_freed", compile_glue=name != "continuous_eager",
-                              kernels="triton" if name == "continuous_triton" else "torch")
+        decode = DecodeConfig(**KERNELS.get(name, {}))
         rollout = HFRollout(hf, tok) if name == "hf" else ContinuousRollout(hf, tok, config=decode)
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)

@@ -329,7 +329,7 @@ SECTIONS.update({
                  "-k 'gpu or kernels or rope or add_rms or splits'"),
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
-            args="--size l --iterations 3 --profile --backends continuous_triton,continuous")],
+            args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],
     # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels="triton"`): their tests on the
     # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
     "training_kernels": [
@@ -343,7 +343,7 @@ SECTIONS.update({
     "first_iteration": [
         Row(name=f"grpo_first_{kind}", script="bench/grpo_iteration.py", writes=f"grpo_first_{kind}.json",
             args=f"--size l --iterations 2 {args}", env=COLD.format(kind), after=CLEAN_COLD.format(kind))
-        for kind, args in (("torch", "--backends continuous"),
+        for kind, args in (("torch", "--backends continuous_torch --fusion-kernels torch"),
                            ("triton", "--backends continuous_triton --fusion-kernels triton"))],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],

@@ -28,8 +28,9 @@ from .parallel_dims import ParallelDims, check_sizes
 DTYPES = ("bf16", "fp16", "fp32")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 ATTENTION_BACKENDS = ("auto", "local", "sdpa", "flex")
-FUSION_KERNELS = ("torch", "triton")
-"""`kernels.fusion_kernels`: torch.compile of `models.fusions`' functions | `models.triton_fusions`' kernels."""
+FUSION_KERNELS = ("auto", "torch", "triton")
+"""`kernels.fusion_kernels`: "triton" where it runs, else "torch" | torch.compile of `models.fusions`' functions |
+`models.triton_fusions`' kernels."""
 BACKENDS = ("auto", "nccl", "gloo")
 """torch.distributed backends `runtime.init` and `cluster.start` accept ("auto": nccl with GPUs, else gloo)."""
 RECOMPUTE = ("none", "selective", "full")

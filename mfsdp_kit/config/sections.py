@@ -74,13 +74,13 @@ class Kernels:
     checks compare megatron's own kernels) | True (an error if neither applies) | False. The first step compiles
     (seconds, once per process: sizes are symbolic). Measured: docs/benchmarks.md, "throughput", "levers, fourth
     set" and "grpo_iteration" (the update 1.9 -> 1.6 s)."""
-    fusion_kernels: Literal["torch", "triton"] = "torch"
-    """What computes the fused RoPE and SwiGLU of `fused_kernels`: "torch" (torch.compile of the torch functions:
-    `models.fusions`) | "triton" (the kit's Triton kernels, `models.triton_fusions`: no torch.compile, so a new
-    process loads them from Triton's disk cache in milliseconds where torch.compile took 3.3 s warm and 6.3 s on a
-    fresh machine; needs Triton and a GPU). Dense MLPs only: MoE experts keep megatron's compiled SwiGLU. Opt-in
-    until measured on a GPU. Process-wide: megatron's slots for them are module attributes, so the last model built
-    chooses for every model of the process."""
+    fusion_kernels: Literal["auto", "torch", "triton"] = "auto"
+    """What computes the fused RoPE and SwiGLU of `fused_kernels`: "auto" ("triton" on a GPU where Triton imports,
+    else "torch") | "torch" (torch.compile of the torch functions: `models.fusions`) | "triton" (the kit's Triton
+    kernels, `models.triton_fusions`: no torch.compile, so a new process loads them from Triton's disk cache in
+    milliseconds where torch.compile took 3.3 s warm and 6.3 s on a fresh machine; needs Triton and a GPU). Dense
+    MLPs only: MoE experts keep megatron's compiled SwiGLU. Process-wide: megatron's slots for them are module
+    attributes, so the last model built chooses for every model of the process."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
     (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to

@@ -118,7 +118,7 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
     the fields `overrides` sets: explicit overrides win. Installs the fused functions of `kernels`
-    (`kernels.fusion_kernels`) first: TransformerConfig checks the RoPE slot when apply_rope_fusion is set. Both are
+    (`kernels.fusion_kernels`; "auto": "triton" on a GPU where Triton imports) first: TransformerConfig checks the RoPE slot when apply_rope_fusion is set. Both are
     process-wide slots of megatron's, so the last model built chooses for every model of the process. "auto": what
     applies, on a GPU (`on_gpu`) only; True raises ConfigError when neither fusion applies to the model."""
     if not fused_kernels or (fused_kernels == "auto" and not on_gpu):
@@ -138,6 +138,8 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
                           f"{interleaved}, multi_latent_attention={mla}); allowed: False or \"auto\", or True for "
                           f"models with SwiGLU and/or plain RoPE")
+    if kernels == "auto":
+        kernels = "triton" if on_gpu and triton_runs(on_gpu=True) else "torch"
     if settings and kernels == "triton":
         check_triton(on_gpu=on_gpu)
     if "apply_rope_fusion" in settings:

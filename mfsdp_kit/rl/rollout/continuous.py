@@ -75,14 +75,14 @@ class DecodeConfig:
     batch and slot bucket in one memory pool) | "reduce-overhead" (the whole step through
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
-    kernels: Literal["torch", "triton"] = "torch"
-    """The decode step's attention and elementwise work on a GPU: "torch" (SDPA over the masked slot bucket, cuDNN's
-    kernel there, and the elementwise work through `compile_glue`; one CUDA graph per batch and slot bucket) |
-    "triton" (the kit's Triton kernels, `attention.py` and `elementwise.py`: a row reads its own keys, once per KV
-    head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile). "triton" is opt-in until
-    a GPU has measured it against "torch" (`SECTIONS=decode_kernels`; docs/benchmarks.md): it was checked in
-    Triton's interpreter and compiled for sm90, not run on a GPU. Where Triton does not import, a GPU runs "torch";
-    off a GPU the torch ops run eagerly either way. Needs `graph_mode="capture"`."""
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    """The decode step's attention and elementwise work on a GPU: "auto" ("triton" on a GPU where Triton imports and
+    `graph_mode="capture"`, else "torch") | "torch" (SDPA over the masked slot bucket, cuDNN's kernel there, and the
+    elementwise work through `compile_glue`; one CUDA graph per batch and slot bucket) | "triton" (the kit's Triton
+    kernels, `attention.py` and `elementwise.py`: a row reads its own keys, once per KV head, so one graph per batch
+    bucket; no cuDNN plan per shape and no dynamo compile: docs/benchmarks.md, "decode_kernels"). Where Triton does
+    not import, a GPU runs "torch"; off a GPU the torch ops run eagerly either way. "triton" needs
+    `graph_mode="capture"`."""
     compile_glue: bool = True
     """With `kernels="torch"`: `torch.compile` the decode step's elementwise work (`decoder.Glue`) on a GPU."""
     prefill_tokens: int = 16384

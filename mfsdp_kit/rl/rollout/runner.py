@@ -221,7 +221,9 @@ class Runner:
         if not gpu:
             return EAGER
         if self._glue is None:
-            triton = self.config.kernels == "triton" and kernels_available(self.cache.tok.device)
+            c = self.config
+            triton = (c.kernels == "triton" or (c.kernels == "auto" and c.graph_mode == "capture")) \
+                and kernels_available(self.cache.tok.device)
             self._glue = Glue(mode="triton" if triton else "compiled" if self.config.compile_glue else "eager")
         return self._glue
 
