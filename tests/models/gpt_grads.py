@@ -19,6 +19,7 @@ def loss_and_grads(cfg: EngineConfig, check=None) -> tuple[torch.Tensor, torch.T
     model = engine.build(cfg, gpt_model_fn(SPEC, cfg), wrap=False)[0]
     if check is not None:
         check(model)
+    tokens, pos = (t.to(next(model.parameters()).device) for t in (tokens, pos))   # a GPU run builds it on cuda
     loss = model(tokens[:, :-1], pos, None, labels=tokens[:, 1:])
     loss.mean().backward()
     return loss.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
