@@ -23,9 +23,10 @@ start (`compat.patches.lazy_compile.compile_tokens_dynamic`): packed rows change
 micro-batch, and torch's default (a static graph first, a dynamic one at the second size) compiled
 each kernel twice on the way. One graph for q's layout and one for k's (fewer heads, a strided slice
 of megatron's fused qkv output), each direction, whatever the lengths.
-`EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply.
-`kernels.fusion_kernels="triton"` computes the same two in the kit's Triton kernels instead (`models.triton_fusions`:
-no torch.compile, so no compile in a new process once Triton's disk cache holds them).
+`EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply, and
+`kernels.fusion_kernels="auto"` (the default) computes them there in the kit's Triton kernels where Triton imports
+(`models.triton_fusions`: no torch.compile; a fresh machine's first GRPO update took 3.40 s against 9.04 s with
+torch.compile, docs/benchmarks.md). "torch" keeps the compiled functions of this module.
 """
 from __future__ import annotations
 
@@ -114,13 +115,14 @@ def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.
 
 
 def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: dict, on_gpu: bool,
-                         kernels: str = "torch") -> dict:
+                         kernels: str = "auto") -> dict:
     """TransformerConfig fields for `EngineConfig.kernels.fused_kernels` on `model_config` (the kwargs dict
     of a TransformerConfig, or a Megatron-Bridge provider, with `overrides` already applied), less
     the fields `overrides` sets: explicit overrides win. Installs the fused functions of `kernels`
-    (`kernels.fusion_kernels`; "auto": "triton" on a GPU where Triton imports) first: TransformerConfig checks the RoPE slot when apply_rope_fusion is set. Both are
-    process-wide slots of megatron's, so the last model built chooses for every model of the process. "auto": what
-    applies, on a GPU (`on_gpu`) only; True raises ConfigError when neither fusion applies to the model."""
+    (`kernels.fusion_kernels`, as `resolve_kernels` reads it) first: TransformerConfig checks the RoPE slot when
+    apply_rope_fusion is set. Both are process-wide slots of megatron's, so the last model built chooses for every
+    model of the process. "auto": what applies, on a GPU (`on_gpu`) only; True raises ConfigError when neither
+    fusion applies to the model."""
     if not fused_kernels or (fused_kernels == "auto" and not on_gpu):
         return {}
     import torch.nn.functional as F
@@ -138,8 +140,7 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
                           f"{getattr(act, '__name__', act)}, gated_linear_unit={glu}, rotary_interleaved="
                           f"{interleaved}, multi_latent_attention={mla}); allowed: False or \"auto\", or True for "
                           f"models with SwiGLU and/or plain RoPE")
-    if kernels == "auto":
-        kernels = "triton" if on_gpu and triton_runs(on_gpu=True) else "torch"
+    kernels = resolve_kernels(kernels, on_gpu=on_gpu)
     if settings and kernels == "triton":
         check_triton(on_gpu=on_gpu)
     if "apply_rope_fusion" in settings:
@@ -156,6 +157,14 @@ def triton_runs(*, on_gpu: bool) -> bool:
     import os
     interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     return importlib.util.find_spec("triton") is not None and (on_gpu or interpreter)
+
+
+def resolve_kernels(kernels: str, *, on_gpu: bool) -> str:
+    """`kernels.fusion_kernels` as run: "auto" is "triton" on a GPU where Triton imports, else "torch"; the others
+    are themselves."""
+    if kernels != "auto":
+        return kernels
+    return "triton" if on_gpu and triton_runs(on_gpu=True) else "torch"
 
 
 def check_triton(*, on_gpu: bool) -> None:

@@ -3,6 +3,8 @@ unfused functions on q and on k (a strided slice of a fused qkv output, as megat
 with a partial rotary width, and a whole GPT's loss and grads equal the unfused ones. On a GPU, or on CPU in Triton's
 interpreter (TRITON_INTERPRET=1, fp32; tests/rl/test_attention.py says how to run it). The config checks run
 everywhere."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,8 +169,19 @@ def test_whole_gpt_loss_and_grads_match_unfused(torch_slots_after):
 
 
 def test_bad_value_is_named():
-    with pytest.raises(ConfigError, match="kernels.fusion_kernels='cuda' is not allowed; allowed: 'torch' | 'triton'"):
+    with pytest.raises(ConfigError, match=re.escape("kernels.fusion_kernels='cuda' is not allowed; allowed: 'auto' | "
+                                                    "'torch' | 'triton'")):
         EngineConfig(kernels=Kernels(fusion_kernels="cuda"))
+
+
+def test_auto_is_triton_on_a_gpu_where_it_imports_and_torch_elsewhere(monkeypatch):
+    """The default, "auto": the Triton kernels on a GPU where Triton imports, torch.compile's otherwise (on CPU even
+    under Triton's interpreter, which is for tests that ask for "triton"); an explicit choice is kept."""
+    assert Kernels().fusion_kernels == "auto"
+    assert fusions.resolve_kernels("auto", on_gpu=True) == ("triton" if fusions.triton_runs(on_gpu=True) else "torch")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fusions.resolve_kernels("auto", on_gpu=False) == "torch"
+    assert [fusions.resolve_kernels(k, on_gpu=False) for k in ("torch", "triton")] == ["torch", "triton"]
 
 
 def test_triton_without_a_gpu_or_the_interpreter_is_refused_before_any_compat_change(monkeypatch):

@@ -130,7 +130,8 @@ def shape_run(folder, *, engines: int = 2) -> list[list[list[int]]]:
     """Every call of SHAPE_CALLS on `engines` engines of the model at `folder` (bf16 on the GPU), sampled at T 1."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda()
     tok = AutoTokenizer.from_pretrained(folder)
-    kits = [ContinuousRollout(model, tok, config=DecodeConfig(check_every=4, slot_bucket=16)) for _ in range(engines)]
+    cfg = DecodeConfig(check_every=4, slot_bucket=16, kernels="torch")   # the compiled glue (Triton's has no frame)
+    kits = [ContinuousRollout(model, tok, config=cfg) for _ in range(engines)]
     out = []
     for i, (rows, prompt, new) in enumerate(SHAPE_CALLS):
         ids = torch.randint(10, 200, (rows, prompt), generator=torch.Generator().manual_seed(i)).tolist()
@@ -142,7 +143,7 @@ def shape_run(folder, *, engines: int = 2) -> list[list[list[int]]]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode glue compiles on a GPU only")
 def test_glue_compiles_once_for_forty_call_shapes_on_a_gpu(tmp_path):
     """One process, two engines, 40 call shapes (many batch and slot buckets): the glue never falls back to eager
-    (the Triton kernels have no dynamo frame; compiled glue, `kernels="torch"`, raises under fullgraph if it would;
+    (the compiled glue of `kernels="torch"`, which raises under fullgraph if it would; the Triton kernels have none;
     dynamo's counters show no recompile-limit hit, and at most two graphs per glue function: a batch of 1 and a
     symbolic one), and the tokens equal a fresh process's."""
     import json

@@ -1,8 +1,7 @@
 """Decode attention on a GPU: one query per row against that row's own cached keys, in two Triton kernels
-(`DecodeConfig.kernels="triton"`, opt-in until measured on a GPU against cuDNN; `decoder.decode`'s SDPA is the
-default).
+(`DecodeConfig.kernels`, "auto" by default: these on a GPU where Triton imports; "torch": `decoder.decode`'s SDPA).
 
-SDPA over the slot bucket (`decoder.decode`'s default) reads every row up to the bucket and, in cuDNN's kernel for
+SDPA over the slot bucket (`decoder.decode` with `kernels="torch"`) reads every row up to the bucket and, in cuDNN's kernel for
 grouped heads, reads each K/V head once per query head of its group; and cuDNN builds a plan for every new (batch,
 slots) shape, 38-46 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, 16 query and 4 KV heads
 of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over the keys:

@@ -16,12 +16,12 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     each KV head once per query head, and builds a plan per (batch, slots) shape. Tried and slower than cuDNN: a
     visibility-lane layout, flex_attention (its block mask alone cost more than the kernel), flash attention's
     varlen kernel with `seqused_k` (one query a row: it splits no row's keys over blocks), and q grouped per KV
-    head as a 4-query sequence (docs/benchmarks.md). `DecodeConfig.kernels="triton"` (opt-in) runs `attention.py`'s
+    head as a 4-query sequence (docs/benchmarks.md). `DecodeConfig.kernels` "auto" (the default) runs `attention.py`'s
     Triton kernels instead: each row reads its own keys up to its position, once per KV head for its query group,
     split over the keys at small batch (flash-decoding);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`), compiled once on a GPU with symbolic batch and cache sizes, or with `kernels="triton"` three
-    Triton kernels (`elementwise.py`);
+    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`), or with `kernels="torch"` compiled once
+    with symbolic batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
@@ -186,9 +186,9 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 class Glue:
     """The decode step's functions between the GEMMs (RoPE + the cache write, attention, act * up, residual add +
     RMSNorm), in one of three `mode`s:
-      - "triton" (on a GPU with `DecodeConfig.kernels="triton"`): `elementwise`'s and `attention`'s Triton kernels;
-        no dynamo frame;
-      - "compiled" (on a GPU, the default): the torch functions below, each `torch.compile`d once for every batch
+      - "triton" (on a GPU where Triton imports, `DecodeConfig.kernels` "auto" or "triton": `runner.glue_mode`):
+        `elementwise`'s and `attention`'s Triton kernels; no dynamo frame;
+      - "compiled" (on a GPU with `kernels="torch"`, or without Triton): the torch functions below, each `torch.compile`d once for every batch
         and cache size (the batch and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises
         instead of running eager glue in silence), attention through SDPA over an additive mask;
       - "eager": the same torch functions as they are (CPU tests run this).

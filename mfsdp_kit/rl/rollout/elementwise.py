@@ -1,7 +1,7 @@
 """The decode step's elementwise work between the GEMMs in three Triton kernels, on a GPU with
-`DecodeConfig.kernels="triton"` (opt-in): RoPE with the cache write, the residual add with the next RMSNorm, and
-SiLU(gate) * up (`decoder.Glue` calls them; `decoder.rope_store`, `add_rms` and `gated` are the same functions in
-torch ops, the reference and the default path).
+`DecodeConfig.kernels` "auto" (the default) or "triton": RoPE with the cache write, the residual add with the next
+RMSNorm, and SiLU(gate) * up (`decoder.Glue` calls them; `decoder.rope_store`, `add_rms` and `gated` are the same
+functions in torch ops: the reference, compiled with `kernels="torch"`, eager on CPU).
 
 torch.compile makes the same fusions, but compiling its three functions with symbolic sizes took 9.8 s of a fresh
 1 H200 machine's first rollout (dynamo's own count, 2026-12-05). Triton compiles each kernel

@@ -215,17 +215,22 @@ class Runner:
         return run
 
     def glue(self, gpu: bool) -> Glue:
-        """The decode step's functions between the GEMMs (`decoder.Glue`), made once per runner: on a GPU the
-        Triton kernels (`DecodeConfig.kernels`, where Triton imports), else compiled (`compile_glue`) or eager;
-        eager elsewhere."""
+        """The decode step's functions between the GEMMs (`decoder.Glue`), made once per runner in `glue_mode`;
+        eager off a GPU."""
         if not gpu:
             return EAGER
         if self._glue is None:
-            c = self.config
-            triton = (c.kernels == "triton" or (c.kernels == "auto" and c.graph_mode == "capture")) \
-                and kernels_available(self.cache.tok.device)
-            self._glue = Glue(mode="triton" if triton else "compiled" if self.config.compile_glue else "eager")
+            self._glue = Glue(mode=glue_mode(self.config, self.cache.tok.device))
         return self._glue
+
+
+def glue_mode(config: DecodeConfig, device: torch.device) -> str:
+    """`decoder.Glue`'s mode for `config` on `device`: "triton" where `config.kernels` is "triton", or "auto" with
+    captured steps, and the kernels can run (`kernels_available`); else "compiled" (`compile_glue`) or "eager"."""
+    wants = config.kernels == "triton" or (config.kernels == "auto" and config.graph_mode == "capture")
+    if wants and kernels_available(device):
+        return "triton"
+    return "compiled" if config.compile_glue and device.type == "cuda" else "eager"
 
 
 def kernels_available(device: torch.device) -> bool:
