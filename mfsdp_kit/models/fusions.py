@@ -24,9 +24,9 @@ micro-batch, and torch's default (a static graph first, a dynamic one at the sec
 each kernel twice on the way. One graph for q's layout and one for k's (fewer heads, a strided slice
 of megatron's fused qkv output), each direction, whatever the lengths.
 `EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply, and
-`kernels.fusion_kernels="auto"` (the default) computes them there in the kit's Triton kernels where Triton imports
-(`models.triton_fusions`: no torch.compile; a fresh machine's first GRPO update took 3.40 s against 9.04 s with
-torch.compile, docs/benchmarks.md). "torch" keeps the compiled functions of this module.
+`kernels.fusion_kernels="auto"` (the default) computes them in the kit's Triton kernels on a GPU that runs them
+(`support.triton_available`; `models.triton_fusions`: no torch.compile; a fresh machine's first GRPO update took 3.40 s
+against 9.04 s with torch.compile, docs/benchmarks.md). "torch" keeps the compiled functions of this module.
 """
 from __future__ import annotations
 
@@ -151,17 +151,19 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
 
 
 def triton_runs(*, on_gpu: bool) -> bool:
-    """Whether the Triton kernels can run here: Triton installed, and a GPU (or, for tests on CPU, Triton's
-    interpreter: TRITON_INTERPRET=1)."""
+    """Whether the Triton kernels can run here: on a GPU, `support.triton_available` (Triton, NVIDIA, sm80+);
+    off one, for tests, Triton's interpreter (TRITON_INTERPRET=1)."""
     import importlib.util
     import os
-    interpreter = os.environ.get("TRITON_INTERPRET") == "1"
-    return importlib.util.find_spec("triton") is not None and (on_gpu or interpreter)
+    if on_gpu:
+        from .support import triton_available
+        return triton_available()
+    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 
 
 def resolve_kernels(kernels: str, *, on_gpu: bool) -> str:
-    """`kernels.fusion_kernels` as run: "auto" is "triton" on a GPU where Triton imports, else "torch"; the others
-    are themselves."""
+    """`kernels.fusion_kernels` as run: "auto" is "triton" on a GPU that runs the kernels (`triton_runs`), else
+    "torch"; the others are themselves."""
     if kernels != "auto":
         return kernels
     return "triton" if on_gpu and triton_runs(on_gpu=True) else "torch"
@@ -171,6 +173,6 @@ def check_triton(*, on_gpu: bool) -> None:
     """ConfigError naming `kernels.fusion_kernels` unless `triton_runs`."""
     from ..config import ConfigError
     if not triton_runs(on_gpu=on_gpu):
-        raise ConfigError("kernels.fusion_kernels='triton' is not allowed here: it needs Triton installed and a GPU "
-                          "(or TRITON_INTERPRET=1 on CPU, for tests); allowed: 'torch' (torch.compile of the same "
-                          "functions)")
+        raise ConfigError("kernels.fusion_kernels='triton' is not allowed here: it needs Triton installed and an "
+                          "NVIDIA GPU of compute capability 8.0 or newer (or TRITON_INTERPRET=1 on CPU, for tests); "
+                          "allowed: 'torch' (torch.compile of the same functions) or 'auto'")

@@ -16,6 +16,7 @@ naming the architecture or field, its value, and why:
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -199,6 +200,28 @@ def on_gpu() -> bool:
     What the "auto" kernel choices resolve against."""
     from ..distributed import runtime
     return runtime.current().device.type == "cuda" if runtime.is_initialized() else torch.cuda.is_available()
+
+
+TRITON_MIN_CAPABILITY = (8, 0)
+"""The oldest NVIDIA GPU the kit's Triton kernels are for (`models.triton_fusions`, `rl.rollout.attention` /
+`elementwise`, which the "auto" kernel choices take on such a GPU): bf16 loads, stores and dots need sm80
+(Ampere); they were measured on sm90 (docs/benchmarks.md, "The Triton kernels by default"). Older GPUs, and ROCm
+builds, keep the torch path."""
+
+
+def triton_supports(*, capability: tuple[int, int], hip: bool, triton_installed: bool) -> bool:
+    """Whether a GPU of compute `capability` ((major, minor)) runs the kernels: Triton installed, NVIDIA (not a ROCm
+    build of torch: `hip`), capability >= TRITON_MIN_CAPABILITY."""
+    return triton_installed and not hip and tuple(capability) >= TRITON_MIN_CAPABILITY
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """`triton_supports` for `device` (a CUDA device; None: the current one); False for any other device type, or
+    where no GPU is visible. Triton is not imported here: only the engines that use the kernels load it."""
+    if device is not None and torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    return triton_supports(capability=torch.cuda.get_device_capability(device), hip=torch.version.hip is not None,
+                    triton_installed=importlib.util.find_spec("triton") is not None)
 
 
 def _sliding_window(arch: str, config: dict, cfg) -> None:

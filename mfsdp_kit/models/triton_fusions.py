@@ -1,6 +1,6 @@
 """RoPE's rotation and SwiGLU, forward and backward, in the kit's own Triton kernels
-(`EngineConfig.kernels.fusion_kernels`: "auto", the default, takes them on a GPU where Triton imports; "torch" takes
-`models.fusions`' torch.compile of the same math).
+(`EngineConfig.kernels.fusion_kernels`: "auto", the default, takes them on a GPU that runs them,
+`models.support.triton_available`; "torch" takes `models.fusions`' torch.compile of the same math).
 
 Why not torch.compile: a fresh 1 H200 machine's first GRPO update spent 6.27 s of its 8.32 s in torch.compile
 (dynamo, AOT autograd and inductor for the rotation of q and of k and for SwiGLU, each forward and backward;

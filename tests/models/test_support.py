@@ -3,6 +3,7 @@
 Configs are written by transformers' own config classes (models.archs), as a researcher's folder
 would hold them; no weights are needed because the refusal comes before any weight is read."""
 import pytest
+import torch
 
 from mfsdp_kit.config import ConfigError, EngineConfig
 from mfsdp_kit.models import archs, hf as hf_models, support
@@ -199,3 +200,18 @@ def test_parameter_count_is_the_models():
             model = transformers.AutoModelForCausalLM.from_config(config)
         real = sum(p.numel() for p in model.parameters())
         assert abs(support.parameter_count(config.to_dict()) - real) / real < 0.05, arch
+
+
+@pytest.mark.parametrize("capability,hip,installed,runs", [
+    ((9, 0), False, True, True), ((8, 0), False, True, True), ((8, 9), False, True, True),
+    ((7, 5), False, True, False), ((7, 0), False, True, False),   # Turing, Volta: no bf16 dots
+    ((9, 0), True, True, False),                                  # a ROCm build: not what the kernels were run on
+    ((9, 0), False, False, False)])                               # no Triton
+def test_triton_needs_triton_an_nvidia_gpu_and_sm80(capability, hip, installed, runs):
+    assert support.triton_supports(capability=capability, hip=hip, triton_installed=installed) is runs
+
+
+def test_triton_is_available_on_a_visible_cuda_device_only():
+    assert not support.triton_available("cpu") and not support.triton_available(torch.device("meta"))
+    if not torch.cuda.is_available():
+        assert not support.triton_available() and not support.triton_available("cuda")

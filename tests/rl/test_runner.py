@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, attention
-from mfsdp_kit.rl.rollout.runner import buckets, glue_mode, kernels_available
+from mfsdp_kit.models.support import triton_available
+from mfsdp_kit.rl.rollout.runner import buckets, glue_mode
 from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
 
@@ -32,14 +33,15 @@ def test_buckets_cover_every_batch_and_slot_bucket_once():
 
 @pytest.mark.parametrize("kernels,graph_mode,compile_glue,want_gpu", [
     ("auto", "capture", True, "triton"), ("auto", "reduce-overhead", True, "compiled"),
-    ("torch", "capture", True, "compiled"), ("torch", "capture", False, "eager"), ("triton", "capture", True, "triton")])
+    ("torch", "capture", True, "compiled"), ("torch", "capture", False, "eager"),
+    ("triton", "capture", True, "triton")])
 def test_glue_mode_takes_the_triton_kernels_by_default_where_they_run(kernels, graph_mode, compile_glue, want_gpu):
-    """"auto" is the Triton kernels on a GPU where Triton imports (else the compiled torch glue), never with
+    """"auto" is the Triton kernels on a GPU that runs them (else the compiled torch glue), never with
     reduce-overhead graphs (inductor compiles that step from torch ops); off a GPU every mode is eager."""
     cfg = DecodeConfig(kernels=kernels, graph_mode=graph_mode, compile_glue=compile_glue)
     gpu = torch.device("cuda")
     fallback = "compiled" if compile_glue else "eager"
-    assert glue_mode(cfg, gpu) == (want_gpu if kernels_available(gpu) or want_gpu != "triton" else fallback)
+    assert glue_mode(cfg, gpu) == (want_gpu if triton_available(gpu) or want_gpu != "triton" else fallback)
     assert glue_mode(cfg, torch.device("cpu")) == "eager"
 
 

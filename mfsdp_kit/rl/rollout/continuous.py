@@ -76,17 +76,17 @@ class DecodeConfig:
     `torch.compile(mode="reduce-overhead")`: inductor's kernels and its CUDA-graph trees; the two are compared in
     docs/benchmarks.md, rollout)."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
-    """The decode step's attention and elementwise work on a GPU: "auto" ("triton" on a GPU where Triton imports and
-    `graph_mode="capture"`, else "torch") | "torch" (SDPA over the masked slot bucket, cuDNN's kernel there, and the
-    elementwise work through `compile_glue`; one CUDA graph per batch and slot bucket) | "triton" (the kit's Triton
-    kernels, `attention.py` and `elementwise.py`: a row reads its own keys, once per KV head, so one graph per batch
-    bucket; no cuDNN plan per shape and no dynamo compile). Measured on 1 H100 at 1.7 B, 512 rows: a fresh
-    machine's first GRPO rollout 5.9 s against 16.9 s with "torch", later ones 1.83-1.84 against 2.06-2.12 s
-    (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops run eagerly either way. "triton"
-    needs `graph_mode="capture"`."""
+    """The decode step's attention and elementwise work on a GPU: "auto" ("triton" with `graph_mode="capture"` on a GPU
+    that runs the kernels: `models.support.triton_available`, NVIDIA sm80+ with Triton; else "torch") | "torch" (SDPA
+    over the masked slot bucket, cuDNN's kernel there, and the elementwise work through `compile_glue`; one CUDA graph
+    per batch and slot bucket) | "triton" (the kit's Triton kernels, `attention.py` and `elementwise.py`: a row reads
+    its own keys, once per KV head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile).
+    Measured on 1 H100 at 1.7 B, 512 rows: a fresh machine's first GRPO rollout 5.9 s against 16.9 s with "torch", later
+    ones 1.83-1.84 against 2.06-2.12 s (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops
+    run eagerly either way. "triton" needs `graph_mode="capture"`."""
     compile_glue: bool = True
-    """Where the glue is torch ops on a GPU (`kernels="torch"`, or Triton missing): `torch.compile` them
-    (`decoder.Glue`)."""
+    """Where the glue is torch ops on a GPU (`kernels="torch"`, or a GPU the Triton kernels do not run on):
+    `torch.compile` them (`decoder.Glue`)."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""

@@ -186,11 +186,12 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 class Glue:
     """The decode step's functions between the GEMMs (RoPE + the cache write, attention, act * up, residual add +
     RMSNorm), in one of three `mode`s:
-      - "triton" (on a GPU where Triton imports, `DecodeConfig.kernels` "auto" or "triton": `runner.glue_mode`):
+      - "triton" (`DecodeConfig.kernels` "auto" or "triton" on a GPU that runs them, `runner.glue_mode`):
         `elementwise`'s and `attention`'s Triton kernels; no dynamo frame;
-      - "compiled" (on a GPU with `kernels="torch"`, or without Triton): the torch functions below, each `torch.compile`d once for every batch
-        and cache size (the batch and cache dimensions symbolic: `maybe_mark_dynamic`; `fullgraph=True` raises
-        instead of running eager glue in silence), attention through SDPA over an additive mask;
+      - "compiled" (on a GPU with `kernels="torch"`, or one the Triton kernels do not run on): the torch functions
+        below, each `torch.compile`d once for every batch and cache size (the batch and cache dimensions symbolic:
+        `maybe_mark_dynamic`; `fullgraph=True` raises instead of running eager glue in silence), attention through SDPA
+        over an additive mask;
       - "eager": the same torch functions as they are (CPU tests run this).
     A model whose MLP is not SiLU-gated takes the torch function for act * up in every mode."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...models.support import triton_available
 from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
 from .sampling import pick
 from .schedule import batch_bucket
@@ -226,18 +227,12 @@ class Runner:
 
 def glue_mode(config: DecodeConfig, device: torch.device) -> str:
     """`decoder.Glue`'s mode for `config` on `device`: "triton" where `config.kernels` is "triton", or "auto" with
-    captured steps, and the kernels can run (`kernels_available`); else "compiled" (`compile_glue`) or "eager"."""
+    captured steps, and the kernels run on `device` (`models.support.triton_available`: Triton, an NVIDIA GPU
+    of sm80 or newer); else "compiled" (`compile_glue`) or "eager"."""
     wants = config.kernels == "triton" or (config.kernels == "auto" and config.graph_mode == "capture")
-    if wants and kernels_available(device):
+    if wants and triton_available(device):
         return "triton"
     return "compiled" if config.compile_glue and device.type == "cuda" else "eager"
-
-
-def kernels_available(device: torch.device) -> bool:
-    """Whether the Triton kernels can run on `device`: a CUDA device, Triton installed (not imported here: only the
-    engines that use the kernels load it)."""
-    import importlib.util
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _peak(device: torch.device, fn) -> int:
