@@ -321,8 +321,8 @@ SECTIONS.update({
                             writes="rollout_capture.json",
                             args="--shape qwen2-1.8b --batches 2 --new-tokens 8 --variants compiled --hf-new-tokens 2 "
                                  "--agreement-rows 0 --capture-split 512,576")],
-    # the decode step in the kit's Triton kernels (DecodeConfig.kernels="triton", opt-in): their GPU tests, decode
-    # attention alone against cuDNN's SDPA per rows x bucket, then GRPO iterations with and without them
+    # the decode step in the kit's Triton kernels (DecodeConfig.kernels, "auto" on a GPU): their GPU tests, decode
+    # attention alone against cuDNN's SDPA per rows x bucket, then GRPO iterations with them and with the torch path
     "decode_kernels": [
         Row(name="decode_kernels_tests", script="-m pytest", launch="python",
             args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
@@ -330,7 +330,7 @@ SECTIONS.update({
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],
-    # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels="triton"`): their tests on the
+    # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels`, "auto" on a GPU): their tests on the
     # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
     "training_kernels": [
         Row(name="training_kernels_tests", script="-m pytest", launch="python",
@@ -339,7 +339,7 @@ SECTIONS.update({
             args="--spec 1.7b --micro-batch-size 8 --ops rope,swiglu", env=COLD.format("fusions"),
             after=CLEAN_COLD.format("fusions"))],
     # issue 49: the first iteration on compile caches that hold nothing (torch.compile's and Triton's), one process
-    # each: the default (torch.compile) against the Triton kernels for the decode step and the training fusions
+    # each: the torch path (torch.compile, cuDNN) against the Triton kernels (the default on a GPU since 2026-12-05)
     "first_iteration": [
         Row(name=f"grpo_first_{kind}", script="bench/grpo_iteration.py", writes=f"grpo_first_{kind}.json",
             args=f"--size l --iterations 2 {args}", env=COLD.format(kind), after=CLEAN_COLD.format(kind))
