@@ -96,7 +96,8 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
         if result.get("compile_s"):
             triton = result["triton_compiles"][i]
             print(f"     torch.compile: {result['compile_s'][i]:.2f} s of the iteration; the kit's Triton kernels: "
-                  f"{triton['seconds']:.2f} s, {triton['kernels']} compiled, {triton['cache_hits']} from the cache")
+                  f"{triton['seconds']:.2f} s, {triton['kernels']} compiled, {triton['cache_hits']} from the cache; "
+                  f"other Triton compiles in this process: {triton['other_kernels']}, {triton['other_seconds']:.2f} s")
         if engine:
             print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in engine.items() if k != "by_batch"))

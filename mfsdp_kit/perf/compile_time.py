@@ -1,11 +1,13 @@
 """Seconds spent compiling, so a benchmark can say how much of a first iteration was compile.
 
 Two compilers run in a kit process on a GPU:
-  - torch.compile (the decode glue, the fused RoPE/SwiGLU with `fusion_kernels="torch"`): dynamo keeps its own
-    count, which includes inductor and the Triton kernels inductor compiles in its worker processes;
+  - torch.compile (the decode glue and the fused RoPE/SwiGLU with `kernels="torch"`): dynamo keeps its own count,
+    which includes inductor and the Triton kernels it compiles;
   - Triton, for the kit's own kernels (`rl.rollout.attention` / `elementwise`, `models.triton_fusions`), compiled in
     this process at their first launch. Triton tells a listener (`triton.knobs.compilation.listener`, Triton >= 3.4)
-    each compile's stage times, and each load from its disk cache.
+    each compile's stage times, and each load from its disk cache. Inductor compiles some of its kernels in this
+    process too (on 1 H100, 6 in the torch path's first GRPO iteration): the listener hears those as well, so they
+    are counted apart (`other_*`).
 Read both before and after a piece of work; the difference is its compile.
 """
 from __future__ import annotations
@@ -23,15 +25,20 @@ def torch_compile_seconds() -> float:
 
 @dataclass
 class TritonCompiles:
-    """What Triton compiled in this process since `listen()` (the kit's own kernels; not inductor's, which compile in
-    worker processes)."""
+    """What Triton compiled in this process since `listen()`: the kit's own kernels, and apart, any other."""
 
     seconds: float = 0.0
-    """Compile seconds, Triton's own stage times (IR, lowering to PTX and cubin, storing in its disk cache)."""
+    """Compile seconds of the kit's kernels, Triton's own stage times (IR, lowering to PTX and cubin, storing in its
+    disk cache)."""
     kernels: int = 0
-    """Kernels compiled (one per specialisation: dtype, constexprs, integer arguments equal to 1 or divisible by 16)."""
+    """The kit's kernels compiled (one per specialisation: dtype, constexprs, integer arguments equal to 1 or
+    divisible by 16)."""
     cache_hits: int = 0
-    """Kernels loaded from Triton's disk cache instead (TRITON_CACHE_DIR)."""
+    """The kit's kernels loaded from Triton's disk cache instead (TRITON_CACHE_DIR)."""
+    other_seconds: float = 0.0
+    """Compile seconds of kernels from outside the kit (inductor's, where it compiles in this process)."""
+    other_kernels: int = 0
+    """Kernels from outside the kit compiled (their disk-cache loads are not counted)."""
 
     def listen(self) -> "TritonCompiles":
         """Become Triton's compilation listener (replacing any other); without Triton, or with a Triton that has no
@@ -45,11 +52,16 @@ class TritonCompiles:
         return self
 
     def _record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
+        fn = getattr(src, "fn", None)   # the JITFunction (an IR source has none)
+        kit = str(getattr(fn, "module", "")).startswith("mfsdp_kit.")
         if cache_hit:
-            self.cache_hits += 1
-        else:
+            self.cache_hits += kit
+        elif kit:
             self.kernels += 1
             self.seconds += times.total / 1e6   # microseconds
+        else:
+            self.other_kernels += 1
+            self.other_seconds += times.total / 1e6
 
     def read(self) -> dict:
         """{seconds, kernels, cache_hits} so far: two reads' difference is what a piece of work compiled."""
