@@ -59,6 +59,14 @@ def test_the_notebooks_model_is_written_in_the_background(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.glob("tiny-qwen2-xs-*/model.safetensors")] == ["model.safetensors"]
 
 
+def _command(p: psutil.Process) -> str:
+    """`p`'s command line, or "" once it has exited (a zombie or gone: the server's short-lived helpers do)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _wait_for(what: str, ready, timeout_s: float = 120.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -88,11 +96,11 @@ def test_make_lab_stops_its_server_and_kernels_on(sig, tmp_path):
         with urllib.request.urlopen(request, timeout=30) as response:
             assert response.status == 201
         tree = _wait_for("a kernel process", lambda: (t := psutil.Process(launcher.pid).children(recursive=True))
-                         and any("ipykernel" in " ".join(p.cmdline()) for p in t if p.is_running()) and t)
+                         and any("ipykernel" in _command(p) for p in t) and t)
         launcher.send_signal(sig)
         assert launcher.wait(timeout=60) == 0
         alive = psutil.wait_procs(tree, timeout=30)[1]
-        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [p.cmdline() for p in alive]
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [_command(p) for p in alive]
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2)
     finally:
