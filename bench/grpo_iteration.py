@@ -42,8 +42,8 @@ from mfsdp_kit.rl import grpo
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
-KERNELS = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
-               continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False))
+DECODE = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
+              continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False))
 """Each `--backends` name's DecodeConfig fields besides the defaults ("continuous": none)."""
 
 
@@ -173,7 +173,7 @@ def main() -> None:
     for name in args.backends.split(","):
         t0 = time.perf_counter()
         hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(cfg.dtype)).to(rt.device)
-        decode = DecodeConfig(**KERNELS.get(name, {}))
+        decode = DecodeConfig(**DECODE.get(name, {}))
         rollout = HFRollout(hf, tok) if name == "hf" else ContinuousRollout(hf, tok, config=decode)
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)

@@ -36,6 +36,7 @@ import torch
 
 from .. import compat
 from ..compat.patches.lazy_compile import compile_tokens_dynamic, lazy
+from .support import triton_available
 
 
 def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +157,6 @@ def triton_runs(*, on_gpu: bool) -> bool:
     import importlib.util
     import os
     if on_gpu:
-        from .support import triton_available
         return triton_available()
     return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
 

@@ -221,7 +221,7 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     if device is not None and torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
     return triton_supports(capability=torch.cuda.get_device_capability(device), hip=torch.version.hip is not None,
-                    triton_installed=importlib.util.find_spec("triton") is not None)
+                           triton_installed=importlib.util.find_spec("triton") is not None)
 
 
 def _sliding_window(arch: str, config: dict, cfg) -> None:

@@ -64,5 +64,5 @@ class TritonCompiles:
             self.other_seconds += times.total / 1e6
 
     def read(self) -> dict:
-        """{seconds, kernels, cache_hits} so far: two reads' difference is what a piece of work compiled."""
+        """Every field so far, as a dict: two reads' difference is what a piece of work compiled."""
         return asdict(self)
