@@ -15,7 +15,8 @@ The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrai
 task, up to 512 new tokens at T 1. Each iteration is split into sync (weights into the rollout model), rollout,
 logprob (old log-probs) and update seconds (`GRPOHistory`), with the mean response length and the
 train-inference log-prob mismatch, and the seconds torch.compile took in each iteration (`compile_s`) and what the kit's
-Triton kernels compiled in it (`triton_compiles`: seconds, kernels, disk-cache loads). Prints a table
+Triton kernels compiled in it (`triton_compiles`: seconds, kernels, disk-cache loads), and the token budgets and the
+allocator's retries after it (`memory`). Prints a table
 per backend and writes JSON; `plots.iteration_time` draws it.
 """
 from __future__ import annotations
@@ -97,7 +98,13 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
             triton = result["triton_compiles"][i]
             print(f"     torch.compile: {result['compile_s'][i]:.2f} s of the iteration; the kit's Triton kernels: "
                   f"{triton['seconds']:.2f} s, {triton['kernels']} compiled, {triton['cache_hits']} from the cache; "
-                  f"other Triton compiles in this process: {triton['other_kernels']}, {triton['other_seconds']:.2f} s")
+                  f"other Triton compiles in this process: {triton['other_kernels']}, {triton['other_seconds']:.2f} s; "
+                  f"the kit's by name: {triton.get('by_name', {})}")
+        if result.get("memory"):
+            m = result["memory"][i]
+            print(f"     token budget: training {m['train_tokens']}, no-grad {m['forward_tokens']} tokens a "
+                  f"micro-batch; allocator retries so far {m['alloc_retries']}, reserved "
+                  f"{m['reserved_bytes'] / 2 ** 30:.1f} GiB")
         if engine:
             print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in engine.items() if k != "by_batch"))
@@ -106,6 +113,17 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
         rows.append(dict(iteration=i, seconds=split, total_s=sum(split.values()), floors=floor,
                          mfu=mfu, tail_s=tail))
     return rows
+
+
+def memory_state(chunks, *, gpu: bool) -> dict:
+    """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`, decided at their first
+    call: training and no-grad, tokens per micro-batch), and on a GPU the allocator's retries so far (a cudaMalloc
+    that failed, then freed cached blocks and tried again: a sync each) and its reserved bytes."""
+    budget = getattr(chunks[0], "_kit_token_budget", {})
+    stats = torch.cuda.memory_stats() if gpu else {}
+    return dict(train_tokens=budget.get(False), forward_tokens=budget.get(True),
+                alloc_retries=stats.get("num_alloc_retries", 0),
+                reserved_bytes=stats.get("reserved_bytes.all.current", 0))
 
 
 def profiled(history_fn, *, iterations: int):
@@ -178,7 +196,7 @@ def main() -> None:
         setup_s = time.perf_counter() - t0
         params = sum(p.numel() for n, p in hf.named_parameters() if "embed" not in n)
         engine_stats, compile_s, compiled = [], [], [compile_time.torch_compile_seconds()]
-        triton_compiles, triton_read = [], [triton.read()]
+        triton_compiles, triton_read, memory = [], [triton.read()], []
 
         def run(on_iteration):
             def record(i, m):
@@ -186,7 +204,8 @@ def main() -> None:
                 compiled.append(compile_time.torch_compile_seconds())
                 compile_s.append(compiled[-1] - compiled[-2])
                 triton_read.append(triton.read())
-                triton_compiles.append({k: triton_read[-1][k] - triton_read[-2][k] for k in triton_read[-1]})
+                triton_compiles.append(triton.since(triton_read[-2], triton_read[-1]))
+                memory.append(memory_state(model.chunks, gpu=gpu))
                 if on_iteration is not None:
                     on_iteration(i, m)
             return grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
@@ -194,7 +213,7 @@ def main() -> None:
                             progress=False, on_iteration=record)
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
         results[name] = dict(vars(history), engine=engine_stats, compile_s=compile_s, triton_compiles=triton_compiles,
-                             rollout_setup_s=setup_s, phases=phases)
+                             memory=memory, rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
             results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw,
                                                   lora=bool(args.lora_rank))

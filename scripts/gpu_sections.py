@@ -334,7 +334,8 @@ SECTIONS.update({
     # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
     "training_kernels": [
         Row(name="training_kernels_tests", script="-m pytest", launch="python",
-            args="-q -p no:cacheprovider tests/models/test_triton_fusions.py tests/models/test_fusions.py"),
+            args="-q -p no:cacheprovider tests/models/test_triton_fusions.py tests/models/test_fusions.py "
+                 "tests/models/test_triton_launch.py tests/perf/test_compile_time.py"),
         Row(name="fusions_triton", script="bench/fusions.py", launch="torchrun1", writes="fusions_triton.json",
             args="--spec 1.7b --micro-batch-size 8 --ops rope,swiglu", env=COLD.format("fusions"),
             after=CLEAN_COLD.format("fusions"))],

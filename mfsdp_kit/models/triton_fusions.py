@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
+from .triton_launch import launch
+
 SWIGLU_BLOCK = 1024
 """Elements of one row's ffn half per program."""
 
@@ -41,9 +43,9 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bo
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     block_h = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(dim)))   # at most ~4k elements a program
     grid = (s * b, triton.cdiv(heads, block_h))
-    _rope_kernel[grid](t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
-                       sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
-                       PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
+    launch(_rope_kernel, grid, t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
+           sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
+           PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
     return out
 
 
@@ -72,7 +74,7 @@ class _SwiGLU(torch.autograd.Function):
         ctx.save_for_backward(y)
         rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
         out = torch.empty(*y.shape[:-1], ffn, dtype=y.dtype, device=y.device)
-        _swiglu_kernel[(rows, triton.cdiv(ffn, SWIGLU_BLOCK))](y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        launch(_swiglu_kernel, (rows, triton.cdiv(ffn, SWIGLU_BLOCK)), y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
         return out
 
     @staticmethod
@@ -81,8 +83,8 @@ class _SwiGLU(torch.autograd.Function):
         grad = grad.contiguous()
         rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
         dy = torch.empty_like(y)
-        _swiglu_back_kernel[(rows, triton.cdiv(ffn, SWIGLU_BLOCK))](grad, y, dy, ffn, BLOCK=SWIGLU_BLOCK,
-                                                                    num_warps=4)
+        launch(_swiglu_back_kernel, (rows, triton.cdiv(ffn, SWIGLU_BLOCK)), grad, y, dy, ffn, BLOCK=SWIGLU_BLOCK,
+               num_warps=4)
         return dy
 
 

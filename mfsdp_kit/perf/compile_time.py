@@ -13,7 +13,7 @@ Read both before and after a piece of work; the difference is its compile.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 def torch_compile_seconds() -> float:
@@ -39,6 +39,8 @@ class TritonCompiles:
     """Compile seconds of kernels from outside the kit (inductor's, where it compiles in this process)."""
     other_kernels: int = 0
     """Kernels from outside the kit compiled (their disk-cache loads are not counted)."""
+    by_name: dict = field(default_factory=dict)
+    """The kit's kernels compiled, per kernel name (one count per specialisation)."""
 
     def listen(self) -> "TritonCompiles":
         """Become Triton's compilation listener (replacing any other); without Triton, or with a Triton that has no
@@ -59,10 +61,18 @@ class TritonCompiles:
         elif kit:
             self.kernels += 1
             self.seconds += times.total / 1e6   # microseconds
+            name = getattr(fn, "__name__", "?")
+            self.by_name[name] = self.by_name.get(name, 0) + 1
         else:
             self.other_kernels += 1
             self.other_seconds += times.total / 1e6
 
     def read(self) -> dict:
-        """Every field so far, as a dict: two reads' difference is what a piece of work compiled."""
+        """Every field so far, as a dict: two reads' difference (`since`) is what a piece of work compiled."""
         return asdict(self)
+
+    @staticmethod
+    def since(before: dict, after: dict) -> dict:
+        """What was compiled between two `read()`s: each count's difference (`by_name`: the names that grew)."""
+        grown = {k: v - before["by_name"].get(k, 0) for k, v in after["by_name"].items()}
+        return {k: {n: c for n, c in grown.items() if c} if k == "by_name" else v - before[k] for k, v in after.items()}

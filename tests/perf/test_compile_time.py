@@ -16,7 +16,7 @@ def test_torch_compile_seconds_grow_with_a_compile():
 
 def test_nothing_is_counted_before_anything_compiles():
     assert compile_time.TritonCompiles().read() == dict(seconds=0.0, kernels=0, cache_hits=0, other_seconds=0.0,
-                                                       other_kernels=0)
+                                                       other_kernels=0, by_name={})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU-only torch)")
@@ -45,5 +45,7 @@ def test_triton_compiles_then_cache_hits(tmp_path, monkeypatch):
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "empty"))
     for _ in range(2):
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    got = counts.read()
-    assert got["kernels"] == 1 and got["cache_hits"] == 1 and got["seconds"] > 0, got
+    before, got = got, counts.read()
+    assert got["kernels"] == 1 and got["cache_hits"] == 1 and got["seconds"] > 0 and got["by_name"] == {"double": 1}
+    assert compile_time.TritonCompiles.since(before, got) == dict(
+        seconds=got["seconds"], kernels=1, cache_hits=1, other_seconds=0.0, other_kernels=0, by_name={"double": 1})

@@ -2,6 +2,8 @@
 with the steps it has, and on a GPU every graph is captured when the cache is made: a second call captures nothing,
 and its tokens equal a fresh engine's; the cache is sized beside a measured transient peak that covers a call."""
 import random
+import threading
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -10,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, attention
+from mfsdp_kit.rl.rollout.attention import triton
 from mfsdp_kit.models.support import triton_available
 from mfsdp_kit.rl.rollout.runner import buckets, glue_mode
 from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
@@ -69,6 +72,25 @@ def test_every_chunk_the_scheduler_plans_is_a_bucket():
             s.decoded(chunk, stop, torch.zeros(stop.shape))
 
 
+@contextmanager
+def _kit_compile_threads():
+    """The names of the threads on which Triton compiled or loaded a kit kernel inside the block."""
+    names = []
+    compilation = triton.knobs.compilation if attention.triton is not None else None
+    before = compilation.listener if compilation is not None else None
+
+    def listener(*, src, **_):
+        if str(getattr(getattr(src, "fn", None), "module", "")).startswith("mfsdp_kit."):
+            names.append(threading.current_thread().name)
+    if compilation is not None:
+        compilation.listener = listener
+    try:
+        yield names
+    finally:
+        if compilation is not None:
+            compilation.listener = before
+
+
 def load(tmp_path, device="cpu", dtype=torch.float32):
     folder = write_tiny("Qwen2ForCausalLM", tmp_path / "qwen2")
     return (AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device), AutoTokenizer.from_pretrained(folder))
@@ -91,13 +113,17 @@ def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     attention.triton is None, reason="Triton"))])
 def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(kernels, tmp_path):
-    """Every step a call can ask for is captured with the cache (with the Triton kernels, one per batch bucket), a
-    second call captures nothing, and its tokens equal the first's and a fresh engine's."""
+    """Every step a call can ask for is captured with the cache (with the Triton kernels, one per batch bucket, their
+    kernels compiled ahead on the compile threads, none inside a capture), a second call captures nothing, and its
+    tokens equal the first's and a fresh engine's."""
     model, tok = load(tmp_path, "cuda", torch.bfloat16)
     cfg = DecodeConfig(max_batch_size=16, check_every=4, slot_bucket=16, min_batch=2, kernels=kernels)
     rollout = ContinuousRollout(model, tok, config=cfg)
     kw = dict(max_new_tokens=40, temperature=1.0, top_p=1.0)
-    first = rollout.generate(ROWS * 3, seed=1, **kw)
+    with _kit_compile_threads() as threads:
+        first = rollout.generate(ROWS * 3, seed=1, **kw)
+    assert all(name.startswith("mfsdp-triton") for name in threads), threads
+    assert (rollout.stats["kernels_s"] > 0) == (kernels == "triton")
     cache = rollout.runner.cache
     made = {(b, rollout.runner.step_slots(s))
             for b, s in buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16, min_batch=cfg.min_batch)}

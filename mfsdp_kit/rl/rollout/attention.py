@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from ...models.triton_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -59,16 +61,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     whole = splits == 1   # one split: the partial kernel normalises and writes the output itself
     part = out if whole else torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
-    _attention_partial[(b, kv_heads, splits)](
-        q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), stats.stride(0), scale, window or 0,
+    launch(
+        _attention_partial, (b, kv_heads, splits), q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stats.stride(0), scale, window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, D_PAD=triton.next_power_of_2(dim),
         BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHOLE=whole, num_warps=4, num_stages=2)
     if not whole:
-        _attention_combine[(b, heads)](part, stats, out, splits, stats.stride(0), DIM=dim,
-                                       D_PAD=triton.next_power_of_2(dim),
-                                       S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
+        launch(_attention_combine, (b, heads), part, stats, out, splits, stats.stride(0), DIM=dim,
+               D_PAD=triton.next_power_of_2(dim), S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
     return out
 
 

@@ -127,7 +127,8 @@ class ContinuousRollout(HFRollout):
         self.stats: dict = {}
         """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
         GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
-        of a new cache's graphs, in the call that makes it), seconds, tokens
+        of a new cache's graphs, in the call that makes it), kernels_s (of capture_s: the Triton kernels compiled
+        ahead of the graphs, `Runner.compile_kernels`), seconds, tokens
         (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
         paused, summed over rows), extend_s (their outputs prefilled)."""
 
@@ -161,7 +162,8 @@ class ContinuousRollout(HFRollout):
         longest = max(map(len, rows))
         check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
-        t0, captured_s, made = time.perf_counter(), self.runner.capture_s, self.runner.made
+        t0, made = time.perf_counter(), self.runner.made
+        captured_s, kernels_s = self.runner.capture_s, self.runner.kernels_s
         fitted = self.rows_for(len(rows), slots=slots, longest=longest)
         state = self.runner.cache_for(fitted, slots, transient_bytes=self._sizing.get("transient", 0))
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0,
@@ -177,6 +179,7 @@ class ContinuousRollout(HFRollout):
             return run.loop()
         finally:
             self.stats["capture_s"] = self.runner.capture_s - captured_s
+            self.stats["kernels_s"] = self.runner.kernels_s - kernels_s
             self.stats["graphs"] = self.runner.made - made
             self.stats["by_batch"] = run.timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.triton_launch import launch
 from .attention import triton
 
 if triton is not None:
@@ -28,10 +29,10 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     b, heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty(b, heads, 1, dim, dtype=q.dtype, device=q.device)
-    _rope_store[(b,)](q, k, v, cos, sin, k_rows, v_rows, where, out, q.stride(0), q.stride(1), k.stride(0),
-                      k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-                      HEADS=heads, KV_HEADS=kv_heads, H_PAD=next_power_of_2(heads), KV_PAD=next_power_of_2(kv_heads),
-                      HALF=dim // 2, HALF_PAD=next_power_of_2(dim // 2), num_warps=4)
+    launch(_rope_store, (b,), q, k, v, cos, sin, k_rows, v_rows, where, out, q.stride(0), q.stride(1), k.stride(0),
+           k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+           HEADS=heads, KV_HEADS=kv_heads, H_PAD=next_power_of_2(heads), KV_PAD=next_power_of_2(kv_heads),
+           HALF=dim // 2, HALF_PAD=next_power_of_2(dim // 2), num_warps=4)
     return out
 
 
@@ -40,8 +41,8 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: flo
     to x's dtype before the norm (as the torch ops do)."""
     b, hidden = x.shape
     total, normed = (torch.empty(b, hidden, dtype=x.dtype, device=x.device) for _ in range(2))   # rows contiguous
-    _add_rms[(b,)](x, delta, weight, total, normed, x.stride(0), delta.stride(0), eps, HIDDEN=hidden,
-                   BLOCK=next_power_of_2(hidden), num_warps=8 if hidden > 4096 else 4)
+    launch(_add_rms, (b,), x, delta, weight, total, normed, x.stride(0), delta.stride(0), eps, HIDDEN=hidden,
+           BLOCK=next_power_of_2(hidden), num_warps=8 if hidden > 4096 else 4)
     return total, normed
 
 
@@ -51,7 +52,7 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
     ffn = width // 2
     out = torch.empty(b, ffn, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _gated[(b, triton.cdiv(ffn, block))](gate_up, out, gate_up.stride(0), FFN=ffn, BLOCK=block, num_warps=4)
+    launch(_gated, (b, triton.cdiv(ffn, block)), gate_up, out, gate_up.stride(0), FFN=ffn, BLOCK=block, num_warps=4)
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...models import triton_launch
 from ...models.support import triton_available
 from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
 from .sampling import pick
@@ -59,6 +60,8 @@ class Runner:
         self.capture_s, self.made = 0.0, 0
         """Seconds spent making steps (graph warm-ups and captures, the glue's compile in the first) and the steps
         made, summed over the runner's life."""
+        self.kernels_s = 0.0
+        """Of `capture_s`: seconds compiling the Triton kernels ahead of the captures (`compile_kernels`)."""
         self._glue: Glue | None = None
         self._compiled = None
         self.probes: dict[tuple[int, int, int], int] = {}
@@ -128,10 +131,25 @@ class Runner:
         self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone(),
                            transient_bytes=transient_bytes)
         if self.graphed():
-            for batch, s in buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket,
-                                    min_batch=self.min_batch()):
+            steps = buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket, min_batch=self.min_batch())
+            self.compile_kernels(steps)
+            for batch, s in steps:
                 self.step(batch, s)
         return self.cache
+
+    def compile_kernels(self, steps: list[tuple[int, int]]) -> None:
+        """Compile the Triton kernels of every step in `steps` at once, before any is captured
+        (`models.triton_launch`: each distinct step runs once with its kernel launches recorded instead of run, then
+        a thread per CPU core compiles them); nothing with the torch glue. Counted in `capture_s` and `kernels_s`."""
+        if not self.glue(True).kernel_attention:
+            return
+        t0 = time.perf_counter()
+        with triton_launch.ahead() as launches:
+            for batch, slots in dict.fromkeys((b, self.step_slots(s)) for b, s in steps):
+                self.eager(batch, slots)()
+        triton_launch.compile_all(launches, device=self.cache.tok.device)
+        self.kernels_s += time.perf_counter() - t0
+        self.capture_s += time.perf_counter() - t0
 
     def _zero_kv(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed K and V per layer, each [rows, kv_heads, slots, head_dim] in the model's dtype and device."""
