@@ -15,6 +15,10 @@ The math is `models.fusions`' and megatron's:
   - SwiGLU (megatron's `swiglu` / `swiglu_back`): out = silu(gate) * up of the [..., 2 * ffn] input's halves;
     d gate = g * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))) * up, d up = g * silu(gate).
 Arithmetic in fp32, one rounding to the input's dtype at each store, as inductor's fused kernels round.
+
+Each forward also asks for its backward's kernel to be compiled on a background thread
+(`triton_launch.compile_soon`: the gradient is shaped like the forward's output), so a first update's backward finds
+it compiled instead of compiling it in turn.
 """
 from __future__ import annotations
 
@@ -23,15 +27,17 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from .triton_launch import launch
+from .triton_launch import compile_soon, launch
 
 SWIGLU_BLOCK = 1024
 """Elements of one row's ffn half per program."""
 
 
-def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool) -> torch.Tensor:
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool, out: torch.Tensor | None = None,
+          run=launch) -> torch.Tensor:
     """The rotation (or its transpose, `backward`) of `t` [s, b, heads, dim] (any strides, the last dim dense) by
-    `cos` / `sin` [s or 1, rot_dim] (rot_dim <= dim, even); a new contiguous tensor of t's shape and dtype."""
+    `cos` / `sin` [s or 1, rot_dim] (rot_dim <= dim, even) into `out` (default: a new contiguous tensor of t's shape
+    and dtype); `run`: `launch`, or `triton_launch.compile_soon` to only compile it."""
     if t.stride(-1) != 1:
         t = t.contiguous()
     s, b, heads, dim = t.shape
@@ -40,10 +46,10 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bo
         raise ValueError(f"RoPE's cos/sin {tuple(cos.shape)} do not fit t {tuple(t.shape)}: one row of an even width "
                          f"<= {dim} per position (or one for all)")
     cos, sin = (x.reshape(-1, 2 * half).contiguous().expand(s, -1) for x in (cos, sin))   # rows dense, as read
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device) if out is None else out
     block_h = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(dim)))   # at most ~4k elements a program
     grid = (s * b, triton.cdiv(heads, block_h))
-    launch(_rope_kernel, grid, t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
+    run(_rope_kernel, grid, t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
            sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
            PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
     return out
@@ -53,7 +59,9 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rope(t, cos, sin, backward=False)
+        out = _rope(t, cos, sin, backward=False)
+        _rope(out, cos, sin, backward=True, out=out, run=compile_soon)   # its backward: a grad shaped like out
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -74,7 +82,9 @@ class _SwiGLU(torch.autograd.Function):
         ctx.save_for_backward(y)
         rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
         out = torch.empty(*y.shape[:-1], ffn, dtype=y.dtype, device=y.device)
-        launch(_swiglu_kernel, (rows, triton.cdiv(ffn, SWIGLU_BLOCK)), y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        grid = (rows, triton.cdiv(ffn, SWIGLU_BLOCK))
+        launch(_swiglu_kernel, grid, y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
+        compile_soon(_swiglu_back_kernel, grid, out, y, y, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)   # as backward's
         return out
 
     @staticmethod

@@ -11,7 +11,8 @@ another. So `Runner.cache_for` first runs each decode step inside `ahead()`, whi
 running them, and `compile_all` compiles and loads what it recorded on one thread per CPU core; the captures then
 find every kernel ready.
 
-Nothing changes outside `ahead()`: `launch` is `kernel[grid](...)`. In Triton's interpreter (TRITON_INTERPRET=1,
+A launch that is sure to come soon (a backward's, known from its forward) can instead be compiled on a background
+thread while the caller goes on (`compile_soon`). Nothing changes outside `ahead()`: `launch` is `kernel[grid](...)`. In Triton's interpreter (TRITON_INTERPRET=1,
 the CPU tests) there is nothing to compile: `compile_all` returns at once.
 """
 from __future__ import annotations
@@ -77,6 +78,33 @@ def compile_all(launches: list, *, device: torch.device, threads: int | None = N
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mfsdp-triton") as pool:
         list(pool.map(one, todo))   # re-raises a compile error here
     return time.perf_counter() - t0
+
+
+_soon: dict = {}
+"""(kernel, `specialisation`) -> the future of its background compile (`compile_soon`)."""
+_soon_pool: ThreadPoolExecutor | None = None
+
+
+def compile_soon(kernel, grid, *args, **kwargs):
+    """Compile `kernel` for these launch arguments on a background thread, once per specialisation, and return at
+    once: for a launch that is sure to come (a backward's, asked for by its forward), so that it does not wait for
+    its compile. The thread only compiles (no CUDA call: a graph being captured elsewhere is not disturbed); the
+    launch loads the module. Returns the compile's future (None in Triton's interpreter, where nothing compiles)."""
+    from triton.runtime.jit import JITFunction
+    global _soon_pool
+    if not isinstance(kernel, JITFunction):
+        return None
+    key = (kernel, specialisation(args, kwargs))
+    if key not in _soon:
+        if _soon_pool is None:
+            _soon_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mfsdp-triton-soon")
+        device = torch.cuda.current_device()
+
+        def compile_only():
+            torch.cuda.set_device(device)
+            kernel.warmup(*args, grid=grid, **kwargs)
+        _soon[key] = _soon_pool.submit(compile_only)
+    return _soon[key]
 
 
 def specialisation(args: tuple, kwargs: dict) -> tuple:

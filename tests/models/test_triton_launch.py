@@ -1,5 +1,6 @@
 """models.triton_launch: inside `ahead()` a kit kernel's launch is recorded, not run; `compile_all` then compiles
-it, so its real launch compiles and loads nothing (a GPU); one compile per specialisation. The recording runs on CPU
+it, so its real launch compiles and loads nothing (a GPU); one compile per specialisation; `compile_soon` compiles
+once in the background. The recording runs on CPU
 in Triton's interpreter (TRITON_INTERPRET=1; tests/rl/test_attention.py says how), the compile on a GPU."""
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_compile_all_in_the_interpreter_compiles_nothing():
         assert triton_launch.compile_all(launches, device=torch.device("cpu")) == 0.0
 
 
-if fusions.triton_runs(on_gpu=DEVICE == "cuda"):
+if fusions.triton_runs(on_gpu=DEVICE == "cuda"):   # a kernel of the tests (the interpreter's on CPU)
     import triton
     import triton.language as tl
 
@@ -96,3 +97,27 @@ def test_compile_all_leaves_the_real_launch_nothing_to_compile(tmp_path, monkeyp
     for x in inputs:
         torch.testing.assert_close(call(x), x * 2)
     assert counts.read()["other_kernels"] == 3
+
+
+@kernels_run
+def test_compile_soon_compiles_nothing_in_the_interpreter():
+    if DEVICE == "cpu":
+        assert triton_launch.compile_soon(_double, (1,), torch.zeros(4), torch.zeros(4), 4, BLOCK=128) is None
+
+
+@on_gpu
+def test_compile_soon_compiles_once_in_the_background(tmp_path, monkeypatch):
+    """Asked twice for one specialisation: one background compile (one future); the launch after it compiles
+    nothing."""
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    counts = TritonCompiles().listen()
+    x = torch.randn(48, device=DEVICE)
+    out = torch.empty_like(x)
+    futures = [triton_launch.compile_soon(_double, (1,), x, out, x.numel(), BLOCK=64) for _ in range(2)]
+    assert futures[0] is futures[1]
+    futures[0].result()
+    assert counts.read()["other_kernels"] == 1
+    triton_launch.launch(_double, (1,), x, out, x.numel(), BLOCK=64)
+    torch.testing.assert_close(out, x * 2)
+    assert counts.read()["other_kernels"] == 1
