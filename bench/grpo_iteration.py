@@ -115,7 +115,7 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     return rows
 
 
-def memory_state(chunks, *, gpu: bool) -> dict:
+def memory_state(*, chunks, gpu: bool) -> dict:
     """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`, decided at their first
     call: training and no-grad, tokens per micro-batch), and on a GPU the allocator's retries so far (a cudaMalloc
     that failed, then freed cached blocks and tried again: a sync each) and its reserved bytes."""
@@ -204,8 +204,8 @@ def main() -> None:
                 compiled.append(compile_time.torch_compile_seconds())
                 compile_s.append(compiled[-1] - compiled[-2])
                 triton_read.append(triton.read())
-                triton_compiles.append(triton.since(triton_read[-2], triton_read[-1]))
-                memory.append(memory_state(model.chunks, gpu=gpu))
+                triton_compiles.append(triton.since(before=triton_read[-2], after=triton_read[-1]))
+                memory.append(memory_state(chunks=model.chunks, gpu=gpu))
                 if on_iteration is not None:
                     on_iteration(i, m)
             return grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,

@@ -33,11 +33,11 @@ SWIGLU_BLOCK = 1024
 """Elements of one row's ffn half per program."""
 
 
-def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool, out: torch.Tensor | None = None,
-          run=launch) -> torch.Tensor:
-    """The rotation (or its transpose, `backward`) of `t` [s, b, heads, dim] (any strides, the last dim dense) by
-    `cos` / `sin` [s or 1, rot_dim] (rot_dim <= dim, even) into `out` (default: a new contiguous tensor of t's shape
-    and dtype); `run`: `launch`, or `triton_launch.compile_soon` to only compile it."""
+def _rope_launch(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple, tuple, dict]:
+    """(out, grid, args, kwargs) of `_rope_kernel` for the rotation (or its transpose, `backward`) of `t`
+    [s, b, heads, dim] (any strides, the last dim dense) by `cos` / `sin` [s or 1, rot_dim] (rot_dim <= dim, even)
+    into `out` (default: a new contiguous tensor of t's shape and dtype)."""
     if t.stride(-1) != 1:
         t = t.contiguous()
     s, b, heads, dim = t.shape
@@ -48,10 +48,16 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bo
     cos, sin = (x.reshape(-1, 2 * half).contiguous().expand(s, -1) for x in (cos, sin))   # rows dense, as read
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device) if out is None else out
     block_h = min(next_power_of_2(heads), max(1, 4096 // next_power_of_2(dim)))   # at most ~4k elements a program
-    grid = (s * b, triton.cdiv(heads, block_h))
-    run(_rope_kernel, grid, t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0),
-           sin.stride(0), BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
-           PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
+    args = (t, cos, sin, out, b, heads, t.stride(0), t.stride(1), t.stride(2), cos.stride(0), sin.stride(0))
+    return out, (s * b, triton.cdiv(heads, block_h)), args, dict(
+        BACKWARD=backward, HALF=half, HALF_PAD=next_power_of_2(half), DIM=dim,
+        PASS_PAD=next_power_of_2(max(1, dim - 2 * half)), BLOCK_H=block_h, num_warps=4)
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backward: bool) -> torch.Tensor:
+    """The rotation (or its transpose, `backward`) of `t` by cos / sin (`_rope_launch`): a new contiguous tensor."""
+    out, grid, args, kwargs = _rope_launch(t, cos, sin, backward=backward)
+    launch(_rope_kernel, grid, *args, **kwargs)
     return out
 
 
@@ -60,12 +66,15 @@ class _Rotate(torch.autograd.Function):
     def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
         out = _rope(t, cos, sin, backward=False)
-        _rope(out, cos, sin, backward=True, out=out, run=compile_soon)   # its backward: a grad shaped like out
+        if ctx.needs_input_grad[0]:   # its backward's kernel, for a grad shaped like out
+            _, grid, args, kwargs = _rope_launch(out, cos, sin, backward=True, out=out)
+            ctx.compiled = compile_soon(_rope_kernel, grid, *args, **kwargs)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
+        _ready(ctx)
         return _rope(grad, cos, sin, backward=True), None, None
 
 
@@ -84,18 +93,28 @@ class _SwiGLU(torch.autograd.Function):
         out = torch.empty(*y.shape[:-1], ffn, dtype=y.dtype, device=y.device)
         grid = (rows, triton.cdiv(ffn, SWIGLU_BLOCK))
         launch(_swiglu_kernel, grid, y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
-        compile_soon(_swiglu_back_kernel, grid, out, y, y, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)   # as backward's
+        if ctx.needs_input_grad[0]:   # its backward's kernel, for a grad shaped like out
+            ctx.compiled = compile_soon(_swiglu_back_kernel, grid, out, y, y, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
+        _ready(ctx)
         grad = grad.contiguous()
         rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
         dy = torch.empty_like(y)
         launch(_swiglu_back_kernel, (rows, triton.cdiv(ffn, SWIGLU_BLOCK)), grad, y, dy, ffn, BLOCK=SWIGLU_BLOCK,
                num_warps=4)
         return dy
+
+
+def _ready(ctx) -> None:
+    """Wait for the backward kernel's background compile that the forward asked for, if any (compiling it here too
+    would race the background thread to fill Triton's cache)."""
+    compiled = getattr(ctx, "compiled", None)
+    if compiled is not None:
+        compiled.result()
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:

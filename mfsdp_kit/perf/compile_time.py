@@ -13,7 +13,12 @@ Read both before and after a piece of work; the difference is its compile.
 from __future__ import annotations
 
 import importlib.util
+import threading
 from dataclasses import asdict, dataclass, field
+
+
+_LOCK = threading.Lock()
+"""Guards the counts: Triton calls the listener on whichever thread compiled."""
 
 
 def torch_compile_seconds() -> float:
@@ -54,6 +59,10 @@ class TritonCompiles:
         return self
 
     def _record(self, *, src, metadata, metadata_group, times, cache_hit: bool) -> None:
+        with _LOCK:   # compiles run on the kit's compile threads too (`models.triton_launch`)
+            self._count(src, times, cache_hit)
+
+    def _count(self, src, times, cache_hit: bool) -> None:
         fn = getattr(src, "fn", None)   # the JITFunction (an IR source has none)
         kit = str(getattr(fn, "module", "")).startswith("mfsdp_kit.")
         if cache_hit:
@@ -69,10 +78,11 @@ class TritonCompiles:
 
     def read(self) -> dict:
         """Every field so far, as a dict: two reads' difference (`since`) is what a piece of work compiled."""
-        return asdict(self)
+        with _LOCK:
+            return asdict(self)
 
     @staticmethod
-    def since(before: dict, after: dict) -> dict:
+    def since(*, before: dict, after: dict) -> dict:
         """What was compiled between two `read()`s: each count's difference (`by_name`: the names that grew)."""
         grown = {k: v - before["by_name"].get(k, 0) for k, v in after["by_name"].items()}
         return {k: {n: c for n, c in grown.items() if c} if k == "by_name" else v - before[k] for k, v in after.items()}

@@ -35,6 +35,10 @@ def test_ahead_records_launches_and_runs_none():
         elementwise.rope_store(q, k, v, cos, sin, kc, vc, where)
         elementwise.gated(torch.randn(b, 2 * dim, device=DEVICE))
     assert [kernel.fn.__name__ for kernel, *_ in launches] == ["_rope_store", "_gated"]
+    recorded = launches[0][2]   # stand-ins of the tensors (16 elements, same dtype and alignment), not the tensors
+    assert [t.numel() for t in recorded[:8]] == [16] * 8 and recorded[5].dtype == kc.dtype
+    assert triton_launch.specialisation(args=recorded, kwargs={}) == triton_launch.specialisation(
+        args=(q, k, v, cos, sin, kc, vc, where) + recorded[8:], kwargs={})
     assert not kc.any() and not vc.any()
     elementwise.rope_store(q, k, v, cos, sin, kc, vc, where)   # outside: runs (cos 1, sin 0: k as it is)
     torch.testing.assert_close(kc[where], k.reshape(-1, dim))
@@ -44,7 +48,8 @@ def test_ahead_records_launches_and_runs_none():
 
 def test_specialisation_merges_what_triton_does_not_look_at():
     a, b = torch.zeros(32), torch.zeros(48)
-    key = triton_launch.specialisation
+    def key(args, kwargs):
+        return triton_launch.specialisation(args=args, kwargs=kwargs)
     assert key((a, 32, 0.5), dict(BLOCK=64)) == key((b, 64, 0.25), dict(BLOCK=64))   # dtype, aligned, %16, float
     assert key((a, 32), {}) != key((a, 33), {})   # divisible by 16 or not
     assert key((a, 1), {}) != key((a, 17), {})    # 1 is a constant

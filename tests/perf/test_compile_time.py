@@ -47,5 +47,5 @@ def test_triton_compiles_then_cache_hits(tmp_path, monkeypatch):
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     before, got = got, counts.read()
     assert got["kernels"] == 1 and got["cache_hits"] == 1 and got["seconds"] > 0 and got["by_name"] == {"double": 1}
-    assert compile_time.TritonCompiles.since(before, got) == dict(
+    assert compile_time.TritonCompiles.since(before=before, after=got) == dict(
         seconds=got["seconds"], kernels=1, cache_hits=1, other_seconds=0.0, other_kernels=0, by_name={"double": 1})

@@ -114,7 +114,7 @@ def test_a_kept_cache_keeps_its_steps_and_a_new_shape_makes_a_new_cache(tmp_path
     attention.triton is None, reason="Triton"))])
 def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(kernels, tmp_path):
     """Every step a call can ask for is captured with the cache (with the Triton kernels, one per batch bucket, their
-    kernels compiled ahead on the compile threads, none inside a capture), a second call captures nothing, and its
+    kernels compiled ahead on the compile threads, none in a capture's warm-up), a second call captures nothing, and its
     tokens equal the first's and a fresh engine's."""
     model, tok = load(tmp_path, "cuda", torch.bfloat16)
     cfg = DecodeConfig(max_batch_size=16, check_every=4, slot_bucket=16, min_batch=2, kernels=kernels)

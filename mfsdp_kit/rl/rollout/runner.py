@@ -132,12 +132,12 @@ class Runner:
                            transient_bytes=transient_bytes)
         if self.graphed():
             steps = buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket, min_batch=self.min_batch())
-            self.compile_kernels(steps)
+            self.compile_kernels(steps=steps)
             for batch, s in steps:
                 self.step(batch, s)
         return self.cache
 
-    def compile_kernels(self, steps: list[tuple[int, int]]) -> None:
+    def compile_kernels(self, *, steps: list[tuple[int, int]]) -> None:
         """Compile the Triton kernels of every step in `steps` at once, before any is captured
         (`models.triton_launch`: each distinct step runs once with its kernel launches recorded instead of run, then
         a thread per CPU core compiles them); nothing with the torch glue. Counted in `capture_s` and `kernels_s`."""
@@ -148,8 +148,8 @@ class Runner:
             for batch, slots in dict.fromkeys((b, self.step_slots(s)) for b, s in steps):
                 self.eager(batch, slots)()
         triton_launch.compile_all(launches, device=self.cache.tok.device)
-        self.kernels_s += time.perf_counter() - t0
-        self.capture_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.kernels_s, self.capture_s = self.kernels_s + seconds, self.capture_s + seconds
 
     def _zero_kv(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed K and V per layer, each [rows, kv_heads, slots, head_dim] in the model's dtype and device."""
