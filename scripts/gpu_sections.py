@@ -346,6 +346,13 @@ SECTIONS.update({
             args=f"--size l --iterations 2 {args}", env=COLD.format(kind), after=CLEAN_COLD.format(kind))
         for kind, args in (("torch", "--backends continuous_torch --fusion-kernels torch"),
                            ("triton", "--backends continuous_triton --fusion-kernels triton"))],
+    # the same first iteration with the decode kernels compiled ahead on threads (the default) and one by one,
+    # serial / ahead / serial, so neither runs first on a fresh machine alone
+    "compile_ahead": [
+        Row(name=f"grpo_first_{name}", script="bench/grpo_iteration.py", writes=f"grpo_first_{name}.json",
+            args=f"--size l --iterations 1 --backends {backend}", env=COLD.format(name), after=CLEAN_COLD.format(name))
+        for name, backend in (("serial_a", "continuous_serial"), ("ahead", "continuous"),
+                              ("serial_b", "continuous_serial"))],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

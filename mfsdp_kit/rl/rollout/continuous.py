@@ -84,6 +84,10 @@ class DecodeConfig:
     Measured on 1 H100 at 1.7 B, 512 rows: a fresh machine's first GRPO rollout 5.9 s against 16.9 s with "torch", later
     ones 1.83-1.84 against 2.06-2.12 s (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops
     run eagerly either way. "triton" needs `graph_mode="capture"`."""
+    compile_ahead: bool = True
+    """With the Triton kernels: compile every kernel a new cache's steps launch at once, on a thread per CPU core,
+    before the graphs are captured (`Runner.compile_kernels`, `models.triton_launch`). False: each compiles at its
+    first launch, one after another (for comparison)."""
     compile_glue: bool = True
     """Where the glue is torch ops on a GPU (`kernels="torch"`, or a GPU the Triton kernels do not run on):
     `torch.compile` them (`decoder.Glue`)."""

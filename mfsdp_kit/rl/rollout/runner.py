@@ -140,8 +140,9 @@ class Runner:
     def compile_kernels(self, *, steps: list[tuple[int, int]]) -> None:
         """Compile the Triton kernels of every step in `steps` at once, before any is captured
         (`models.triton_launch`: each distinct step runs once with its kernel launches recorded instead of run, then
-        a thread per CPU core compiles them); nothing with the torch glue. Counted in `capture_s` and `kernels_s`."""
-        if not self.glue(True).kernel_attention:
+        a thread per CPU core compiles them); nothing with the torch glue or `DecodeConfig.compile_ahead` False.
+        Counted in `capture_s` and `kernels_s`."""
+        if not (self.config.compile_ahead and self.glue(True).kernel_attention):
             return
         t0 = time.perf_counter()
         with triton_launch.ahead() as launches:
