@@ -346,8 +346,9 @@ SECTIONS.update({
             args=f"--size l --iterations 2 {args}", env=COLD.format(kind), after=CLEAN_COLD.format(kind))
         for kind, args in (("torch", "--backends continuous_torch --fusion-kernels torch"),
                            ("triton", "--backends continuous_triton --fusion-kernels triton"))],
-    # the same first iteration with the decode kernels compiled ahead on threads (the default) and one by one,
-    # serial / ahead / serial, so neither runs first on a fresh machine alone
+    # the same first iteration with the decode kernels compiled ahead on threads (the default) and one by one at
+    # their first launch: serial, ahead, serial, so that neither alone is the machine's first process
+    # (ROWS=grpo_first_ahead,grpo_first_serial_b: ahead first, on the colder machine)
     "compile_ahead": [
         Row(name=f"grpo_first_{name}", script="bench/grpo_iteration.py", writes=f"grpo_first_{name}.json",
             args=f"--size l --iterations 1 --backends {backend}", env=COLD.format(name), after=CLEAN_COLD.format(name))
