@@ -66,7 +66,7 @@ class _Rotate(torch.autograd.Function):
     def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
         out = _rope(t, cos, sin, backward=False)
-        if ctx.needs_input_grad[0]:   # its backward's kernel, for a grad shaped like out
+        if ctx.needs_input_grad[0] and "rope" not in _BACKWARD_RAN:   # its backward's kernel, for a grad like out
             _, grid, args, kwargs = _rope_launch(out, cos, sin, backward=True, out=out)
             ctx.compiled = compile_soon(_rope_kernel, grid, *args, **kwargs)
         return out
@@ -74,7 +74,7 @@ class _Rotate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        _ready(ctx)
+        _ready(ctx, "rope")
         return _rope(grad, cos, sin, backward=True), None, None
 
 
@@ -93,14 +93,14 @@ class _SwiGLU(torch.autograd.Function):
         out = torch.empty(*y.shape[:-1], ffn, dtype=y.dtype, device=y.device)
         grid = (rows, triton.cdiv(ffn, SWIGLU_BLOCK))
         launch(_swiglu_kernel, grid, y, out, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
-        if ctx.needs_input_grad[0]:   # its backward's kernel, for a grad shaped like out
+        if ctx.needs_input_grad[0] and "swiglu" not in _BACKWARD_RAN:   # its backward's kernel, for a grad like out
             ctx.compiled = compile_soon(_swiglu_back_kernel, grid, out, y, y, ffn, BLOCK=SWIGLU_BLOCK, num_warps=4)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         (y,) = ctx.saved_tensors
-        _ready(ctx)
+        _ready(ctx, "swiglu")
         grad = grad.contiguous()
         rows, ffn = y.numel() // y.shape[-1], y.shape[-1] // 2
         dy = torch.empty_like(y)
@@ -109,12 +109,19 @@ class _SwiGLU(torch.autograd.Function):
         return dy
 
 
-def _ready(ctx) -> None:
-    """Wait for the backward kernel's background compile that the forward asked for, if any (compiling it here too
-    would race the background thread to fill Triton's cache)."""
+_BACKWARD_RAN: set[str] = set()
+"""The functions ("rope", "swiglu") whose backward has run in this process: their forward stops asking for background
+compiles (~40 us of host work a call), since the shapes a model uses are compiled by then (a new one compiles at its
+launch)."""
+
+
+def _ready(ctx, name: str) -> None:
+    """In `name`'s backward: wait for the background compile its forward asked for, if any (compiling the kernel here
+    too would race the background thread to fill Triton's cache)."""
     compiled = getattr(ctx, "compiled", None)
     if compiled is not None:
         compiled.result()
+    _BACKWARD_RAN.add(name)
 
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
