@@ -16,7 +16,7 @@ The math is `models.fusions`' and megatron's:
     d gate = g * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate))) * up, d up = g * silu(gate).
 Arithmetic in fp32, one rounding to the input's dtype at each store, as inductor's fused kernels round.
 
-Each forward also asks for its backward's kernel to be compiled on a background thread
+Until a backward has run, each forward also asks for its backward's kernel to be compiled on a background thread
 (`triton_launch.compile_soon`: the gradient is shaped like the forward's output), so a first update's backward finds
 it compiled instead of compiling it in turn.
 """
