@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit.train import data
+from mfsdp_kit.train import data, packing
 from mfsdp_kit.notebook import plots
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
@@ -120,7 +120,7 @@ def memory_state(*, chunks, gpu: bool) -> dict:
     """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`, decided at their first
     call: training and no-grad, tokens per micro-batch), and on a GPU the allocator's retries so far (a cudaMalloc
     that failed, then freed cached blocks and tried again: a sync each) and its reserved bytes."""
-    budget = getattr(chunks[0], "_kit_token_budget", {})
+    budget = packing.decided_budgets(chunks)
     stats = torch.cuda.memory_stats() if gpu else {}
     return dict(train_tokens=budget.get(False), forward_tokens=budget.get(True),
                 alloc_retries=stats.get("num_alloc_retries", 0),

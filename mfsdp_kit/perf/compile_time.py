@@ -28,6 +28,12 @@ def torch_compile_seconds() -> float:
     return sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
 
+def kit_kernel(src) -> bool:
+    """Whether the source a Triton compilation listener is told of is one of the kit's kernels (its JITFunction's
+    module is under `mfsdp_kit`; an IR source has no function)."""
+    return str(getattr(getattr(src, "fn", None), "module", "")).startswith("mfsdp_kit.")
+
+
 @dataclass
 class TritonCompiles:
     """What Triton compiled in this process since `listen()`: the kit's own kernels, and apart, any other."""
@@ -64,7 +70,7 @@ class TritonCompiles:
 
     def _count(self, src, times, cache_hit: bool) -> None:
         fn = getattr(src, "fn", None)   # the JITFunction (an IR source has none)
-        kit = str(getattr(fn, "module", "")).startswith("mfsdp_kit.")
+        kit = kit_kernel(src)
         if cache_hit:
             self.cache_hits += kit
         elif kit:

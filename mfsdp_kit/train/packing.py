@@ -280,8 +280,7 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
     device = runtime.current().device
     if device.type != "cuda":
         return None
-    first = chunks[0]
-    kept = getattr(first, "_kit_token_budget", {})
+    kept = decided_budgets(chunks)
     if forward_only not in kept:
         from ..distributed.engine import unwrap_model
         model = unwrap_model(chunks)[0]
@@ -292,8 +291,14 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
                          device=device)
         dist.all_reduce(n, op=dist.ReduceOp.MIN)
         kept[forward_only] = max(256, int(n.item()))
-        first._kit_token_budget = kept
+        chunks[0]._kit_token_budget = kept
     return kept[forward_only]
+
+
+def decided_budgets(chunks) -> dict[bool, int]:
+    """The token budgets `memory_budget` has decided for this model so far, keyed by `forward_only` (training:
+    False, no-grad: True); empty before its first call or off a GPU."""
+    return getattr(chunks[0], "_kit_token_budget", {})
 
 
 def rank_micro_batches(batch: Batch, *, max_tokens_per_micro_batch: int) -> list[PackedMicroBatch]:

@@ -14,6 +14,7 @@ from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, attention
 from mfsdp_kit.rl.rollout.attention import triton
 from mfsdp_kit.models.support import triton_available
+from mfsdp_kit.perf.compile_time import kit_kernel
 from mfsdp_kit.rl.rollout.runner import buckets, glue_mode
 from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
@@ -80,7 +81,7 @@ def _kit_compile_threads():
     before = compilation.listener if compilation is not None else None
 
     def listener(*, src, **_):
-        if str(getattr(getattr(src, "fn", None), "module", "")).startswith("mfsdp_kit."):
+        if kit_kernel(src):
             names.append(threading.current_thread().name)
     if compilation is not None:
         compilation.listener = listener
