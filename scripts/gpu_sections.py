@@ -354,6 +354,14 @@ SECTIONS.update({
             args=f"--size l --iterations 1 --backends {backend}", env=COLD.format(name), after=CLEAN_COLD.format(name))
         for name, backend in (("serial_a", "continuous_serial"), ("ahead", "continuous"),
                               ("serial_b", "continuous_serial"))],
+    # the update's token budget: the default (`packing.memory_budget`) against fixed budgets, three iterations each
+    # with the last profiled (its host gaps named by the host events under them) and each iteration's peak memory
+    "update_budget": [
+        Row(name=f"grpo_budget_{name}", script="bench/grpo_iteration.py", writes=f"grpo_budget_{name}.json",
+            args=f"--size l --iterations 3 --profile --backends continuous {args}")
+        for name, args in (("auto", ""), ("12k", "--max-tokens-per-micro-batch 12288"),
+                           ("16k", "--max-tokens-per-micro-batch 16384"),
+                           ("24k", "--max-tokens-per-micro-batch 24576"))],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /

@@ -36,6 +36,23 @@ def test_breakdown_splits_a_phase_into_classes_and_host_gaps():
     assert all(c in table for c in CLASSES) and "update" in table and "update top" in table
 
 
+def test_host_gaps_are_named_by_the_host_events_that_overlap_them():
+    def x(name, cat, ts, dur):
+        return dict(ph="X", name=name, cat=cat, ts=ts, dur=dur)
+    trace = {"traceEvents": [
+        x(PHASE_MARK + "update", "user_annotation", 0, 100),
+        x("gemm", "kernel", 0, 40), x("gemm", "kernel", 70, 30),             # gaps: 40..70
+        x("aten::nonzero", "cpu_op", 35, 20),                                # 15 us in the gap
+        x("cudaStreamSynchronize", "cuda_runtime", 50, 10),                  # 10 us
+        x("aten::mm", "cpu_op", 60, 30),                                     # 10 us, the rest under a kernel
+        x("aten::add", "cpu_op", 10, 20),                                    # none: a kernel runs
+        x("aten::nonzero", "cpu_op", 120, 5)]}                               # after the phase
+    ops = breakdown(trace)["update"]["gap_ops"]
+    assert ops == [["aten::nonzero", "cpu_op", 1.5e-5, 1], ["cudaStreamSynchronize", "cuda_runtime", 1e-5, 1],
+                   ["aten::mm", "cpu_op", 1e-5, 1]]
+    assert "update in host gaps" in format_breakdown(breakdown(trace))
+
+
 def test_a_phase_is_a_profiler_range():
     from torch.profiler import profile
     with profile() as prof:
