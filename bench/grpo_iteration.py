@@ -175,11 +175,15 @@ def main() -> None:
     p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="EngineConfig.kernels.fusion_kernels: what computes the fused RoPE and SwiGLU (auto, the "
                         "default: Triton where it runs; torch.compile; the kit's Triton kernels)")
+    p.add_argument("--keep-gathered", nargs="?", const="on", default="default", choices=("default", "on", "off"),
+                   help="EngineConfig.wrapper.fsdp_keep_gathered: each FSDP unit gathered once a step (on), "
+                        "again per micro-batch (off), or the kit's default")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
-    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32", seed=0,
+    keep = {} if args.keep_gathered == "default" else dict(fsdp_keep_gathered=args.keep_gathered == "on")
+    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, **keep), dtype="bf16" if gpu else "fp32", seed=0,
                        kernels=Kernels(fused_kernels={"on": True, "off": False}.get(args.fused_kernels, "auto"),
                                        fusion_kernels=args.fusion_kernels),
                        lora=LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank) if args.lora_rank else None)

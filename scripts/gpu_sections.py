@@ -362,6 +362,11 @@ SECTIONS.update({
         for name, args in (("auto", ""), ("12k", "--max-tokens-per-micro-batch 12288"),
                            ("16k", "--max-tokens-per-micro-batch 16384"),
                            ("24k", "--max-tokens-per-micro-batch 24576"))],
+    # the same update with each FSDP unit gathered once a step (`fsdp_keep_gathered`): at the default budget and 12k
+    "update_keep": [
+        Row(name=f"grpo_keep_{name}", script="bench/grpo_iteration.py", writes=f"grpo_keep_{name}.json",
+            args=f"--size l --iterations 3 --profile --backends continuous --keep-gathered on {args}")
+        for name, args in (("auto", ""), ("12k", "--max-tokens-per-micro-batch 12288"))],
     "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
