@@ -103,9 +103,11 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
                   f"the kit's by name: {triton.get('by_name', {})}")
         if result.get("memory"):
             m = result["memory"][i]
+            per_token = m.get("train_bytes_per_token")
             print(f"     token budget: training {m['train_tokens']}, no-grad {m['forward_tokens']} tokens a "
-                  f"micro-batch; allocator retries so far {m['alloc_retries']}, reserved "
-                  f"{m['reserved_bytes'] / 2 ** 30:.1f} GiB, peak allocated {m['peak_bytes'] / 2 ** 30:.1f} GiB")
+                  f"micro-batch (measured {per_token / 1e6 if per_token else 0:.2f} MB a training token); "
+                  f"allocator retries so far {m['alloc_retries']}, reserved {m['reserved_bytes'] / 2 ** 30:.1f} GiB, "
+                  f"peak allocated {m['peak_bytes'] / 2 ** 30:.1f} GiB")
         if engine:
             print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in engine.items() if k != "by_batch"))
@@ -117,15 +119,16 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
 
 
 def memory_state(*, chunks, gpu: bool) -> dict:
-    """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`, decided at their first
-    call: training and no-grad, tokens per micro-batch), and on a GPU the allocator's retries so far (a cudaMalloc
-    that failed, then freed cached blocks and tried again: a sync each), its reserved bytes, and the iteration's
-    peak of allocated bytes (the peak is reset after each read, so each iteration has its own)."""
+    """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`: training and no-grad,
+    tokens per micro-batch) and the training pass's measured peak bytes per token; on a GPU the allocator's retries
+    so far (a cudaMalloc that failed, then freed cached blocks and tried again: a sync each), its reserved bytes,
+    and the iteration's peak of allocated bytes (the peak is reset after each read, so each iteration has its own)."""
     budget = packing.decided_budgets(chunks)
     stats = torch.cuda.memory_stats() if gpu else {}
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     return dict(train_tokens=budget.get(False), forward_tokens=budget.get(True),
+                train_bytes_per_token=packing.measured_bytes_per_token(chunks),
                 alloc_retries=stats.get("num_alloc_retries", 0),
                 reserved_bytes=stats.get("reserved_bytes.all.current", 0),
                 peak_bytes=stats.get("allocated_bytes.all.peak", 0))

@@ -132,7 +132,7 @@ SECTIONS = {
                           args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/rl/test_runner.py tests/distributed/test_runtime.py "
-                               "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
+                               "tests/train/test_packing.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",

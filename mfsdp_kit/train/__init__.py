@@ -135,7 +135,9 @@ def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_on
     mbs = local_micro_batches(chunks, batch, micro_batch_size=micro_batch_size,
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
                               forward_only=forward_only)
-    with keep_gathered.held(chunks):   # a no-op unless the model was built with fsdp_keep_gathered
+    # measured: the first packed training call's peak bytes per token, which the next call's budget comes from
+    measured = packing.measuring(chunks, mbs if max_tokens_per_micro_batch is None else [], forward_only=forward_only)
+    with keep_gathered.held(chunks), measured:   # held: a no-op unless built with fsdp_keep_gathered
         logged = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
             num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=micro_batch_size,

@@ -23,6 +23,7 @@ stays padded - every rank holds it, loss functions read it - but the forwards se
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -258,7 +259,9 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
       -> e (8h + 3gd + 3f) for a gated MLP; the loss: logits e V, megatron's fp32 copy, exp and grad 12 V;
       no grad: one layer's widest tensors at a time, e (5h + 3gd + 3f), and the loss's (e + 8) V.
     h hidden, g kv heads, d head dim, f ffn width, V vocabulary. Measured at 1.37 B on an H200: ~2.5 MB a
-    token in training, this formula 2.0 (docs/benchmarks.md, "GRPO iteration")."""
+    token in training, this formula 2.0 (docs/benchmarks.md, "GRPO iteration"); at tiny `l` with the Triton
+    fusions on an H100: 1.71, this formula 2.38. Hence a model's first training call only plans with it
+    (`memory_budget` then measures)."""
     tp = config.tensor_model_parallel_size
     e = config.params_dtype.itemsize if hasattr(config.params_dtype, "itemsize") else 4
     h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size // tp
@@ -270,35 +273,89 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
     return layers * e * (8 * h + 3 * gd + mlp) + (e + 12) * vocab_size // tp
 
 
+HEADROOM_FRACTION = 0.1
+"""Share of the device's memory a measured training budget leaves unplanned: blocks the allocator has cut for
+other shapes (3.2 GiB of 79 GiB on an H100 when 16k tokens ran out of memory) and what grows outside torch's
+allocator (NCCL, cuBLAS workspaces)."""
+
+
+def measured_tokens(*, total_bytes: int, outside_bytes: int, allocated_bytes: int, per_token_bytes: float) -> int:
+    """Tokens whose measured activations (`per_token_bytes`, `measuring`) fit in the device's `total_bytes` less
+    what lives outside torch's allocator, less HEADROOM_FRACTION of it, less what tensors hold now; a multiple
+    of 256."""
+    room = total_bytes * (1 - HEADROOM_FRACTION) - outside_bytes - allocated_bytes
+    return int(max(0.0, room) // max(per_token_bytes, 1.0)) // 256 * 256
+
+
 def memory_budget(chunks, *, forward_only: bool) -> int | None:
-    """Tokens per micro-batch whose activations (`activation_bytes_per_token`) fit in `MEMORY_FRACTION` of the
-    device memory no tensor holds (training: less `optimizer_state_bytes`), in multiples of 256 (`tokens_that_fit`),
-    the minimum over all ranks (every rank must plan alike); decided at a model's first call and kept (same plans
-    after). None on CPU (host memory is not what limits a
-    CPU run; the padded rule keeps CPU runs as they were)."""
-    import torch.distributed as dist
+    """Tokens per micro-batch whose activations fit the device, the minimum over all ranks (every rank must plan
+    alike). A model's first call of each kind takes `activation_bytes_per_token` in `MEMORY_FRACTION` of the device
+    memory no tensor holds (training: less `optimizer_state_bytes`), a multiple of 256 (`tokens_that_fit`). Its
+    first training call also measures its peak bytes per token (`measuring`); the next training call re-decides
+    from that (`measured_tokens`: the formula missed by -20 % to +40 % across models), and that budget is kept.
+    None on CPU (host memory is not what limits a CPU run; the padded rule keeps CPU runs as they were)."""
     device = runtime.current().device
     if device.type != "cuda":
         return None
-    kept = decided_budgets(chunks)
+    kept, model = decided_budgets(chunks), chunks[0]
+    per_token = measured_bytes_per_token(chunks)
+    if not forward_only and per_token is not None and not getattr(model, "_kit_budget_measured", False):
+        free, total = torch.cuda.mem_get_info(device)
+        outside = total - free - torch.cuda.memory_reserved(device)
+        kept[False] = _least_over_ranks(measured_tokens(
+            total_bytes=total, outside_bytes=outside, allocated_bytes=torch.cuda.memory_allocated(device),
+            per_token_bytes=per_token), device=device)
+        model._kit_budget_measured = True
     if forward_only not in kept:
         from ..distributed.engine import unwrap_model
-        model = unwrap_model(chunks)[0]
+        unwrapped = unwrap_model(chunks)[0]
         free = torch.cuda.get_device_properties(device).total_memory - torch.cuda.memory_allocated(device)
-        per_token = activation_bytes_per_token(model.config, vocab_size=model.vocab_size, forward_only=forward_only)
+        per_token = activation_bytes_per_token(unwrapped.config, vocab_size=unwrapped.vocab_size,
+                                               forward_only=forward_only)
         reserved = 0 if forward_only else optimizer_state_bytes(chunks)
-        n = torch.tensor([tokens_that_fit(free_bytes=free, per_token_bytes=per_token, reserved_bytes=reserved)],
-                         device=device)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN)
-        kept[forward_only] = max(256, int(n.item()))
-        chunks[0]._kit_token_budget = kept
+        kept[forward_only] = _least_over_ranks(tokens_that_fit(free_bytes=free, per_token_bytes=per_token,
+                                                               reserved_bytes=reserved), device=device)
+    model._kit_token_budget = kept
     return kept[forward_only]
+
+
+def _least_over_ranks(tokens: int, *, device) -> int:
+    """The smallest of every rank's `tokens`, at least 256."""
+    import torch.distributed as dist
+    n = torch.tensor([tokens], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    return max(256, int(n.item()))
+
+
+@contextmanager
+def measuring(chunks, mbs: list, *, forward_only: bool):
+    """Around a model's first packed training forward/backward on a GPU: its peak allocated bytes above what was
+    allocated before, over the largest micro-batch's tokens, is kept as the model's bytes per token for
+    `memory_budget`. Resets torch's peak counter once (as `perf.peaks` does); elsewhere it does nothing."""
+    model = chunks[0]
+    probe = (not forward_only and runtime.current().device.type == "cuda" and mbs
+             and all(isinstance(mb, PackedMicroBatch) for mb in mbs)
+             and measured_bytes_per_token(chunks) is None)
+    if not probe:
+        yield
+        return
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    tokens = max(mb.tokens.numel() for mb in mbs)
+    model._kit_bytes_per_token = max(0, torch.cuda.max_memory_allocated() - before) / tokens
+
+
+def measured_bytes_per_token(chunks) -> float | None:
+    """The peak bytes per token this model's first packed training call measured (`measuring`); None before it
+    or off a GPU."""
+    return getattr(chunks[0], "_kit_bytes_per_token", None)
 
 
 def decided_budgets(chunks) -> dict[bool, int]:
     """The token budgets `memory_budget` has decided for this model so far, keyed by `forward_only` (training:
     False, no-grad: True); empty before its first call or off a GPU."""
-    return getattr(chunks[0], "_kit_token_budget", {})
+    return dict(getattr(chunks[0], "_kit_token_budget", {}))
 
 
 def rank_micro_batches(batch: Batch, *, max_tokens_per_micro_batch: int) -> list[PackedMicroBatch]:

@@ -145,6 +145,54 @@ def test_a_training_budget_sets_adams_state_aside(world):
     assert packing.tokens_that_fit(free_bytes=50 * gb, per_token_bytes=per_token, reserved_bytes=61 * gb) == 0
 
 
+def test_a_measured_budget_is_what_fits_beside_the_allocated_bytes():
+    """The H100 GRPO update of 2026-12-05: 85 GB, ~3.3 GB outside torch, 50.6 GB allocated before the update,
+    1.71 MB a token measured -> 13,056 tokens (16,384 ran out of memory there, 12,288 peaked at 71.7 GB)."""
+    gb = 10**9
+    n = packing.measured_tokens(total_bytes=85 * gb, outside_bytes=3.3 * gb, allocated_bytes=50.6 * gb,
+                                per_token_bytes=1.71e6)
+    assert n == 13056 and n % 256 == 0
+    assert 50.6 * gb + n * 1.71e6 <= (1 - packing.HEADROOM_FRACTION) * 85 * gb - 3.3 * gb
+    assert packing.measured_tokens(total_bytes=85 * gb, outside_bytes=3.3 * gb, allocated_bytes=80 * gb,
+                                   per_token_bytes=1.71e6) == 0      # nothing left: 0 (memory_budget keeps 256)
+
+
+def test_nothing_is_measured_off_a_gpu(world):
+    cfg = EngineConfig(attention_backend="sdpa")
+    chunks = [engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]]
+    b = length_mix.batch([(1, 4), (3, 24)], seq_len_tokens=24, vocab_size=50)
+    mbs = packing.rank_micro_batches(b, max_tokens_per_micro_batch=48)
+    with packing.measuring(chunks, mbs, forward_only=False):
+        pass
+    assert packing.measured_bytes_per_token(chunks) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device's peak memory is measured on a GPU")
+def test_the_training_budget_is_measured_at_the_first_step_on_a_gpu(world):
+    """One GPU rank: the first packed step plans with the formula and measures its peak bytes per token; the second
+    re-decides the budget from that measure (what fits beside the allocated bytes); the third keeps it."""
+    from mfsdp_kit.config import OptimConfig
+    from mfsdp_kit.train import step
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", attention_backend="sdpa")
+    spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
+    b = length_mix.batch([(8, 40), (8, 200)], seq_len_tokens=256, vocab_size=spec.vocab_size)
+    budgets, measures = [], []
+    for i in range(3):
+        step(chunks, opt, b, micro_batch_size=2, step_index=i)
+        budgets.append(packing.decided_budgets(chunks)[False])
+        measures.append(packing.measured_bytes_per_token(chunks))
+    per_token = measures[0]
+    assert per_token is not None and per_token > 0 and measures == [per_token] * 3    # measured once, kept
+    assert budgets[1] == budgets[2] and budgets[1] % 256 == 0
+    free, total = torch.cuda.mem_get_info()
+    now = packing.measured_tokens(total_bytes=total, outside_bytes=total - free - torch.cuda.memory_reserved(),
+                                  allocated_bytes=torch.cuda.memory_allocated(), per_token_bytes=per_token)
+    assert abs(budgets[1] - now) <= 512, (budgets, now, per_token)   # the room beside the model, as it is now
+    assert budgets[1] * per_token <= total * (1 - packing.HEADROOM_FRACTION)
+
+
 def test_activation_bytes_per_token_write_out_the_layer():
     """The l shape (28 layers, hidden 2048, GQA 16/4 x 128, SwiGLU 8192), bf16: 2 x (8h + 3gd + 3f) = 84,992 bytes a
     layer in training (2.38 MB for 28), the loss (2 + 12) V; without grad one layer's widest tensors, (5h + 3gd + 3f)."""
