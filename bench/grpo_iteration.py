@@ -45,7 +45,7 @@ from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
 DECODE = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
               continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False),
-              continuous_serial=dict(compile_ahead=False), continuous_sync=dict(overlap=False))
+              continuous_serial=dict(compile_ahead=False))
 """Each `--backends` name's DecodeConfig fields besides the defaults ("continuous": none)."""
 
 
@@ -172,8 +172,7 @@ def main() -> None:
                         "continuous_freed (freed after each call), continuous_torch (the decode step in torch ops: "
                         "`kernels='torch'`, SDPA and compiled glue), continuous_eager (the same, its glue not "
                         "compiled: `compile_glue=False`), continuous_triton (`kernels='triton'`), continuous_serial "
-                        "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`), continuous_sync "
-                        "(each chunk's tokens read before the next chunk launches: `overlap=False`)")
+                        "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),

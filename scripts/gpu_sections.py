@@ -367,11 +367,7 @@ SECTIONS.update({
         Row(name=f"grpo_keep_{name}", script="bench/grpo_iteration.py", writes=f"grpo_keep_{name}.json",
             args=f"--size l --iterations 3 --profile --backends continuous --keep-gathered on {args}")
         for name, args in (("auto", ""), ("12k", "--max-tokens-per-micro-batch 12288"))],
-    # the decode loop one chunk ahead of the host's reads (DecodeConfig.overlap, the default) against reading each
-    # chunk before the next launches, in one process (the second backend runs on warm compile caches)
-    "rollout_overlap": [Row(name="rollout_overlap", script="bench/grpo_iteration.py", writes="rollout_overlap.json",
-                            args="--size l --iterations 3 --profile --backends continuous_sync,continuous")],
- script="bench/rollout.py", launch="python", writes="rollout_7b.json",
+    "rollout_7b": [Row(name="rollout_7b", script="bench/rollout.py", launch="python", writes="rollout_7b.json",
                        args="--shape qwen2-7b --batches 1,64,256 --variants compiled --hf-new-tokens 16")],
     # issue 37: one GRPO iteration of tiny `l` (64 prompts x 8 samples, <= 512 new tokens), split into sync /
     # rollout / logprob / update seconds, HF generate against the kit's engine

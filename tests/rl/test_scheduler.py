@@ -3,15 +3,12 @@ check_every, slot and prefill budgets, stop ids, tools), the engine's own loop (
 gives every sequence exactly what a naive reference gives it alone (a fake model's tokens, cut at its first stop id
 or `max_new_tokens`, tool outputs appended at each call), and the scheduler keeps its invariants at every chunk:
 a cache row serves at most one sequence, batch buckets are powers of two covering the live rows, each step reads
-past its longest live row, and each live row's cache holds exactly its sequence's tokens (compaction moved them).
-Both ways the loop reads: each chunk before the next launches, and one chunk behind (`ahead`, DecodeConfig.overlap),
-where the fake device has run a chunk whose tokens the scheduler has not read."""
+past its longest live row, and each live row's cache holds exactly its sequence's tokens (compaction moved them)."""
 import random
 
-import pytest
 import torch
 
-from mfsdp_kit.rl.rollout.run import Launched, Run
+from mfsdp_kit.rl.rollout.run import Run
 from mfsdp_kit.rl.rollout.schedule import bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
 from mfsdp_kit.rl.rollout.tools import Tool, ToolConfig
@@ -42,8 +39,8 @@ class FakeRun(Run):
     """`Run` with its launches on lists: a KV row is the list of tokens written into it, a step writes each row's
     token at its position and samples the fake model over the row; checks the scheduler's invariants per chunk."""
 
-    def __init__(self, scheduler, model, rows, slots, *, ahead):
-        self.scheduler, self.model, self.slots, self.ahead = scheduler, model, slots, ahead
+    def __init__(self, scheduler, model, rows, slots):
+        self.scheduler, self.model, self.slots = scheduler, model, slots
         self.kv = [[None] * slots for _ in range(rows)]
         self.tok, self.pos = [0] * rows, [0] * rows
 
@@ -72,7 +69,7 @@ class FakeRun(Run):
             self.kv[:len(rows)] = [list(self.kv[r]) for r in rows]
             self.tok[:len(rows)], self.pos[:len(rows)] = [self.tok[r] for r in rows], [self.pos[r] for r in rows]
 
-    def launch(self, chunk):
+    def chunk(self, chunk):
         self.check(chunk)
         b, out = chunk.batch, [[] for _ in range(chunk.batch)]
         for r in chunk.idle:
@@ -81,12 +78,11 @@ class FakeRun(Run):
             live = [s for s in self.scheduler.cache[:b] if s is not None and s.waiting is None]
             assert all(self.pos[s.row] < slots <= self.slots for s in live)   # the step reads the row's position
             for r in range(b):
-                self.kv[r][self.pos[r]] = self.tok[r]   # past `slots`: an IndexError (a stopped row ran too far)
+                self.kv[r][self.pos[r]] = self.tok[r]
                 self.tok[r] = self.sample(r, self.pos[r] + 1)
                 self.pos[r] += 1
                 out[r].append(self.tok[r])
-        self.scheduler.launched(chunk)
-        return Launched(chunk, *as_tensors(out))
+        self.scheduler.decoded(chunk, *as_tensors(out))
 
     def check(self, chunk):
         s, b = self.scheduler, chunk.batch
@@ -94,12 +90,11 @@ class FakeRun(Run):
         assert len({id(q) for q in held}) == len(held) and all(s.cache[q.row] is q for q in held)
         assert b == len(s.cache) or (b >= 2 and b & (b - 1) == 0)
         assert all(q.row < b for q in held) and chunk.idle == [r for r in range(b) if s.cache[r] is None]
-        assert self.ahead or all(q.unread == 0 for q in held)
         for q in held:
-            if q.waiting is None:   # its cache row holds prompt + tokens read up to its last, then the unread steps
-                seq, n = q.prompt + q.tokens, q.length - q.unread
-                assert self.kv[q.row][:n] == seq[:n] and len(seq) == n + 1 and self.pos[q.row] == q.length
-                assert q.unread or self.tok[q.row] == seq[-1]
+            if q.waiting is None:   # its cache row holds prompt + tokens up to its last, which is the row's next
+                seq = q.prompt + q.tokens
+                assert self.kv[q.row][:q.length] == seq[:q.length] and len(seq) == q.length + 1
+                assert self.tok[q.row] == seq[-1] and self.pos[q.row] == q.length
 
 
 def as_tensors(tokens):
@@ -145,20 +140,17 @@ def workload(case: int):
                 prefill_tokens=rng.randint(1, 30))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["read_each", "one_behind"])
-def test_random_workloads_equal_each_sequence_alone(overlap):
-    kinds = dict(paused=0, compacted=0, queued=0, behind=0)
+def test_random_workloads_equal_each_sequence_alone():
+    kinds = dict(paused=0, compacted=0, queued=0)
     for case in range(CASES):
         w = workload(case)
         model, tok = fake_model(case, w["vocab"]), CharTokenizer()
         longest = max(map(len, w["prompts"]))
-        ahead = overlap and not w["tools"]   # as ContinuousRollout.generate_turns decides, with its cache's slots
-        slots = bucketed(longest + w["max_new"] + w["check_every"] * (2 if ahead else 1), w["slot_bucket"])
+        slots = bucketed(longest + w["max_new"] + w["check_every"], w["slot_bucket"])
         scheduler = Scheduler(w["prompts"], rows=w["rows"], slots=slots, max_new_tokens=w["max_new"], stops=w["stops"],
                               check_every=w["check_every"], slot_bucket=w["slot_bucket"],
                               prefill_tokens=w["prefill_tokens"], tools=w["tools"], tokenizer=tok)
-        run = FakeRun(scheduler, model, w["rows"], slots, ahead=ahead)
-        kinds["behind"] += ahead
+        run = FakeRun(scheduler, model, w["rows"], slots)
         moves = []
         run.move = lambda rows, move=run.move: (moves.append(rows), move(rows))
         tokens, logprobs, mask = run.loop()
@@ -171,5 +163,4 @@ def test_random_workloads_equal_each_sequence_alone(overlap):
         kinds["paused"] += sum(m.count(0) > 0 for m in mask)
         kinds["compacted"] += any(m is not None for m in moves)
         kinds["queued"] += len(w["prompts"]) > w["rows"]
-    kinds["behind"] = kinds["behind"] if overlap else CASES
     assert min(kinds.values()) >= 20, kinds   # every path ran in many cases

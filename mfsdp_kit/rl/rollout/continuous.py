@@ -10,7 +10,6 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
   - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
     `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
     at its first stop id (`chat.stop_ids`) or at `max_new_tokens`, and refills finished rows from the queue;
-    the next chunk's steps are launched before that read (`overlap`), so the device does not wait on the host;
   - once the queue is empty and at most half the rows still run, they move to the front and the steps run a
     smaller batch bucket (powers of two): the long tail of a GRPO batch costs what its live rows cost;
   - a decode step reads the cache up to the next `slot_bucket` past the longest live row, and runs as one
@@ -60,11 +59,6 @@ class DecodeConfig:
     check_every: int = 16
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
-    overlap: bool = True
-    """Launch each chunk of `check_every` steps before reading the previous chunk's tokens (calls without tools;
-    `run.Run`): the device decodes while the host reads, cuts and decides, instead of waiting at every check
-    point. A row then runs up to two chunks past its stop (the cache keeps the slots for it). False: read each
-    chunk before launching the next (the same tokens at temperature 0)."""
     min_batch: int = 16
     """The smallest decode batch bucket (rows) where steps are CUDA graphs: once fewer rows live, the step still runs
     this many (idle rows decode junk). Below it a step should cost about the same (the weights' read dominates: on 1
@@ -171,9 +165,7 @@ class ContinuousRollout(HFRollout):
             self.release()
         longest = max(map(len, rows))
         check_model(self.model)
-        ahead = cfg.overlap and not self.tools
-        # a stopped row runs on until its stop is read: to the end of its chunk, and with `ahead` one chunk more
-        slots = bucketed(longest + max_new_tokens + cfg.check_every * (2 if ahead else 1), cfg.slot_bucket)
+        slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
         t0, made = time.perf_counter(), self.runner.made
         captured_s, kernels_s = self.runner.capture_s, self.runner.kernels_s
         fitted = self.rows_for(len(rows), slots=slots, longest=longest)
@@ -185,7 +177,7 @@ class ContinuousRollout(HFRollout):
                               slot_bucket=cfg.slot_bucket, min_batch=self.runner.min_batch(),
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats)
-        run = Run(self, state, scheduler, ahead=ahead, sample=dict(
+        run = Run(self, state, scheduler, sample=dict(
             temperature=temperature, top_p=top_p, generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
         try:
             return run.loop()

@@ -4,11 +4,6 @@ which rows move, how many steps the next chunk runs and where each sequence stop
 output into a paused sequence's own cache slots), copies cache rows, writes the rows' next token and position, and
 replays the decode steps (`runner.Runner.step`: a CUDA graph per batch and slot bucket on a GPU, all captured when
 the cache was made). `Run.loop` is the whole call: the two joined, one check point per turn of the loop.
-
-`ahead` (`DecodeConfig.overlap`, calls without tools): each chunk is launched before the previous one's tokens are
-read, so the device runs chunk k while the host reads chunk k-1, cuts its rows and decides chunk k+1 (SGLang's
-overlap scheduler). The decisions lag one chunk: a row that stopped in chunk k-1 decodes junk through chunk k (cut
-on the host as any step past a stop is), and a compaction or a refill waits one check point longer.
 """
 from __future__ import annotations
 
@@ -25,14 +20,13 @@ from .timing import ChunkTimer
 class Run:
     """The device side of one call (module docstring); `loop()` returns the scheduler's `results()`."""
 
-    def __init__(self, engine, state, scheduler: Scheduler, *, sample: dict, ahead: bool = False):
-        self.engine, self.state, self.scheduler, self.sample, self.ahead = engine, state, scheduler, sample, ahead
+    def __init__(self, engine, state, scheduler: Scheduler, *, sample: dict):
+        self.engine, self.state, self.scheduler, self.sample = engine, state, scheduler, sample
         self.timer = ChunkTimer(state.tok.device)
 
     def loop(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
-        """Per check point: resume the sequences back from their tools, admit queued ones, compact, launch a chunk,
-        read one (the one just launched, or with `ahead` the one before it)."""
-        s, unread = self.scheduler, None
+        """Per check point: resume the sequences back from their tools, admit queued ones, compact, decode a chunk."""
+        s = self.scheduler
         try:
             while s.busy():
                 self.extend(s.resume())
@@ -40,15 +34,8 @@ class Run:
                     self.prefill(group)
                 self.move(s.compact())
                 chunk = s.next_chunk()
-                launched = None if chunk is None else self.launch(chunk)
-                if unread is not None:
-                    self.read(unread)
-                unread = launched
-                if not self.ahead and unread is not None:
-                    self.read(unread)
-                    unread = None
-            if unread is not None:   # steps launched before the last read ended every sequence
-                self.read(unread)
+                if chunk is not None:
+                    self.chunk(chunk)
         finally:
             s.close()
         return s.results()
@@ -95,8 +82,8 @@ class Run:
             k[:n], v[:n] = k[src], v[src]
         st.tok[:n], st.pos[:n] = st.tok[src], st.pos[src]
 
-    def launch(self, chunk: Chunk) -> Launched:
-        """The chunk's decode steps, and the copies of what they sample to host memory, queued on the device."""
+    def chunk(self, chunk: Chunk) -> None:
+        """The chunk's decode steps, then one read of what they sampled (the loop's only sync)."""
         st, b = self.state, chunk.batch
         if chunk.idle:   # a free row in the batch decodes junk at slot 0 of its own row until it is refilled
             st.pos[torch.tensor(chunk.idle, device=st.pos.device)] = 0
@@ -106,35 +93,11 @@ class Run:
             tok, logp = pick(head(hidden), **self.sample)
             st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
             sampled.append((tok, logp))
-        self.scheduler.launched(chunk)
         self.engine.stats["steps"] += len(sampled)
         self.timer.mark(b, len(sampled))
-        return Launched(chunk, torch.stack([t for t, _ in sampled], 1), torch.stack([p for _, p in sampled], 1))
-
-    def read(self, launched: Launched) -> None:
-        """Wait for a launched chunk's tokens on the host (the loop's only sync) and hand them to the scheduler."""
-        self.scheduler.decoded(launched.chunk, *launched.wait())
-
-
-class Launched:
-    """A chunk on the device: its tokens and log-probs [batch, steps] on their way to host memory (pinned buffers,
-    copied without a sync: `wait` blocks on an event after the copies, not on the whole device)."""
-
-    def __init__(self, chunk: Chunk, tokens: torch.Tensor, logprobs: torch.Tensor):
-        self.chunk, self.event = chunk, None
-        if tokens.device.type != "cuda":
-            self.tokens, self.logprobs = tokens, logprobs
-            return
-        self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
-        self.logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype,
-                                    pin_memory=True).copy_(logprobs, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens, self.logprobs
+        tokens = torch.stack([t for t, _ in sampled], 1).cpu()
+        logprobs = torch.stack([p for _, p in sampled], 1).cpu()
+        self.scheduler.decoded(chunk, tokens, logprobs)
 
 
 def padded(rows: list[list[int]]) -> torch.Tensor:

@@ -50,9 +50,7 @@ class Sequence:
     row: int = -1
     """The cache row serving it (-1: queued or done)."""
     length: int = 0
-    """Tokens in its cache row = the slot its next token goes to (counting decode steps launched, not yet read)."""
-    unread: int = 0
-    """Decode steps launched for it whose tokens the host has not read yet (`Scheduler.launched`)."""
+    """Tokens in its cache row = the slot its next token goes to."""
     done: bool = False
     """Ended (stop id, max_new_tokens or the turn limit): its tokens are final."""
     waiting: tuple | None = None
@@ -67,9 +65,6 @@ class Chunk:
     batch: int
     slots: list[int]
     idle: list[int]
-    seqs: tuple = ()
-    """The sequence each of the `batch` rows decodes for (None: idle or waiting on a tool) when the chunk is made:
-    its tokens are theirs even if rows have moved or been refilled before they are read."""
 
 
 class Scheduler:
@@ -145,31 +140,22 @@ class Scheduler:
         """Up to `check_every` decode steps of the batch (fewer when every live sequence has less room left), each
         reading the cache up to the next `slot_bucket` past the longest live row; None when none decodes."""
         b = self.batch
-        seqs = tuple(s if s is not None and s.waiting is None else None for s in self.cache[:b])
-        live = [s for s in seqs if s is not None]
-        left = max((self.max_new - len(s.tokens) - s.unread for s in live), default=0)
-        if left <= 0:   # none decodes, or the steps launched already reach every live row's max_new_tokens
+        live = [s for s in self.cache[:b] if s is not None and s.waiting is None]
+        if not live:
             return None
         top = max(s.length for s in live)
+        left = max(self.max_new - len(s.tokens) for s in live)
         slots = [min(self.slots, bucketed(top + k + 1, self.slot_bucket)) for k in range(min(self.check_every, left))]
-        return Chunk(batch=b, slots=slots, idle=[r for r in range(b) if self.cache[r] is None], seqs=seqs)
-
-    def launched(self, chunk: Chunk) -> None:
-        """The chunk's steps are on the device: each of its sequences' cache row has grown by that many slots,
-        whose tokens are unread until `decoded`."""
-        for s in chunk.seqs:
-            if s is not None:
-                s.length += len(chunk.slots)
-                s.unread += len(chunk.slots)
+        return Chunk(batch=b, slots=slots, idle=[r for r in range(b) if self.cache[r] is None])
 
     # ---- what was sampled -------------------------------------------------------------------------
     def decoded(self, chunk: Chunk, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """The `launched` chunk's sampled tokens and log-probs [batch, steps] (CPU), row by row, for the sequences
-        it decoded (`Chunk.seqs`: a sequence that ended since then takes nothing more)."""
-        for s in chunk.seqs:
-            if s is not None:
-                s.unread -= tokens.shape[1]
-        self.record(list(chunk.seqs), tokens, logprobs)
+        """The chunk's sampled tokens and log-probs [batch, steps] (CPU), row by row."""
+        rows = self.cache[:chunk.batch]
+        for s in rows:
+            if s is not None and s.waiting is None:
+                s.length += tokens.shape[1]
+        self.record(rows, tokens, logprobs)
 
     def record(self, seqs: list[Sequence | None], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append each decoding sequence's new tokens [len(seqs), k] up to its first stop id or `max_new_tokens`;
