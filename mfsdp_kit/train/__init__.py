@@ -207,6 +207,8 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     ok, grad_norm, _ = optimizer.step()
+    if ok:   # a Python bool (megatron reads fp16's found-inf on the host; bf16 always steps)
+        packing.optimizer_stepped(chunks)
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
     if scheduler is not None:
         scheduler.step(increment=1)

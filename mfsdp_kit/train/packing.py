@@ -23,6 +23,7 @@ stays padded - every rank holds it, loss functions read it - but the forwards se
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -279,6 +280,13 @@ other shapes (3.2 GiB of 79 GiB on an H100 when 16k tokens ran out of memory) an
 allocator (NCCL, cuBLAS workspaces)."""
 
 
+MEASURE_MIN_TOKENS = 1024
+"""A first call whose largest micro-batch holds fewer tokens measures nothing (`measuring`): its one-off bytes (a
+rank given only a one-token filler, say) would pass for bytes per token, and the formula's budget stays."""
+UNMEASURED = 2**62
+"""What a rank without a measure offers the minimum over ranks (`memory_budget`): no bound."""
+
+
 def measured_tokens(*, total_bytes: int, outside_bytes: int, allocated_bytes: int, per_token_bytes: float) -> int:
     """Tokens whose measured activations (`per_token_bytes`, `measuring`) fit in the device's `total_bytes` less
     what lives outside torch's allocator, less HEADROOM_FRACTION of it, less what tensors hold now; a multiple
@@ -292,19 +300,23 @@ def memory_budget(chunks, *, forward_only: bool) -> int | None:
     alike). A model's first call of each kind takes `activation_bytes_per_token` in `MEMORY_FRACTION` of the device
     memory no tensor holds (training: less `optimizer_state_bytes`), a multiple of 256 (`tokens_that_fit`). Its
     first training call also measures its peak bytes per token (`measuring`); the next training call re-decides
-    from that (`measured_tokens`: the formula missed by -20 % to +40 % across models), and that budget is kept.
+    from that (`measured_tokens`: the formula missed by -20 % to +40 % across models) once an optimizer step has
+    made Adam's moments (`optimizer_stepped`: an fp16 run skips its first steps), and that budget is kept.
     None on CPU (host memory is not what limits a CPU run; the padded rule keeps CPU runs as they were)."""
     device = runtime.current().device
     if device.type != "cuda":
         return None
     kept, model = decided_budgets(chunks), chunks[0]
     per_token = measured_bytes_per_token(chunks)
-    if not forward_only and per_token is not None and not getattr(model, "_kit_budget_measured", False):
+    if (not forward_only and per_token is not None and getattr(model, "_kit_optimizer_stepped", False)
+            and not getattr(model, "_kit_budget_measured", False)):
         free, total = torch.cuda.mem_get_info(device)
-        outside = total - free - torch.cuda.memory_reserved(device)
-        kept[False] = _least_over_ranks(measured_tokens(
-            total_bytes=total, outside_bytes=outside, allocated_bytes=torch.cuda.memory_allocated(device),
-            per_token_bytes=per_token), device=device)
+        mine = UNMEASURED if math.isnan(per_token) else measured_tokens(
+            total_bytes=total, outside_bytes=total - free - torch.cuda.memory_reserved(device),
+            allocated_bytes=torch.cuda.memory_allocated(device), per_token_bytes=per_token)
+        n = _least_over_ranks(mine, device=device)
+        if n < UNMEASURED:   # else no rank measured: the formula's budget stays
+            kept[False] = n
         model._kit_budget_measured = True
     if forward_only not in kept:
         from ..distributed.engine import unwrap_model
@@ -331,7 +343,8 @@ def _least_over_ranks(tokens: int, *, device) -> int:
 def measuring(chunks, mbs: list, *, forward_only: bool):
     """Around a model's first packed training forward/backward on a GPU: its peak allocated bytes above what was
     allocated before, over the largest micro-batch's tokens, is kept as the model's bytes per token for
-    `memory_budget`. Resets torch's peak counter once (as `perf.peaks` does); elsewhere it does nothing."""
+    `memory_budget` (NaN where that micro-batch is under MEASURE_MIN_TOKENS). It counts the call's one-off bytes too,
+    so it errs large. Resets torch's peak counter once (as `perf.peaks` does); elsewhere it does nothing."""
     model = chunks[0]
     probe = (not forward_only and runtime.current().device.type == "cuda" and mbs
              and all(isinstance(mb, PackedMicroBatch) for mb in mbs)
@@ -343,12 +356,19 @@ def measuring(chunks, mbs: list, *, forward_only: bool):
     torch.cuda.reset_peak_memory_stats()
     yield
     tokens = max(mb.tokens.numel() for mb in mbs)
-    model._kit_bytes_per_token = max(0, torch.cuda.max_memory_allocated() - before) / tokens
+    peak = max(0, torch.cuda.max_memory_allocated() - before)
+    model._kit_bytes_per_token = peak / tokens if tokens >= MEASURE_MIN_TOKENS else math.nan
+
+
+def optimizer_stepped(chunks) -> None:
+    """Note that an optimizer step updated this model (`train.start_step`): Adam's moments exist now, so a measured
+    budget (`memory_budget`) need not set them aside. The same step succeeds or is skipped on every rank."""
+    chunks[0]._kit_optimizer_stepped = True
 
 
 def measured_bytes_per_token(chunks) -> float | None:
     """The peak bytes per token this model's first packed training call measured (`measuring`); None before it
-    or off a GPU."""
+    or off a GPU, NaN where that call was too small to measure."""
     return getattr(chunks[0], "_kit_bytes_per_token", None)
 
 

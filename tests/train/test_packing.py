@@ -1,4 +1,6 @@
 """Packed sequences and token-budget micro-batches (mfsdp_kit.train.packing) against the padded run they replace."""
+import math
+
 import pytest
 import torch
 
@@ -191,6 +193,41 @@ def test_the_training_budget_is_measured_at_the_first_step_on_a_gpu(world):
                                   allocated_bytes=torch.cuda.memory_allocated(), per_token_bytes=per_token)
     assert abs(budgets[1] - now) <= 512, (budgets, now, per_token)   # the room beside the model, as it is now
     assert budgets[1] * per_token <= total * (1 - packing.HEADROOM_FRACTION)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device's peak memory is measured on a GPU")
+def test_a_budget_is_measured_only_from_a_full_enough_call_after_a_real_step_on_a_gpu(world):
+    """A first call whose micro-batch is under MEASURE_MIN_TOKENS measures nothing (a filler's one-off bytes are not
+    bytes per token): the formula's budget stays. In fp16 the first steps are skipped (loss scale 2**32), so Adam's
+    moments do not exist yet: the budget is re-decided only after a step that updated the model."""
+    from mfsdp_kit.config import OptimConfig
+    from mfsdp_kit.train import step
+    spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="bf16", attention_backend="sdpa")
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
+    small = length_mix.batch([(4, 40)], seq_len_tokens=256, vocab_size=spec.vocab_size)   # 160 tokens
+    budgets = []
+    for i in range(2):
+        step(chunks, opt, small, micro_batch_size=2, step_index=i)
+        budgets.append(packing.decided_budgets(chunks)[False])
+    assert math.isnan(packing.measured_bytes_per_token(chunks)) and budgets[0] == budgets[1]
+
+    cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp16", attention_backend="sdpa")
+    chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
+    b = length_mix.batch([(8, 40), (8, 200)], seq_len_tokens=256, vocab_size=spec.vocab_size)
+    formula, stepped_at = None, None
+    for i in range(40):
+        result = step(chunks, opt, b, micro_batch_size=2, step_index=i)
+        formula = formula or packing.decided_budgets(chunks)[False]
+        if stepped_at is None:   # up to the first step that updated the model, nothing is re-decided
+            assert packing.decided_budgets(chunks)[False] == formula, i
+            stepped_at = None if result.skipped else i
+        else:                    # the call after it is
+            break
+    assert stepped_at is not None and stepped_at > 0, stepped_at   # megatron's fp16 scale skipped the first steps
+    assert packing.decided_budgets(chunks)[False] != formula
 
 
 def test_activation_bytes_per_token_write_out_the_layer():
