@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from mfsdp_kit.train import data, packing
+from mfsdp_kit.train import data, token_budget
 from mfsdp_kit.notebook import plots
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
@@ -119,16 +119,16 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
 
 
 def memory_state(*, chunks, gpu: bool) -> dict:
-    """After an iteration: the packed passes' token budgets (`train.packing.memory_budget`: training and no-grad,
+    """After an iteration: the packed passes' token budgets (`train.token_budget.memory_budget`: training and no-grad,
     tokens per micro-batch) and the training pass's measured peak bytes per token; on a GPU the allocator's retries
     so far (a cudaMalloc that failed, then freed cached blocks and tried again: a sync each), its reserved bytes,
     and the iteration's peak of allocated bytes (the peak is reset after each read, so each iteration has its own)."""
-    budget = packing.decided_budgets(chunks)
+    budget = token_budget.decided_budgets(chunks)
     stats = torch.cuda.memory_stats() if gpu else {}
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     return dict(train_tokens=budget.get(False), forward_tokens=budget.get(True),
-                train_bytes_per_token=packing.measured_bytes_per_token(chunks),
+                train_bytes_per_token=token_budget.measured_bytes_per_token(chunks),
                 alloc_retries=stats.get("num_alloc_retries", 0),
                 reserved_bytes=stats.get("reserved_bytes.all.current", 0),
                 peak_bytes=stats.get("allocated_bytes.all.peak", 0))

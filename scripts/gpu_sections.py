@@ -132,7 +132,7 @@ SECTIONS = {
                           args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/rl/test_runner.py tests/distributed/test_runtime.py "
-                               "tests/train/test_packing.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
+                               "tests/train/test_token_budget.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",
@@ -354,7 +354,7 @@ SECTIONS.update({
             args=f"--size l --iterations 1 --backends {backend}", env=COLD.format(name), after=CLEAN_COLD.format(name))
         for name, backend in (("serial_a", "continuous_serial"), ("ahead", "continuous"),
                               ("serial_b", "continuous_serial"))],
-    # the update's token budget: the default (`packing.memory_budget`) against fixed budgets, three iterations each
+    # the update's token budget: the default (`train.token_budget.memory_budget`) against fixed budgets, three iterations each
     # with the last profiled (its host gaps named by the host events under them) and each iteration's peak memory
     "update_budget": [
         Row(name=f"grpo_budget_{name}", script="bench/grpo_iteration.py", writes=f"grpo_budget_{name}.json",

@@ -78,9 +78,9 @@ class RolloutConfig:
     """Sequences per forward/backward in the log-prob and update passes: the same gradient at any size, fewer
     FSDP all-gathers when larger."""
     max_tokens_per_micro_batch: int | None = None
-    """Tokens per packed micro-batch of the update (None: from the device's memory, `packing.memory_budget`; the
-    log-prob passes, which keep no activations, take their own larger budget). Padded models use
-    `micro_batch_size` rows instead."""
+    """Tokens per packed micro-batch of the update (None: from the device's memory,
+    `train.token_budget.memory_budget`; the log-prob passes, which keep no activations, take their own larger
+    budget). Padded models use `micro_batch_size` rows instead."""
     packed: bool | None = None
     """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
     False (padded rows of `micro_batch_size`)."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import engine, keep_gathered, runtime
-from . import packing
+from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
 from ..fieldtypes import COUNT, INDEX, checked_args, optional
@@ -136,7 +136,8 @@ def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_on
                               max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
                               forward_only=forward_only)
     # measured: the first packed training call's peak bytes per token, which the next call's budget comes from
-    measured = packing.measuring(chunks, mbs if max_tokens_per_micro_batch is None else [], forward_only=forward_only)
+    largest = packing.largest_packed(mbs) if max_tokens_per_micro_batch is None else None
+    measured = token_budget.measuring(chunks, largest=largest, forward_only=forward_only)
     with keep_gathered.held(chunks), measured:   # held: a no-op unless built with fsdp_keep_gathered
         logged = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
@@ -208,7 +209,7 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     ok, grad_norm, _ = optimizer.step()
     if ok:   # a Python bool (megatron reads fp16's found-inf on the host; bf16 always steps)
-        packing.optimizer_stepped(chunks)
+        token_budget.optimizer_stepped(chunks)
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
     if scheduler is not None:
         scheduler.step(increment=1)

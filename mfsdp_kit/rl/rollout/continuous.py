@@ -97,8 +97,8 @@ class DecodeConfig:
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
-    training passes' token budget counts the kept cache (`packing.memory_budget`). False: free them after each
-    call (`release`) for the policy update."""
+    training passes' token budget counts the kept cache (`train.token_budget.memory_budget`). False: free them
+    after each call (`release`) for the policy update."""
 
     def __post_init__(self):
         check_fields(self, max_batch_size=COUNT, min_batch=COUNT, check_every=COUNT, slot_bucket=COUNT,
