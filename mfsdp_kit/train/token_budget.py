@@ -66,8 +66,6 @@ HEADROOM_FRACTION = 0.1
 """Share of the device's memory a measured training budget leaves unplanned: blocks the allocator has cut for
 other shapes (3.2 GiB of 79 GiB on an H100 when 16k tokens ran out of memory) and what grows outside torch's
 allocator (NCCL, cuBLAS workspaces)."""
-
-
 MEASURE_MIN_TOKENS = 1024
 """A first call whose largest micro-batch holds fewer tokens measures nothing (`measuring`): its one-off bytes (a
 rank given only a one-token filler, say) would pass for bytes per token, and the formula's budget stays."""
@@ -132,8 +130,8 @@ def measuring(chunks, *, largest: int | None, forward_only: bool):
     """Around a model's first packed training forward/backward on a GPU (`largest`: its largest micro-batch's tokens,
     `packing.largest_packed`; None: padded, or a budget given): its peak allocated bytes above what was allocated
     before, over `largest`, is kept as the model's bytes per token for `memory_budget` (NaN where `largest` is under
-    MEASURE_MIN_TOKENS). It counts the call's one-off bytes too,
-    so it errs large. Resets torch's peak counter once (as `perf.peaks` does); elsewhere it does nothing."""
+    MEASURE_MIN_TOKENS). It counts the call's one-off bytes too, so it errs large. Resets torch's peak counter once
+    (as `perf.peaks` does); elsewhere it does nothing."""
     model = chunks[0]
     probe = (not forward_only and largest is not None and runtime.current().device.type == "cuda"
              and measured_bytes_per_token(chunks) is None)
