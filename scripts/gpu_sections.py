@@ -354,8 +354,9 @@ SECTIONS.update({
             args=f"--size l --iterations 1 --backends {backend}", env=COLD.format(name), after=CLEAN_COLD.format(name))
         for name, backend in (("serial_a", "continuous_serial"), ("ahead", "continuous"),
                               ("serial_b", "continuous_serial"))],
-    # the update's token budget: the default (`train.token_budget.memory_budget`) against fixed budgets, three iterations each
-    # with the last profiled (its host gaps named by the host events under them) and each iteration's peak memory
+    # the update's token budget: the default (`train.token_budget.memory_budget`) against fixed budgets, three
+    # iterations each with the last profiled (its host gaps named by the host events under them) and each
+    # iteration's peak memory
     "update_budget": [
         Row(name=f"grpo_budget_{name}", script="bench/grpo_iteration.py", writes=f"grpo_budget_{name}.json",
             args=f"--size l --iterations 3 --profile --backends continuous {args}")

@@ -193,8 +193,8 @@ def budget(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_
 
     packed None: packed where the model can (`can_pack`; where it cannot, `padded_note` says why once), else
     padded; True: packed or an error; False: padded. The default budget comes from the device's memory
-    (`token_budget.memory_budget`: what the activations of a training or of a no-grad micro-batch may take), at least the
-    batch's row length; on CPU it is `micro_batch_size` rows of the batch's length."""
+    (`token_budget.memory_budget`: what the activations of a training or of a no-grad micro-batch may take), at
+    least the batch's row length; on CPU it is `micro_batch_size` rows of the batch's length."""
     if packed not in (None, True, False):
         raise bad_value("packed", packed, "None (where the model can) | True | False")
     if packed is False:

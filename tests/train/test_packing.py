@@ -122,7 +122,7 @@ def test_the_budget_on_cpu_is_rows_of_the_batch_and_from_memory_none(world):
     cfg = EngineConfig(attention_backend="sdpa")
     chunks = [engine.build(cfg, gpt_model_fn(GPTSpec(hidden_size=64), cfg), wrap=False)[0]]
     b = length_mix.batch([(1, 4), (3, 24)], seq_len_tokens=24, vocab_size=50)
-    assert token_budget.memory_budget(chunks, forward_only=False) is None          # host memory is not the limit
+    assert token_budget.memory_budget(chunks, forward_only=False) is None   # host memory is not the limit
     assert packing.budget(chunks, b, micro_batch_size=2) == 2 * 24
     assert packing.budget(chunks, b, micro_batch_size=2, max_tokens_per_micro_batch=30) == 30
 

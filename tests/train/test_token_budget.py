@@ -44,11 +44,11 @@ def test_a_measured_budget_is_what_fits_beside_the_allocated_bytes():
     1.71 MB a token measured -> 13,056 tokens (16,384 ran out of memory there, 12,288 peaked at 71.7 GB)."""
     gb = 10**9
     n = token_budget.measured_tokens(total_bytes=85 * gb, outside_bytes=3.3 * gb, allocated_bytes=50.6 * gb,
-                                per_token_bytes=1.71e6)
+                                     per_token_bytes=1.71e6)
     assert n == 13056 and n % 256 == 0
     assert 50.6 * gb + n * 1.71e6 <= (1 - token_budget.HEADROOM_FRACTION) * 85 * gb - 3.3 * gb
     assert token_budget.measured_tokens(total_bytes=85 * gb, outside_bytes=3.3 * gb, allocated_bytes=80 * gb,
-                                   per_token_bytes=1.71e6) == 0      # nothing left: 0 (memory_budget keeps 256)
+                                        per_token_bytes=1.71e6) == 0   # nothing left: 0 (memory_budget keeps 256)
 
 
 def test_nothing_is_measured_off_a_gpu(world):
@@ -83,7 +83,7 @@ def test_the_training_budget_is_measured_at_the_first_step_on_a_gpu(world):
     assert budgets[1] == budgets[2] and budgets[1] % 256 == 0
     free, total = torch.cuda.mem_get_info()
     now = token_budget.measured_tokens(total_bytes=total, outside_bytes=total - free - torch.cuda.memory_reserved(),
-                                  allocated_bytes=torch.cuda.memory_allocated(), per_token_bytes=per_token)
+                                       allocated_bytes=torch.cuda.memory_allocated(), per_token_bytes=per_token)
     assert abs(budgets[1] - now) <= 512, (budgets, now, per_token)   # the room beside the model, as it is now
     assert budgets[1] * per_token <= total * (1 - token_budget.HEADROOM_FRACTION)
 
