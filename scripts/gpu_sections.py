@@ -326,10 +326,12 @@ SECTIONS.update({
     "decode_kernels": [
         Row(name="decode_kernels_tests", script="-m pytest", launch="python",
             args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
-                 "-k 'gpu or kernels or rope or add_rms or splits'"),
+                 "tests/rl/test_gemm.py -k 'gpu or kernels or rope or add_rms or splits or skinny'"),
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],
+    # issue 49: the decode step's GEMMs at small batch, cuBLAS against the kit's skinny Triton GEMM over its configs
+    "decode_gemm": [Row(name="decode_gemm", script="bench/decode_gemm.py", launch="python", writes="decode_gemm.json")],
     # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels`, "auto" on a GPU): their tests on the
     # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
     "training_kernels": [
