@@ -45,7 +45,7 @@ from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, HFRollout
 SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
 DECODE = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
               continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False),
-              continuous_serial=dict(compile_ahead=False))
+              continuous_serial=dict(compile_ahead=False), continuous_pow2=dict(buckets_per_doubling=1))
 """Each `--backends` name's DecodeConfig fields besides the defaults ("continuous": none)."""
 
 
@@ -172,7 +172,8 @@ def main() -> None:
                         "continuous_freed (freed after each call), continuous_torch (the decode step in torch ops: "
                         "`kernels='torch'`, SDPA and compiled glue), continuous_eager (the same, its glue not "
                         "compiled: `compile_glue=False`), continuous_triton (`kernels='triton'`), continuous_serial "
-                        "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`)")
+                        "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`), "
+                        "continuous_pow2 (batch buckets the powers of two only: `buckets_per_doubling=1`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),
@@ -183,7 +184,13 @@ def main() -> None:
                         "again per micro-batch (off), or the kit's default")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
+    p.add_argument("--down-rows", type=int, default=None,
+                   help="rl.rollout.gemm.MAX_ROWS for this run: the decode batches up to which the MLP's down "
+                        "projection is the kit's skinny GEMM with SiLU * up (0: cuBLAS always; for an A/B)")
     args = p.parse_args()
+    if args.down_rows is not None:
+        from mfsdp_kit.rl.rollout import gemm
+        gemm.MAX_ROWS = args.down_rows
     gpu = torch.cuda.is_available()
     keep = {} if args.keep_gathered == "default" else dict(fsdp_keep_gathered=args.keep_gathered == "on")
     cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, **keep), dtype="bf16" if gpu else "fp32", seed=0,

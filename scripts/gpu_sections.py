@@ -384,6 +384,18 @@ SECTIONS.update({
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],
 })
+# issue 49: the decode step's down projection in the skinny GEMM with SiLU * up (default) against cuBLAS
+# (`--down-rows 0`), per batch and in GRPO iterations, and the batch buckets with 3/4 steps (default) against
+# powers of two (`continuous_pow2`); the decode kernels' GPU tests first
+SECTIONS["decode_ab"] = [
+    SECTIONS["decode_kernels"][0],
+    *[Row(name=f"rollout_{name}", script="bench/rollout.py", launch="python", writes=f"rollout_{name}.json",
+          args=f"--shape qwen2-1.8b --batches 16,32,64,128,256 --variants compiled --hf-new-tokens 2 {args}")
+      for name, args in (("down", ""), ("cublas", "--down-rows 0 --agreement-rows 0"))],
+    Row(name="grpo_buckets", script="bench/grpo_iteration.py", writes="grpo_buckets.json",
+        args="--size l --iterations 3 --profile --backends continuous,continuous_pow2"),
+    Row(name="grpo_before", script="bench/grpo_iteration.py", writes="grpo_before.json",
+        args="--size l --iterations 3 --backends continuous_pow2 --down-rows 0")]
 # The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
 # under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
 # `make docs` turns them into the README's figures and the top table of docs/benchmarks.md. Shorter than the

@@ -41,3 +41,28 @@ def test_skinny_refuses_a_k_it_cannot_split():
     x, w = torch.zeros(4, 96, device=DEVICE), torch.zeros(32, 96, device=DEVICE)
     with pytest.raises(ValueError, match="K=96"):
         gemm.skinny(x, w, gemm.GemmConfig(block_n=32, block_k=64))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_skinny_gated_reads_silu_of_gate_times_up(splits):
+    """`gated=True` on a fused gate/up output [M, 2K]: the product of SiLU(gate) * up, as `elementwise.gated`
+    rounds it, with the down weight [N, K]."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    gate_up = torch.randn(7, 2 * 256, device=DEVICE, generator=gen)
+    w = torch.randn(48, 256, device=DEVICE, generator=gen) / 16
+    got = gemm.skinny(gate_up, w, gemm.GemmConfig(block_n=32, block_k=64, splits=splits), gated=True)
+    got = got.sum(0) if splits > 1 else got
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(got, F.linear(F.silu(gate) * up, w), atol=1e-4, rtol=1e-4)
+
+
+def test_down_config_keeps_one_wave_and_stays_out_past_max_rows():
+    """tiny `l`'s down (2,048 x 8,192) splits K 4 ways on 132 multiprocessors and the 7 B shape's (3,584 x 18,944) 2
+    ways, as bench/decode_gemm.py found best at 16-64 rows; cuBLAS past `MAX_ROWS` or where no config fits K."""
+    for rows in (16, 64, 128):
+        assert gemm.down_config(n=2048, k=8192, rows=rows, sms=132).splits == 4
+        assert gemm.down_config(n=3584, k=18944, rows=rows, sms=132).splits == 2
+    assert gemm.down_config(n=2048, k=8192, rows=gemm.MAX_ROWS + 1, sms=132) is None
+    assert gemm.down_config(n=2048, k=96, rows=16, sms=132) is None
+    config = gemm.down_config(n=3584, k=18944, rows=128, sms=132)
+    assert config.fits(k=18944, rows=128) and config.stages < 5   # 128 rows: a shallower pipeline fits

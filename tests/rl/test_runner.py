@@ -22,17 +22,26 @@ from mfsdp_kit.rl.rollout.scheduler import Scheduler
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98]]
 
 
-def test_buckets_cover_every_batch_and_slot_bucket_once():
+@pytest.mark.parametrize("per_doubling", [1, 2])
+def test_buckets_cover_every_batch_and_slot_bucket_once(per_doubling):
     for rows, slots, bucket, least in [(1, 8, 8, 2), (5, 24, 8, 2), (8, 64, 16, 2), (512, 576, 64, 2),
                                        (300, 1088, 64, 2), (512, 576, 64, 16), (12, 32, 16, 16)]:
-        got = buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least)
+        got = buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least, per_doubling=per_doubling)
         assert len(got) == len(set(got))
-        want = {(batch_bucket(n, rows=rows, least=least), s) for n in range(1, rows + 1)
+        want = {(batch_bucket(n, rows=rows, least=least, per_doubling=per_doubling), s) for n in range(1, rows + 1)
                 for s in range(bucket, slots + 1, bucket)}
         assert set(got) == want, (rows, slots)
-        assert got[0] == (batch_bucket(rows, rows=rows), slots)   # the largest first
+        assert got[0] == (batch_bucket(rows, rows=rows, per_doubling=per_doubling), slots)   # the largest first
         assert min(b for b, _ in got) == min(rows, max(2, least))
-    assert len(buckets(rows=512, slots=576, slot_bucket=64, min_batch=16)) == 6 * 9   # 16..512 rows x 9 slot buckets
+    graphs = {1: 6, 2: 11}[per_doubling]   # 16..512 rows: the powers of two, or with 24, 48, ..., 384 between
+    assert len(buckets(rows=512, slots=576, slot_bucket=64, min_batch=16, per_doubling=per_doubling)) == graphs * 9
+
+
+def test_a_bucket_holds_its_rows_and_idles_at_most_half_or_a_third():
+    for per_doubling, idle in ((1, 1 / 2), (2, 1 / 3)):
+        for n in range(16, 513):
+            b = batch_bucket(n, rows=512, least=16, per_doubling=per_doubling)
+            assert n <= b and (b - n) / b < idle, (per_doubling, n, b)
 
 
 @pytest.mark.parametrize("kernels,graph_mode,compile_glue,want_gpu", [
@@ -55,12 +64,14 @@ def test_every_chunk_the_scheduler_plans_is_a_bucket():
     gen = random.Random(0)
     for _ in range(30):
         rows, bucket, least = gen.choice([2, 3, 4, 7, 8, 20, 40]), gen.choice([4, 8]), gen.choice([2, 4, 16])
+        per_doubling = gen.choice([1, 2])
         prompts = [[3] * gen.randint(1, 9) for _ in range(gen.randint(1, 50))]
         new = gen.randint(1, 30)
         slots = bucketed(max(map(len, prompts)) + new + 4, bucket)
-        allowed = set(buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least))
+        allowed = set(buckets(rows=rows, slots=slots, slot_bucket=bucket, min_batch=least, per_doubling=per_doubling))
         s = Scheduler(prompts, rows=rows, slots=slots, max_new_tokens=new, stops={1}, check_every=4,
-                      slot_bucket=bucket, prefill_tokens=64, min_batch=least, tools=None, tokenizer=None, stats={})
+                      slot_bucket=bucket, prefill_tokens=64, min_batch=least, buckets_per_doubling=per_doubling,
+                      tools=None, tokenizer=None, stats={})
         while s.busy():
             for group in s.admit():
                 s.record(group, torch.full((len(group), 1), 2), torch.zeros(len(group), 1))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mfsdp_kit.config import EngineConfig
-from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.distributed import engine, introspect, runtime
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
 from mfsdp_kit.perf import length_mix
 from mfsdp_kit.train import packing, token_budget
@@ -72,7 +72,7 @@ def test_the_training_budget_is_measured_at_the_first_step_on_a_gpu(world):
     spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
-    b = length_mix.batch([(8, 40), (8, 200)], seq_len_tokens=256, vocab_size=spec.vocab_size)
+    b = length_mix.batch([(8, 40), (8, 200)] * 8, seq_len_tokens=256, vocab_size=spec.vocab_size)   # 1,920 tokens
     budgets, measures = [], []
     for i in range(3):
         step(chunks, opt, b, micro_batch_size=2, step_index=i)
@@ -91,8 +91,9 @@ def test_the_training_budget_is_measured_at_the_first_step_on_a_gpu(world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a device's peak memory is measured on a GPU")
 def test_a_budget_is_measured_only_from_a_full_enough_call_after_a_real_step_on_a_gpu(world):
     """A first call whose micro-batch is under MEASURE_MIN_TOKENS measures nothing (a filler's one-off bytes are not
-    bytes per token): the formula's budget stays. In fp16 the first steps are skipped (loss scale 2**32), so Adam's
-    moments do not exist yet: the budget is re-decided only after a step that updated the model."""
+    bytes per token): the formula's budget stays. fp16 skips a step whose scaled gradients overflow (megatron's loss
+    scale starts at 2**32), and then Adam's moments do not exist yet: the budget is re-decided only after a step that
+    updated the model. Here the first step is made to overflow (scale 2**40), the next ones not (scale 1)."""
     from mfsdp_kit.config import OptimConfig
     from mfsdp_kit.train import step
     spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
@@ -109,9 +110,12 @@ def test_a_budget_is_measured_only_from_a_full_enough_call_after_a_real_step_on_
     cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp16", attention_backend="sdpa")
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
-    b = length_mix.batch([(8, 40), (8, 200)], seq_len_tokens=256, vocab_size=spec.vocab_size)
+    b = length_mix.batch([(8, 40), (8, 200)] * 8, seq_len_tokens=256, vocab_size=spec.vocab_size)
+    scales = [o.grad_scaler.scale for o in introspect.inner_optimizers(opt)]
     formula, stepped_at = None, None
-    for i in range(40):
+    for i in range(4):
+        for scale in scales:
+            scale.fill_(2.0 ** 40 if i == 0 else 1.0)
         result = step(chunks, opt, b, micro_batch_size=2, step_index=i)
         formula = formula or token_budget.decided_budgets(chunks)[False]
         if stepped_at is None:   # up to the first step that updated the model, nothing is re-decided
@@ -119,7 +123,7 @@ def test_a_budget_is_measured_only_from_a_full_enough_call_after_a_real_step_on_
             stepped_at = None if result.skipped else i
         else:                    # the call after it is
             break
-    assert stepped_at is not None and stepped_at > 0, stepped_at   # megatron's fp16 scale skipped the first steps
+    assert stepped_at == 1, stepped_at   # the overflowing first step was skipped, the second updated the model
     assert token_budget.decided_budgets(chunks)[False] != formula
 
 

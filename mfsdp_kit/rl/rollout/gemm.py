@@ -52,18 +52,43 @@ CONFIGS = tuple(GemmConfig(block_n=n, block_k=k, splits=s, stages=st)
 """The configs `bench/decode_gemm.py` tries."""
 
 
-def skinny(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+MAX_ROWS = 128
+"""Rows up to which the decode step's down projection runs here, SiLU * up included (`down_config`):
+bench/decode_gemm.py on 1 H100 timed it 1.07-1.15x cuBLAS at 16-64 rows for tiny `l` and the 7 B shape, level at
+128, and it also saves the SiLU * up kernel."""
+
+
+def down_config(*, n: int, k: int, rows: int, sms: int) -> GemmConfig | None:
+    """The config for the down projection of `rows` rows (w [n, k]) on a device of `sms` multiprocessors, or None
+    where it should stay cuBLAS's (past `MAX_ROWS`, or no config fits K): 64 weight rows a program, 128 of K a step,
+    K split over as many programs as keep one wave (bench/decode_gemm.py's best at 16-64 rows: 4 splits for tiny
+    `l`'s 2,048 x 8,192, 2 for the 7 B shape's 3,584 x 18,944), the deepest pipeline that fits."""
+    if rows > MAX_ROWS:
+        return None
+    for splits in (8, 4, 2, 1):
+        if -(-n // 64) * splits > sms and splits > 1:
+            continue
+        for stages in (5, 4, 3):
+            config = GemmConfig(block_n=64, block_k=128, splits=splits, stages=stages)
+            if config.fits(k=k, rows=rows):
+                return config
+    return None
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, config: GemmConfig, *, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T: [M, N] in x's dtype with one split, else fp32 partial sums [splits, M, N] whose sum
-    over the first dimension is the product. x's rows and w's rows must be contiguous along K."""
-    m, k = x.shape
+    over the first dimension is the product. x's rows and w's rows must be contiguous along K. `gated`: x is a fused
+    gate/up output [M, 2K] and the product is of SiLU(gate) * up (`elementwise.gated`'s arithmetic, rounded to x's
+    dtype as it rounds), so the MLP's down projection needs no kernel of its own for it."""
+    m, k = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     n = w.shape[0]
-    if not config.fits(k=k, rows=m) or x.stride(1) != 1 or w.stride(1) != 1:
+    if not config.fits(k=k, rows=m) or x.stride(1) != 1 or w.stride(1) != 1 or w.shape[1] != k:
         raise ValueError(f"skinny GEMM: K={k} is not a multiple of splits x block_k ({config.splits} x "
                          f"{config.block_k}), its tiles for {m} rows pass shared memory, or a row is strided")
     dtype = x.dtype if config.splits == 1 else torch.float32
     out = torch.empty(config.splits, m, n, dtype=dtype, device=x.device)
-    launch(_skinny, (triton.cdiv(n, config.block_n), config.splits), x, w, out, m, n, k // config.splits,
-           x.stride(0), w.stride(0), BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
+    launch(_skinny, (triton.cdiv(n, config.block_n), config.splits), x, w, out, m, n, k, k // config.splits,
+           x.stride(0), w.stride(0), GATED=gated, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
            BLOCK_K=config.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
            num_warps=config.warps, num_stages=config.stages)
     return out[0] if config.splits == 1 else out
@@ -71,8 +96,8 @@ def skinny(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _skinny(X, W, OUT, M, N, k_split, sxm, swn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    def _skinny(X, W, OUT, M, N, K, k_split, sxm, swn, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         pid_n, split = tl.program_id(0), tl.program_id(1)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -84,7 +109,12 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for _ in range(0, k_split, BLOCK_K):
             w = tl.load(w_at, mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_at, mask=m_ok[None, :], other=0.0)
+            if GATED:   # SiLU(gate) * up, in fp32, rounded to the weight's dtype as `elementwise.gated` stores it
+                gate = tl.load(x_at, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                up = tl.load(x_at + K, mask=m_ok[None, :], other=0.0).to(tl.float32)
+                x = (gate * tl.sigmoid(gate) * up).to(W.dtype.element_ty)
+            else:
+                x = tl.load(x_at, mask=m_ok[None, :], other=0.0)
             acc += tl.dot(w, x, input_precision=PRECISION)
             w_at += BLOCK_K
             x_at += BLOCK_K

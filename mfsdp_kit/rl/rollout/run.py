@@ -73,14 +73,20 @@ class Run:
         e.stats["extend_s"] += time.perf_counter() - t0
 
     def move(self, rows: list[int] | None) -> None:
-        """Cache rows `rows` (KV, next token, position) copied to rows 0..len(rows)-1 (`Scheduler.compact`)."""
+        """Cache rows `rows` (ascending; KV, next token, position) copied to rows 0..len(rows)-1
+        (`Scheduler.compact`), at most half the cache's rows at a time (`Runner.transient_bytes` holds one layer's
+        copy of half the rows). Piece by piece is safe in ascending order: the j-th row moved comes from a row >= j,
+        so a piece writes no row that a later piece reads."""
         if rows is None:
             return
-        st, n = self.state, len(rows)
-        src = torch.tensor(rows, device=st.tok.device)
-        for k, v in st.kv:
-            k[:n], v[:n] = k[src], v[src]
-        st.tok[:n], st.pos[:n] = st.tok[src], st.pos[src]
+        st = self.state
+        piece = max(1, (st.tok.shape[0] + 1) // 2)
+        for start in range(0, len(rows), piece):
+            src = torch.tensor(rows[start:start + piece], device=st.tok.device)
+            to = slice(start, start + len(src))
+            for k, v in st.kv:
+                k[to], v[to] = k[src], v[src]
+            st.tok[to], st.pos[to] = st.tok[src], st.pos[src]
 
     def chunk(self, chunk: Chunk) -> None:
         """The chunk's decode steps, then one read of what they sampled (the loop's only sync)."""

@@ -43,11 +43,13 @@ class Cache:
         return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
 
 
-def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2) -> list[tuple[int, int]]:
+def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2,
+            per_doubling: int = 1) -> list[tuple[int, int]]:
     """Every (batch, slots) a decode step on a `rows` x `slots` cache can run: the batch buckets of 1..rows live rows
-    (`schedule.batch_bucket`, at least `min_batch`) times the multiples of `slot_bucket` up to `slots`, largest first
-    (the pool's biggest buffers are made first and the smaller graphs reuse them)."""
-    batches = sorted({batch_bucket(n, rows=rows, least=min_batch) for n in range(1, rows + 1)}, reverse=True)
+    (`schedule.batch_bucket`, at least `min_batch`, `per_doubling` as there) times the multiples of `slot_bucket` up to
+    `slots`, largest first (the pool's biggest buffers are made first and the smaller graphs reuse them)."""
+    batches = sorted({batch_bucket(n, rows=rows, least=min_batch, per_doubling=per_doubling)
+                      for n in range(1, rows + 1)}, reverse=True)
     return [(b, s) for b in batches for s in range(slots, 0, -slot_bucket)]
 
 
@@ -131,7 +133,8 @@ class Runner:
         self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone(),
                            transient_bytes=transient_bytes)
         if self.graphed():
-            steps = buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket, min_batch=self.min_batch())
+            steps = buckets(rows=rows, slots=slots, slot_bucket=self.config.slot_bucket, min_batch=self.min_batch(),
+                            per_doubling=self.config.buckets_per_doubling)
             self.compile_kernels(steps=steps)
             for batch, s in steps:
                 self.step(batch, s)

@@ -9,10 +9,16 @@ def bucketed(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
 
-def batch_bucket(n: int, *, rows: int, least: int = 2) -> int:
-    """The decode batch for `n` live rows: the next power of two, at least `least` (`DecodeConfig.min_batch`) and 2
-    (a batch of 1 would compile glue of its own), at most `rows`."""
-    return min(rows, max(least, 2, 1 << max(n - 1, 0).bit_length()))
+def batch_bucket(n: int, *, rows: int, least: int = 2, per_doubling: int = 1) -> int:
+    """The decode batch for `n` live rows: the smallest bucket >= n, at least `least` (`DecodeConfig.min_batch`) and 2
+    (a batch of 1 would compile glue of its own), at most `rows`. Buckets are the powers of two, and with
+    `per_doubling` 2 (`DecodeConfig.buckets_per_doubling`) also 3/4 of each (..., 48, 64, 96, 128, 192, 256, 384,
+    512): a bucket then idles at most a third of its rows, not half."""
+    n = max(n, least, 2)
+    bucket = 1 << (n - 1).bit_length()
+    if per_doubling == 2 and bucket >= 4 and bucket * 3 // 4 >= n:
+        bucket = bucket * 3 // 4
+    return min(rows, bucket)
 
 
 def prefill_groups(lengths: list[int], *, budget_tokens: int) -> list[list[int]]:

@@ -74,12 +74,13 @@ class Scheduler:
 
     def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
                  check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
-                 tools: ToolConfig | None = None, tokenizer=None, stats: dict | None = None):
+                 buckets_per_doubling: int = 1, tools: ToolConfig | None = None, tokenizer=None,
+                 stats: dict | None = None):
         self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
         self.queue = deque(self.seqs)
         self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
         self.slots, self.max_new, self.check_every, self.slot_bucket = slots, max_new_tokens, check_every, slot_bucket
-        self.prefill_tokens, self.min_batch = prefill_tokens, min_batch
+        self.prefill_tokens, self.min_batch, self.per_doubling = prefill_tokens, min_batch, buckets_per_doubling
         self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
         self.tools = tools if tools is not None and tools.tools else None
         self.tokenizer = tokenizer
@@ -92,7 +93,7 @@ class Scheduler:
     # ---- what runs next ---------------------------------------------------------------------------
     def bucket(self, live: int) -> int:
         """The batch bucket for `live` rows of this call's cache (`schedule.batch_bucket`, at least `min_batch`)."""
-        return batch_bucket(live, rows=len(self.cache), least=self.min_batch)
+        return batch_bucket(live, rows=len(self.cache), least=self.min_batch, per_doubling=self.per_doubling)
 
     def busy(self) -> bool:
         """Sequences are queued, decoding or waiting on a tool."""
@@ -117,15 +118,14 @@ class Scheduler:
         return [[take[j] for j in group] for group in groups]
 
     def compact(self) -> list[int] | None:
-        """With the queue empty, no sequence waiting and the live rows' bucket smaller than the batch (at most half
-        of it live, and the batch above `min_batch`): the live rows move to the front and the batch shrinks to their
-        bucket. Returns the rows whose cache the runner copies to rows 0..n-1
-        (None: nothing moves)."""
-        live = self.live()   # at most half moves: `Runner.transient_bytes` holds the copies of half the rows
-        if self.queue or not live or len(live) > self.batch // 2 or any(s.waiting for s in self.cache if s):
+        """With the queue empty, no sequence waiting and the live rows' bucket smaller than the batch: the live rows
+        move to the front and the batch shrinks to their bucket. Returns the rows, ascending, whose cache the runner
+        copies to rows 0..n-1 (None: nothing moves)."""
+        live = self.live()
+        if self.queue or not live or any(s.waiting for s in self.cache if s):
             return None
         smaller = self.bucket(len(live))
-        if smaller == self.batch:   # the batch is at `min_batch` already
+        if smaller >= self.batch:   # no smaller bucket holds them (or the batch is at `min_batch` already)
             return None
         self.batch = smaller
         if live == list(range(len(live))):
