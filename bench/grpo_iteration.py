@@ -184,13 +184,7 @@ def main() -> None:
                         "again per micro-batch (off), or the kit's default")
     p.add_argument("--profile", action="store_true", help="profile the last iteration (kernel classes per pass)")
     p.add_argument("--out", default="runs/bench/grpo_iteration.json")
-    p.add_argument("--down-rows", type=int, default=None,
-                   help="rl.rollout.gemm.MAX_ROWS for this run: the decode batches up to which the MLP's down "
-                        "projection is the kit's skinny GEMM with SiLU * up (0: cuBLAS always; for an A/B)")
     args = p.parse_args()
-    if args.down_rows is not None:
-        from mfsdp_kit.rl.rollout import gemm
-        gemm.MAX_ROWS = args.down_rows
     gpu = torch.cuda.is_available()
     keep = {} if args.keep_gathered == "default" else dict(fsdp_keep_gathered=args.keep_gathered == "on")
     cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True, **keep), dtype="bf16" if gpu else "fp32", seed=0,

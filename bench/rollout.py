@@ -253,13 +253,7 @@ def main() -> None:
     p.add_argument("--tool-tokens", type=int, default=16, help="tokens of each tool output")
     p.add_argument("--tool-latency-ms", type=float, default=0.0, help="each tool call sleeps this long")
     p.add_argument("--out", default="runs/bench/rollout.json")
-    p.add_argument("--down-rows", type=int, default=None,
-                   help="rl.rollout.gemm.MAX_ROWS for this run: the decode batches up to which the MLP's down "
-                        "projection is the kit's skinny GEMM with SiLU * up (0: cuBLAS always; for an A/B)")
     args = p.parse_args()
-    if args.down_rows is not None:
-        from mfsdp_kit.rl.rollout import gemm
-        gemm.MAX_ROWS = args.down_rows
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build(args.shape, device, dtype)

@@ -132,7 +132,7 @@ SECTIONS = {
                           args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/rl/test_runner.py tests/distributed/test_runtime.py "
-                               "tests/train/test_token_budget.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
+                               "tests/train/test_token_budget.py tests/distributed/test_engine.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",
@@ -326,12 +326,10 @@ SECTIONS.update({
     "decode_kernels": [
         Row(name="decode_kernels_tests", script="-m pytest", launch="python",
             args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
-                 "tests/rl/test_gemm.py -k 'gpu or kernels or rope or add_rms or splits or skinny'"),
+                 "-k 'gpu or kernels or rope or add_rms or splits'"),
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],
-    # issue 49: the decode step's GEMMs at small batch, cuBLAS against the kit's skinny Triton GEMM over its configs
-    "decode_gemm": [Row(name="decode_gemm", script="bench/decode_gemm.py", launch="python", writes="decode_gemm.json")],
     # issue 49: RoPE and SwiGLU in the kit's Triton kernels (`kernels.fusion_kernels`, "auto" on a GPU): their tests on the
     # GPU, and each op alone against torch.compile's kernels (first call = compile, kernel time, error)
     "training_kernels": [
@@ -384,18 +382,14 @@ SECTIONS.update({
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],
 })
-# issue 49: the decode step's down projection in the skinny GEMM with SiLU * up (default) against cuBLAS
-# (`--down-rows 0`), per batch and in GRPO iterations, and the batch buckets with 3/4 steps (default) against
-# powers of two (`continuous_pow2`); the decode kernels' GPU tests first
-SECTIONS["decode_ab"] = [
+# issue 49: the decode batch buckets with 3/4 steps (`DecodeConfig.buckets_per_doubling` 2, the default) against
+# the powers of two (`continuous_pow2`), each its own process (later iterations compared; the default's last profiled)
+SECTIONS["decode_buckets"] = [
     SECTIONS["decode_kernels"][0],
-    *[Row(name=f"rollout_{name}", script="bench/rollout.py", launch="python", writes=f"rollout_{name}.json",
-          args=f"--shape qwen2-1.8b --batches 16,32,64,128,256 --variants compiled --hf-new-tokens 2 {args}")
-      for name, args in (("down", ""), ("cublas", "--down-rows 0 --agreement-rows 0"))],
-    Row(name="grpo_buckets", script="bench/grpo_iteration.py", writes="grpo_buckets.json",
-        args="--size l --iterations 3 --profile --backends continuous,continuous_pow2"),
-    Row(name="grpo_before", script="bench/grpo_iteration.py", writes="grpo_before.json",
-        args="--size l --iterations 3 --backends continuous_pow2 --down-rows 0")]
+    *[Row(name=f"grpo_{name}", script="bench/grpo_iteration.py", writes=f"grpo_{name}.json",
+          args=f"--size l --backends {backend} {args}")
+      for name, backend, args in (("pow2", "continuous_pow2", "--iterations 3"),
+                                  ("buckets", "continuous", "--iterations 4 --profile"))]]
 # The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
 # under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
 # `make docs` turns them into the README's figures and the top table of docs/benchmarks.md. Shorter than the

@@ -255,6 +255,9 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
         params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.wrapper.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
+    if cfg.dtype == "fp16":   # megatron's schedule scales the loss only through the model config's hook
+        from megatron.core.utils import get_model_config   # (megatron.training sets it at setup): without it the
+        get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss   # step unscales unscaled gradients
     set_adam_implementation(optimizer, ocfg.adam_implementation)
     if ocfg.grad_upcast == "by_part":
         grad_upcast.install(chunks, optimizer)

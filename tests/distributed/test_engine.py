@@ -1,5 +1,6 @@
 """engine helpers on one gloo rank: unwrap, device, counting, the FSDP communication unit, Adam's kernels."""
 import pytest
+import torch
 
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, OptimConfig
@@ -61,3 +62,32 @@ def test_adam_implementation(chunks, implementation):
     groups = [g for o in inner_optimizers(opt) for g in o.optimizer.param_groups]
     want = {"auto": (None, None), "foreach": (False, True), "fused": (True, False)}[implementation]
     assert {(g.get("fused"), g.get("foreach")) for g in groups} == {want}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron's fp16 optimizer runs on a GPU")
+def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
+    """fp16 training multiplies the loss by the optimizer's loss scale before the backward (megatron's schedule
+    does it through the model config's `grad_scale_func`, which `build_optimizer` sets), so a scale too large
+    overflows and the step is skipped, and the unscaled gradient norm does not depend on the scale. Without the
+    hook the step divided unscaled gradients by 2**32, and fp16 runs barely moved."""
+    from mfsdp_kit.distributed import introspect
+    from mfsdp_kit.perf import length_mix
+    from mfsdp_kit.train import step
+    from tests.dist.launch import free_port
+    runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())
+    try:
+        cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp16", attention_backend="sdpa")
+        spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
+        chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
+        opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-12), cfg)   # the weights all but still
+        b = length_mix.batch([(8, 200)] * 4, seq_len_tokens=256, vocab_size=spec.vocab_size)
+        norms = []
+        for i, scale in enumerate((2.0 ** 40, 2.0 ** 6, 2.0 ** 12)):
+            for o in introspect.inner_optimizers(opt):
+                o.grad_scaler.scale.fill_(scale)
+            result = step(chunks, opt, b, micro_batch_size=2, step_index=i)
+            assert result.skipped == (i == 0), (i, result)
+            norms.append(result.grad_norm)
+        assert norms[1] == pytest.approx(norms[2], rel=0.02), norms
+    finally:
+        runtime.shutdown()

@@ -138,7 +138,8 @@ def test_every_graph_is_captured_when_the_cache_is_made_on_a_gpu(kernels, tmp_pa
     assert (rollout.stats["kernels_s"] > 0) == (kernels == "triton")
     cache = rollout.runner.cache
     made = {(b, rollout.runner.step_slots(s))
-            for b, s in buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16, min_batch=cfg.min_batch)}
+            for b, s in buckets(rows=cache.shape[0], slots=cache.shape[1], slot_bucket=16, min_batch=cfg.min_batch,
+                                per_doubling=cfg.buckets_per_doubling)}
     assert set(cache.steps) == made and len(made) > 1
     if kernels == "triton":   # one step per batch bucket, over all the cache's slots
         assert {s for _, s in made} == {cache.shape[1]} and len(made) == len({b for b, _ in made})

@@ -133,7 +133,7 @@ def mlp(layer, x: torch.Tensor, glue: "Glue") -> torch.Tensor:
         out = m(x if x.dim() == 3 else x[:, None])
         out = out[0] if isinstance(out, tuple) else out
         return out if x.dim() == 3 else out[:, 0]
-    return glue.down(m, F.linear(x, fused))
+    return m.down_proj(glue.gated(F.linear(x, fused), m.act_fn))
 
 
 def rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -200,10 +200,9 @@ class Glue:
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
         if mode == "triton":   # imported here: Triton loads only for the engines that use it
-            from . import attention, elementwise, gemm
+            from . import attention, elementwise
             self._rope_store, self._add_rms = elementwise.rope_store, elementwise.add_rms
             self._silu_gated, self._decode_attention = elementwise.gated, attention.decode_attention
-            self._gemm, self._sms = gemm, attention._sms
 
     @property
     def kernel_attention(self) -> bool:
@@ -225,26 +224,11 @@ class Glue:
         self._dynamic(gate_up)
         return self._gated(gate_up, act)
 
-    def down(self, mlp, gate_up: torch.Tensor) -> torch.Tensor:
-        """A dense MLP's down projection of act(gate) * up, from the fused gate/up GEMM's output [b, 2 * ffn]. With
-        the Triton kernels, a SiLU MLP without a down bias and at most `gemm.MAX_ROWS` rows: one skinny GEMM that
-        computes SiLU(gate) * up as it reads it (`gemm.down_config`), returning fp32 partial sums [splits, b, hidden]
-        where K is split (`add_rms` adds them up). Else act * up (`gated`), then the module."""
-        w = mlp.down_proj.weight
-        if (self.mode == "triton" and mlp.down_proj.bias is None and gate_up.dtype == w.dtype
-                and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")):
-            config = self._gemm.down_config(n=w.shape[0], k=w.shape[1], rows=gate_up.shape[0],
-                                            sms=self._sms(gate_up.device))
-            if config is not None:
-                return self._gemm.skinny(gate_up, w, config, gated=True)
-        return mlp.down_proj(self.gated(gate_up, mlp.act_fn))
-
     def add_rms(self, x: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_rms` with an HF RMSNorm module's weight and epsilon (another norm: its module, eagerly); with the
-        Triton kernels `delta` may be `down`'s partial sums."""
+        """`add_rms` with an HF RMSNorm module's weight and epsilon (another norm: its module, eagerly)."""
         eps = getattr(norm, "variance_epsilon", None)
         if eps is None:
-            x = x + (delta.sum(0).to(x.dtype) if delta.dim() == x.dim() + 1 else delta)
+            x = x + delta
             return x, norm(x)
         self._dynamic(x, delta)
         return self._add_rms(x, delta, norm.weight, eps)

@@ -38,14 +38,11 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 
 def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """`decoder.add_rms` in one kernel: (x + delta, RMSNorm(x + delta) * weight) of [b, hidden] rows, the sum rounded
-    to x's dtype before the norm (as the torch ops do). `delta` may also be fp32 partial sums [splits, b, hidden]
-    (`gemm.skinny`'s split K), added up here in fp32."""
+    to x's dtype before the norm (as the torch ops do)."""
     b, hidden = x.shape
-    splits = delta.shape[0] if delta.dim() == 3 else 1
     total, normed = (torch.empty(b, hidden, dtype=x.dtype, device=x.device) for _ in range(2))   # rows contiguous
-    launch(_add_rms, (b,), x, delta, weight, total, normed, x.stride(0), delta.stride(-2),
-           delta.stride(0) if splits > 1 else 0, eps, HIDDEN=hidden, SPLITS=splits, BLOCK=next_power_of_2(hidden),
-           num_warps=8 if hidden > 4096 else 4)
+    launch(_add_rms, (b,), x, delta, weight, total, normed, x.stride(0), delta.stride(0), eps, HIDDEN=hidden,
+           BLOCK=next_power_of_2(hidden), num_warps=8 if hidden > 4096 else 4)
     return total, normed
 
 
@@ -99,15 +96,12 @@ if triton is not None:
             tl.store(VC + at + part * HALF, val, mask=ok)
 
     @triton.jit
-    def _add_rms(X, DELTA, W, TOTAL, NORMED, sx, sd, s_split, eps, HIDDEN: tl.constexpr, SPLITS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+    def _add_rms(X, DELTA, W, TOTAL, NORMED, sx, sd, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < HIDDEN
-        delta = tl.zeros([BLOCK], tl.float32)
-        for split in tl.static_range(SPLITS):
-            delta += tl.load(DELTA + split * s_split + r * sd + c, mask=ok, other=0.0).to(tl.float32)
-        total = tl.load(X + r * sx + c, mask=ok, other=0.0).to(tl.float32) + delta
+        total = tl.load(X + r * sx + c, mask=ok, other=0.0).to(tl.float32) + \
+            tl.load(DELTA + r * sd + c, mask=ok, other=0.0).to(tl.float32)
         total = total.to(TOTAL.dtype.element_ty)
         tl.store(TOTAL + r * HIDDEN + c, total, mask=ok)
         t = total.to(tl.float32)
