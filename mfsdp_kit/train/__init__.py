@@ -179,11 +179,13 @@ class PendingStep:
     start_s: float
 
     def result(self) -> StepResult:
-        """Read the step's numbers (waits for its GPU work); NonFiniteLossError if loss or grad norm is NaN/inf."""
+        """Read the step's numbers (waits for its GPU work); NonFiniteLossError if the loss is NaN/inf, or the grad
+        norm of a step taken. A step fp16's loss scaler skipped (its scaled gradients overflowed: the weights did not
+        move and the scale backs off) is no error: `skipped`, with a NaN grad norm."""
         means, tokens = _read_logged(self.names, self.totals)
         loss = means.pop("lm loss")
         grad_norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
+        if not math.isfinite(loss) or (self.ok and not math.isfinite(grad_norm)):
             raise NonFiniteLossError(f"step {self.step_index}: loss={loss} grad_norm={grad_norm} is not finite; "
                                      "training stopped (the weights may hold this update, and those of any step "
                                      "started after it: resume from the last checkpoint, lower the lr or check "
