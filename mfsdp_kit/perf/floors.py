@@ -23,9 +23,11 @@ class Hardware:
     """HBM bandwidth, bytes/s (the datasheet's)."""
 
 
-HARDWARE = {"H200": Hardware(name="H200", matmul_flops=790e12, memory_bytes_per_s=4.8e12)}
-"""GPUs whose rates the kit has measured (docs/benchmarks.md: torch.matmul at 8192^3 in bf16 ran 790 TFLOP/s
-on an H200); a device name containing the key matches."""
+HARDWARE = {"H200": Hardware(name="H200", matmul_flops=790e12, memory_bytes_per_s=4.8e12),
+            "H100 80GB HBM3": Hardware(name="H100 SXM", matmul_flops=772e12, memory_bytes_per_s=3.35e12)}
+"""GPUs whose rates the kit has measured (docs/benchmarks.md: torch.matmul at 8192^3 in bf16 ran 790 TFLOP/s on
+an H200 and 772 TFLOP/s on an H100 SXM, `bench/decode_gemm.py` in 14fe46d); a device name containing the key
+matches (the H100's PCIe card, 2.0 TB/s, does not)."""
 
 
 def hardware(device: torch.device | str | None = None) -> Hardware | None:

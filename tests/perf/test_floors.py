@@ -51,8 +51,11 @@ def test_hardware_is_named_or_none(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert floors.hardware() is floors.HARDWARE["H200"]
     assert floors.hardware("cpu") is None
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10")
-    assert floors.hardware() is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert floors.hardware().memory_bytes_per_s == 3.35e12
+    for other in ("NVIDIA A10", "NVIDIA H100 PCIe"):   # unlisted, or an H100 of other rates: no floor claimed
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=other: name)
+        assert floors.hardware() is None
 
 
 def test_mfu_from_a_floor():
