@@ -303,9 +303,10 @@ class HealthWatch:
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             return
         signs = []
-        if result.grad_norm == 0.0 and self.seen_nonzero_grad:
-            signs.append("gradient norm is exactly 0.0 after non-zero ones")
-        self.seen_nonzero_grad |= result.grad_norm != 0.0
+        if not result.skipped:   # a step fp16's loss scaler skipped has no grad norm (NaN) to judge
+            if result.grad_norm == 0.0 and self.seen_nonzero_grad:
+                signs.append("gradient norm is exactly 0.0 after non-zero ones")
+            self.seen_nonzero_grad |= result.grad_norm != 0.0
         uniform = self.uniform_loss is not None and math.isclose(result.loss, self.uniform_loss, rel_tol=self.rel_tol)
         self.uniform_run = self.uniform_run + 1 if uniform else 0
         if self.uniform_run >= self.patience_steps:

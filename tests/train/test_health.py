@@ -68,6 +68,18 @@ def test_a_step_without_loss_tokens_is_skipped_and_said():
                       "grad norm 0.0 say nothing; the dead-model watch skips it"], caught
 
 
+def test_a_step_the_loss_scaler_skipped_says_nothing_of_the_grad_norm():
+    """fp16's first steps may be skipped (scaled gradients overflowed: grad norm NaN). With clip_grad=0 the grad norms
+    after it are 0.0 from the start, which is no dead model: the skipped step is not a "non-zero" norm."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watch = HealthWatch(vocab_size=128)
+        watch(0, StepResult(loss=4.0, grad_norm=math.nan, tokens=8, lr=1e-3, step_time_s=1.0, skipped=True))
+        for i in (1, 2):
+            watch(i, StepResult(loss=4.0, grad_norm=0.0, tokens=8, lr=1e-3, step_time_s=1.0))
+    assert not [w for w in caught if issubclass(w.category, DeadModelWarning)]
+
+
 def test_the_watch_warns_again_after_a_recovery():
     """One warning per episode, not per run: a collapse after a recovery is reported too."""
     rows = [(4.0, 1.0), (3.0, 0.0), (3.0, 0.0), (3.0, 1.0), (3.0, 0.0), (3.0, 0.0)]

@@ -75,13 +75,14 @@ class Run:
     def move(self, rows: list[int] | None) -> None:
         """Cache rows `rows` (ascending; KV, next token, position) copied to rows 0..len(rows)-1
         (`Scheduler.compact`), at most half the cache's rows at a time (`Runner.transient_bytes` holds one layer's
-        copy of half the rows). Piece by piece is safe in ascending order: the j-th row moved comes from a row >= j,
-        so a piece writes no row that a later piece reads."""
+        copy of half the rows), from the first row not already in place. Piece by piece is safe in ascending order:
+        the j-th row moved comes from a row >= j, so a piece writes no row that a later piece reads."""
         if rows is None:
             return
         st = self.state
         piece = max(1, (st.tok.shape[0] + 1) // 2)
-        for start in range(0, len(rows), piece):
+        first = next((j for j, r in enumerate(rows) if r != j), len(rows))   # rows already in place stay
+        for start in range(first, len(rows), piece):
             src = torch.tensor(rows[start:start + piece], device=st.tok.device)
             to = slice(start, start + len(src))
             for k, v in st.kv:
