@@ -10,8 +10,9 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
   - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
     `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
     at its first stop id (`chat.stop_ids`) or at `max_new_tokens`, and refills finished rows from the queue;
-  - once the queue is empty and at most half the rows still run, they move to the front and the steps run a
-    smaller batch bucket (powers of two): the long tail of a GRPO batch costs what its live rows cost;
+  - once the queue is empty and the rows still running fit a smaller batch bucket (powers of two and 3/4 of each:
+    `buckets_per_doubling`), they move to the front and the steps run that bucket: the long tail of a GRPO batch
+    costs what its live rows cost;
   - a decode step reads the cache up to the next `slot_bucket` past the longest live row, and runs as one
     CUDA graph per (batch bucket, slot bucket) on a GPU (all graphs share one memory pool, all captured when the
     cache is made: `runner.Runner`); elsewhere, or for MoE models (their routing syncs the host), it runs
