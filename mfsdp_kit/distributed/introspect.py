@@ -46,6 +46,17 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def loss_scale_at_floor(optimizer) -> bool:
+    """Whether an fp16 optimizer's dynamic loss scale is at its smallest (megatron's `DynamicGradScaler.min_scale`):
+    a step skipped there overflowed at every scale it could try. False without a dynamic scaler (bf16, fp32: nothing
+    is read). With one it reads the scale on the host, a sync: fp16's step syncs anyway, to find an overflow."""
+    for opt in inner_optimizers(optimizer):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale <= scaler.min_scale):
+            return True
+    return False
+
+
 def main_params(optimizer) -> Iterator[torch.Tensor]:
     """The fp32 main weights a mixed-precision (distributed) optimizer keeps (DDP path)."""
     for opt in inner_optimizers(optimizer):

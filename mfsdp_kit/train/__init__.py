@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..distributed import engine, keep_gathered, runtime
+from ..distributed import engine, introspect, keep_gathered, runtime
 from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
@@ -177,16 +177,20 @@ class PendingStep:
     ok: bool
     lr: float
     start_s: float
+    stuck: bool = False
+    """Skipped with the loss scale already at its smallest: the gradients are not finite at any scale."""
 
     def result(self) -> StepResult:
         """Read the step's numbers (waits for its GPU work); NonFiniteLossError if the loss is NaN/inf, or the grad
         norm of a step taken. A step fp16's loss scaler skipped (its scaled gradients overflowed: the weights did not
-        move and the scale backs off) is no error: `skipped`, with a NaN grad norm."""
+        move and the scale backs off) is no error: `skipped`, with a NaN grad norm; one skipped at the smallest scale
+        is (no scale makes its gradients finite, and every later step would be skipped too)."""
         means, tokens = _read_logged(self.names, self.totals)
         loss = means.pop("lm loss")
         grad_norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
-        if not math.isfinite(loss) or (self.ok and not math.isfinite(grad_norm)):
-            raise NonFiniteLossError(f"step {self.step_index}: loss={loss} grad_norm={grad_norm} is not finite; "
+        if not math.isfinite(loss) or (self.ok and not math.isfinite(grad_norm)) or self.stuck:
+            why = " (skipped at the smallest fp16 loss scale: its gradients overflow at every scale)" * self.stuck
+            raise NonFiniteLossError(f"step {self.step_index}: loss={loss} grad_norm={grad_norm} is not finite{why}; "
                                      "training stopped (the weights may hold this update, and those of any step "
                                      "started after it: resume from the last checkpoint, lower the lr or check "
                                      "the data)")
@@ -209,14 +213,16 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     optimizer.zero_grad()
     names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    floor = introspect.loss_scale_at_floor(optimizer)   # fp16 only (it syncs, as fp16's step does): bf16 reads nothing
     ok, grad_norm, _ = optimizer.step()
     if ok:   # a Python bool (megatron reads fp16's found-inf on the host; bf16 always steps)
         token_budget.optimizer_stepped(chunks)
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
-    if scheduler is not None:
+    if scheduler is not None and ok:   # a skipped step takes no share of the warm-up (as megatron.training does)
         scheduler.step(increment=1)
     return PendingStep(step_index=step_index, names=names, totals=totals, grad_norm=grad_norm, ok=ok,
-                       lr=optimizer.param_groups[0]["lr"], start_s=start)
+                       lr=optimizer.param_groups[0]["lr"], start_s=start,
+                       stuck=not ok and floor)
 
 
 @checked_args(micro_batch_size=COUNT, step_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))

@@ -69,10 +69,11 @@ def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
     """fp16 training multiplies the loss by the optimizer's loss scale before the backward (megatron's schedule
     does it through the model config's `grad_scale_func`, which `build_optimizer` sets), so a scale too large
     overflows and the step is skipped, and the unscaled gradient norm does not depend on the scale. Without the
-    hook the step divided unscaled gradients by 2**32, and fp16 runs barely moved."""
+    hook the step divided unscaled gradients by 2**32, and fp16 runs barely moved. A step that overflows at the
+    smallest scale raises: no scale would make it finite."""
     from mfsdp_kit.distributed import introspect
     from mfsdp_kit.perf import length_mix
-    from mfsdp_kit.train import step
+    from mfsdp_kit.train import NonFiniteLossError, step
     from tests.dist.launch import free_port
     runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())
     try:
@@ -89,5 +90,17 @@ def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
             assert result.skipped == (i == 0), (i, result)
             norms.append(result.grad_norm)
         assert norms[1] == pytest.approx(norms[2], rel=0.02), norms
+        for o in introspect.inner_optimizers(opt):   # an overflow at the smallest scale: no scale helps, so it raises
+            o.grad_scaler.scale.fill_(2.0 ** 40)
+            o.grad_scaler.min_scale.fill_(2.0 ** 40)
+        with pytest.raises(NonFiniteLossError, match="smallest fp16 loss scale"):
+            step(chunks, opt, b, micro_batch_size=2, step_index=3)
     finally:
         runtime.shutdown()
+
+
+def test_a_loss_scale_floor_needs_an_fp16_scaler(chunks):
+    """bf16 and fp32 optimizers have no dynamic loss scale: never at its floor, and nothing read on the host."""
+    from mfsdp_kit.distributed import introspect
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-3), EngineConfig())
+    assert introspect.loss_scale_at_floor(opt) is False

@@ -2,14 +2,15 @@
 check_every, slot and prefill budgets, stop ids, tools), the engine's own loop (`run.Run.loop`) over a fake device
 gives every sequence exactly what a naive reference gives it alone (a fake model's tokens, cut at its first stop id
 or `max_new_tokens`, tool outputs appended at each call), and the scheduler keeps its invariants at every chunk:
-a cache row serves at most one sequence, batch buckets are powers of two covering the live rows, each step reads
+a cache row serves at most one sequence, batch buckets are buckets (`schedule.batch_bucket`: powers of two, or with 3/4
+steps) covering the live rows, each step reads
 past its longest live row, and each live row's cache holds exactly its sequence's tokens (compaction moved them)."""
 import random
 
 import torch
 
 from mfsdp_kit.rl.rollout.run import Run
-from mfsdp_kit.rl.rollout.schedule import bucketed
+from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
 from mfsdp_kit.rl.rollout.tools import Tool, ToolConfig
 
@@ -88,7 +89,8 @@ class FakeRun(Run):
         s, b = self.scheduler, chunk.batch
         held = [q for q in s.cache if q is not None]
         assert len({id(q) for q in held}) == len(held) and all(s.cache[q.row] is q for q in held)
-        assert b == len(s.cache) or (b >= 2 and b & (b - 1) == 0)
+        assert b == len(s.cache) or b == batch_bucket(b, rows=len(s.cache), least=s.min_batch,
+                                                      per_doubling=s.per_doubling)
         assert all(q.row < b for q in held) and chunk.idle == [r for r in range(b) if s.cache[r] is None]
         for q in held:
             if q.waiting is None:   # its cache row holds prompt + tokens up to its last, which is the row's next
@@ -137,7 +139,7 @@ def workload(case: int):
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 12))]
     return dict(vocab=vocab, stops=stops, tools=tools, prompts=prompts, rows=rng.randint(2, 6),
                 max_new=rng.randint(1, 20), check_every=rng.randint(1, 6), slot_bucket=rng.randint(1, 8),
-                prefill_tokens=rng.randint(1, 30))
+                prefill_tokens=rng.randint(1, 30), per_doubling=rng.choice([1, 2]))
 
 
 def test_random_workloads_equal_each_sequence_alone():
@@ -149,7 +151,8 @@ def test_random_workloads_equal_each_sequence_alone():
         slots = bucketed(longest + w["max_new"] + w["check_every"], w["slot_bucket"])
         scheduler = Scheduler(w["prompts"], rows=w["rows"], slots=slots, max_new_tokens=w["max_new"], stops=w["stops"],
                               check_every=w["check_every"], slot_bucket=w["slot_bucket"],
-                              prefill_tokens=w["prefill_tokens"], tools=w["tools"], tokenizer=tok)
+                              prefill_tokens=w["prefill_tokens"], buckets_per_doubling=w["per_doubling"],
+                              tools=w["tools"], tokenizer=tok)
         run = FakeRun(scheduler, model, w["rows"], slots)
         moves = []
         run.move = lambda rows, move=run.move: (moves.append(rows), move(rows))

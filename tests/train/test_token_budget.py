@@ -111,11 +111,10 @@ def test_a_budget_is_measured_only_from_a_full_enough_call_after_a_real_step_on_
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4), cfg)
     b = length_mix.batch([(8, 40), (8, 200)] * 8, seq_len_tokens=256, vocab_size=spec.vocab_size)
-    scales = [o.grad_scaler.scale for o in introspect.inner_optimizers(opt)]
     formula, stepped_at = None, None
     for i in range(4):
-        for scale in scales:
-            scale.fill_(2.0 ** 40 if i == 0 else 1.0)
+        for o in introspect.inner_optimizers(opt):   # read each time: the scaler replaces its tensor as it moves
+            o.grad_scaler.scale.fill_(2.0 ** 40 if i == 0 else 1.0)
         result = step(chunks, opt, b, micro_batch_size=2, step_index=i)
         formula = formula or token_budget.decided_budgets(chunks)[False]
         if stepped_at is None:   # up to the first step that updated the model, nothing is re-decided

@@ -74,19 +74,21 @@ class Run:
 
     def move(self, rows: list[int] | None) -> None:
         """Cache rows `rows` (ascending; KV, next token, position) copied to rows 0..len(rows)-1
-        (`Scheduler.compact`), at most half the cache's rows at a time (`Runner.transient_bytes` holds one layer's
-        copy of half the rows), from the first row not already in place. Piece by piece is safe in ascending order:
-        the j-th row moved comes from a row >= j, so a piece writes no row that a later piece reads."""
+        (`Scheduler.compact`, which has placed their sequences there), from the first row not already in place, only
+        the slots they hold (up to the longest one's `length`: no step has read past it), at most half the cache's
+        rows at a time (`Runner.transient_bytes` holds one layer's copy of half the rows). Piece by piece is safe in
+        ascending order: the j-th row moved comes from a row >= j, so a piece writes no row that a later piece reads."""
         if rows is None:
             return
         st = self.state
         piece = max(1, (st.tok.shape[0] + 1) // 2)
+        held = max(s.length for s in self.scheduler.cache[:len(rows)])
         first = next((j for j, r in enumerate(rows) if r != j), len(rows))   # rows already in place stay
         for start in range(first, len(rows), piece):
             src = torch.tensor(rows[start:start + piece], device=st.tok.device)
             to = slice(start, start + len(src))
             for k, v in st.kv:
-                k[to], v[to] = k[src], v[src]
+                k[to, :, :held], v[to, :, :held] = k[src, :, :held], v[src, :, :held]
             st.tok[to], st.pos[to] = st.tok[src], st.pos[src]
 
     def chunk(self, chunk: Chunk) -> None:

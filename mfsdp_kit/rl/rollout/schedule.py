@@ -9,7 +9,7 @@ def bucketed(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
 
-def batch_bucket(n: int, *, rows: int, least: int = 2, per_doubling: int = 1) -> int:
+def batch_bucket(n: int, *, rows: int, least: int = 2, per_doubling: int = 2) -> int:
     """The decode batch for `n` live rows: the smallest bucket >= n, at least `least` (`DecodeConfig.min_batch`) and 2
     (a batch of 1 would compile glue of its own), at most `rows`. Buckets are the powers of two, and with
     `per_doubling` 2 (`DecodeConfig.buckets_per_doubling`) also 3/4 of each (..., 48, 64, 96, 128, 192, 256, 384,

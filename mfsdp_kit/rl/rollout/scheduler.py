@@ -5,7 +5,7 @@ reference); `run.Run` carries its decisions out on the device, as nano-vllm's Mo
 
 A sequence's life: admitted (its prompt prefilled into a free cache row, `admit`), decoded `check_every` steps at a
 time (`next_chunk`), cut at its first stop id or at `max_new_tokens` (`record`), its cache row then refilled from the
-queue. Once the queue is empty and at most half the batch runs, the live rows move to the front and the batch
+queue. Once the queue is empty and the live rows fit a smaller batch bucket, they move to the front and the batch
 shrinks to their bucket (`compact`). With tools (`tools.ToolConfig`), a sequence whose new tokens end a call (a
 tool's stop string, found in the decoded text of its current turn at the check point) is cut right after the stop
 and paused: it takes no part in the decode steps while its tool runs (inline, or on `workers` threads). At the next
@@ -74,7 +74,7 @@ class Scheduler:
 
     def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
                  check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
-                 buckets_per_doubling: int = 1, tools: ToolConfig | None = None, tokenizer=None,
+                 buckets_per_doubling: int = 2, tools: ToolConfig | None = None, tokenizer=None,
                  stats: dict | None = None):
         self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
         self.queue = deque(self.seqs)
