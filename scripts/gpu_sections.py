@@ -404,6 +404,9 @@ SECTIONS["release"] = [
     replace(SECTIONS["packing"][0], args="--spec 1.7b --mixes rl --ways padded,packed-sdpa --sequences 64 "
                                          "--micro-batch-size 8 --steps 4 --warmup 2"),
     replace(SECTIONS["lora"][0], args=SECTIONS["lora"][0].args + " --steps 3")]
+# The check set: what a change to mfsdp_kit/ or notebooks/ must pass on a GPU, with no benchmark (the GPU-only
+# tests, the decode kernels' tests, every notebook): about 5 minutes on 1 H100, for a session short of device time.
+SECTIONS["check"] = [SECTIONS["gpu_tests_gpu"][0], SECTIONS["decode_kernels"][0], *SECTIONS["release"][:2]]
 RELEASE_FILES = tuple(row.writes for row in SECTIONS["release"] if row.writes)
 """The release set's JSON files, one per section: docs/results/<device>/ keeps these (older runs: history/)."""
 DEFAULT = "parity roundtrip sync offload checkpoint gpu_tests throughput throughput1 grpo_start grpo"
