@@ -24,6 +24,7 @@ from ..config import BACKENDS, ConfigError, EngineConfig, bad_value  # noqa: F40
 from ..config.sections import Communication
 from ..fieldtypes import is_int
 from ..config.parallel_dims import ParallelDims
+from . import ports
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def _new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout:
     gloo pair or the next store.)"""
     if rank != 0 or agent:
         return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-    sock = socket.create_server((addr, port), reuse_port=False)
+    sock = ports.take(addr, port) or socket.create_server((addr, port), reuse_port=False)   # ports.py: no race
     return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 

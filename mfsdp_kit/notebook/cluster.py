@@ -31,6 +31,7 @@ import ipyparallel as ipp
 
 from . import gpus, launch, watchdog
 from ..config import EngineConfig
+from ..distributed import ports
 from ..perf.stopwatch import Stopwatch
 from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
@@ -54,13 +55,6 @@ def _engine_identity() -> dict:
     """Who this engine is: pid, host and the ranks its launcher gave it (None when it gave none)."""
     return dict(pid=os.getpid(), host=socket.gethostname(),
                 env_rank=_first_env_int(RANK_ENV), env_local_rank=_first_env_int(LOCAL_RANK_ENV))
-
-
-def _engine_free_port(addr: str) -> int:
-    """A TCP port free on this engine's host at `addr` (asked on rank 0, which hosts the rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind((addr, 0))
-        return sock.getsockname()[1]
 
 
 def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
@@ -248,7 +242,7 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.rank_of = {e: r for e, (r, _) in ranks.items()}
     handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
     order = sorted(engine_ids, key=handle.rank_of.get)
-    handle.master_port = client[order[0]].apply_sync(_engine_free_port, kw["master_addr"])
+    handle.master_port = client[order[0]].apply_sync(ports.reserve, kw["master_addr"])   # held until init takes it
     handle.world_key, handle.abort_reason = watchdog.new_key(), None
     pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
                              block=False) for e in order]   # the names %%px cells use

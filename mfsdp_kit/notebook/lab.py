@@ -114,14 +114,28 @@ def command(*, port: int, token: str, root: Path) -> list[str]:
             f"--ServerApp.root_dir={root}", "--ServerApp.allow_remote_access=False", *as_root]
 
 
+PORT_TAKEN = "is not available"
+"""What jupyter-server logs when its port is taken (it is started with port_retries=0)."""
+
+
 def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float = 60.0, quiet: bool = True,
           env: dict[str, str] | None = None) -> LabServer:
     """Start JupyterLab in its own process group and wait until its API answers; returns the server.
+    `port`: None picks a free one, and (quiet) picks again, twice at most, if it was taken before the server bound it.
     `env`: variables added to this process's environment for the server (e.g. JUPYTERLAB_SETTINGS_DIR)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise bad_value("root", str(root), "an existing directory (the notebooks folder by default)")
-    port = port or free_port()
+    tries = 1 if port else 3
+    for attempt in range(1, tries + 1):
+        try:
+            return _start_on(port or free_port(), root=root, timeout_s=timeout_s, quiet=quiet, env=env)
+        except RuntimeError as err:   # a quiet server's log says why it exited
+            if attempt == tries or PORT_TAKEN not in str(err):
+                raise
+
+
+def _start_on(port: int, *, root: Path, timeout_s: float, quiet: bool, env: dict[str, str] | None) -> LabServer:
     token = secrets.token_hex(24)
     log = tempfile.TemporaryFile() if quiet else None  # the server's own log, for the error below
     proc = subprocess.Popen(command(port=port, token=token, root=root), stdout=log, stderr=log,

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,31 @@ def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
     assert not [p for p in psutil.process_iter(["pid"]) if p.info["pid"] == pid and p.status() != psutil.STATUS_ZOMBIE]
     with pytest.raises(OSError):
         server.api(token=server.token, timeout_s=2)
+
+
+@needs_lab
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(monkeypatch):
+    """The race of picking a free port and binding it later: the first pick is held by someone else."""
+    held = socket.create_server((lab.HOST, 0))
+    taken = held.getsockname()[1]
+    picks = iter([taken])
+    monkeypatch.setattr(lab, "free_port", lambda host=lab.HOST: next(picks, None) or _bound_and_closed(host))
+    try:
+        with pytest.raises(RuntimeError, match=lab.PORT_TAKEN):   # a port the user names is not changed
+            lab.start(port=taken)
+        server = lab.start()
+        try:
+            assert server.port != taken and server.api(token=server.token) == 200
+        finally:
+            server.stop()
+    finally:
+        held.close()
+
+
+def _bound_and_closed(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def test_the_notebooks_model_is_written_in_the_background(tmp_path, monkeypatch):

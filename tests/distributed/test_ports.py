@@ -1,0 +1,55 @@
+"""ports: a reserved rendezvous port stays taken until rank 0's store takes the socket over."""
+import errno
+import os
+import socket
+import subprocess
+import sys
+
+from mfsdp_kit.distributed import ports
+
+
+def _bind_fails(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            assert err.errno == errno.EADDRINUSE, err
+            return True
+    return False
+
+
+def test_a_reserved_port_cannot_be_bound_by_anyone_else_until_released():
+    port = ports.reserve("127.0.0.1")
+    try:
+        assert _bind_fails(port)
+        newer = ports.reserve("127.0.0.1")   # one reservation per process: the older one is closed
+        assert newer != port and _bind_fails(newer) and not _bind_fails(port)
+        sock = ports.take("127.0.0.1", newer)
+        assert sock is not None and ports.take("127.0.0.1", newer) is None   # handed over once
+        sock.close()
+        assert not _bind_fails(newer)
+    finally:
+        ports.release()
+
+
+SCRIPT = """
+import psutil
+from mfsdp_kit import runtime
+from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.distributed import ports
+port = ports.reserve("127.0.0.1")
+runtime.init(EngineConfig(), rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+listening = [c for c in psutil.Process().net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+assert ports.take("127.0.0.1", port) is None, "init did not take the reserved socket"
+runtime.shutdown(destroy_process_group=True)
+print("LISTENING", len(listening))
+"""
+
+
+def test_rank_0s_store_listens_on_the_reserved_socket():
+    """Without the hand-over, rank 0's bind of its own reserved port fails with EADDRINUSE."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "MASTER_", "RANK", "WORLD_SIZE"))}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "LISTENING 1" in out.stdout, out.stdout
