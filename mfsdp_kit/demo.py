@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .distributed import ports
 
 CPU = dict(digits=1, steps=300, batch_per_rank=16, micro_batch_size=16, seq_len_tokens=16, train_pairs=90, size="xs")
 """2 CPU cores: ~0.08 s/step for the 0.1 M-parameter model -> ~25 s of training."""
@@ -201,15 +202,9 @@ def worker(out: Path, *, steps: int | None = None) -> None:
 
 
 # ---- launcher: this process ----------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: Path, *, nproc: int, steps: int | None) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "mfsdp_kit.demo", "--worker", "--out", str(out)]
+           f"--master_port={ports.unclaimed()}", "-m", "mfsdp_kit.demo", "--worker", "--out", str(out)]
     if steps:
         cmd += ["--steps", str(steps)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}

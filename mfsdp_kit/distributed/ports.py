@@ -7,10 +7,19 @@ store), and `init` fails with EADDRINUSE (CI, 2026-12-05). `reserve` binds and l
 keeps the socket; `runtime.init` on rank 0 takes it (`take`) and hands its descriptor to the
 TCPStore, so the port is never free in between. Connections that arrive before the store starts
 wait in the listen backlog.
+
+A server in another process (torchrun's agent, jupyter) cannot take a socket over. For it, `unclaimed` picks a
+port below the kernel's ephemeral range: binds to port 0 and outgoing connections draw from that range, so
+nothing takes a port below it by chance between the pick and the server's bind.
 """
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+LOWEST = 10000
+"""The lowest port `unclaimed` picks (below are well-known services' ports)."""
 
 _held: dict[tuple[str, int], socket.socket] = {}
 """(addr, port) -> the listening socket this process reserved and has not handed over yet."""
@@ -36,3 +45,27 @@ def release() -> None:
     """Close every reservation not taken."""
     while _held:
         _held.popitem()[1].close()
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range; 32768 if
+    unreadable, Linux's default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def unclaimed(host: str = "127.0.0.1", *, tries: int = 100) -> int:
+    """A port free on `host` now, drawn at random from [LOWEST, the ephemeral range's start), for a server that
+    another process binds."""
+    high = ephemeral_start()
+    for _ in range(tries):
+        port = random.randrange(LOWEST, high) if high > LOWEST else 0   # no room below: the kernel's pick
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue   # someone holds it: draw again
+            return sock.getsockname()[1]
+    raise OSError(f"no free port on {host} in [{LOWEST}, {high}) after {tries} draws")

@@ -35,15 +35,15 @@ from pathlib import Path
 from .. import cache
 from . import model as notebook_model
 from ..config import bad_value
+from ..distributed import ports
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port for the server: `ports.unclaimed` (below the ephemeral range, so rarely taken before jupyter binds it)."""
+    return ports.unclaimed(host)
 
 
 def tunnel_command(port: int, *, user: str | None = None, host: str | None = None) -> str:

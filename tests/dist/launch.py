@@ -42,17 +42,15 @@ def free_port() -> int:
 
 
 def _worker_ports():
-    """This worker's slice of [10000, the ephemeral range's start), walked in a cycle from a random place."""
+    """This worker's slice of the ports below the ephemeral range (`ports.unclaimed`'s range), walked in a cycle
+    from a random place."""
     import itertools
     import random
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768   # Linux's default
+    from mfsdp_kit.distributed import ports
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    size = (low - 10000) // workers
-    mine = list(range(10000 + worker * size, 10000 + (worker + 1) * size))
+    size = (ports.ephemeral_start() - ports.LOWEST) // workers
+    mine = list(range(ports.LOWEST + worker * size, ports.LOWEST + (worker + 1) * size))
     start = random.randrange(len(mine))
     return itertools.islice(itertools.cycle(mine[start:] + mine[:start]), 2 * len(mine))
 

@@ -53,3 +53,15 @@ def test_rank_0s_store_listens_on_the_reserved_socket():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=150)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "LISTENING 1" in out.stdout, out.stdout
+
+
+def test_unclaimed_ports_lie_below_the_ephemeral_range_and_are_free():
+    low = ports.ephemeral_start()
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assert low == int(f.read().split()[0])
+    picked = {ports.unclaimed("127.0.0.1") for _ in range(20)}
+    assert all(ports.LOWEST <= p < low for p in picked) and len(picked) > 1, picked   # drawn, not one fixed port
+    port = picked.pop()
+    assert not _bind_fails(port)
+    with socket.create_server(("127.0.0.1", port)):   # held: a pick never returns it
+        assert port not in {ports.unclaimed("127.0.0.1") for _ in range(200)}
