@@ -34,6 +34,7 @@ from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConf
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
+    "qwen2-1.5b": (28, 1536, 12, 2, 8960, 151936),   # a 152k vocabulary beside a small model: the head and the draw
     "qwen2-7b": (28, 3584, 28, 4, 18944, 152064),
     "tiny": (2, 64, 4, 2, 128, 256),
 }
@@ -230,10 +231,11 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
 
 
 VARIANTS = {"compiled": {}, "triton": dict(kernels="triton"), "eager": dict(compile_glue=False),
-            "reduce-overhead": dict(graph_mode="reduce-overhead")}
-"""The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, compiled glue
-and SDPA on a GPU), triton (the decode step in the kit's Triton kernels: one graph per batch bucket), eager (glue
-eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead"))."""
+            "reduce-overhead": dict(graph_mode="reduce-overhead"), "sampler": dict(sampler="triton")}
+"""The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, with the kit's
+Triton kernels on a GPU that runs them, else compiled glue and SDPA), triton (the Triton kernels asked for by name),
+eager (glue eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead")), sampler (the
+default with the draw in one kernel: `sampler="triton"`)."""
 
 
 def main() -> None:

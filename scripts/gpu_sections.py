@@ -326,7 +326,7 @@ SECTIONS.update({
     "decode_kernels": [
         Row(name="decode_kernels_tests", script="-m pytest", launch="python",
             args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
-                 "-k 'gpu or kernels or rope or add_rms or splits'"),
+                 "tests/rl/test_draw.py -k 'gpu or kernels or rope or add_rms or splits or draw'"),
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],
@@ -390,6 +390,17 @@ SECTIONS["decode_buckets"] = [
           args=f"--size l --backends {backend} {args}")
       for name, backend, args in (("pow2", "continuous_pow2", "--iterations 3"),
                                   ("buckets", "continuous", "--iterations 4 --profile"))]]
+# issue 49: a decode step's draw in one kernel (`DecodeConfig.sampler="triton"`, `rl/rollout/draw.py`) against the
+# torch ops (`sampling.pick`), where the draw is a large share of a step: a 152k vocabulary beside a 1.5 B model, at
+# 32 and 256 rows (its GPU tests first: the kernel's law, ties, seeds; the engine's tokens and log-probs with it);
+# then the GRPO iterations (the tiny model's vocabulary is 128: launches saved, not bytes)
+SECTIONS["sampler"] = [
+    Row(name="sampler_tests", script="-m pytest", launch="python",
+        args="-q -p no:cacheprovider tests/rl/test_draw.py tests/rl/test_continuous.py -k 'draw or kernel_sampler'"),
+    Row(name="sampler_rollout", script="bench/rollout.py", launch="python", writes="sampler_rollout.json",
+        args="--shape qwen2-1.5b --batches 32,256 --variants compiled,sampler --hf-new-tokens 2 --agreement-rows 64"),
+    Row(name="grpo_sampler", script="bench/grpo_iteration.py", writes="grpo_sampler.json",
+        args="--size l --iterations 3 --backends continuous,continuous_sampler")]
 # The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
 # under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
 # `make docs` turns them into the README's figures and the top table of docs/benchmarks.md. Shorter than the

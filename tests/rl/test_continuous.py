@@ -162,6 +162,28 @@ def test_glue_compiles_once_for_forty_call_shapes_on_a_gpu(tmp_path):
     assert json.loads(fresh.stdout.strip().splitlines()[-1]) == ours
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the draw's kernel runs beside the GPU's Triton kernels")
+def test_the_kernel_sampler_draws_the_models_tokens_on_a_gpu(tmp_path):
+    """`DecodeConfig(sampler="triton")` (the draw in one kernel: `draw.draw`) against the torch sampler on the same
+    engine: the same greedy tokens; sampled at T 0.8, other tokens (the kernel drew them), the same for the same seed,
+    each log-prob the model's teacher-forced log softmax(logits / T) (fp32, <= 1e-4)."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    model = model.cuda()
+    small = dict(max_batch_size=4, check_every=3, slot_bucket=8)
+    kit, plain = (ContinuousRollout(model, tok, config=DecodeConfig(**small, sampler=s)) for s in ("triton", "torch"))
+    greedy = dict(max_new_tokens=16, temperature=0, top_p=1.0, seed=0)
+    assert kit.generate(ROWS, **greedy)[0] == plain.generate(ROWS, **greedy)[0]
+    kw = dict(max_new_tokens=12, temperature=0.8, top_p=1.0, seed=3)
+    ours, lps = kit.generate(ROWS, **kw)
+    assert kit.runner.kernel_draws() and (ours, lps) == kit.generate(ROWS, **kw)
+    assert plain.generate(ROWS, **kw)[0] != ours
+    for prompt, completion, lp in zip(ROWS, ours, lps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion], device="cuda")).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float() / 0.8, -1).gather(-1, torch.tensor(completion, device="cuda")[:, None])
+        assert (torch.tensor(lp) - want[:, 0].cpu()).abs().max() <= 1e-4, (lp, want)
+
+
 def test_a_re_pointed_weight_is_used_by_the_next_call(tmp_path):
     """A q_proj weight replaced by a new Parameter after the engine fused q/k/v (what `load_state_dict(assign=True)`
     does) is regrouped at the next call: greedy tokens equal generate's with the new weights, not the old views'."""

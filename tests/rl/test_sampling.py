@@ -22,9 +22,17 @@ def test_draws_follow_softmax_over_t_cut_to_top_p(top_p):
     assert 2 < len(keep) < len(probs) // 2 if top_p < 1 else len(keep) == len(probs)   # the cut matters, or none
     draws, logp = pick(logits.expand(10_000, -1), temperature=0.7, top_p=top_p,
                        generator=torch.Generator().manual_seed(1))
-    counts = torch.bincount(draws, minlength=len(probs)).double()
-    assert counts[expected == 0].sum() == 0, "a token outside the top-p set was drawn"
-    e = expected.double() * len(draws)
+    assert_draws_follow(draws, expected)
+    torch.testing.assert_close(logp, torch.log_softmax(logits / 0.7, -1)[draws], rtol=0, atol=1e-6)
+
+
+def assert_draws_follow(draws: torch.Tensor, expected: torch.Tensor) -> None:
+    """No draw where `expected` (a law over the vocabulary) is 0, and a chi-square test at alpha 1e-3 (Wilson-Hilferty's
+    quantile; cells expecting fewer than 5 draws pooled)."""
+    counts = torch.bincount(draws.cpu(), minlength=len(expected)).double()
+    expected = expected.cpu().double()
+    assert counts[expected == 0].sum() == 0, "a token outside the law's support was drawn"
+    e = expected * len(draws)
     big = e >= 5
     observed = torch.cat([counts[big], counts[~big & (expected > 0)].sum().reshape(1)])
     wanted = torch.cat([e[big], e[~big & (expected > 0)].sum().reshape(1)])
@@ -33,7 +41,6 @@ def test_draws_follow_softmax_over_t_cut_to_top_p(top_p):
     df = len(wanted) - 1
     critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
     assert chi2 < critical, (chi2, critical, df)
-    torch.testing.assert_close(logp, torch.log_softmax(logits / 0.7, -1)[draws], rtol=0, atol=1e-6)
 
 
 def test_temperature_zero_is_greedy_scored_at_one():

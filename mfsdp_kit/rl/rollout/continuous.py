@@ -41,6 +41,7 @@ from .decoder import check_model, fuse_projections, layer_windows
 from .hf import Completions, HFRollout
 from .run import Run
 from .runner import Runner
+from .sampling import Sampler
 from .scheduler import Scheduler
 from .schedule import bucketed
 from .tools import ToolConfig
@@ -97,6 +98,11 @@ class DecodeConfig:
     compile_glue: bool = True
     """Where the glue is torch ops on a GPU (`kernels="torch"`, or a GPU the Triton kernels do not run on):
     `torch.compile` them (`decoder.Glue`)."""
+    sampler: Literal["torch", "triton"] = "torch"
+    """A decode step's draw where the Triton kernels run (`kernels`): "torch" (`sampling.pick`: about ten torch ops
+    over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`: one kernel reads each row's logits once; Philox
+    draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes "torch"'s sort).
+    Elsewhere "torch". Not yet timed on a GPU (gpu_sections `sampler`): "torch" stays the default until it is."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
@@ -112,6 +118,9 @@ class DecodeConfig:
         if self.kernels == "triton" and self.graph_mode == "reduce-overhead":   # its compiled step is torch's own
             raise bad_value("kernels", self.kernels, '"torch" with graph_mode="reduce-overhead" (inductor compiles '
                             'the whole step from torch ops), or graph_mode="capture" for "triton"')
+        if self.sampler == "triton" and (self.kernels == "torch" or self.graph_mode == "reduce-overhead"):
+            raise bad_value("sampler", self.sampler, '"torch" with kernels="torch" or graph_mode="reduce-overhead" '
+                            '(the draw\'s kernel runs beside the Triton decode kernels)')
 
 
 class ContinuousRollout(HFRollout):
@@ -184,8 +193,8 @@ class ContinuousRollout(HFRollout):
                               buckets_per_doubling=cfg.buckets_per_doubling,
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats)
-        run = Run(self, state, scheduler, sample=dict(
-            temperature=temperature, top_p=top_p, generator=torch.Generator(device=state.tok.device).manual_seed(seed)))
+        run = Run(self, state, scheduler, sample=Sampler(temperature=temperature, top_p=top_p, seed=seed,
+                                                         device=state.tok.device, kernel=self.runner.kernel_draws()))
         try:
             return run.loop()
         finally:

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .decoder import extend, prefill
-from .sampling import pick
+from .sampling import Sampler
 from .scheduler import Chunk, Scheduler, Sequence
 from .timing import ChunkTimer
 
@@ -20,7 +20,7 @@ from .timing import ChunkTimer
 class Run:
     """The device side of one call (module docstring); `loop()` returns the scheduler's `results()`."""
 
-    def __init__(self, engine, state, scheduler: Scheduler, *, sample: dict):
+    def __init__(self, engine, state, scheduler: Scheduler, *, sample: Sampler):
         self.engine, self.state, self.scheduler, self.sample = engine, state, scheduler, sample
         self.timer = ChunkTimer(state.tok.device)
 
@@ -48,7 +48,7 @@ class Run:
         t0 = time.perf_counter()
         logits = prefill(e.model, padded([s.prompt for s in group]).to(device), lens, st.kv, where, st.rope,
                          head_dim=e.head_dim, clip_qkv=e.clip_qkv, windows=e.windows)
-        tok, logp = pick(logits, **self.sample)
+        tok, logp = self.sample(logits)
         st.tok[where], st.pos[where] = tok, lens
         self.scheduler.record(group, tok[:, None].cpu(), logp[:, None].cpu())
         e.stats["prefill_s"] += time.perf_counter() - t0
@@ -67,7 +67,7 @@ class Run:
                                                                                          device=device)
         logits = extend(e.model, padded([ids for _, ids, _ in items]).to(device), first, lengths, st.kv, where,
                         st.rope, head_dim=e.head_dim, clip_qkv=e.clip_qkv, windows=e.windows)
-        tok, logp = pick(logits, **self.sample)
+        tok, logp = self.sample(logits)
         st.tok[where], st.pos[where] = tok, first + lengths
         self.scheduler.record(seqs, tok[:, None].cpu(), logp[:, None].cpu())
         e.stats["extend_s"] += time.perf_counter() - t0
@@ -99,7 +99,7 @@ class Run:
         sampled, head = [], self.engine.model.lm_head
         for slots in chunk.slots:
             hidden = self.engine.runner.step(b, slots)()
-            tok, logp = pick(head(hidden), **self.sample)
+            tok, logp = self.sample(head(hidden))
             st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
             sampled.append((tok, logp))
         self.engine.stats["steps"] += len(sampled)

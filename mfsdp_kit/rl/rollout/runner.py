@@ -150,7 +150,10 @@ class Runner:
         t0 = time.perf_counter()
         with triton_launch.ahead() as launches:
             for batch, slots in dict.fromkeys((b, self.step_slots(s)) for b, s in steps):
-                self.eager(batch, slots)()
+                hidden = self.eager(batch, slots)()
+            if self.kernel_draws():   # the draw's kernel too (one specialisation: sampling at T > 0)
+                from .draw import draw
+                draw(self.model.lm_head(hidden), temperature=1.0, seed=0, step=0)
         triton_launch.compile_all(launches, device=self.cache.tok.device)
         seconds = time.perf_counter() - t0
         self.kernels_s, self.capture_s = self.kernels_s + seconds, self.capture_s + seconds
@@ -170,6 +173,11 @@ class Runner:
         """The smallest batch bucket: `DecodeConfig.min_batch` where steps are graphs, else 2 (an eager step costs
         what its rows cost)."""
         return self.config.min_batch if self.graphs() else 2
+
+    def kernel_draws(self) -> bool:
+        """Whether a step's draw is `draw.draw`'s kernel (`DecodeConfig.sampler` "triton" where the Triton kernels
+        run: `glue_mode`), else `sampling.pick`."""
+        return self.config.sampler == "triton" and self.glue(self.cache.tok.device.type == "cuda").mode == "triton"
 
     def graphs(self) -> bool:
         """Whether steps are CUDA graphs (`DecodeConfig.cuda_graphs`, a dense model on a GPU: MoE routing syncs)."""

@@ -1,6 +1,8 @@
 """Picking the next token on the device, and its log-probability as the trainer will score it."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 
@@ -43,3 +45,30 @@ def race(keep: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     tiny exponential, which torch's sampler can return) is clamped to the smallest normal float: log 0 = -inf would
     make that token win whatever its probability, and a token cut by top-p (-inf) would give -inf + inf = NaN."""
     return (keep - draws.clamp_(min=torch.finfo(draws.dtype).tiny).log_()).argmax(-1)
+
+
+@dataclass
+class Sampler:
+    """One rollout call's draws: `pick` at the call's temperature and top_p, from a generator seeded with `seed`; or,
+    with `kernel` and top_p 1, `draw.draw` (one Triton kernel a step, `DecodeConfig.sampler="triton"`), its Philox
+    counter the draws made so far. Either way a call's tokens are a function of its seed."""
+
+    temperature: float
+    top_p: float
+    seed: int
+    device: torch.device
+    kernel: bool = False
+    generator: torch.Generator = field(init=False)
+    draws: int = field(init=False, default=0)
+    """Calls so far (the kernel's step)."""
+
+    def __post_init__(self):
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [B], its log-prob [B] fp32) per row of `logits` [B, vocab] (`pick`)."""
+        self.draws += 1
+        if self.kernel and self.top_p >= 1.0:
+            from .draw import draw
+            return draw(logits, temperature=self.temperature, seed=self.seed, step=self.draws - 1)
+        return pick(logits, temperature=self.temperature, top_p=self.top_p, generator=self.generator)

@@ -1,0 +1,63 @@
+"""rl.rollout.draw: the one-kernel draw samples `sampling.pick`'s law at top_p 1 (softmax(logits / T)) and returns
+each token's log-prob at T; at T 0 the first argmax, scored at T 1; its draws are a function of (seed, step, row).
+On a GPU (fp32 and bf16 logits), or on CPU in Triton's interpreter (tests/rl/test_attention.py says how)."""
+import os
+
+import pytest
+import torch
+
+from mfsdp_kit.config import ConfigError
+from mfsdp_kit.rl.rollout.attention import triton
+from tests.rl.test_sampling import assert_draws_follow
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+                                reason="the kernels run on a GPU (Triton), or on CPU in Triton's interpreter")
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+
+
+def draw(*args, **kwargs):
+    from mfsdp_kit.rl.rollout.draw import draw as kernel   # imports Triton: after the skip
+    return kernel(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [5000, 100])   # three blocks, the last one partial; one block
+def test_the_kernel_at_temperature_0_is_the_first_argmax_scored_at_1(dtype, vocab):
+    logits = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(DEVICE, dtype)
+    top = logits.float().max(-1).values
+    logits[1, [vocab - 1, 3]] = top[1].to(dtype) + 1    # a tie across blocks: the lower index wins
+    logits[2, [7, 8]] = top[2].to(dtype) + 1            # a tie inside a block
+    token, logp = draw(logits, temperature=0, seed=5, step=9)
+    assert token.dtype == torch.int64 and torch.equal(token, logits.float().argmax(-1))
+    assert token[1] == 3 and token[2] == 7
+    torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_draws_softmax_over_t_and_scores_its_tokens(dtype):
+    """4,000 rows of the same logits (each row its own draws) against softmax(logits / 0.7): a chi-square test at
+    alpha 1e-3, and each log-prob that of log softmax(logits / 0.7). The temperature ignored, or the race's keys
+    built with the wrong sign, fails it."""
+    logits = (torch.randn(300, generator=torch.Generator().manual_seed(1)) * 1.8).to(DEVICE, dtype)
+    token, logp = draw(logits.expand(4000, -1), temperature=0.7, seed=11, step=0)
+    want = torch.log_softmax(logits.float() / 0.7, -1)
+    assert_draws_follow(token, want.exp())
+    torch.testing.assert_close(logp, want[token], rtol=0, atol=1e-5)
+
+
+def test_the_kernels_draws_are_a_function_of_seed_step_and_row():
+    logits = torch.zeros(64, 50, device=DEVICE)   # uniform: every draw is a fresh token
+    a = draw(logits, temperature=1.0, seed=3, step=4)[0]
+    assert torch.equal(a, draw(logits, temperature=1.0, seed=3, step=4)[0])
+    assert not torch.equal(a, draw(logits, temperature=1.0, seed=3, step=5)[0])
+    assert not torch.equal(a, draw(logits, temperature=1.0, seed=4, step=4)[0])
+    assert len(set(a.tolist())) > 20   # rows of one step draw apart
+
+
+def test_the_kernel_refuses_a_counter_it_cannot_hold():
+    wide = torch.zeros(1, 1, device=DEVICE).expand(2**17, 2**15)   # rows x vocab = 2**32: no memory behind it
+    with pytest.raises(ConfigError, match="logits=.*2\\*\\*32"):
+        draw(wide, temperature=1.0, seed=0, step=0)
+    with pytest.raises(ConfigError, match="step=-1"):
+        draw(torch.zeros(2, 8, device=DEVICE), temperature=1.0, seed=0, step=-1)
