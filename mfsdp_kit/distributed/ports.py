@@ -30,21 +30,31 @@ def reserve(addr: str = "127.0.0.1") -> int:
 
     One reservation per process: a new one closes an older one never taken (a world that failed to start)."""
     release()
-    sock = socket.create_server((addr, 0), reuse_port=False)
+    sock = socket.create_server((addr, 0), family=family(addr), reuse_port=False)
     port = sock.getsockname()[1]
     _held[(addr, port)] = sock
     return port
 
 
 def take(addr: str, port: int) -> socket.socket | None:
-    """The socket `reserve` holds for (addr, port), now the caller's to own; None if none is held."""
-    return _held.pop((addr, port), None)
+    """The socket `reserve` holds for (addr, port), now the caller's to own; None if none is held. A reservation of
+    `port` under another spelling of the address ("localhost") is closed, so the caller's own bind of the port
+    cannot collide with it."""
+    sock = _held.pop((addr, port), None)
+    if sock is None and any(p == port for _, p in _held):
+        release()
+    return sock
 
 
 def release() -> None:
     """Close every reservation not taken."""
     while _held:
         _held.popitem()[1].close()
+
+
+def family(addr: str) -> socket.AddressFamily:
+    """IPv6 for an address with a colon ("::1"), else IPv4."""
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
 
 
 def ephemeral_start() -> int:
@@ -62,7 +72,7 @@ def unclaimed(host: str = "127.0.0.1", *, tries: int = 100) -> int:
     high = ephemeral_start()
     for _ in range(tries):
         port = random.randrange(LOWEST, high) if high > LOWEST else 0   # no room below: the kernel's pick
-        with socket.socket() as sock:
+        with socket.socket(family(host)) as sock:
             try:
                 sock.bind((host, port))
             except OSError:

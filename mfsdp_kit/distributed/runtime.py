@@ -163,7 +163,8 @@ def _new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout:
     gloo pair or the next store.)"""
     if rank != 0 or agent:
         return dist.TCPStore(addr, port, world_size, False, timeout=timeout)
-    sock = ports.take(addr, port) or socket.create_server((addr, port), reuse_port=False)   # ports.py: no race
+    sock = ports.take(addr, port) or socket.create_server((addr, port), family=ports.family(addr),
+                                                         reuse_port=False)   # ports.py: no race
     return dist.TCPStore(addr, port, world_size, True, timeout=timeout, master_listen_fd=sock.detach())
 
 

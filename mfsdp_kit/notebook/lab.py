@@ -115,24 +115,35 @@ def command(*, port: int, token: str, root: Path) -> list[str]:
 
 
 PORT_TAKEN = "is not available"
-"""What jupyter-server logs when its port is taken (it is started with port_retries=0)."""
+"""What jupyter-server logs when its port is taken (it is started with port_retries=0; only a quiet server's log is
+kept for the error)."""
 
 
 def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float = 60.0, quiet: bool = True,
           env: dict[str, str] | None = None) -> LabServer:
     """Start JupyterLab in its own process group and wait until its API answers; returns the server.
-    `port`: None picks a free one, and (quiet) picks again, twice at most, if it was taken before the server bound it.
+    `port`: None picks a free one, and picks again, twice at most, if it was taken before the server bound it.
     `env`: variables added to this process's environment for the server (e.g. JUPYTERLAB_SETTINGS_DIR)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise bad_value("root", str(root), "an existing directory (the notebooks folder by default)")
     tries = 1 if port else 3
     for attempt in range(1, tries + 1):
+        pick = port or free_port()
         try:
-            return _start_on(port or free_port(), root=root, timeout_s=timeout_s, quiet=quiet, env=env)
-        except RuntimeError as err:   # a quiet server's log says why it exited
-            if attempt == tries or PORT_TAKEN not in str(err):
+            return _start_on(pick, root=root, timeout_s=timeout_s, quiet=quiet, env=env)
+        except RuntimeError as err:   # it exited before serving: its log says why, or the port is held now
+            if attempt == tries or not (PORT_TAKEN in str(err) or _held_by_another(pick)):
                 raise
+
+
+def _held_by_another(port: int) -> bool:
+    with socket.socket(ports.family(HOST)) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return True
+    return False
 
 
 def _start_on(port: int, *, root: Path, timeout_s: float, quiet: bool, env: dict[str, str] | None) -> LabServer:

@@ -5,6 +5,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from mfsdp_kit.distributed import ports
 
 
@@ -65,3 +67,26 @@ def test_unclaimed_ports_lie_below_the_ephemeral_range_and_are_free():
     assert not _bind_fails(port)
     with socket.create_server(("127.0.0.1", port)):   # held: a pick never returns it
         assert port not in {ports.unclaimed("127.0.0.1") for _ in range(200)}
+
+
+def test_a_reservation_under_another_spelling_of_the_address_is_freed_for_the_taker():
+    port = ports.reserve("127.0.0.1")
+    assert ports.take("localhost", port) is None and not _bind_fails(port)   # closed: the caller binds it itself
+
+
+def test_ipv6_loopback_is_reserved_and_drawn_on_its_own_family():
+    try:
+        port = ports.reserve("::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            try:
+                s.bind(("::1", port))
+            except OSError as err:
+                assert err.errno == errno.EADDRINUSE
+            else:
+                raise AssertionError("the reserved IPv6 port was free")
+        assert ports.unclaimed("::1") != port
+    finally:
+        ports.release()

@@ -53,7 +53,8 @@ def test_server_needs_the_token_listens_on_loopback_and_stops_cleanly():
 
 
 @needs_lab
-def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(monkeypatch):
+@pytest.mark.parametrize("quiet", [True, False])   # the server's log read, or (not kept) the port found held
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(monkeypatch, quiet):
     """The race of picking a free port and binding it later: the first pick is held by someone else."""
     held = socket.create_server((lab.HOST, 0))
     taken = held.getsockname()[1]
@@ -62,7 +63,7 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(monkeypa
     try:
         with pytest.raises(RuntimeError, match=lab.PORT_TAKEN):   # a port the user names is not changed
             lab.start(port=taken)
-        server = lab.start()
+        server = lab.start(quiet=quiet)
         try:
             assert server.port != taken and server.api(token=server.token) == 200
         finally:

@@ -34,6 +34,21 @@ def test_the_kernel_at_temperature_0_is_the_first_argmax_scored_at_1(dtype, voca
     torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None])[:, 0])
 
 
+def test_the_kernel_reads_masked_and_strided_logits_as_torch_does():
+    """A row whose whole first block is -inf (masked tokens) scores like log_softmax (no NaN from the running max),
+    and a column-strided view draws what its contiguous copy draws."""
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    logits[0, :2048] = float("-inf")
+    for temperature in (0, 0.9):
+        token, logp = draw(logits, temperature=temperature, seed=1, step=0)
+        want = torch.log_softmax(logits / (temperature or 1), -1).gather(-1, token[:, None])[:, 0]
+        torch.testing.assert_close(logp, want)
+        assert token[0] >= 2048
+    wide = torch.randn(3, 2 * 700, device=DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(draw(wide[:, ::2], temperature=1.0, seed=0, step=2),
+                                                 draw(wide[:, ::2].contiguous(), temperature=1.0, seed=0, step=2)))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_kernel_draws_softmax_over_t_and_scores_its_tokens(dtype):
     """4,000 rows of the same logits (each row its own draws) against softmax(logits / 0.7): a chi-square test at

@@ -9,10 +9,9 @@ and scaled logit (ties go to the lowest index, as `torch.argmax`).
 
 The draws are Philox's (`tl.rand`), keyed by the call's seed, at counter (step << 32) + row * vocab + token: every
 (step, row, token) its own uniform U in [0, 1), and E = -log U at least 2**-24, as torch's CUDA `exponential_` makes
-it. The floor matters: U is rounded to fp32, so it is exactly 1 about once in 2**25 draws, and E = 0 would give that
-token the key +inf whatever its probability (at a 152k vocabulary, one row in ~220). With the floor a key is at most
-the logit + 16.6. The same seed and steps draw the same tokens on every rank; they are not the torch generator's
-tokens (CPU tests keep the torch path). Top-p needs a sort: `sampling.pick` keeps it.
+it (Triton's U stays below 1, so the floor is a guard: E = 0 would give its token the key +inf whatever its
+probability). The same seed and steps draw the same tokens on every rank; they are not the torch generator's tokens
+(CPU tests keep the torch path). Top-p needs a sort: `sampling.pick` keeps it.
 """
 from __future__ import annotations
 
@@ -38,11 +37,13 @@ def draw(logits: torch.Tensor, *, temperature: float, seed: int, step: int) -> t
         raise bad_value("logits", tuple(logits.shape), "rows x vocab < 2**32 for the kernel's draws")
     if not 0 <= step < 2**31:
         raise bad_value("step", step, "an integer in [0, 2**31)")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     token = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     launch(_draw, (rows,), logits, token, logp, logits.stride(0), 1.0 / temperature if temperature else 1.0,
-           seed % 2**63, step, VOCAB=vocab, BLOCK=min(BLOCK, next_power_of_2(vocab)), GREEDY=temperature == 0,
-           num_warps=8)
+           seed % 2**62 + 2**62, step, VOCAB=vocab, BLOCK=min(BLOCK, next_power_of_2(vocab)), GREEDY=temperature == 0,
+           num_warps=8)   # the Philox key always 64-bit: one compile whatever the seed
     return token, logp
 
 
@@ -52,7 +53,8 @@ if triton is not None:
               GREEDY: tl.constexpr):
         r = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        top = tl.full((), float("-inf"), tl.float32)     # running max of the scaled logits
+        # the running max of the scaled logits starts finite: a first block of only -inf must not make exp(-inf + inf)
+        top = tl.full((), -3.0e38, tl.float32)
         total = tl.full((), 0.0, tl.float32)             # running sum of exp(x - top)
         best = tl.full((), float("-inf"), tl.float32)    # the best race key so far
         best_x = tl.full((), 0.0, tl.float32)            # its scaled logit
@@ -61,7 +63,7 @@ if triton is not None:
         for start in range(0, VOCAB, BLOCK):
             c = start + cols
             ok = c < VOCAB
-            x = tl.load(LOGITS + r * stride + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            x = tl.load(LOGITS + r.to(tl.int64) * stride + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             if GREEDY:
                 key = x
             else:
