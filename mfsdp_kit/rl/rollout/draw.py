@@ -11,9 +11,10 @@ The draws are Philox's, keyed by the call's seed: one call (`tl.rand4x`, ten rou
 gives four uniforms, so each inner step of a row covers four quarters of a block, the j-th quarter's tokens taking the
 j-th uniform of the call at counter (step << 32) + row * vocab + (block start) / 4 + (place in the quarter): every
 (step, row, token) its own uniform U in [0, 1) (a call per token would cost four times the integer work). E = -log U,
-at least 2**-24, as torch's CUDA `exponential_` makes it (Triton's U stays below 1, so the floor is a guard: E = 0 would give its token the key +inf whatever its
-probability). The same seed and steps draw the same tokens on every rank; they are not the torch generator's tokens
-(CPU tests keep the torch path). Top-p needs a sort: `sampling.pick` keeps it.
+at least 2**-24, as torch's CUDA `exponential_` makes it (Triton's U stays below 1, so the floor is a guard: E = 0
+would give its token the key +inf whatever its probability). The same seed and steps draw the same tokens on every
+rank; they are not the torch generator's tokens (CPU tests keep the torch path). Top-p needs a sort: `sampling.pick`
+keeps it.
 """
 from __future__ import annotations
 
