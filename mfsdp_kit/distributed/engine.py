@@ -255,14 +255,23 @@ def build_optimizer(chunks: list[torch.nn.Module], ocfg: OptimConfig, cfg: Engin
         clip_grad=ocfg.clip_grad, bf16=cfg.dtype == "bf16", fp16=cfg.dtype == "fp16",
         params_dtype=torch_dtype(cfg.dtype), use_distributed_optimizer=cfg.wrapper.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=False)
-    if cfg.dtype == "fp16":   # megatron's schedule scales the loss only through the model config's hook
-        from megatron.core.utils import get_model_config   # (megatron.training sets it at setup): without it the
-        get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss   # step unscales unscaled gradients
+    scale_loss_by(chunks, optimizer)
     set_adam_implementation(optimizer, ocfg.adam_implementation)
     if ocfg.grad_upcast == "by_part":
         grad_upcast.install(chunks, optimizer)
     from .offload import apply_config  # optimizer_offload: states + main weights live on the host
     return apply_config(cfg, chunks, optimizer)
+
+
+def scale_loss_by(chunks: list[torch.nn.Module], optimizer) -> None:
+    """fp16: point the model config's `grad_scale_func` at `optimizer.scale_loss`. megatron's schedule scales the loss
+    only through that hook (megatron.training sets it at setup); without it the step unscales unscaled gradients.
+    `build_optimizer` sets it and `train.start_step` sets it again before each step: models built by one `model_fn`
+    (a policy and its critic) share one TransformerConfig, and each must scale by its own optimizer. bf16 and fp32
+    optimizers have no loss scale: nothing is set."""
+    from megatron.core.utils import get_model_config
+    if any(getattr(opt, "grad_scaler", None) is not None for opt in inner_optimizers(optimizer)):
+        get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
 
 
 def set_adam_implementation(optimizer, implementation: str) -> None:

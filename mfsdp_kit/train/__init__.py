@@ -211,6 +211,7 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    engine.scale_loss_by(chunks, optimizer)   # fp16: by this optimizer's scale, whoever else shares the config
     names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     floor = introspect.loss_scale_at_floor(optimizer)   # fp16 only (it syncs, as fp16's step does): bf16 reads nothing

@@ -99,8 +99,41 @@ def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
         runtime.shutdown()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron's fp16 optimizer runs on a GPU")
+def test_two_models_of_one_model_fn_each_scale_by_their_own_fp16_optimizer_on_a_gpu():
+    """A policy and its critic built by one `model_fn` share one TransformerConfig (`gpt_model_fn` closes over it), so
+    the second `build_optimizer` pointed megatron's loss-scale hook at the second optimizer: the first model's loss
+    was scaled by the other's scale and unscaled by its own. Each step binds its own optimizer now: with the first's
+    scale at 2**40 (an overflow) and the second's at 2**6, the first's step is skipped and the second's is not."""
+    from megatron.core.utils import get_model_config
+    from mfsdp_kit.distributed import introspect
+    from mfsdp_kit.perf import length_mix
+    from mfsdp_kit.train import step
+    from tests.dist.launch import free_port
+    runtime.init(EngineConfig(), rank=0, world_size=1, master_port=free_port())
+    try:
+        cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp16", attention_backend="sdpa")
+        spec = GPTSpec(num_layers=2, hidden_size=256, num_attention_heads=4, seq_len_tokens=256)
+        model_fn = gpt_model_fn(spec, cfg)
+        models = [engine.build(cfg, model_fn) for _ in range(2)]
+        opts = [engine.build_optimizer(m, OptimConfig(lr=1e-12), cfg) for m in models]
+        assert get_model_config(models[0][0]) is get_model_config(models[1][0])   # the case: one config
+        for opt, scale in zip(opts, (2.0 ** 40, 2.0 ** 6)):
+            for o in introspect.inner_optimizers(opt):
+                o.grad_scaler.scale.fill_(scale)
+        b = length_mix.batch([(8, 200)] * 4, seq_len_tokens=256, vocab_size=spec.vocab_size)
+        assert step(models[0], opts[0], b, micro_batch_size=2).skipped   # its own 2**40, not the other's 2**6
+        assert not step(models[1], opts[1], b, micro_batch_size=2).skipped
+    finally:
+        runtime.shutdown()
+
+
 def test_a_loss_scale_floor_needs_an_fp16_scaler(chunks):
-    """bf16 and fp32 optimizers have no dynamic loss scale: never at its floor, and nothing read on the host."""
+    """bf16 and fp32 optimizers have no dynamic loss scale: never at its floor, nothing read on the host, and no
+    loss-scale hook set (`engine.scale_loss_by`)."""
+    from megatron.core.utils import get_model_config
     from mfsdp_kit.distributed import introspect
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-3), EngineConfig())
     assert introspect.loss_scale_at_floor(opt) is False
+    engine.scale_loss_by(chunks, opt)
+    assert get_model_config(chunks[0]).grad_scale_func is None
