@@ -76,3 +76,27 @@ def test_the_kernel_refuses_a_counter_it_cannot_hold():
         draw(wide, temperature=1.0, seed=0, step=0)
     with pytest.raises(ConfigError, match="step=-1"):
         draw(torch.zeros(2, 8, device=DEVICE), temperature=1.0, seed=0, step=-1)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU: tests/rl/test_continuous.py's kernel sampler test")
+def test_the_engine_draws_through_the_kernel_and_scores_its_samples_as_the_model(tmp_path, monkeypatch):
+    """The engine's prefills and decode steps drawing through the kernel (`Sampler(kernel=True)`; forced here, where
+    the Triton decode kernels do not run, as `DecodeConfig.sampler="triton"` asks on a GPU), fp32: greedy tokens equal
+    transformers' `generate`; sampled at T 0.8, each log-prob is the model's teacher-forced log softmax(logits / T), and
+    the same seed draws the same tokens, others than the torch sampler's."""
+    from tests.rl.test_continuous import ROWS, SMALL, hf_greedy, load
+    from mfsdp_kit.rl.rollout import ContinuousRollout
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    kit = ContinuousRollout(model, tok, config=SMALL)
+    monkeypatch.setattr(kit.runner, "kernel_draws", lambda: True)
+    greedy = kit.generate(ROWS, max_new_tokens=10, temperature=0, top_p=1.0, seed=0)[0]
+    assert greedy == hf_greedy(model, tok, ROWS, 10)
+    kw = dict(max_new_tokens=8, temperature=0.8, top_p=1.0, seed=3)
+    ours, lps = kit.generate(ROWS, **kw)
+    assert (ours, lps) == kit.generate(ROWS, **kw)
+    assert ContinuousRollout(model, tok, config=SMALL).generate(ROWS, **kw)[0] != ours   # the kernel drew them
+    for prompt, completion, lp in zip(ROWS, ours, lps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float() / 0.8, -1).gather(-1, torch.tensor(completion)[:, None])
+        assert (torch.tensor(lp) - want[:, 0]).abs().max() <= 1e-4, (lp, want)
