@@ -70,12 +70,22 @@ def unclaimed(host: str = "127.0.0.1", *, tries: int = 100) -> int:
     """A port free on `host` now, drawn at random from [LOWEST, the ephemeral range's start), for a server that
     another process binds."""
     high = ephemeral_start()
-    for _ in range(tries):
-        port = random.randrange(LOWEST, high) if high > LOWEST else 0   # no room below: the kernel's pick
+    if high <= LOWEST:   # no room below: the kernel's pick
         with socket.socket(family(host)) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue   # someone holds it: draw again
+            sock.bind((host, 0))
             return sock.getsockname()[1]
+    for _ in range(tries):
+        port = random.randrange(LOWEST, high)
+        if is_free(host, port):
+            return port
     raise OSError(f"no free port on {host} in [{LOWEST}, {high}) after {tries} draws")
+
+
+def is_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now (nobody holds it)."""
+    with socket.socket(family(host)) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -133,17 +133,9 @@ def start(*, port: int | None = None, root: Path | str = ROOT, timeout_s: float 
         try:
             return _start_on(pick, root=root, timeout_s=timeout_s, quiet=quiet, env=env)
         except RuntimeError as err:   # it exited before serving: its log says why, or the port is held now
-            if attempt == tries or not (PORT_TAKEN in str(err) or _held_by_another(pick)):
+            taken = PORT_TAKEN in str(err) or not ports.is_free(HOST, pick)
+            if attempt == tries or not taken:
                 raise
-
-
-def _held_by_another(port: int) -> bool:
-    with socket.socket(ports.family(HOST)) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return True
-    return False
 
 
 def _start_on(port: int, *, root: Path, timeout_s: float, quiet: bool, env: dict[str, str] | None) -> LabServer:

@@ -12,7 +12,6 @@ import atexit
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,12 +30,9 @@ def free_port() -> int:
     anything else binding to 0 before our subprocess binds it: another worker's store, a gloo pair. A test failed so
     (EADDRINUSE, 2026-12-05). Below the ephemeral range nothing draws by chance, and the workers' slices are
     disjoint."""
+    from mfsdp_kit.distributed import ports
     for port in _ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue   # held by someone: the next one
+        if ports.is_free("127.0.0.1", port):   # else held by someone: the next one
             return port
     raise RuntimeError("no free port in this worker's slice")
 
