@@ -20,7 +20,8 @@ from . import grad_upcast, runtime
 from ..config import hsdp
 from ..compat.access import fsdp, fsdp_unit
 from ..config import EngineConfig, OptimConfig, ddp_config
-from .introspect import all_gather_pipelines, inner_optimizers, is_fsdp, local, param_view, set_param_view, torch_dtype
+from .introspect import (all_gather_pipelines, grad_scalers, inner_optimizers, is_fsdp, local, param_view,
+                         set_param_view, torch_dtype)
 
 
 class ModelProvider(Protocol):
@@ -270,7 +271,7 @@ def scale_loss_by(chunks: list[torch.nn.Module], optimizer) -> None:
     (a policy and its critic) share one TransformerConfig, and each must scale by its own optimizer. bf16 and fp32
     optimizers have no loss scale: nothing is set."""
     from megatron.core.utils import get_model_config
-    if any(getattr(opt, "grad_scaler", None) is not None for opt in inner_optimizers(optimizer)):
+    if grad_scalers(optimizer):
         get_model_config(chunks[0]).grad_scale_func = optimizer.scale_loss
 
 

@@ -34,7 +34,7 @@ from . import step_pipeline
 from ..compat.access import main_grads
 from ..compat.patches.main_grads import deferred
 from ..compat.patches.grad_norm import LATER_SCALE
-from .introspect import inner_optimizers, local
+from .introspect import grad_scalers, inner_optimizers, local
 
 PART_BYTES = 256 * 2**20
 
@@ -58,7 +58,7 @@ def install(chunks: list[torch.nn.Module], optimizer, *, part_bytes: int = PART_
     torch_opts = [getattr(opt, "optimizer", None) for opt in inner_optimizers(optimizer)]
     if not entries or any(not isinstance(t, torch.optim.Adam) for t in torch_opts):
         return False
-    if any(getattr(opt, "grad_scaler", None) is not None for opt in inner_optimizers(optimizer)):
+    if grad_scalers(optimizer):
         return False   # fp16: megatron unscales every fp32 grad, and tests them for inf, before the step
     params = [p for t in torch_opts for g in t.param_groups for p in g["params"]]
     if any(id(p) not in by_param for p in params) or len(params) != len(entries):

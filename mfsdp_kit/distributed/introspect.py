@@ -46,15 +46,16 @@ def inner_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def grad_scalers(optimizer) -> list:
+    """The loss scalers of megatron's optimizer (`grad_scaler` of each inner one): fp16's; none in bf16 or fp32."""
+    return [s for s in (getattr(opt, "grad_scaler", None) for opt in inner_optimizers(optimizer)) if s is not None]
+
+
 def loss_scale_at_floor(optimizer) -> bool:
     """Whether an fp16 optimizer's dynamic loss scale is at its smallest (megatron's `DynamicGradScaler.min_scale`):
     a step skipped there overflowed at every scale it could try. False without a dynamic scaler (bf16, fp32: nothing
     is read). With one it reads the scale on the host, a sync: fp16's step syncs anyway, to find an overflow."""
-    for opt in inner_optimizers(optimizer):
-        scaler = getattr(opt, "grad_scaler", None)
-        if scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale <= scaler.min_scale):
-            return True
-    return False
+    return any(hasattr(s, "min_scale") and bool(s.scale <= s.min_scale) for s in grad_scalers(optimizer))
 
 
 def main_params(optimizer) -> Iterator[torch.Tensor]:
