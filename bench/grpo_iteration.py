@@ -46,7 +46,7 @@ SPLIT = ("sync_s", "rollout_s", "logprob_s", "update_s")
 DECODE = dict(continuous_torch=dict(kernels="torch"), continuous_eager=dict(kernels="torch", compile_glue=False),
               continuous_triton=dict(kernels="triton"), continuous_freed=dict(keep_cache=False),
               continuous_serial=dict(compile_ahead=False), continuous_pow2=dict(buckets_per_doubling=1),
-              continuous_sampler=dict(sampler="triton"))
+              continuous_sampler=dict(sampler="triton"), continuous_fused_rope=dict(fuse_rope=True))
 """Each `--backends` name's DecodeConfig fields besides the defaults ("continuous": none)."""
 
 
@@ -175,7 +175,8 @@ def main() -> None:
                         "compiled: `compile_glue=False`), continuous_triton (`kernels='triton'`), continuous_serial "
                         "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`), "
                         "continuous_pow2 (batch buckets the powers of two only: `buckets_per_doubling=1`), "
-                        "continuous_sampler (the draw in one kernel: `sampler='triton'`)")
+                        "continuous_sampler (the draw in one kernel: `sampler='triton'`), continuous_fused_rope (RoPE and "
+                        "the cache write inside the attention kernel: `fuse_rope=True`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),

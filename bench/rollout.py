@@ -231,11 +231,13 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
 
 
 VARIANTS = {"compiled": {}, "triton": dict(kernels="triton"), "eager": dict(compile_glue=False),
-            "reduce-overhead": dict(graph_mode="reduce-overhead"), "sampler": dict(sampler="triton")}
+            "reduce-overhead": dict(graph_mode="reduce-overhead"), "sampler": dict(sampler="triton"),
+            "fused_rope": dict(fuse_rope=True)}
 """The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, with the kit's
 Triton kernels on a GPU that runs them, else compiled glue and SDPA), triton (the Triton kernels asked for by name),
 eager (glue eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead")), sampler (the
-default with the draw in one kernel: `sampler="triton"`)."""
+default with the draw in one kernel: `sampler="triton"`), fused_rope (the default with RoPE and the cache write inside
+the attention kernel: `fuse_rope=True`)."""
 
 
 def main() -> None:

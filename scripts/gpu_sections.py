@@ -401,6 +401,17 @@ SECTIONS["sampler"] = [
         args="--shape qwen2-1.5b --batches 32,256 --variants compiled,sampler --hf-new-tokens 2 --agreement-rows 64"),
     Row(name="grpo_sampler", script="bench/grpo_iteration.py", writes="grpo_sampler.json",
         args="--size l --iterations 3 --backends continuous,continuous_sampler")]
+# issue 49: RoPE and the cache write inside the attention kernel (`DecodeConfig.fuse_rope`: one launch a layer
+# fewer) and the draw in one kernel (`sampler="triton"`), each against the default: the decode kernels' GPU tests, the
+# rollout bench at 32 and 256 rows (a 152k vocabulary: the draw's bytes), then GRPO iterations, one process each
+SECTIONS["decode_levers"] = [
+    SECTIONS["decode_kernels"][0],   # the kernels' tests (the engine's kernel-sampler test is in gpu_tests_gpu)
+    Row(name="levers_rollout", script="bench/rollout.py", launch="python", writes="levers_rollout.json",
+        args="--shape qwen2-1.5b --batches 32,256 --variants compiled,fused_rope,sampler --hf-new-tokens 2 "
+             "--agreement-rows 64"),
+    *[Row(name=f"grpo_{backend}", script="bench/grpo_iteration.py", writes=f"grpo_{backend}.json",
+          args=f"--size l --iterations 3 --backends {backend}")
+      for backend in ("continuous", "continuous_fused_rope", "continuous_sampler")]]
 # The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
 # under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
 # `make docs` turns them into the README's figures and the top table of docs/benchmarks.md. Shorter than the

@@ -96,6 +96,10 @@ def test_bad_config_is_refused_by_name():
         DecodeConfig(kernels="triton", graph_mode="reduce-overhead")
     with pytest.raises(ConfigError, match="min_batch=0"):
         DecodeConfig(min_batch=0)
+    with pytest.raises(ConfigError, match="fuse_rope=True .*kernels=\"torch\""):
+        DecodeConfig(fuse_rope=True, kernels="torch")
+    with pytest.raises(ConfigError, match="sampler='triton' .*graph_mode=\"reduce-overhead\""):
+        DecodeConfig(sampler="triton", graph_mode="reduce-overhead")
 
 
 def test_default_backend_is_the_engine_where_it_runs(tmp_path):

@@ -11,6 +11,10 @@ heads of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over
     start), with an online softmax; it writes the split's unnormalised output, max and sum;
   - `_attention_combine`: a program per (row, query head) merges the splits (with one split, the first kernel
     writes the output itself).
+With `new` (`DecodeConfig.fuse_rope`), the first kernel also does `elementwise.rope_store`'s work: it takes the
+step's q, k, v as the q/k/v GEMM left them, rotates q (each program its own group's) and k, and the program whose
+share holds the row's position writes k and v into the cache there and attends to them from registers (no other
+program of the step reads that slot): one launch a layer fewer, and no rotated q written and read back.
 Splits are as many as fill the device twice over at small batch, one at large; each row's own keys are shared out
 over them at run time. Triton compiles a kernel per head size and group and a few specialisations of its integer
 arguments (not per batch or slot bucket), and its disk cache keeps them: no plan per shape.
@@ -46,27 +50,38 @@ def splits_for(*, programs: int, slots: int, sms: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, *,
-                     slots: int, window: int | None, scale: float) -> torch.Tensor:
+                     slots: int, window: int | None, scale: float, new: tuple | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v per row r and query head, over the keys of slots max(0, pos[r] - window + 1) ..
     pos[r] (every slot <= pos[r] without a window; every pos[r] < `slots`): `q` [b, heads, D] against the first b
     rows of the cache's [rows, kv_heads, all slots, D] K and V (query head h reads KV head h // (heads / kv_heads)).
     Each row's own keys are split evenly over the splits at run time, so `slots` (the cache's, in the engine) only
-    bounds how many splits there are. Returns [b, heads, D] in q's dtype."""
+    bounds how many splits there are. Returns [b, heads, D] in q's dtype.
+
+    `new` = (k, v, cos, sin): the step's own key and value [b, kv_heads, D] and each row's RoPE rows [b, D] (HF's
+    rotate_half layout); then `q` is not yet rotated, and q and k are rotated here and k, v written into the cache at
+    slot pos[r] before they are attended to (`decoder.rope_store` and this in one launch). q, k and v may be strided
+    views (of the q/k/v GEMM's output)."""
     b, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     splits = splits_for(programs=b * kv_heads, slots=slots, sms=_sms(q.device))
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if new is None:
+        q = q.contiguous()
+        k_new = v_new = cos = sin = q   # not read
+    else:
+        k_new, v_new, cos, sin = new
+    out = torch.empty(b, heads, dim, dtype=q.dtype, device=q.device)
     whole = splits == 1   # one split: the partial kernel normalises and writes the output itself
     part = out if whole else torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, b, heads, splits, dtype=torch.float32, device=q.device)   # max, sum
     launch(
-        _attention_partial, (b, kv_heads, splits), q, k_cache, v_cache, pos, part, stats, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stats.stride(0), scale, window or 0,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, D_PAD=triton.next_power_of_2(dim),
+        _attention_partial, (b, kv_heads, splits), q, k_cache, v_cache, pos, part, stats, k_new, v_new, cos, sin,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stats.stride(0),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0), scale,
+        window or 0, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
+        D_PAD=triton.next_power_of_2(dim), HALF=dim // 2, HALF_PAD=max(16, triton.next_power_of_2(dim // 2)),
         BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WHOLE=whole, num_warps=4, num_stages=2)
+        WHOLE=whole, ROPE=new is not None, num_warps=4, num_stages=2)
     if not whole:
         launch(_attention_combine, (b, heads), part, stats, out, splits, stats.stride(0), DIM=dim,
                D_PAD=triton.next_power_of_2(dim), S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
@@ -75,10 +90,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _attention_partial(Q, K, V, POS, PART, STATS, stride_qb, stride_qh, stride_kr, stride_kh, stride_ks,
-                           stride_stat, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                           DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
-                           PRECISION: tl.constexpr, WHOLE: tl.constexpr):
+    def _rotate_pair(base, offs, ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
+        """(lo, hi) halves of rotate_half's RoPE of the heads at `base + offs` (fp32)."""
+        lo = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(base + offs + HALF, mask=ok, other=0.0).to(tl.float32)
+        return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi
+
+    @triton.jit
+    def _online(s, n_ok, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+        """The running max, sum and output of a query group after the scores `s` [G, N] (keys where `n_ok`) and
+        their values `v` [N, D]."""
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attention_partial(Q, K, V, POS, PART, STATS, K_NEW, V_NEW, COS, SIN, stride_qb, stride_qh, stride_kr,
+                           stride_kh, stride_ks, stride_stat, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
+                           stride_cos, stride_sin, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                           DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                           BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                           WHOLE: tl.constexpr, ROPE: tl.constexpr):
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv, n_splits = tl.num_programs(1), tl.num_programs(2)
         pos = tl.load(POS + row).to(tl.int32)
@@ -92,26 +128,61 @@ if triton is not None:
         d = tl.arange(0, D_PAD)
         head = kv * GROUP + g
         g_ok, d_ok = g < GROUP, d < DIM
-        q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         base = row.to(tl.int64) * stride_kr + kv.to(tl.int64) * stride_kh   # a cache may pass 2**31 elements
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            offs = base + n[:, None] * stride_ks + d[None, :]
-            k = tl.load(K + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        if ROPE:   # q and k by halves (rotate_half pairs element i with i + D/2); slot pos comes from registers
+            e = tl.arange(0, HALF_PAD)
+            e_ok = e < HALF
+            cos_lo = tl.load(COS + row * stride_cos + e, mask=e_ok, other=0.0).to(tl.float32)
+            cos_hi = tl.load(COS + row * stride_cos + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+            sin_lo = tl.load(SIN + row * stride_sin + e, mask=e_ok, other=0.0).to(tl.float32)
+            sin_hi = tl.load(SIN + row * stride_sin + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+            q_lo, q_hi = _rotate_pair(Q + row * stride_qb, head[:, None] * stride_qh + e[None, :],
+                                      g_ok[:, None] & e_ok[None, :], cos_lo[None, :], cos_hi[None, :],
+                                      sin_lo[None, :], sin_hi[None, :], HALF)
+            q_lo, q_hi = q_lo.to(Q.dtype.element_ty), q_hi.to(Q.dtype.element_ty)   # rope_store's rounding
+            top = tl.minimum(hi, pos)   # the cached keys of this share
+            for start in range(lo, top, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                n_ok = n < top
+                offs = base + n[:, None] * stride_ks + e[None, :]
+                ok = n_ok[:, None] & e_ok[None, :]
+                s = tl.dot(q_lo, tl.trans(tl.load(K + offs, mask=ok, other=0.0)), input_precision=PRECISION)
+                s += tl.dot(q_hi, tl.trans(tl.load(K + offs + HALF, mask=ok, other=0.0)), input_precision=PRECISION)
+                v = tl.load(V + base + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                            other=0.0)
+                m_i, l_i, acc = _online(s * scale, n_ok, v, m_i, l_i, acc, PRECISION)
+            if (lo <= pos) & (pos < lo + chunk):   # this share holds slot pos: write k, v there, attend to them
+                k_lo, k_hi = _rotate_pair(K_NEW + row * stride_nkb + kv * stride_nkh, e, e_ok, cos_lo, cos_hi,
+                                          sin_lo, sin_hi, HALF)
+                k_lo, k_hi = k_lo.to(K.dtype.element_ty), k_hi.to(K.dtype.element_ty)
+                v_new = tl.load(V_NEW + row * stride_nvb + kv * stride_nvh + d, mask=d_ok, other=0.0)
+                v_new = v_new.to(V.dtype.element_ty)
+                at = base + pos.to(tl.int64) * stride_ks
+                tl.store(K + at + e, k_lo, mask=e_ok)
+                tl.store(K + at + HALF + e, k_hi, mask=e_ok)
+                tl.store(V + at + d, v_new, mask=d_ok)
+                s_new = tl.sum(q_lo.to(tl.float32) * k_lo.to(tl.float32)[None, :], 1)
+                s_new = (s_new + tl.sum(q_hi.to(tl.float32) * k_hi.to(tl.float32)[None, :], 1)) * scale
+                m_new = tl.maximum(m_i, s_new)
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s_new - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
+        else:
+            q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :],
+                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+            for start in range(lo, hi, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                n_ok = n < hi
+                offs = base + n[:, None] * stride_ks + d[None, :]
+                k = tl.load(K + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                v = tl.load(V + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                m_i, l_i, acc = _online(s, n_ok, v, m_i, l_i, acc, PRECISION)
         at = (row * n_kv * GROUP + head) * n_splits + split   # [b, heads, splits] index of each head of the group
         if WHOLE:   # PART is the output [b, heads, D]
             tl.store(PART + at[:, None] * DIM + d[None, :], (acc / l_i[:, None]).to(PART.dtype.element_ty),

@@ -103,6 +103,11 @@ class DecodeConfig:
     over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`: one kernel reads each row's logits once; Philox
     draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes "torch"'s sort).
     Elsewhere "torch". Not yet timed on a GPU (gpu_sections `sampler`): "torch" stays the default until it is."""
+    fuse_rope: bool = False
+    """Where the Triton kernels run (`kernels`): RoPE and the cache write of a step's k and v inside the attention
+    kernel (`attention.decode_attention` with `new`), one launch a layer instead of two, and the rotated q kept in
+    registers. Off (two kernels: `elementwise.rope_store`, then attention) until timed on a GPU (gpu_sections
+    `fused_rope`). Elsewhere no effect."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
@@ -118,9 +123,13 @@ class DecodeConfig:
         if self.kernels == "triton" and self.graph_mode == "reduce-overhead":   # its compiled step is torch's own
             raise bad_value("kernels", self.kernels, '"torch" with graph_mode="reduce-overhead" (inductor compiles '
                             'the whole step from torch ops), or graph_mode="capture" for "triton"')
-        if self.sampler == "triton" and (self.kernels == "torch" or self.graph_mode == "reduce-overhead"):
+        torch_step = self.kernels == "torch" or self.graph_mode == "reduce-overhead"   # no Triton decode kernels
+        if self.sampler == "triton" and torch_step:
             raise bad_value("sampler", self.sampler, '"torch" with kernels="torch" or graph_mode="reduce-overhead" '
                             '(the draw\'s kernel runs beside the Triton decode kernels)')
+        if self.fuse_rope and torch_step:
+            raise bad_value("fuse_rope", self.fuse_rope, 'False with kernels="torch" or graph_mode="reduce-overhead" '
+                            '(it is a mode of the Triton attention kernel)')
 
 
 class ContinuousRollout(HFRollout):

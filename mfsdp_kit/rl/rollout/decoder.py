@@ -193,10 +193,12 @@ class Glue:
         `maybe_mark_dynamic`; `fullgraph=True` raises instead of running eager glue in silence), attention through SDPA
         over an additive mask;
       - "eager": the same torch functions as they are (CPU tests run this).
-    A model whose MLP is not SiLU-gated takes the torch function for act * up in every mode."""
+    A model whose MLP is not SiLU-gated takes the torch function for act * up in every mode. `fuse_rope` (with
+    "triton", `DecodeConfig.fuse_rope`): RoPE and the cache write inside the attention kernel (`rope_attend`)."""
 
-    def __init__(self, *, mode: str):
+    def __init__(self, *, mode: str, fuse_rope: bool = False):
         self.mode = mode
+        self.fuse_rope = fuse_rope and mode == "triton"
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
         if mode == "triton":   # imported here: Triton loads only for the engines that use it
@@ -232,6 +234,19 @@ class Glue:
             return x, norm(x)
         self._dynamic(x, delta)
         return self._add_rms(x, delta, norm.weight, eps)
+
+    def rope_attend(self, q, k, v, cos, sin, k_cache, v_cache, pos, where, bias, *, slots: int, window: int | None,
+                    scale: float) -> torch.Tensor:
+        """`rope_store` then `attend`: q [b, heads, D], k and v [b, kv_heads, D] of the step's tokens as the q/k/v
+        GEMM left them, cos/sin [b, 1, D]; k, v written into the cache's [rows, kv_heads, all slots, D] tensors at
+        `where` (flat slot rows of their [-1, D] views). With `fuse_rope`, one kernel (`attention.decode_attention`
+        with `new`; `where` unused). Returns [b, heads * D]."""
+        if self.fuse_rope:
+            return self._decode_attention(q, k_cache, v_cache, pos, slots=slots, window=window, scale=scale,
+                                          new=(k, v, cos[:, 0], sin[:, 0])).reshape(q.shape[0], -1)
+        dim = q.shape[-1]
+        q = self.rope_store(q, k, v, cos, sin, k_cache.view(-1, dim), v_cache.view(-1, dim), where)
+        return self.attend(q, k_cache, v_cache, pos, bias, slots=slots, window=window, scale=scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, bias, *,
                slots: int, window: int | None, scale: float) -> torch.Tensor:
@@ -318,17 +333,18 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
     b = tok.shape[0]
     k0 = cache[0][0]
     kv_heads, all_slots = k0.shape[1], k0.shape[2]
-    heads = torch.arange(kv_heads, device=tok.device)
-    where = ((torch.arange(b, device=tok.device)[:, None] * kv_heads + heads) * all_slots + pos[:, None]).flatten()
+    where = None   # each row's K/V heads at its slot, as rows of the cache's [-1, D] views (the fused kernel: its own)
+    if not glue.fuse_rope:
+        heads = torch.arange(kv_heads, device=tok.device)
+        where = ((torch.arange(b, device=tok.device)[:, None] * kv_heads + heads) * all_slots + pos[:, None]).flatten()
     biases = {} if glue.kernel_attention else masks(pos, slots=slots, windows=windows, dtype=k0.dtype)
     cos, sin = (t[pos][:, None, :] for t in rope)
     x = m.embed_tokens(tok)
     h = rms(m.layers[0].input_layernorm, x)
     for i, (layer, (k_cache, v_cache), window) in enumerate(zip(m.layers, cache, windows)):
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
-        q = glue.rope_store(q, k, v, cos, sin, k_cache.view(-1, head_dim), v_cache.view(-1, head_dim), where)
-        out = glue.attend(q, k_cache, v_cache, pos, biases.get(window), slots=slots, window=window,
-                          scale=_scale(layer, head_dim))
+        out = glue.rope_attend(q, k, v, cos, sin, k_cache, v_cache, pos, where, biases.get(window), slots=slots,
+                               window=window, scale=_scale(layer, head_dim))
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)

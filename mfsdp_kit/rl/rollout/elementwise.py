@@ -19,6 +19,8 @@ if triton is not None:
     import triton.language as tl
     from triton import next_power_of_2
 
+    from .attention import _rotate_pair   # RoPE's halves, shared with the fused attention kernel
+
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_rows: torch.Tensor, v_rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -57,13 +59,6 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    @triton.jit
-    def _rotate_pair(base, offs, ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
-        """(lo, hi) halves of rotate_half's RoPE of the heads at `base + offs` (fp32)."""
-        lo = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-        hi = tl.load(base + offs + HALF, mask=ok, other=0.0).to(tl.float32)
-        return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi
-
     @triton.jit
     def _rope_store(Q, K, V, COS, SIN, KC, VC, WHERE, OUT, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, scos, ssin,
                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,

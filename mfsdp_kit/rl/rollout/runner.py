@@ -251,7 +251,7 @@ class Runner:
         if not gpu:
             return EAGER
         if self._glue is None:
-            self._glue = Glue(mode=glue_mode(self.config, self.cache.tok.device))
+            self._glue = Glue(mode=glue_mode(self.config, self.cache.tok.device), fuse_rope=self.config.fuse_rope)
         return self._glue
 
 
