@@ -88,9 +88,9 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
     steps = [e.get("steps", longest) for e, longest in zip(engines, result["response_tokens_max"])]
     per_iteration = floors.rl_iterations(SimpleNamespace(**result), params=params, hw=hw, samples=samples,
                                          decode_steps=steps, lora=lora)   # the engine's decode steps where known
-    for i, (engine, floor) in enumerate(zip(engines, per_iteration)):
+    for i, (stats, floor) in enumerate(zip(engines, per_iteration)):
         split = {k: result[k][i] for k in SPLIT}
-        tail = sum(v["seconds"] for b, v in engine.get("by_batch", {}).items() if int(b) < 64)
+        tail = sum(v["seconds"] for b, v in stats.get("by_batch", {}).items() if int(b) < 64)
         mfu = {k: floors.mfu(split[k], floor[k], hw) for k in ("logprob_s", "update_s") if floor[k] > 0}
         print(f"{i:>3} " + " ".join(f"{split[k]:>6.2f} ({floor[k]:.2f}" + (f" {100 * mfu[k]:>3.0f}%)" if k in mfu
                                                                           else "     )") for k in SPLIT) +

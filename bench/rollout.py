@@ -29,7 +29,6 @@ import torch
 
 from mfsdp_kit.perf import clock
 from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.rl.rollout.hf import HFRollout
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConfig
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)

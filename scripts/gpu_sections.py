@@ -410,7 +410,7 @@ SECTIONS["decode_levers"] = [
         args="--shape qwen2-1.5b --batches 32,256 --variants compiled,fused_rope,sampler --hf-new-tokens 2 "
              "--agreement-rows 64"),
     *[Row(name=f"grpo_{backend}", script="bench/grpo_iteration.py", writes=f"grpo_{backend}.json",
-          args=f"--size l --iterations 3 --backends {backend}")
+          args=f"--size l --iterations 3 --profile --backends {backend}")   # the 3rd profiled: kernels by name
       for backend in ("continuous", "continuous_fused_rope", "continuous_sampler")]]
 # The release set (issue 50): what a change to mfsdp_kit/ or notebooks/ is checked and measured with, on 1 H200 in
 # under 10 minutes. Each row writes the one current file of its kind under docs/results/<device>/ (RELEASE_FILES);
