@@ -23,8 +23,8 @@ def _add_rms_inputs(hidden: int, dtype=torch.float32):
 
 @kernels_run
 def test_ahead_records_launches_and_runs_none():
-    """The cache write of `rope_store` (the one kernel that writes a tensor the caller owns): recorded inside
-    `ahead()`, the cache stays zero; outside, it is written."""
+    """The cache write of `rope_store` (a kernel that writes a tensor the caller owns, as the fused attention does):
+    recorded inside `ahead()`, the cache stays zero; outside, it is written."""
     from mfsdp_kit.rl.rollout import elementwise
     b, kv_heads, dim, slots = 2, 2, 16, 4
     q, k, v = (torch.randn(b, h, dim, device=DEVICE) for h in (4, kv_heads, kv_heads))

@@ -90,6 +90,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
+    def _rope_rows(COS, SIN, e, e_ok, HALF: tl.constexpr):
+        """(cos_lo, cos_hi, sin_lo, sin_hi) fp32 [HALF_PAD]: the halves of one token's RoPE rows at COS and SIN."""
+        cos_lo = tl.load(COS + e, mask=e_ok, other=0.0).to(tl.float32)
+        cos_hi = tl.load(COS + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+        sin_lo = tl.load(SIN + e, mask=e_ok, other=0.0).to(tl.float32)
+        sin_hi = tl.load(SIN + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+        return cos_lo, cos_hi, sin_lo, sin_hi
+
+    @triton.jit
     def _rotate_pair(base, offs, ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
         """(lo, hi) halves of rotate_half's RoPE of the heads at `base + offs` (fp32)."""
         lo = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
@@ -109,14 +118,39 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _attend_new(K, V, at, K_NEW, V_NEW, q_lo, q_hi, cos_lo, cos_hi, sin_lo, sin_hi, e, e_ok, d, d_ok, scale,
+                    m_i, l_i, acc, HALF: tl.constexpr):
+        """The step's own key and value of one row and KV head (at K_NEW and V_NEW): k rotated, both rounded to the
+        cache's dtype and written at cache offset `at` (the row's slot pos), and the query group (`q_lo`, `q_hi`: its
+        rotated halves) attending to them from registers. Returns the running max, sum and output after them."""
+        k_lo, k_hi = _rotate_pair(K_NEW, e, e_ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF)
+        k_lo, k_hi = k_lo.to(K.dtype.element_ty), k_hi.to(K.dtype.element_ty)
+        v = tl.load(V_NEW + d, mask=d_ok, other=0.0).to(V.dtype.element_ty)
+        tl.store(K + at + e, k_lo, mask=e_ok)
+        tl.store(K + at + HALF + e, k_hi, mask=e_ok)
+        tl.store(V + at + d, v, mask=d_ok)
+        s = tl.sum(q_lo.to(tl.float32) * k_lo.to(tl.float32)[None, :], 1)
+        s = (s + tl.sum(q_hi.to(tl.float32) * k_hi.to(tl.float32)[None, :], 1)) * scale
+        m_new = tl.maximum(m_i, s)   # finite: s is (m_i is -inf where the share had no cached key)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new)
+        return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+
+    @triton.jit
     def _attention_partial(Q, K, V, POS, PART, STATS, K_NEW, V_NEW, COS, SIN, stride_qb, stride_qh, stride_kr,
                            stride_kh, stride_ks, stride_stat, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
                            stride_cos, stride_sin, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                            DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                            BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                            WHOLE: tl.constexpr, ROPE: tl.constexpr):
+        """Program (row, KV head, split): its group's queries Q [b, heads, D] over its share of the row's keys in the
+        cache K, V [rows, kv_heads, slots, D] (strides in elements); writes the share's output (normalised into PART
+        [b, heads, D] when WHOLE, else unnormalised into PART [b, heads, splits, D] with max and sum in STATS
+        [2, b, heads, splits]). ROPE: Q and the step's K_NEW, V_NEW [b, kv_heads, D] as the GEMM left them, COS and
+        SIN [b, D]; see `decode_attention`'s `new`."""
         row, kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n_kv, n_splits = tl.num_programs(1), tl.num_programs(2)
+        row64 = row.to(tl.int64)
         pos = tl.load(POS + row).to(tl.int32)
         first = pos * 0   # the row's keys: first .. pos
         if WINDOWED:
@@ -126,63 +160,45 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, pos + 1)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
+        e = tl.arange(0, HALF_PAD)   # the halves' lanes (with ROPE: rotate_half pairs element i with i + D/2)
         head = kv * GROUP + g
-        g_ok, d_ok = g < GROUP, d < DIM
-        base = row.to(tl.int64) * stride_kr + kv.to(tl.int64) * stride_kh   # a cache may pass 2**31 elements
+        g_ok, d_ok, e_ok = g < GROUP, d < DIM, e < HALF
+        base = row64 * stride_kr + kv.to(tl.int64) * stride_kh   # a cache may pass 2**31 elements
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-        if ROPE:   # q and k by halves (rotate_half pairs element i with i + D/2); slot pos comes from registers
-            e = tl.arange(0, HALF_PAD)
-            e_ok = e < HALF
-            cos_lo = tl.load(COS + row * stride_cos + e, mask=e_ok, other=0.0).to(tl.float32)
-            cos_hi = tl.load(COS + row * stride_cos + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
-            sin_lo = tl.load(SIN + row * stride_sin + e, mask=e_ok, other=0.0).to(tl.float32)
-            sin_hi = tl.load(SIN + row * stride_sin + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
-            q_lo, q_hi = _rotate_pair(Q + row * stride_qb, head[:, None] * stride_qh + e[None, :],
-                                      g_ok[:, None] & e_ok[None, :], cos_lo[None, :], cos_hi[None, :],
-                                      sin_lo[None, :], sin_hi[None, :], HALF)
-            q_lo, q_hi = q_lo.to(Q.dtype.element_ty), q_hi.to(Q.dtype.element_ty)   # rope_store's rounding
-            top = tl.minimum(hi, pos)   # the cached keys of this share
-            for start in range(lo, top, BLOCK_N):
-                n = start + tl.arange(0, BLOCK_N)
-                n_ok = n < top
-                offs = base + n[:, None] * stride_ks + e[None, :]
-                ok = n_ok[:, None] & e_ok[None, :]
-                s = tl.dot(q_lo, tl.trans(tl.load(K + offs, mask=ok, other=0.0)), input_precision=PRECISION)
-                s += tl.dot(q_hi, tl.trans(tl.load(K + offs + HALF, mask=ok, other=0.0)), input_precision=PRECISION)
-                v = tl.load(V + base + n[:, None] * stride_ks + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                            other=0.0)
-                m_i, l_i, acc = _online(s * scale, n_ok, v, m_i, l_i, acc, PRECISION)
-            if (lo <= pos) & (pos < lo + chunk):   # this share holds slot pos: write k, v there, attend to them
-                k_lo, k_hi = _rotate_pair(K_NEW + row * stride_nkb + kv * stride_nkh, e, e_ok, cos_lo, cos_hi,
-                                          sin_lo, sin_hi, HALF)
-                k_lo, k_hi = k_lo.to(K.dtype.element_ty), k_hi.to(K.dtype.element_ty)
-                v_new = tl.load(V_NEW + row * stride_nvb + kv * stride_nvh + d, mask=d_ok, other=0.0)
-                v_new = v_new.to(V.dtype.element_ty)
-                at = base + pos.to(tl.int64) * stride_ks
-                tl.store(K + at + e, k_lo, mask=e_ok)
-                tl.store(K + at + HALF + e, k_hi, mask=e_ok)
-                tl.store(V + at + d, v_new, mask=d_ok)
-                s_new = tl.sum(q_lo.to(tl.float32) * k_lo.to(tl.float32)[None, :], 1)
-                s_new = (s_new + tl.sum(q_hi.to(tl.float32) * k_hi.to(tl.float32)[None, :], 1)) * scale
-                m_new = tl.maximum(m_i, s_new)
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s_new - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
+        q_at = Q + row64 * stride_qb + head[:, None] * stride_qh
+        if ROPE:   # q by halves, rotated and rounded as rope_store stores it; slot pos is left to `_attend_new`
+            cos_lo, cos_hi, sin_lo, sin_hi = _rope_rows(COS + row64 * stride_cos, SIN + row64 * stride_sin, e, e_ok,
+                                                        HALF)
+            q_lo, q_hi = _rotate_pair(q_at, e[None, :], g_ok[:, None] & e_ok[None, :], cos_lo[None, :],
+                                      cos_hi[None, :], sin_lo[None, :], sin_hi[None, :], HALF)
+            q_lo, q_hi = q_lo.to(Q.dtype.element_ty), q_hi.to(Q.dtype.element_ty)
+            top = tl.minimum(hi, pos)
         else:
-            q = tl.load(Q + row * stride_qb + head[:, None] * stride_qh + d[None, :],
-                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-            for start in range(lo, hi, BLOCK_N):
-                n = start + tl.arange(0, BLOCK_N)
-                n_ok = n < hi
-                offs = base + n[:, None] * stride_ks + d[None, :]
-                k = tl.load(K + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-                v = tl.load(V + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                m_i, l_i, acc = _online(s, n_ok, v, m_i, l_i, acc, PRECISION)
+            q = tl.load(q_at + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+            top = hi
+        for start in range(lo, top, BLOCK_N):   # the cached keys of the share
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < top
+            keys = base + n[:, None] * stride_ks
+            if ROPE:
+                ok = n_ok[:, None] & e_ok[None, :]
+                s = tl.dot(q_lo, tl.trans(tl.load(K + keys + e[None, :], mask=ok, other=0.0)),
+                           input_precision=PRECISION)
+                s += tl.dot(q_hi, tl.trans(tl.load(K + keys + HALF + e[None, :], mask=ok, other=0.0)),
+                            input_precision=PRECISION)
+            else:
+                k = tl.load(K + keys + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            v = tl.load(V + keys + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _online(s * scale, n_ok, v, m_i, l_i, acc, PRECISION)
+        if ROPE:
+            if (lo <= pos) & (pos < hi):   # the one share that holds slot pos
+                m_i, l_i, acc = _attend_new(K, V, base + pos.to(tl.int64) * stride_ks,
+                                            K_NEW + row64 * stride_nkb + kv * stride_nkh,
+                                            V_NEW + row64 * stride_nvb + kv * stride_nvh, q_lo, q_hi, cos_lo, cos_hi,
+                                            sin_lo, sin_hi, e, e_ok, d, d_ok, scale, m_i, l_i, acc, HALF)
         at = (row * n_kv * GROUP + head) * n_splits + split   # [b, heads, splits] index of each head of the group
         if WHOLE:   # PART is the output [b, heads, D]
             tl.store(PART + at[:, None] * DIM + d[None, :], (acc / l_i[:, None]).to(PART.dtype.element_ty),

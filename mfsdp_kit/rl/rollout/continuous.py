@@ -107,7 +107,7 @@ class DecodeConfig:
     """Where the Triton kernels run (`kernels`): RoPE and the cache write of a step's k and v inside the attention
     kernel (`attention.decode_attention` with `new`), one launch a layer instead of two, and the rotated q kept in
     registers. Off (two kernels: `elementwise.rope_store`, then attention) until timed on a GPU (gpu_sections
-    `fused_rope`). Elsewhere no effect."""
+    `decode_levers`). Elsewhere no effect."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""

@@ -19,7 +19,7 @@ if triton is not None:
     import triton.language as tl
     from triton import next_power_of_2
 
-    from .attention import _rotate_pair   # RoPE's halves, shared with the fused attention kernel
+    from .attention import _rope_rows, _rotate_pair   # RoPE's halves, shared with the fused attention kernel
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -66,10 +66,7 @@ if triton is not None:
         r = tl.program_id(0)
         d = tl.arange(0, HALF_PAD)
         d_ok = d < HALF
-        cos_lo = tl.load(COS + r * scos + d, mask=d_ok, other=0.0).to(tl.float32)
-        cos_hi = tl.load(COS + r * scos + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
-        sin_lo = tl.load(SIN + r * ssin + d, mask=d_ok, other=0.0).to(tl.float32)
-        sin_hi = tl.load(SIN + r * ssin + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        cos_lo, cos_hi, sin_lo, sin_hi = _rope_rows(COS + r * scos, SIN + r * ssin, d, d_ok, HALF)
         h = tl.arange(0, H_PAD)
         ok = (h[:, None] < HEADS) & d_ok[None, :]
         lo, hi = _rotate_pair(Q + r * sq_b, h[:, None] * sq_h + d[None, :], ok, cos_lo[None, :], cos_hi[None, :],
