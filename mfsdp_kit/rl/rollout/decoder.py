@@ -20,8 +20,9 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     Triton kernels instead: each row reads its own keys up to its position, once per KV head for its query group,
     split over the keys at small batch (flash-decoding);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`), or with `kernels="torch"` compiled once
-    with symbolic batch and cache sizes;
+    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`; with `DecodeConfig.fuse_rope`, RoPE and the
+    cache write inside the attention kernel instead), or with `kernels="torch"` compiled once with symbolic batch and
+    cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
