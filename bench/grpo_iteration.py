@@ -109,11 +109,11 @@ def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardwa
                   f"micro-batch (measured {per_token / 1e6 if per_token else 0:.2f} MB a training token); "
                   f"allocator retries so far {m['alloc_retries']}, reserved {m['reserved_bytes'] / 2 ** 30:.1f} GiB, "
                   f"peak allocated {m['peak_bytes'] / 2 ** 30:.1f} GiB")
-        if engine:
+        if stats:
             print("     engine: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                           for k, v in engine.items() if k != "by_batch"))
+                                           for k, v in stats.items() if k != "by_batch"))
             print("     by batch (steps, s): " + ", ".join(f"{b}: {v['steps']} {v['seconds']:.2f}"
-                                                        for b, v in engine.get("by_batch", {}).items()))
+                                                        for b, v in stats.get("by_batch", {}).items()))
         rows.append(dict(iteration=i, seconds=split, total_s=sum(split.values()), floors=floor,
                          mfu=mfu, tail_s=tail))
     return rows
