@@ -117,7 +117,9 @@ def finalize_grads(model: list[torch.nn.Module], num_tokens: torch.Tensor | None
 
 def attach_schedule_hooks(chunks: list[torch.nn.Module]) -> None:
     """The hooks megatron's schedules call, as megatron's training.py sets them (`finalize_grads` for
-    megatron's `finalize_model_grads`: the same, without its host sync)."""
+    megatron's `finalize_model_grads`: the same, without its host sync), on the model config of `chunks`. Models
+    built by one `model_fn` share that config, so `train.start_step` sets them again before each step: a step enters
+    its own model's `no_sync`, not the last-built one's."""
     config = unwrap_model(chunks[0]).config
     config.finalize_model_grads_func = finalize_grads
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync

@@ -211,7 +211,10 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    engine.scale_loss_by(chunks, optimizer)   # fp16: by this optimizer's scale, whoever else shares the config
+    # models of one model_fn (a policy and its critic) share one TransformerConfig: its schedule hooks (no_sync, and
+    # fp16's loss scale) point at whichever was built last, so each step points them at its own model and optimizer
+    engine.attach_schedule_hooks(chunks)
+    engine.scale_loss_by(chunks, optimizer)
     names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
                                       max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     floor = introspect.loss_scale_at_floor(optimizer)   # fp16 only (it syncs, as fp16's step does): bf16 reads nothing

@@ -83,7 +83,7 @@ def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
         opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-12), cfg)   # the weights all but still
         b = length_mix.batch([(8, 200)] * 4, seq_len_tokens=256, vocab_size=spec.vocab_size)
         norms = []
-        for i, scale in enumerate((2.0 ** 40, 2.0 ** 6, 2.0 ** 12)):
+        for i, scale in enumerate((2.0 ** 40, 2.0 ** 6, 2.0 ** 10)):   # 2**12 nears fp16's max
             for o in introspect.inner_optimizers(opt):
                 o.grad_scaler.scale.fill_(scale)
             result = step(chunks, opt, b, micro_batch_size=2, step_index=i)
@@ -126,6 +126,33 @@ def test_two_models_of_one_model_fn_each_scale_by_their_own_fp16_optimizer_on_a_
         assert not step(models[1], opts[1], b, micro_batch_size=2).skipped
     finally:
         runtime.shutdown()
+
+
+def test_two_models_of_one_model_fn_each_step_under_their_own_no_sync(chunks):
+    """A policy and its critic built by one `model_fn` share one TransformerConfig, whose `no_sync_func` megatron's
+    schedule enters around every micro-batch but the last: the second build pointed it at the second model, so the
+    first model's steps synced its grads at every micro-batch and toggled the other's sync flags. Each step binds its
+    own model's now."""
+    from megatron.core.utils import get_model_config
+    from mfsdp_kit.perf import length_mix
+    from mfsdp_kit.train import step
+    cfg = EngineConfig(use_megatron_fsdp=is_fsdp(chunks[0]))
+    spec = GPTSpec()
+    model_fn = gpt_model_fn(spec, cfg)
+    models = [engine.build(cfg, model_fn) for _ in range(2)]
+    opts = [engine.build_optimizer(m, OptimConfig(lr=1e-3), cfg) for m in models]
+    assert get_model_config(models[0][0]) is get_model_config(models[1][0])   # the case: one config
+    entered = []
+    for name, m in zip(("policy", "critic"), models):   # each model's no_sync, counted as megatron enters it
+        def counted(inner=m[0].no_sync, name=name):
+            entered.append(name)
+            return inner()
+        m[0].no_sync = counted
+    b = length_mix.batch([(4, 24)] * 4, seq_len_tokens=spec.seq_len_tokens, vocab_size=spec.vocab_size)
+    for name, m, opt in zip(("policy", "critic", "policy"), models + models[:1], opts + opts[:1]):
+        entered.clear()
+        step(m, opt, b, micro_batch_size=2)
+        assert entered == [name]
 
 
 def test_a_loss_scale_floor_needs_an_fp16_scaler(chunks):

@@ -74,7 +74,8 @@ def test_fused_rope_equals_rope_store_then_the_kernels(heads, kv_heads, dim, win
         cos, sin = (f(torch.cat([angle, angle], -1)).to(DTYPE)[:, None] for f in (torch.cos, torch.sin))
         pos = torch.randint(0, slots, (b,), device=DEVICE, generator=gen)
         pos[0], pos[-1] = slots - 1, 0
-        pos[1:-1] = torch.tensor([64, 127, 128], device=DEVICE)[:b - 2]
+        edges = torch.tensor([64, 127, 128], device=DEVICE)[:b - 2]
+        pos[1:1 + len(edges)] = edges
         ref = [c.clone() for c in cache]
         where = ((torch.arange(b, device=DEVICE)[:, None] * kv_heads + torch.arange(kv_heads, device=DEVICE)) * 640
                  + pos[:, None]).flatten()
