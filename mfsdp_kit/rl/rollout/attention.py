@@ -79,8 +79,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stats.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0), scale,
         window or 0, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        D_PAD=triton.next_power_of_2(dim), HALF=dim // 2, HALF_PAD=max(16, triton.next_power_of_2(dim // 2)),
-        BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        D_PAD=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WHOLE=whole, ROPE=new is not None, num_warps=4, num_stages=2)
     if not whole:
         launch(_attention_combine, (b, heads), part, stats, out, splits, stats.stride(0), DIM=dim,
@@ -90,20 +89,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _rope_rows(COS, SIN, e, e_ok, HALF: tl.constexpr):
-        """(cos_lo, cos_hi, sin_lo, sin_hi) fp32 [HALF_PAD]: the halves of one token's RoPE rows at COS and SIN."""
-        cos_lo = tl.load(COS + e, mask=e_ok, other=0.0).to(tl.float32)
-        cos_hi = tl.load(COS + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
-        sin_lo = tl.load(SIN + e, mask=e_ok, other=0.0).to(tl.float32)
-        sin_hi = tl.load(SIN + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
-        return cos_lo, cos_hi, sin_lo, sin_hi
-
-    @triton.jit
-    def _rotate_pair(base, offs, ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
-        """(lo, hi) halves of rotate_half's RoPE of the heads at `base + offs` (fp32)."""
-        lo = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-        hi = tl.load(base + offs + HALF, mask=ok, other=0.0).to(tl.float32)
-        return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi
+    def _rotated(x_at, partner_at, ok, first_half, cos, sin):
+        """rotate_half's RoPE (fp32) of the elements at `x_at`: x * cos + rotate_half(x) * sin, where rotate_half's
+        element i is -x[i + D/2] in the first half (`first_half`) and x[i - D/2] in the second (at `partner_at`)."""
+        x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+        partner = tl.load(partner_at, mask=ok, other=0.0).to(tl.float32)
+        return x * cos + tl.where(first_half, -partner, partner) * sin
 
     @triton.jit
     def _online(s, n_ok, v, m_i, l_i, acc, PRECISION: tl.constexpr):
@@ -118,19 +109,15 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend_new(K, V, at, K_NEW, V_NEW, q_lo, q_hi, cos_lo, cos_hi, sin_lo, sin_hi, e, e_ok, d, d_ok, scale,
-                    m_i, l_i, acc, HALF: tl.constexpr):
+    def _attend_new(K, V, at, K_NEW, V_NEW, q, cos, sin, d, d_ok, partner, first_half, scale, m_i, l_i, acc):
         """The step's own key and value of one row and KV head (at K_NEW and V_NEW): k rotated, both rounded to the
-        cache's dtype and written at cache offset `at` (the row's slot pos), and the query group (`q_lo`, `q_hi`: its
-        rotated halves) attending to them from registers. Returns the running max, sum and output after them."""
-        k_lo, k_hi = _rotate_pair(K_NEW, e, e_ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF)
-        k_lo, k_hi = k_lo.to(K.dtype.element_ty), k_hi.to(K.dtype.element_ty)
+        cache's dtype and written at cache offset `at` (the row's slot pos), and the query group `q` (rotated)
+        attending to them from registers. Returns the running max, sum and output after them."""
+        k = _rotated(K_NEW + d, K_NEW + partner, d_ok, first_half, cos, sin).to(K.dtype.element_ty)
         v = tl.load(V_NEW + d, mask=d_ok, other=0.0).to(V.dtype.element_ty)
-        tl.store(K + at + e, k_lo, mask=e_ok)
-        tl.store(K + at + HALF + e, k_hi, mask=e_ok)
+        tl.store(K + at + d, k, mask=d_ok)
         tl.store(V + at + d, v, mask=d_ok)
-        s = tl.sum(q_lo.to(tl.float32) * k_lo.to(tl.float32)[None, :], 1)
-        s = (s + tl.sum(q_hi.to(tl.float32) * k_hi.to(tl.float32)[None, :], 1)) * scale
+        s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale
         m_new = tl.maximum(m_i, s)   # finite: s is (m_i is -inf where the share had no cached key)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new)
@@ -140,8 +127,7 @@ if triton is not None:
     def _attention_partial(Q, K, V, POS, PART, STATS, K_NEW, V_NEW, COS, SIN, stride_qb, stride_qh, stride_kr,
                            stride_kh, stride_ks, stride_stat, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
                            stride_cos, stride_sin, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                           DIM: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                           BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                           DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                            WHOLE: tl.constexpr, ROPE: tl.constexpr):
         """Program (row, KV head, split): its group's queries Q [b, heads, D] over its share of the row's keys in the
         cache K, V [rows, kv_heads, slots, D] (strides in elements); writes the share's output (normalised into PART
@@ -160,20 +146,20 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, pos + 1)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D_PAD)
-        e = tl.arange(0, HALF_PAD)   # the halves' lanes (with ROPE: rotate_half pairs element i with i + D/2)
         head = kv * GROUP + g
-        g_ok, d_ok, e_ok = g < GROUP, d < DIM, e < HALF
+        g_ok, d_ok = g < GROUP, d < DIM
         base = row64 * stride_kr + kv.to(tl.int64) * stride_kh   # a cache may pass 2**31 elements
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D_PAD], tl.float32)
         q_at = Q + row64 * stride_qb + head[:, None] * stride_qh
-        if ROPE:   # q by halves, rotated and rounded as rope_store stores it; slot pos is left to `_attend_new`
-            cos_lo, cos_hi, sin_lo, sin_hi = _rope_rows(COS + row64 * stride_cos, SIN + row64 * stride_sin, e, e_ok,
-                                                        HALF)
-            q_lo, q_hi = _rotate_pair(q_at, e[None, :], g_ok[:, None] & e_ok[None, :], cos_lo[None, :],
-                                      cos_hi[None, :], sin_lo[None, :], sin_hi[None, :], HALF)
-            q_lo, q_hi = q_lo.to(Q.dtype.element_ty), q_hi.to(Q.dtype.element_ty)
+        if ROPE:   # q rotated and rounded as rope_store stores it; slot pos is left to `_attend_new`
+            first_half = d < DIM // 2
+            partner = tl.where(first_half, d + DIM // 2, d - DIM // 2)   # rotate_half pairs element i with i +- D/2
+            cos = tl.load(COS + row64 * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+            sin = tl.load(SIN + row64 * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
+            q = _rotated(q_at + d[None, :], q_at + partner[None, :], g_ok[:, None] & d_ok[None, :],
+                         first_half[None, :], cos[None, :], sin[None, :]).to(Q.dtype.element_ty)
             top = tl.minimum(hi, pos)
         else:
             q = tl.load(q_at + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -181,24 +167,17 @@ if triton is not None:
         for start in range(lo, top, BLOCK_N):   # the cached keys of the share
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < top
-            keys = base + n[:, None] * stride_ks
-            if ROPE:
-                ok = n_ok[:, None] & e_ok[None, :]
-                s = tl.dot(q_lo, tl.trans(tl.load(K + keys + e[None, :], mask=ok, other=0.0)),
-                           input_precision=PRECISION)
-                s += tl.dot(q_hi, tl.trans(tl.load(K + keys + HALF + e[None, :], mask=ok, other=0.0)),
-                            input_precision=PRECISION)
-            else:
-                k = tl.load(K + keys + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            v = tl.load(V + keys + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            m_i, l_i, acc = _online(s * scale, n_ok, v, m_i, l_i, acc, PRECISION)
+            offs = base + n[:, None] * stride_ks + d[None, :]
+            k = tl.load(K + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            v = tl.load(V + offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _online(s, n_ok, v, m_i, l_i, acc, PRECISION)
         if ROPE:
             if (lo <= pos) & (pos < hi):   # the one share that holds slot pos
                 m_i, l_i, acc = _attend_new(K, V, base + pos.to(tl.int64) * stride_ks,
                                             K_NEW + row64 * stride_nkb + kv * stride_nkh,
-                                            V_NEW + row64 * stride_nvb + kv * stride_nvh, q_lo, q_hi, cos_lo, cos_hi,
-                                            sin_lo, sin_hi, e, e_ok, d, d_ok, scale, m_i, l_i, acc, HALF)
+                                            V_NEW + row64 * stride_nvb + kv * stride_nvh, q, cos, sin, d, d_ok,
+                                            partner, first_half, scale, m_i, l_i, acc)
         at = (row * n_kv * GROUP + head) * n_splits + split   # [b, heads, splits] index of each head of the group
         if WHOLE:   # PART is the output [b, heads, D]
             tl.store(PART + at[:, None] * DIM + d[None, :], (acc / l_i[:, None]).to(PART.dtype.element_ty),

@@ -19,8 +19,6 @@ if triton is not None:
     import triton.language as tl
     from triton import next_power_of_2
 
-    from .attention import _rope_rows, _rotate_pair   # RoPE's halves, shared with the fused attention kernel
-
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                k_rows: torch.Tensor, v_rows: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -60,13 +58,23 @@ def gated(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
+    def _rotate_pair(base, offs, ok, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
+        """(lo, hi) halves of rotate_half's RoPE of the heads at `base + offs` (fp32)."""
+        lo = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(base + offs + HALF, mask=ok, other=0.0).to(tl.float32)
+        return lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi
+
+    @triton.jit
     def _rope_store(Q, K, V, COS, SIN, KC, VC, WHERE, OUT, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, scos, ssin,
                     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
                     HALF: tl.constexpr, HALF_PAD: tl.constexpr):
         r = tl.program_id(0)
         d = tl.arange(0, HALF_PAD)
         d_ok = d < HALF
-        cos_lo, cos_hi, sin_lo, sin_hi = _rope_rows(COS + r * scos, SIN + r * ssin, d, d_ok, HALF)
+        cos_lo = tl.load(COS + r * scos + d, mask=d_ok, other=0.0).to(tl.float32)
+        cos_hi = tl.load(COS + r * scos + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin_lo = tl.load(SIN + r * ssin + d, mask=d_ok, other=0.0).to(tl.float32)
+        sin_hi = tl.load(SIN + r * ssin + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
         h = tl.arange(0, H_PAD)
         ok = (h[:, None] < HEADS) & d_ok[None, :]
         lo, hi = _rotate_pair(Q + r * sq_b, h[:, None] * sq_h + d[None, :], ok, cos_lo[None, :], cos_hi[None, :],
