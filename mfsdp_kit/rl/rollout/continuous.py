@@ -102,12 +102,13 @@ class DecodeConfig:
     """A decode step's draw where the Triton kernels run (`kernels`): "torch" (`sampling.pick`: about ten torch ops
     over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`: one kernel reads each row's logits once; Philox
     draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes "torch"'s sort).
-    Elsewhere "torch". Not yet timed on a GPU (gpu_sections `sampler`): "torch" stays the default until it is."""
+    Elsewhere "torch". On 1 H100 at a 152k vocabulary: -13 % a decode step at 256 rows, +8 % at 32 (a program a row
+    leaves most SMs idle), so "torch" stays the default (docs/benchmarks.md)."""
     fuse_rope: bool = False
     """Where the Triton kernels run (`kernels`): RoPE and the cache write of a step's k and v inside the attention
     kernel (`attention.decode_attention` with `new`), one launch a layer instead of two, and the rotated q kept in
-    registers. Off (two kernels: `elementwise.rope_store`, then attention) until timed on a GPU (gpu_sections
-    `decode_levers`). Elsewhere no effect."""
+    registers. Off (two kernels: `elementwise.rope_store`, then attention) until it is timed faster on a GPU
+    (gpu_sections `decode_levers`). Elsewhere no effect."""
     prefill_tokens: int = 16384
     """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
     similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
