@@ -175,8 +175,8 @@ def main() -> None:
                         "compiled: `compile_glue=False`), continuous_triton (`kernels='triton'`), continuous_serial "
                         "(the Triton kernels compiled one by one at their first launch: `compile_ahead=False`), "
                         "continuous_pow2 (batch buckets the powers of two only: `buckets_per_doubling=1`), "
-                        "continuous_sampler (the draw in one kernel: `sampler='triton'`), continuous_fused_rope (RoPE and "
-                        "the cache write inside the attention kernel: `fuse_rope=True`)")
+                        "continuous_sampler (the draw in one kernel: `sampler='triton'`), continuous_fused_rope "
+                        "(RoPE and the cache write inside the attention kernel: `fuse_rope=True`)")
     p.add_argument("--fused-kernels", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="EngineConfig.kernels.fused_kernels: auto (the default a user gets: on a GPU), on, off")
     p.add_argument("--fusion-kernels", default="auto", choices=("auto", "torch", "triton"),

@@ -390,17 +390,6 @@ SECTIONS["decode_buckets"] = [
           args=f"--size l --backends {backend} {args}")
       for name, backend, args in (("pow2", "continuous_pow2", "--iterations 3"),
                                   ("buckets", "continuous", "--iterations 4 --profile"))]]
-# issue 49: a decode step's draw in one kernel (`DecodeConfig.sampler="triton"`, `rl/rollout/draw.py`) against the
-# torch ops (`sampling.pick`), where the draw is a large share of a step: a 152k vocabulary beside a 1.5 B model, at
-# 32 and 256 rows (its GPU tests first: the kernel's law, ties, seeds; the engine's tokens and log-probs with it);
-# then the GRPO iterations (the tiny model's vocabulary is 128: launches saved, not bytes)
-SECTIONS["sampler"] = [
-    Row(name="sampler_tests", script="-m pytest", launch="python",
-        args="-q -p no:cacheprovider tests/rl/test_draw.py tests/rl/test_continuous.py -k 'draw or kernel_sampler'"),
-    Row(name="sampler_rollout", script="bench/rollout.py", launch="python", writes="sampler_rollout.json",
-        args="--shape qwen2-1.5b --batches 32,256 --variants compiled,sampler --hf-new-tokens 2 --agreement-rows 64"),
-    Row(name="grpo_sampler", script="bench/grpo_iteration.py", writes="grpo_sampler.json",
-        args="--size l --iterations 3 --backends continuous,continuous_sampler")]
 # issue 49: RoPE and the cache write inside the attention kernel (`DecodeConfig.fuse_rope`: one launch a layer
 # fewer) and the draw in one kernel (`sampler="triton"`), each against the default: the decode kernels' GPU tests, the
 # rollout bench at 32 and 256 rows (a 152k vocabulary: the draw's bytes), then GRPO iterations, one process each

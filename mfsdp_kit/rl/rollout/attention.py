@@ -79,8 +79,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stats.stride(0),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0), scale,
         window or 0, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        D_PAD=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, WINDOWED=window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WHOLE=whole, ROPE=new is not None, num_warps=4, num_stages=2)
+        D_PAD=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, WINDOWED=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WHOLE=whole, ROPE=new is not None, num_warps=4,
+        num_stages=2)
     if not whole:
         launch(_attention_combine, (b, heads), part, stats, out, splits, stats.stride(0), DIM=dim,
                D_PAD=triton.next_power_of_2(dim), S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4)
@@ -127,8 +128,8 @@ if triton is not None:
     def _attention_partial(Q, K, V, POS, PART, STATS, K_NEW, V_NEW, COS, SIN, stride_qb, stride_qh, stride_kr,
                            stride_kh, stride_ks, stride_stat, stride_nkb, stride_nkh, stride_nvb, stride_nvh,
                            stride_cos, stride_sin, scale, window, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                           DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                           WHOLE: tl.constexpr, ROPE: tl.constexpr):
+                           DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
+                           PRECISION: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr):
         """Program (row, KV head, split): its group's queries Q [b, heads, D] over its share of the row's keys in the
         cache K, V [rows, kv_heads, slots, D] (strides in elements); writes the share's output (normalised into PART
         [b, heads, D] when WHOLE, else unnormalised into PART [b, heads, splits, D] with max and sum in STATS
