@@ -10,33 +10,41 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 
 import psutil
-import pytest
+
+from tests.dist import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
-import json, os, sys
+import json, os, sys, time
 import psutil
 sys.path.insert(0, sys.argv[1])
+t0 = time.monotonic()
+def stage(name):   # to stderr, unbuffered: a run cut off by the timeout shows how far it got
+    print(f"[{time.monotonic() - t0:6.1f} s] {name}", file=sys.stderr, flush=True)
 from mfsdp_kit import cluster
 from tests.dist import launch
 
-h = cluster.start(2)
+stage("starting 2 engines")
+h = cluster.start(2, timeout_s=60)
 try:
-    h.run("import torch, torch.distributed as dist\\nx = torch.tensor([1.0])\\ndist.all_reduce(x)")
-    engines = h.apply(os.getpid)
+    stage("all-reduce on the engines")
+    h.run("import torch, torch.distributed as dist\\nx = torch.tensor([1.0])\\ndist.all_reduce(x)", timeout_s=60)
+    engines = h.apply(os.getpid, timeout_s=60)
     pids = {p.pid for p in psutil.Process().children(recursive=True)} | set(engines)   # controller + engines
     cluster_listen = [c.laddr.ip for pid in pids for c in psutil.Process(pid).net_connections(kind="inet")
                       if c.status == psutil.CONN_LISTEN]
-    h.run("import os\\nifname = os.environ.get('GLOO_SOCKET_IFNAME')")
+    h.run("import os\\nifname = os.environ.get('GLOO_SOCKET_IFNAME')", timeout_s=60)
     engine_envs = h.view["ifname"]
 finally:
+    stage("stopping the engines")
     h.stop()
-torchrun = launch.run("listening_addresses", torchrun=True)   # torchrun with --master_addr=127.0.0.1
+stage("torchrun")
+torchrun = launch.run("listening_addresses", torchrun=True, timeout_s=120)   # torchrun with --master_addr=127.0.0.1
+stage("done")
 import socket
 print("RESULT", json.dumps(dict(hostname_ip=socket.gethostbyname(socket.gethostname()), engines=engines,
                                 cluster=cluster_listen, engine_gloo_ifname=engine_envs, torchrun=torchrun)))
@@ -67,9 +75,9 @@ def _command(tmp_path) -> tuple[list[str], str | None]:
 def test_local_cluster_and_torchrun_listen_on_loopback_only(tmp_path):
     cmd, address = _command(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    r = json.loads(out.stdout.split("RESULT ", 1)[1])
+    code, out, err = launch.run_group(cmd, timeout_s=300, env=env)
+    assert code == 0, f"exit code {code} (None: timed out, its stages so far below)\n{err[-4000:]}"
+    r = json.loads(out.split("RESULT ", 1)[1])
     if address is not None:   # the namespace worked: gloo's hostname lookup would give the network address
         assert r["hostname_ip"] == address, r
     assert len(r["cluster"]) > 10, r   # controller (~10 ports), engines' kernels, store, gloo pairs

@@ -195,7 +195,7 @@ class ClusterHandle:
     # ---- lifecycle ------------------------------------------------------------------------------
     def reinit(self) -> "ClusterHandle":
         """A new world on the same engines (after a failure aborted the process groups); variables stay."""
-        self.view.apply_sync(_engine_shutdown)
+        self.wait(self.view.apply_async(_engine_shutdown), timeout_s=self.init_kwargs["timeout_s"])
         _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
         return self
 
@@ -237,12 +237,15 @@ class ClusterHandle:
 def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch) -> None:
     """Ask engines who they are, assign ranks, rendezvous on rank 0's free port, init every engine."""
     client, kw = handle.client, handle.init_kwargs
-    idents = dict(zip(engine_ids, client[engine_ids].apply_sync(_engine_identity)))
+    handle.rank_of = {}   # a restart's old engines are gone: none counts as a dead rank until ranks are assigned
+    idents = dict(zip(engine_ids, _get(handle, client[engine_ids].apply_async(_engine_identity), kw["timeout_s"],
+                                       what="asking the engines who they are")))
     ranks = assign_ranks(idents)
     handle.rank_of = {e: r for e, (r, _) in ranks.items()}
     handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
     order = sorted(engine_ids, key=handle.rank_of.get)
-    handle.master_port = client[order[0]].apply_sync(ports.reserve, kw["master_addr"])   # held until init takes it
+    handle.master_port = _get(handle, client[order[0]].apply_async(ports.reserve, kw["master_addr"]), kw["timeout_s"],
+                              what="reserving rank 0's rendezvous port")   # held until init takes it
     handle.world_key, handle.abort_reason = watchdog.new_key(), None
     pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
                              block=False) for e in order]   # the names %%px cells use
@@ -266,11 +269,13 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
         handle.startup_s[f"engine.{phase}"] = max(i["phases"][phase] for i in inits)
 
 
-def _get(handle: ClusterHandle, ar: Any, timeout_s: float) -> Any:
+def _get(handle: ClusterHandle, ar: Any, timeout_s: float, *, what: str = "runtime.init") -> Any:
+    """`ar`'s result within `timeout_s` (every step of forming the world is bounded: an engine that registered but
+    never answers fails `start` instead of hanging it), a remote failure named by `what`."""
     try:
         return handle.wait(ar, timeout_s=timeout_s)
     except ipp.error.RemoteError as err:
-        raise ClusterError(f"runtime.init failed on an engine: {err}") from err
+        raise ClusterError(f"{what} failed on an engine: {err}") from err
 
 
 def _secure_connection_files(handle: ClusterHandle) -> None:
@@ -337,7 +342,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         watch.lap("register")
         handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
         if not local and master_addr is None:
-            host = client[engine_ids].apply_sync(_engine_identity)
+            host = _get(handle, client[engine_ids].apply_async(_engine_identity), timeout_s,
+                        what="asking the engines who they are")
             init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
         _setup_world(handle, engine_ids, watch)
         return handle

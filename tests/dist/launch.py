@@ -85,8 +85,29 @@ def _torchrun(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "--master_addr=127.0.0.1",
            str(HERE / "worker.py"), job["scenario"], json.dumps(job["kwargs"]), job["out"]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    return proc.returncode == 0, f"(rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    code, out, err = run_group(cmd, timeout_s=timeout_s, env=env)
+    why = f"timed out after {timeout_s:g} s, " if code is None else ""
+    return code == 0, f"({why}rc={code}):\n{out[-4000:]}\n{err[-8000:]}"
+
+
+def run_group(cmd: list[str], *, timeout_s: float, env: dict) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of `cmd`; past `timeout_s` it and every process under it are SIGKILLed
+    (torchrun's ranks, a cluster's controller and engines in their own process groups: nothing is left running)
+    and the code is None, with what it printed until then (a hung run shows how far it got)."""
+    import psutil
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        tree = [proc, *psutil.Process(proc.pid).children(recursive=True)]
+        for p in tree:
+            try:
+                p.kill()
+            except (psutil.Error, ProcessLookupError):
+                pass
+        out, err = proc.communicate()
+        return None, out, err
 
 
 def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:

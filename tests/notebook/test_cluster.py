@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import stat
+import time
 
 import psutil
 import pytest
@@ -303,6 +304,21 @@ def test_engines_not_up_in_time_raise_and_leave_nothing():
         cluster.start(2, timeout_s=0.01)
     psutil.wait_procs([p for p in _engine_processes() if p.pid not in before], timeout=10)
     assert {p.pid for p in _engine_processes() if p.is_running()} <= before
+
+
+def test_a_world_whose_engine_never_answers_fails_reinit_in_time():
+    """Every step of forming a world is bounded by the start's timeout_s: rank 1 busy with an endless cell never
+    answers reinit's questions (leave the world, who are you, the port, init), and reinit fails instead of
+    hanging the notebook."""
+    h = cluster.start(2, device="cpu", timeout_s=8)
+    try:
+        h.client[h.engine_of[1]].execute("import time; time.sleep(600)", block=False)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match="within timeout_s=8"):
+            h.reinit()
+        assert time.monotonic() - t0 < 30   # unbounded, it waited for the cell: 600 s
+    finally:
+        h.stop()
 
 
 def test_runtime_before_start_says_to_start():
