@@ -70,12 +70,51 @@ def test_the_kernels_draws_are_a_function_of_seed_step_and_row():
     assert len(set(a.tolist())) > 20   # rows of one step draw apart
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [0, 0.9])
+def test_a_row_split_over_programs_draws_the_unsplit_tokens_and_scores_them_alike(dtype, temperature):
+    """Splits of 2, 3, 4 and more than the blocks (clamped), over 5 blocks with a partial last one: the same tokens
+    as one program a row, and the same log-probs to rounding. The rows hold a tie across two splits' blocks (the
+    lower token wins at T 0), a whole first split of -inf, and a row whose best token sits in the last split."""
+    vocab = 4 * 2048 + 700
+    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(4)) * 2).to(DEVICE, dtype)
+    top = logits.float().max(-1).values
+    logits[0, [3 * 2048 + 5, 2048 + 9]] = top[0].to(dtype) + 30   # a tie far above the rest: both splits' best
+    logits[1, :2 * 2048] = float("-inf")
+    logits[2, vocab - 1] = top[2].to(dtype) + 30
+    one = draw(logits, temperature=temperature, seed=7, step=3, splits=1)
+    assert one[0][0] == 2048 + 9 if temperature == 0 else one[0][0] in (2048 + 9, 3 * 2048 + 5)   # T > 0: a race
+    assert one[0][2] == vocab - 1 and one[0][1] >= 2 * 2048
+    for splits in (2, 3, 4, 64):
+        token, logp = draw(logits, temperature=temperature, seed=7, step=3, splits=splits)
+        assert torch.equal(token, one[0]), splits
+        torch.testing.assert_close(logp, one[1], rtol=0, atol=2e-6)
+    want = torch.log_softmax(logits.float() / (temperature or 1), -1).gather(-1, one[0][:, None])[:, 0]
+    torch.testing.assert_close(one[1], want, rtol=0, atol=1e-5)
+
+
+def test_split_draws_follow_softmax_over_t():
+    """The split path's own chi-square test (`test_the_kernel_draws_softmax_over_t_and_scores_its_tokens`'s),
+    over a vocabulary of three blocks split three ways: a split that dropped or doubled a block's tokens fails it."""
+    logits = torch.randn(3 * 2048, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 0.05
+    logits[:64] += 4   # most of the mass in 64 tokens of the first split: the test's power is there
+    token, logp = draw(logits.expand(2000, -1), temperature=0.7, seed=2, step=1, splits=3)
+    want = torch.log_softmax(logits.float() / 0.7, -1)
+    p = want.exp()
+    tails = [p[64:2048].sum(), p[2048:4096].sum(), p[4096:].sum()]   # each split's other tokens, one outcome each
+    cell = torch.where(token < 64, token, 64 + token // 2048)
+    assert_draws_follow(cell, torch.cat([p[:64], torch.stack(tails)]))
+    torch.testing.assert_close(logp, want[token], rtol=0, atol=1e-5)
+
+
 def test_the_kernel_refuses_a_counter_it_cannot_hold():
     wide = torch.zeros(1, 1, device=DEVICE).expand(2**17, 2**15)   # rows x vocab = 2**32: no memory behind it
     with pytest.raises(ConfigError, match="logits=.*2\\*\\*32"):
         draw(wide, temperature=1.0, seed=0, step=0)
     with pytest.raises(ConfigError, match="step=-1"):
         draw(torch.zeros(2, 8, device=DEVICE), temperature=1.0, seed=0, step=-1)
+    with pytest.raises(ConfigError, match="splits=0"):
+        draw(torch.zeros(2, 8, device=DEVICE), temperature=1.0, seed=0, step=0, splits=0)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU: tests/rl/test_continuous.py's kernel sampler test")

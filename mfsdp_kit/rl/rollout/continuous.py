@@ -103,7 +103,8 @@ class DecodeConfig:
     over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`: one kernel reads each row's logits once; Philox
     draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes "torch"'s sort).
     Elsewhere "torch". On 1 H100 at a 152k vocabulary: -13 % a decode step at 256 rows, +8 % at 32 (a program a row
-    leaves most SMs idle), so "torch" stays the default (docs/benchmarks.md)."""
+    left most SMs idle; since then fewer rows than SMs split each row over programs, not yet timed), so "torch" stays
+    the default (docs/benchmarks.md)."""
     fuse_rope: bool = False
     """Where the Triton kernels run (`kernels`): RoPE and the cache write of a step's k and v inside the attention
     kernel (`attention.decode_attention` with `new`), one launch a layer instead of two, and the rotated q kept in
