@@ -391,12 +391,13 @@ SECTIONS["decode_buckets"] = [
       for name, backend, args in (("pow2", "continuous_pow2", "--iterations 3"),
                                   ("buckets", "continuous", "--iterations 4 --profile"))]]
 # issue 49: RoPE and the cache write inside the attention kernel (`DecodeConfig.fuse_rope`: one launch a layer
-# fewer) and the draw in one kernel (`sampler="triton"`), each against the default: the decode kernels' GPU tests, the
-# rollout bench at 32 and 256 rows (a 152k vocabulary: the draw's bytes), then GRPO iterations, one process each
+# fewer) and the draw in one kernel (`sampler="triton"`, a row split over programs below one row per SM), each against
+# the default: the decode kernels' GPU tests, the rollout bench at 8, 32 and 256 rows (a 152k vocabulary: the draw's
+# bytes), then GRPO iterations, one process each
 SECTIONS["decode_levers"] = [
     SECTIONS["decode_kernels"][0],   # the kernels' tests (the engine's kernel-sampler test is in gpu_tests_gpu)
     Row(name="levers_rollout", script="bench/rollout.py", launch="python", writes="levers_rollout.json",
-        args="--shape qwen2-1.5b --batches 32,256 --variants compiled,fused_rope,sampler --hf-new-tokens 2 "
+        args="--shape qwen2-1.5b --batches 8,32,256 --variants compiled,fused_rope,sampler --hf-new-tokens 2 "
              "--agreement-rows 64"),
     *[Row(name=f"grpo_{backend}", script="bench/grpo_iteration.py", writes=f"grpo_{backend}.json",
           args=f"--size l --iterations 3 --profile --backends {backend}")   # the 3rd profiled: kernels by name
