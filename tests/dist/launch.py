@@ -106,8 +106,15 @@ def run_group(cmd: list[str], *, timeout_s: float, env: dict) -> tuple[int | Non
                 p.kill()
             except (psutil.Error, ProcessLookupError):
                 pass
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired as e:   # a process that left the tree holds the pipes: what came so far
+            out, err = (_text(e.stdout), _text(e.stderr) + "\n(the pipes are still held by a process outside its tree)")
         return None, out, err
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:

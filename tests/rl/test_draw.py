@@ -88,7 +88,7 @@ def test_a_row_split_over_programs_draws_the_unsplit_tokens_and_scores_them_alik
     for splits in (2, 3, 4, 64):
         token, logp = draw(logits, temperature=temperature, seed=7, step=3, splits=splits)
         assert torch.equal(token, one[0]), splits
-        torch.testing.assert_close(logp, one[1], rtol=0, atol=2e-6)
+        torch.testing.assert_close(logp, one[1], rtol=0, atol=1e-5)   # the sums in another order
     want = torch.log_softmax(logits.float() / (temperature or 1), -1).gather(-1, one[0][:, None])[:, 0]
     torch.testing.assert_close(one[1], want, rtol=0, atol=1e-5)
 
