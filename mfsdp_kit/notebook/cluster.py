@@ -161,8 +161,9 @@ class ClusterHandle:
         return sorted(r for e, r in self.rank_of.items() if e not in alive)
 
     def wait(self, result: Any, *, timeout_s: float | None = None, poll_s: float = 0.1,
-             on_poll: Callable[[Any], None] | None = None) -> list:
-        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies, or the controller."""
+             on_poll: Callable[[Any], None] | None = None, what: str = "") -> list:
+        """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies, or the controller.
+        `what`: the step waited for, named in the error when it runs out of time (else: a cell)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not result.ready():
             result.wait(poll_s)
@@ -171,8 +172,9 @@ class ClusterHandle:
             if lost := (self._died(dead) if (dead := self.dead_ranks()) else launch.controller_error(self.cluster)):
                 raise lost   # an engine or the controller died: no reply can come
             if deadline is not None and time.monotonic() > deadline:
-                raise ClusterError(f"engines did not finish within timeout_s={timeout_s}; the cell may still "
-                                   "run on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
+                raise ClusterError(f"{what}: no answer within timeout_s={timeout_s} (an engine busy or stuck?)" if what
+                                   else f"engines did not finish within timeout_s={timeout_s}; the cell may still run "
+                                   "on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
         try:
             return result.get()
         except ipp.error.CompositeError as err:
@@ -195,7 +197,8 @@ class ClusterHandle:
     # ---- lifecycle ------------------------------------------------------------------------------
     def reinit(self) -> "ClusterHandle":
         """A new world on the same engines (after a failure aborted the process groups); variables stay."""
-        self.wait(self.view.apply_async(_engine_shutdown), timeout_s=self.init_kwargs["timeout_s"])
+        self.wait(self.view.apply_async(_engine_shutdown), timeout_s=self.init_kwargs["timeout_s"],
+                  what="leaving the old world")
         _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
         return self
 
@@ -237,7 +240,8 @@ class ClusterHandle:
 def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch) -> None:
     """Ask engines who they are, assign ranks, rendezvous on rank 0's free port, init every engine."""
     client, kw = handle.client, handle.init_kwargs
-    handle.rank_of = {}   # a restart's old engines are gone: none counts as a dead rank until ranks are assigned
+    # a restart's old engines are gone: until the launcher's ranks are read, the new ones stand in engine-id order
+    handle.rank_of = {e: i for i, e in enumerate(sorted(engine_ids))}
     idents = dict(zip(engine_ids, _get(handle, client[engine_ids].apply_async(_engine_identity), kw["timeout_s"],
                                        what="asking the engines who they are")))
     ranks = assign_ranks(idents)
@@ -258,7 +262,7 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     watchdog.guard_view(handle)
     watch.lap("identify")
     for ar in pushed:   # a push to a dead engine fails here, with its rank named
-        _get(handle, ar, kw["timeout_s"])
+        _get(handle, ar, kw["timeout_s"], what="handing the engines their ranks")
     inits = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
     watch.lap("world_init")
     handle.devices, handle.backend = [i["device"] for i in inits], inits[0]["backend"]
@@ -273,7 +277,7 @@ def _get(handle: ClusterHandle, ar: Any, timeout_s: float, *, what: str = "runti
     """`ar`'s result within `timeout_s` (every step of forming the world is bounded: an engine that registered but
     never answers fails `start` instead of hanging it), a remote failure named by `what`."""
     try:
-        return handle.wait(ar, timeout_s=timeout_s)
+        return handle.wait(ar, timeout_s=timeout_s, what=what)
     except ipp.error.RemoteError as err:
         raise ClusterError(f"{what} failed on an engine: {err}") from err
 

@@ -91,30 +91,31 @@ def _torchrun(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:
 
 
 def run_group(cmd: list[str], *, timeout_s: float, env: dict) -> tuple[int | None, str, str]:
-    """(exit code, stdout, stderr) of `cmd`; past `timeout_s` it and every process under it are SIGKILLed
-    (torchrun's ranks, a cluster's controller and engines in their own process groups: nothing is left running)
-    and the code is None, with what it printed until then (a hung run shows how far it got)."""
+    """(exit code, stdout, stderr) of `cmd`, run in a session of its own with its output in files (a process it
+    leaves behind cannot hold a pipe open). Past `timeout_s` it, every process under it and every process left in
+    its session (torchrun's ranks, a cluster's controller and engines) are SIGKILLed, and the code is None, with
+    what it printed until then (a hung run shows how far it got)."""
     import psutil
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        tree = [proc, *psutil.Process(proc.pid).children(recursive=True)]
-        for p in tree:
-            try:
-                p.kill()
-            except (psutil.Error, ProcessLookupError):
-                pass
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
         try:
-            out, err = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired as e:   # a process that left the tree holds the pipes: what came so far
-            out, err = (_text(e.stdout), _text(e.stderr) + "\n(the pipes are still held by a process outside its tree)")
-        return None, out, err
-
-
-def _text(data: bytes | str | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            for p in [proc, *psutil.Process(proc.pid).children(recursive=True)]:
+                try:
+                    p.kill()
+                except (psutil.Error, ProcessLookupError):
+                    pass
+            proc.wait()
+        for p in psutil.process_iter():   # what left the tree but not the session (a double fork)
+            try:
+                if os.getsid(p.pid) == proc.pid:
+                    p.kill()
+            except (psutil.Error, OSError):
+                pass
+        out.seek(0), err.seek(0)
+        return code, out.read(), err.read()
 
 
 def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:

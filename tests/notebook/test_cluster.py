@@ -306,17 +306,31 @@ def test_engines_not_up_in_time_raise_and_leave_nothing():
     assert {p.pid for p in _engine_processes() if p.is_running()} <= before
 
 
-def test_a_world_whose_engine_never_answers_fails_reinit_in_time():
-    """Every step of forming a world is bounded by the start's timeout_s: rank 1 busy with an endless cell never
-    answers reinit's questions (leave the world, who are you, the port, init), and reinit fails instead of
-    hanging the notebook."""
+STALLS = {   # a step of forming a world, and code that makes one engine (by rank) never finish it
+    "leaving the old world": (1, "import time; time.sleep(600)"),   # a cell that does not end
+    "asking the engines who they are": (1, "import socket, time; socket.gethostname = lambda: time.sleep(600)"),
+    "reserving rank 0's rendezvous port": (0, "import socket, time; socket.create_server = lambda *a, **k: "
+                                              "time.sleep(600)"),
+}
+
+
+@pytest.mark.parametrize("step", STALLS)
+def test_a_world_whose_engine_never_answers_fails_reinit_in_time_and_restart_recovers(step):
+    """Every step of forming a world is bounded by the start's timeout_s: an engine that never answers one (busy with
+    an endless cell, a hostname lookup that hangs, a bind that hangs) fails reinit naming the step, instead of
+    hanging the notebook; restart then rebuilds the world with the same ranks."""
+    rank, stall = STALLS[step]
     h = cluster.start(2, device="cpu", timeout_s=8)
     try:
-        h.client[h.engine_of[1]].execute("import time; time.sleep(600)", block=False)
+        h.client[h.engine_of[rank]].execute(stall, block=step != "leaving the old world")
         t0 = time.monotonic()
-        with pytest.raises(ClusterError, match="within timeout_s=8"):
+        with pytest.raises(ClusterError, match=f"^{step}: no answer within timeout_s=8"):
             h.reinit()
-        assert time.monotonic() - t0 < 30   # unbounded, it waited for the cell: 600 s
+        assert time.monotonic() - t0 < 30   # unbounded, it waited for the stalled engine: 600 s
+        if step == "asking the engines who they are":   # failed midway through: the handle still restarts
+            h.restart()
+            h.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
+            assert h.ranks == [0, 1] and [float(x) for x in h.view["x"]] == [3.0, 3.0]
     finally:
         h.stop()
 

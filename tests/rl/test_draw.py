@@ -73,7 +73,7 @@ def test_the_kernels_draws_are_a_function_of_seed_step_and_row():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("temperature", [0, 0.9])
 def test_a_row_split_over_programs_draws_the_unsplit_tokens_and_scores_them_alike(dtype, temperature):
-    """Splits of 2, 3, 4 and more than the blocks (clamped), over 5 blocks with a partial last one: the same tokens
+    """Splits of 2, 3, 5 and more than the blocks (clamped), over 5 blocks with a partial last one: the same tokens
     as one program a row, and the same log-probs to rounding. The rows hold a tie across two splits' blocks (the
     lower token wins at T 0), a whole first split of -inf, and a row whose best token sits in the last split."""
     vocab = 4 * 2048 + 700
@@ -85,12 +85,20 @@ def test_a_row_split_over_programs_draws_the_unsplit_tokens_and_scores_them_alik
     one = draw(logits, temperature=temperature, seed=7, step=3, splits=1)
     assert one[0][0] == 2048 + 9 if temperature == 0 else one[0][0] in (2048 + 9, 3 * 2048 + 5)   # T > 0: a race
     assert one[0][2] == vocab - 1 and one[0][1] >= 2 * 2048
-    for splits in (2, 3, 4, 64):
+    for splits in (2, 3, 5, 64):   # 5 blocks: 3 of 2, 2 and 1 blocks; 2 of 3 and 2; 5 of 1; 64 clamped to 5
         token, logp = draw(logits, temperature=temperature, seed=7, step=3, splits=splits)
         assert torch.equal(token, one[0]), splits
         torch.testing.assert_close(logp, one[1], rtol=0, atol=1e-5)   # the sums in another order
     want = torch.log_softmax(logits.float() / (temperature or 1), -1).gather(-1, one[0][:, None])[:, 0]
     torch.testing.assert_close(one[1], want, rtol=0, atol=1e-5)
+
+
+def test_a_row_is_split_only_when_the_rows_leave_sms_idle():
+    from mfsdp_kit.rl.rollout.draw import default_splits
+    assert default_splits(4, torch.device("cpu")) == 1
+    if DEVICE == "cuda":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert default_splits(4, torch.device("cuda")) == sms // 4 and default_splits(sms, torch.device("cuda")) == 1
 
 
 def test_split_draws_follow_softmax_over_t():

@@ -46,8 +46,9 @@ def draw(logits: torch.Tensor, *, temperature: float, seed: int, step: int,
     `splits`: programs per row (default `default_splits`: one unless the rows leave SMs idle); any draws the same
     tokens."""
     rows, vocab = logits.shape
-    if rows * vocab >= 2**32:   # the Philox counter's low word holds row * vocab + a place under vocab
-        raise bad_value("logits", tuple(logits.shape), "rows x vocab < 2**32 for the kernel's draws")
+    if rows * vocab >= 2**32 or vocab >= 2**31:   # the Philox counter's low word: row * vocab + a place under vocab
+        raise bad_value("logits", tuple(logits.shape), "rows x vocab < 2**32 and vocab < 2**31 for the kernel's "
+                        "draws")
     if not 0 <= step < 2**31:
         raise bad_value("step", step, "an integer in [0, 2**31)")
     if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 1):

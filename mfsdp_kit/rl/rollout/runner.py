@@ -151,9 +151,11 @@ class Runner:
         with triton_launch.ahead() as launches:
             for batch, slots in dict.fromkeys((b, self.step_slots(s)) for b, s in steps):
                 hidden = self.eager(batch, slots)()
-            if self.kernel_draws():   # the draw's kernel too (one specialisation: sampling at T > 0)
+            if self.kernel_draws():   # the draw's kernels too, sampling at T > 0: a batch's split picks its merge
                 from .draw import draw
-                draw(self.model.lm_head(hidden), temperature=1.0, seed=0, step=0)
+                logits = self.model.lm_head(hidden)
+                for batch in sorted({b for b, _ in steps}):
+                    draw(logits.new_empty(batch, logits.shape[-1]), temperature=1.0, seed=0, step=0)
         triton_launch.compile_all(launches, device=self.cache.tok.device)
         seconds = time.perf_counter() - t0
         self.kernels_s, self.capture_s = self.kernels_s + seconds, self.capture_s + seconds
