@@ -37,6 +37,9 @@ one, 17.3 -> 14.7 s with the imports at boot; 2 busy CPU cores were slower with 
 the registration share the engine's GIL and the cores), when engines were spawned after the controller. It now
 decides for MPI engines only: local ones are spawned first and import at boot everywhere (2 busy cores included)."""
 CONTROLLER_ARGS = ["--HeartMonitor.period=250", "--HeartMonitor.max_heartmonitor_misses=120"]
+SIGNAL_REPLY_S = 10.0
+"""Seconds `kill_engines` waits for the nannies of engines under mpiexec & co to confirm their SIGKILL (a request
+through the controller: a dead one never answers, and `stop()` goes on to stop mpiexec)."""
 OPENMPI_OVERSUBSCRIBE = {"OMPI_MCA_rmaps_base_oversubscribe": "1"}
 """OpenMPI refuses more ranks than cores; an engine mostly waits (one per GPU), so the kit allows it."""
 OPENMPI_AS_ROOT = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -297,8 +300,9 @@ def kill_engines(cluster: ipp.Cluster, client: ipp.Client) -> None:
         launchers = getattr(engine_set, "launchers", None)
         for launcher in list((launchers or {}).values()):
             _quietly(launcher.signal, signal.SIGKILL)
-        if launchers is None and client.ids:
-            _quietly(lambda: client.send_signal(signal.SIGKILL, targets=client.ids, block=True))
+        if launchers is None and client.ids and controller_error(cluster) is None:
+            _quietly(lambda: client.send_signal(signal.SIGKILL, targets=client.ids, block=False).result(
+                timeout=SIGNAL_REPLY_S))
 
 
 def stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:

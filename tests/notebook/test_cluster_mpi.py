@@ -3,12 +3,16 @@ starts the engines, ranks come from OMPI_COMM_WORLD_RANK, and restart / stop lea
 
 Needs Debian's `openmpi-bin` (mpiexec) and `mpi4py` (ipyparallel's MPI engines import it); skipped without."""
 import importlib.util
+import os
 import shutil
+import signal
+import threading
+import time
 
 import psutil
 import pytest
 
-from mfsdp_kit.notebook import cluster
+from mfsdp_kit.notebook import cluster, launch
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("mpiexec") is None,
@@ -52,3 +56,30 @@ def test_mpi_engines_rank_all_reduce_restart_and_stop_leave_nothing():
     started = [p for pid, p in seen.items() if pid not in before]
     psutil.wait_procs(started, timeout=20)
     assert not [(p.pid, p.name()) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_stop_after_the_controller_died_returns_and_leaves_nothing():
+    """MPI engines are killed through their nannies, by a signal request that goes through the controller. With the
+    controller dead no reply comes: stop() must not wait for one, and mpiexec's engines must still go."""
+    before = set(_descendants())
+    handle = cluster.start(2, engines="mpi", timeout_s=180)
+    seen = dict(_descendants())
+    _check_world(handle)
+    os.kill(launch.controller_process(handle.cluster).pid, signal.SIGKILL)
+    time.sleep(2)   # the client has noticed by then: its signal request waits for a reply (it hung forever)
+    outcome = []
+    stopper = threading.Thread(target=lambda: outcome.append(_outcome(handle.stop)), daemon=True)
+    stopper.start()
+    stopper.join(60)
+    assert outcome == [None], outcome or "stop() still waits 60 s after the controller died"
+    started = [p for pid, p in seen.items() if pid not in before]
+    psutil.wait_procs(started, timeout=20)
+    assert not [(p.pid, p.name()) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _outcome(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 -- the test shows it
+        return err
+    return None
