@@ -102,20 +102,28 @@ def run_group(cmd: list[str], *, timeout_s: float, env: dict) -> tuple[int | Non
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = None
-            for p in [proc, *psutil.Process(proc.pid).children(recursive=True)]:
-                try:
-                    p.kill()
-                except (psutil.Error, ProcessLookupError):
-                    pass
+            _kill([proc, *psutil.Process(proc.pid).children(recursive=True)])
             proc.wait()
-        for p in psutil.process_iter():   # what left the tree but not the session (a double fork)
-            try:
-                if os.getsid(p.pid) == proc.pid:
-                    p.kill()
-            except (psutil.Error, OSError):
-                pass
+        _kill([p for p in psutil.process_iter() if _session(p.pid) == proc.pid])   # left the tree, not the session
         out.seek(0), err.seek(0)
         return code, out.read(), err.read()
+
+
+def _kill(procs: list) -> None:
+    """SIGKILL each of `procs` (psutil or Popen processes) still there."""
+    import psutil
+    for p in procs:
+        try:
+            p.kill()
+        except (psutil.Error, OSError):
+            pass
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:   # gone meanwhile
+        return None
 
 
 def _forked(job: dict, *, nproc, timeout_s, env, tmp) -> tuple[bool, str]:

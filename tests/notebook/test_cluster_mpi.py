@@ -29,6 +29,13 @@ def _descendants() -> dict[int, psutil.Process]:
     return {p.pid: p for p in psutil.Process().children(recursive=True)}
 
 
+def _assert_gone(seen: dict[int, psutil.Process], before: set[int]) -> None:
+    """Every process seen that was not there before has exited (a zombie counts as gone) within 20 s."""
+    started = [p for pid, p in seen.items() if pid not in before]
+    psutil.wait_procs(started, timeout=20)
+    assert not [(p.pid, p.name()) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
 def _check_world(handle) -> list[int]:
     """Each engine's rank is its OpenMPI rank; an all-reduce spans them. Returns the engines' pids."""
     handle.run(WHO)
@@ -53,9 +60,7 @@ def test_mpi_engines_rank_all_reduce_restart_and_stop_leave_nothing():
         assert handle.ranks == [0, 1]
     finally:
         handle.stop()
-    started = [p for pid, p in seen.items() if pid not in before]
-    psutil.wait_procs(started, timeout=20)
-    assert not [(p.pid, p.name()) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _assert_gone(seen, before)
 
 
 def test_stop_after_the_controller_died_returns_and_leaves_nothing():
@@ -72,9 +77,7 @@ def test_stop_after_the_controller_died_returns_and_leaves_nothing():
     stopper.start()
     stopper.join(60)
     assert outcome == [None], outcome or "stop() still waits 60 s after the controller died"
-    started = [p for pid, p in seen.items() if pid not in before]
-    psutil.wait_procs(started, timeout=20)
-    assert not [(p.pid, p.name()) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    _assert_gone(seen, before)
 
 
 def _outcome(fn) -> BaseException | None:

@@ -62,8 +62,10 @@ def draw(logits: torch.Tensor, *, temperature: float, seed: int, step: int,
     splits = -(-vocab // per)
     token = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    state = (torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device) if splits > 1 else logp,
-             torch.empty(rows, splits, dtype=torch.int64, device=logits.device) if splits > 1 else token)
+    state = (logp, token)   # unsplit, the kernel writes the answer; split, each program's state for `_merge`
+    if splits > 1:
+        state = (torch.empty(4, rows, splits, dtype=torch.float32, device=logits.device),
+                 torch.empty(rows, splits, dtype=torch.int64, device=logits.device))
     launch(_draw, (rows, splits), logits, *state, logits.stride(0), 1.0 / temperature if temperature else 1.0,
            seed % 2**62 + 2**62, step, per, rows * splits, VOCAB=vocab, QUARTER=quarter, GREEDY=temperature == 0,
            SPLIT=splits > 1, num_warps=8)   # the Philox key always 64-bit: one compile whatever the seed
