@@ -118,7 +118,7 @@ def locked(root: Path, *, shared: bool = False):
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(Path(root) / LOCK_NAME, flags, 0o644)
-    except OSError as e:
+    except OSError:
         if os.path.islink(Path(root) / LOCK_NAME):
             raise symlink(Path(root) / LOCK_NAME, "save") from None
         raise

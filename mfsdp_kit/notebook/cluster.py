@@ -310,7 +310,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
     master_addr: rendezvous host; default `ip` for local engines, rank 0's hostname otherwise.
-    timeout_s: engines must register, and the process group form, within this many seconds (not collectives).
+    timeout_s: seconds for the engines to register, and again for each step of forming the process group (not
+      collectives): a stalled step fails with its name.
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
     device: "auto" (one GPU per engine, else the CPU) | "cpu" (local engines that see no GPU, even on a GPU node:
       gloo and CPU tensors; n=2 on a machine with one GPU).

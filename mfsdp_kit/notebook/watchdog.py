@@ -76,7 +76,7 @@ def abort_world(handle: Any, reason: str) -> None:
 
 def failed_and_pending(handle: Any, ar: Any) -> tuple[list[str], int]:
     """(what failed, e.g. 'rank 1 raised NameError: ...' or 'rank 1 died', how many ranks still run)."""
-    client, rank_of = handle.client, handle.rank_of
+    rank_of = handle.rank_of
     failed, pending = [], 0
     dead = set(handle.dead_ranks())
     targets = ar._targets if isinstance(ar._targets, list) and len(ar._targets) == len(ar.msg_ids) else []

@@ -9,7 +9,6 @@ question becomes one user turn rendered by the tokenizer's own chat template up 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..train import data

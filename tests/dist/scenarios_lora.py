@@ -184,8 +184,8 @@ def _adapter_grads(model) -> dict[str, torch.Tensor]:
             p.data = p.main_grad.view_as(p).to(p.dtype)
         return dict(adapters.export_adapter_weights(model.chunks, model.bridge))
     finally:
-        for p, data in zip(params, saved):
-            p.data = data
+        for p, kept in zip(params, saved):
+            p.data = kept
 
 
 def _peft_grads(src: str, adapter: str, batch) -> dict[str, torch.Tensor]:

@@ -159,7 +159,7 @@ def test_jsonl_prompt_response_and_messages(tmp_path, tok):
 
 def test_jsonl_malformed_row_names_line(tmp_path, tok):
     path = _write(tmp_path, [json.dumps({"prompt": "a", "response": "b"}), '{"prompt": "a", '])
-    with pytest.raises(ValueError, match=rf"data.jsonl:2: malformed JSON"):
+    with pytest.raises(ValueError, match=r"data.jsonl:2: malformed JSON"):
         load_jsonl(path, tok)
 
 
