@@ -95,6 +95,11 @@ def test_fp16_scales_the_loss_by_the_optimizers_scale_on_a_gpu():
             o.grad_scaler.min_scale.fill_(2.0 ** 40)
         with pytest.raises(NonFiniteLossError, match="smallest fp16 loss scale"):
             step(chunks, opt, b, micro_batch_size=2, step_index=3)
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+        for o in introspect.inner_optimizers(opt):   # a constant scale never backs off: an overflow at it raises too
+            o.grad_scaler = ConstantGradScaler(2.0 ** 40)
+        with pytest.raises(NonFiniteLossError, match="smallest fp16 loss scale"):
+            step(chunks, opt, b, micro_batch_size=2, step_index=4)
     finally:
         runtime.shutdown()
 
@@ -164,3 +169,26 @@ def test_a_loss_scale_floor_needs_an_fp16_scaler(chunks):
     assert introspect.loss_scale_at_floor(opt) is False
     engine.scale_loss_by(chunks, opt)
     assert get_model_config(chunks[0]).grad_scale_func is None
+
+
+def test_a_constant_loss_scale_is_its_own_floor(chunks):
+    """A constant fp16 scale (megatron's `ConstantGradScaler`: `OptimizerConfig.loss_scale` set) never backs off, so
+    a step skipped at it would be skipped again: it is at its floor. A dynamic scale is only at its `min_scale`.
+    megatron makes a scaler's tensors on CUDA; here they are set on the CPU, the fields its methods read."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+    from mfsdp_kit.distributed import introspect
+
+    def scaler(cls, **fields):
+        made = cls.__new__(cls)
+        for name, value in fields.items():
+            setattr(made, name, torch.tensor([value]))
+        return made
+
+    opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-3), EngineConfig())
+    cases = [(scaler(DynamicGradScaler, _scale=2.0 ** 16, min_scale=1.0), False),
+             (scaler(DynamicGradScaler, _scale=1.0, min_scale=1.0), True),
+             (scaler(ConstantGradScaler, _scale=2.0 ** 16), True)]
+    for made, at_floor in cases:
+        for o in introspect.inner_optimizers(opt):
+            o.grad_scaler = made
+        assert introspect.loss_scale_at_floor(opt) is at_floor, type(made).__name__
