@@ -52,11 +52,12 @@ def grad_scalers(optimizer) -> list:
 
 
 def loss_scale_at_floor(optimizer) -> bool:
-    """Whether an fp16 optimizer's loss scale can go no lower: a dynamic scaler (megatron's `DynamicGradScaler`) at
-    its `min_scale`, or a constant one (`ConstantGradScaler`, `OptimizerConfig.loss_scale` set: it never backs off).
-    A step skipped there overflowed at every scale it could try, and so would the next. False without a scaler
-    (bf16, fp32: nothing is read). A dynamic scale is read on the host, a sync: fp16's step syncs anyway."""
-    return any(not hasattr(s, "min_scale") or bool(s.scale <= s.min_scale) for s in grad_scalers(optimizer))
+    """Whether an fp16 optimizer's dynamic loss scale is at its smallest (megatron's `DynamicGradScaler.min_scale`):
+    a step skipped there overflowed at every scale it could try. False without a dynamic scaler (bf16, fp32: nothing
+    is read). A constant scale (`ConstantGradScaler`) is never at it: a step it skips is `skipped` and the run goes on,
+    as megatron.training and DeepSpeed's static scale do (the next batch may not overflow). A dynamic scale is read
+    on the host, a sync: fp16's step syncs anyway, to find an overflow."""
+    return any(hasattr(s, "min_scale") and bool(s.scale <= s.min_scale) for s in grad_scalers(optimizer))
 
 
 def main_params(optimizer) -> Iterator[torch.Tensor]:

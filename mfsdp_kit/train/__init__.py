@@ -184,12 +184,12 @@ class PendingStep:
         """Read the step's numbers (waits for its GPU work); NonFiniteLossError if the loss is NaN/inf, or the grad
         norm of a step taken. A step fp16's loss scaler skipped (its scaled gradients overflowed: the weights did not
         move and the scale backs off) is no error: `skipped`, with a NaN grad norm; one skipped at the smallest scale
-        it can use (a constant scale's only one) is (no scale makes its gradients finite, and every later step would be skipped too)."""
+        is (no scale makes its gradients finite, and every later step would be skipped too)."""
         means, tokens = _read_logged(self.names, self.totals)
         loss = means.pop("lm loss")
         grad_norm = float("nan") if self.grad_norm is None else float(self.grad_norm)
         if not math.isfinite(loss) or (self.ok and not math.isfinite(grad_norm)) or self.stuck:
-            why = " (skipped at the smallest fp16 loss scale it can use: its gradients overflow at each)" * self.stuck
+            why = " (skipped at the smallest fp16 loss scale: its gradients overflow at every scale)" * self.stuck
             raise NonFiniteLossError(f"step {self.step_index}: loss={loss} grad_norm={grad_norm} is not finite{why}; "
                                      "training stopped (the weights may hold this update, and those of any step "
                                      "started after it: resume from the last checkpoint, lower the lr or check "
