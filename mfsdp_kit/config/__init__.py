@@ -303,7 +303,9 @@ def _validate_keep_gathered(cfg: EngineConfig) -> None:
 
 
 def _validate_communication(comm: Communication, *, on_gpu: bool) -> None:
-    """NCCL options: each needs a GPU, and max_ctas NCCL's range."""
+    """The collective timeout; NCCL options: each needs a GPU, and max_ctas NCCL's range."""
+    if not is_int(comm.collective_timeout_s) or comm.collective_timeout_s < 1:
+        raise bad_value("communication.collective_timeout_s", comm.collective_timeout_s, "an integer >= 1 (seconds)")
     if comm.high_priority_comm and not on_gpu:
         raise bad_value("communication.high_priority_comm", True, "False without a GPU (an NCCL process-group option)")
     if comm.nccl_max_ctas is not None and not 1 <= comm.nccl_max_ctas <= NCCL_MAX_CTAS:

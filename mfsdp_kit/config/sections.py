@@ -93,7 +93,13 @@ class Kernels:
 
 @dataclass(kw_only=True)
 class Communication:
-    """How the data-parallel collectives run (GPU, NCCL)."""
+    """How the collectives run: their timeout, and NCCL options (GPU)."""
+
+    collective_timeout_s: int = 600
+    """Seconds a collective waits for its peers before it fails, on every process group (the world's and megatron's;
+    torch's own default is 600 s for the world, megatron's 30 min for its groups). A notebook names a stuck
+    collective long before this (`cluster.start(stall_s=)`); this bounds how long one can hold the world.
+    `cluster.start(collective_timeout_s=)` sets it for the engines."""
 
     fsdp_all_gather_group: bool = False
     """Megatron-FSDP's parameter all-gathers on an NCCL communicator of their own (megatron's

@@ -107,11 +107,11 @@ def init(cfg: EngineConfig | None = None, *, backend: str = "auto", rank: int | 
             os.environ["MASTER_PORT"] = str(master_port)
         os.environ.setdefault("MASTER_PORT", "29500")
         sockets_on_loopback_if_master_is(os.environ["MASTER_ADDR"])
-        timeout = timedelta(seconds=timeout_s)
         agent = master_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's
         store = _rendezvous(addr=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), rank=rank,
-                            world_size=world_size, timeout=timeout, agent=agent)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s), agent=agent)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=cfg.communication.collective_timeout_s))
     _init_megatron(cfg, cfg.parallel_dims(world_size))
     set_seed(cfg.seed)
     from megatron.core import parallel_state as ps
@@ -216,6 +216,7 @@ def _init_megatron(cfg: EngineConfig, dims: ParallelDims) -> None:
             create_all_gather_group=cfg.wrapper.use_megatron_fsdp and comm.fsdp_all_gather_group,
             high_priority_stream_groups=["dp_cp"] if comm.high_priority_comm else None,
             nccl_communicator_config_path=nccl_config,
+            distributed_timeout_minutes=comm.collective_timeout_s / 60,
         )
 
 

@@ -8,7 +8,10 @@ engine id -- breaks on the first restart, because ipyparallel numbers new engine
 
 A dead engine, a dead controller or one failing rank must not hang a cell: `ClusterHandle.wait` names the rank (or
 the controller) that died, watchdog.py aborts the others' collectives; `restart()` / `reinit()` rebuild the world with
-the same ranks. `report(step=, total=, **metrics)` on engines plus `run_with_progress` give per-rank progress bars.
+the same ranks. Stop pauses the kit's loops at one step boundary on every rank (interrupt.py); a stuck collective or a
+frozen rank is named with its stack after `stall_s` (stall.py, from each engine's heartbeat.py); `handle.status()`
+shows every rank of a long cell, and each engine's output also goes to `<log_dir>/rank<r>.log`.
+`report(step=, total=, **metrics)` on engines plus `run_with_progress` give per-rank progress bars.
 
 Processes (launchers, killing, waiting for registration, start-time phases) live in launch.py.
 Everything binds to 127.0.0.1 unless `ip=` names another address -- the store, and gloo too (runtime.init
@@ -16,81 +19,29 @@ points GLOO_SOCKET_IFNAME at the loopback interface): see docs/cluster.md for wh
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib
 import os
-import socket
 import stat
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from . import gpus, launch, watchdog
+from . import gpus, interrupt, launch, on_engine, stall, status as status_view, watchdog
 from ..config import EngineConfig
 from ..distributed import ports
 from ..perf.stopwatch import Stopwatch
 from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
-from .progress import ProgressPanel, report  # noqa: F401  (re-exported as cluster.report, cluster.ProgressPanel)
+from .progress import ProgressPanel, report, run_with_panel, run_with_progress  # noqa: F401  (cluster.X, re-exported)
 
 LOCALHOST = "127.0.0.1"
-RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-"""Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
-LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-"""Where they put its rank within the node."""
-
-
-# ---- engine side: these run on the engines (pickled by reference, so importable there) ----------
-def _first_env_int(names: tuple[str, ...]) -> int | None:
-    for name in names:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return None
-
-
-def _engine_identity() -> dict:
-    """Who this engine is: pid, host and the ranks its launcher gave it (None when it gave none)."""
-    return dict(pid=os.getpid(), host=socket.gethostname(),
-                env_rank=_first_env_int(RANK_ENV), env_local_rank=_first_env_int(LOCAL_RANK_ENV))
-
-
-def _engine_init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, local_rank: int,
-                 master_addr: str, master_port: int, abort_key: str = "") -> dict:
-    """Join the world: one GPU per engine, env vars as torchrun sets them, `runtime.init`.
-
-    Returns device, backend and seconds per phase (the imports are timed apart: they dominate on CPU).
-    """
-    watch = Stopwatch()
-    from mfsdp_kit.notebook import ipengine
-    ipengine.wait()   # the imports begun at engine boot (python -m mfsdp_kit.notebook.ipengine)
-    watch.lap("preload_wait")
-    from mfsdp_kit import compat
-    compat.apply("startup")   # before megatron's import (compat/patches/startup.py); a no-op after ipengine's
-    import torch
-    watch.lap("import_torch")
-    import megatron.core.parallel_state  # noqa: F401  (runtime.init needs it; timed on its own)
-    from mfsdp_kit.distributed import runtime
-    watch.lap("import_megatron")
-    if torch.cuda.is_available():   # local_rank >= GPUs on this node fails here, not silently shared
-        torch.cuda.set_device(local_rank)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    rt = runtime.init(cfg, backend=backend, rank=rank, world_size=world_size, local_rank=local_rank,
-                      master_addr=master_addr, master_port=master_port)
-    watch.lap("runtime_init")
-    if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
-        watchdog.arm(master_addr, master_port, abort_key)
-    return dict(device=f"{rt.device}", backend=rt.backend, phases=watch.phases)
-
-
-def _engine_shutdown() -> None:
-    from mfsdp_kit.distributed import runtime
-    runtime.shutdown(destroy_process_group=True)
-
-
 # ---- client side ---------------------------------------------------------------------------------
 def assign_ranks(identities: dict[int, dict]) -> dict[int, tuple[int, int]]:
     """engine id -> (rank, local_rank): the launcher's ranks when it set them all, else engine-id order.
@@ -135,6 +86,20 @@ class ClusterHandle:
     phases (`engine.import_torch`, ...) are the slowest rank's."""
     stop_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of `stop()`: kill_engines, stop_cluster (controller and engine processes gone)."""
+    stall_s: float = stall.STALL_S
+    """Seconds without a move before a rank counts as stuck or frozen (stall.py)."""
+    cell_timeout_s: float | None = None
+    """Opt-in: a cell running longer aborts the world (None: never)."""
+    log_dir: str | None = None
+    """Where each engine's output goes (`rank<r>.log`)."""
+    monitor: stall.Monitor | None = None
+    """The ranks' heartbeat records (stall.py), once the world is up."""
+    idents: dict[int, dict] = field(default_factory=dict)
+    """rank -> the engine's pid and host."""
+    logs: dict[int, str] = field(default_factory=dict)
+    """rank -> its log file."""
+    inflight: list = field(default_factory=list)
+    """AsyncResults submitted through the view and not known to be done (watchdog.guard)."""
 
     @property
     def ranks(self) -> list[int]:
@@ -161,20 +126,24 @@ class ClusterHandle:
         return sorted(r for e, r in self.rank_of.items() if e not in alive)
 
     def wait(self, result: Any, *, timeout_s: float | None = None, poll_s: float = 0.1,
-             on_poll: Callable[[Any], None] | None = None, what: str = "") -> list:
+             on_poll: Callable[[Any], None] | None = None, what: str = "", pause_on_stop: bool = True) -> list:
         """Results of an AsyncResult in rank order; `ClusterError` naming the rank if an engine dies, or the controller.
-        `what`: the step waited for, named in the error when it runs out of time (else: a cell)."""
+        `what`: the step waited for, named in the error when it runs out of time (else: a cell, and the world is
+        aborted then, so no rank stays inside it). Stop (KeyboardInterrupt) while waiting: `interrupt.pause`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not result.ready():
-            result.wait(poll_s)
-            if on_poll is not None:
-                on_poll(result)
-            if lost := (self._died(dead) if (dead := self.dead_ranks()) else launch.controller_error(self.cluster)):
-                raise lost   # an engine or the controller died: no reply can come
-            if deadline is not None and time.monotonic() > deadline:
-                raise ClusterError(f"{what}: no answer within timeout_s={timeout_s} (an engine busy or stuck?)" if what
-                                   else f"engines did not finish within timeout_s={timeout_s}; the cell may still run "
-                                   "on them (a collective waiting for a peer?). handle.restart() rebuilds the world.")
+        try:
+            while not result.ready():
+                result.wait(poll_s)
+                if on_poll is not None:
+                    on_poll(result)
+                if lost := (self._died(dead) if (dead := self.dead_ranks()) else launch.controller_error(self.cluster)):
+                    raise lost   # an engine or the controller died: no reply can come
+                if deadline is not None and time.monotonic() > deadline:
+                    raise self._timed_out(result, timeout_s, what)
+        except KeyboardInterrupt:
+            if not pause_on_stop:
+                raise
+            return interrupt.pause(self, result)
         try:
             return result.get()
         except ipp.error.CompositeError as err:
@@ -182,22 +151,50 @@ class ClusterHandle:
                 raise self._died(self.dead_ranks()) from err
             raise (ClusterError(watchdog.describe(self, err)) if self.abort_reason else err) from err
 
-    def run(self, code: str, *, timeout_s: float | None = None) -> None:
-        """Execute `code` on every rank (like a %%px cell), raising `ClusterError` if an engine dies."""
-        self.wait(self.view.execute(code, block=False), timeout_s=timeout_s)
+    def _timed_out(self, result: Any, timeout_s: float, what: str) -> ClusterError:
+        if what:   # a step of forming the world
+            return ClusterError(f"{what}: no answer within timeout_s={timeout_s} (an engine busy or stuck?)")
+        watchdog.abort_world(self, f"the cell ran past timeout_s={timeout_s} s")
+        result.wait(interrupt.ESCALATED_WAIT_S)   # aborted collectives return at once
+        return ClusterError(f"the cell ran past timeout_s={timeout_s} s: the world's process groups are aborted on "
+                            "every rank (engines and variables live on); handle.reinit() builds a new world")
 
-    def apply(self, fn: Callable, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list:
+    def run(self, code: str, *, timeout_s: float | None = None, pause_on_stop: bool = True) -> list:
+        """Execute `code` on every rank (like a %%px cell), raising `ClusterError` if an engine dies; past the
+        opt-in `timeout_s` the world is aborted (`wait`)."""
+        return self.wait(self.view.execute(code, block=False), timeout_s=timeout_s, pause_on_stop=pause_on_stop)
+
+    def apply(self, fn: Callable, *args: Any, timeout_s: float | None = None, pause_on_stop: bool = True,
+              **kwargs: Any) -> list:
         """`fn(*args, **kwargs)` on every rank; the results in rank order."""
-        return self.wait(self.view.apply_async(fn, *args, **kwargs), timeout_s=timeout_s)
+        return self.wait(self.view.apply_async(fn, *args, **kwargs), timeout_s=timeout_s, pause_on_stop=pause_on_stop)
+
+    def abort(self, reason: str = "handle.abort()") -> None:
+        """Abort the world's process groups on every rank: a rank stuck in a collective returns from it with an error.
+        The engines and their variables live on; `reinit()` builds a new world."""
+        watchdog.abort_world(self, reason)
+
+    def status(self) -> "status_view.Status":
+        """Every rank now: state, step, seconds since its last progress, tokens/s, memory, where it is, its log."""
+        running = [a for a in self.inflight if not a.ready()]
+        return status_view.Status(stall.states(self, running[-1] if running else None), stall_s=self.stall_s)
+
+    def status_widget(self, *, period_s: float = 1.0) -> Any:
+        """`status()` in a widget that refreshes every `period_s` while later cells run."""
+        return status_view.widget(self, period_s=period_s)
 
     def _died(self, dead: list[int]) -> ClusterError:
-        return ClusterError(", ".join(f"rank {r} (engine {self.engine_of[r]})" for r in dead) + " died mid-cell; the "
-                            "process group is broken for every rank. Call handle.restart() to rebuild the world.")
+        by_rank = stall.states(self) if self.monitor is not None else {}
+        frozen = [r for r in dead if by_rank.get(r, {}).get("state") == "frozen"]
+        words = [stall.describe(r, by_rank[r]) + " (ipyparallel has dropped it)" if r in frozen else
+                 f"rank {r} (engine {self.engine_of[r]}) died mid-cell" for r in dead]
+        return ClusterError("; ".join(words) + "; the process group is broken for every rank. Call handle.restart() "
+                            "to rebuild the world.")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def reinit(self) -> "ClusterHandle":
         """A new world on the same engines (after a failure aborted the process groups); variables stay."""
-        self.wait(self.view.apply_async(_engine_shutdown), timeout_s=self.init_kwargs["timeout_s"],
+        self.wait(self.view.apply_async(on_engine.shutdown), timeout_s=self.init_kwargs["timeout_s"],
                   what="leaving the old world")
         _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
         return self
@@ -242,7 +239,7 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     client, kw = handle.client, handle.init_kwargs
     # a restart's old engines are gone: until the launcher's ranks are read, the new ones stand in engine-id order
     handle.rank_of = {e: i for i, e in enumerate(sorted(engine_ids))}
-    idents = dict(zip(engine_ids, _get(handle, client[engine_ids].apply_async(_engine_identity), kw["timeout_s"],
+    idents = dict(zip(engine_ids, _get(handle, client[engine_ids].apply_async(on_engine.identity), kw["timeout_s"],
                                        what="asking the engines who they are")))
     ranks = assign_ranks(idents)
     handle.rank_of = {e: r for e, (r, _) in ranks.items()}
@@ -251,12 +248,15 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.master_port = _get(handle, client[order[0]].apply_async(ports.reserve, kw["master_addr"]), kw["timeout_s"],
                               what="reserving rank 0's rendezvous port")   # held until init takes it
     handle.world_key, handle.abort_reason = watchdog.new_key(), None
+    handle.idents = {handle.rank_of[e]: idents[e] for e in engine_ids}
+    status_prefix = f"mfsdp_kit/status/{uuid.uuid4().hex}"
     pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
                              block=False) for e in order]   # the names %%px cells use
-    pending = [client[e].apply_async(_engine_init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
+    pending = [client[e].apply_async(on_engine.init, cfg=kw["cfg"], backend=kw["backend"], rank=handle.rank_of[e],
                                      world_size=len(order), local_rank=handle.local_rank_of[e],
                                      master_addr=kw["master_addr"], master_port=handle.master_port,
-                                     abort_key=handle.world_key) for e in order]
+                                     abort_key=handle.world_key, status_prefix=status_prefix,
+                                     log_dir=handle.log_dir) for e in order]
     handle.view = client[order]
     handle.view.block = True
     watchdog.guard_view(handle)
@@ -266,8 +266,11 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     inits = [_get(handle, ar, kw["timeout_s"]) for ar in pending]
     watch.lap("world_init")
     handle.devices, handle.backend = [i["device"] for i in inits], inits[0]["backend"]
+    handle.logs = {handle.rank_of[e]: i["log"] for e, i in zip(order, inits) if i["log"]}
+    handle.monitor = stall.Monitor(addr=kw["master_addr"], port=handle.master_port, prefix=status_prefix,
+                                   ranks=handle.ranks, idents=handle.idents, stall_s=handle.stall_s)
     _secure_connection_files(handle)
-    _activate(handle)
+    interrupt.activate(handle)
     handle.startup_s = dict(watch.phases, total=watch.total())
     for phase in inits[0]["phases"]:   # the slowest rank's engine-side phases
         handle.startup_s[f"engine.{phase}"] = max(i["phases"][phase] for i in inits)
@@ -289,23 +292,10 @@ def _secure_connection_files(handle: ClusterHandle) -> None:
             os.chmod(path, 0o600)
 
 
-def _activate(handle: ClusterHandle) -> None:
-    """Register %px / %%px on the rank-ordered view; a failed px cell's error names each rank's exception and line
-    (`watchdog.px_exception_handler`), or the dead rank."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is None:
-        return
-    handle.view.activate()
-    shell.set_custom_exc((ipp.error.RemoteError, ipp.error.EngineError), watchdog.px_exception_handler(handle))
-
-
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
           master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
-          device: str = "auto", **launcher: Any) -> ClusterHandle:
+          device: str = "auto", stall_s: float = stall.STALL_S, collective_timeout_s: int | None = None,
+          cell_timeout_s: float | None = None, log_dir: str | None = "runs/engines", **launcher: Any) -> ClusterHandle:
     """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
@@ -315,6 +305,12 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     device_count: GPUs on this machine (default: torch's count); more local engines than GPUs is an error.
     device: "auto" (one GPU per engine, else the CPU) | "cpu" (local engines that see no GPU, even on a GPU node:
       gloo and CPU tensors; n=2 on a machine with one GPU).
+    stall_s: seconds a rank may stand still (in a collective, or frozen) while another has finished the cell
+      before the cell names it, with its stack (stall.py); nothing is aborted for it.
+    collective_timeout_s: seconds a collective waits for its peers before it fails (default: `cfg`'s
+      `communication.collective_timeout_s`, 600).
+    cell_timeout_s: opt-in: a cell running longer aborts the world (`reinit()` then builds a new one).
+    log_dir: each engine's stdout and stderr also go to `<log_dir>/<cluster id>/rank<r>.log` (None: nowhere).
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...); the
       kit's defaults fill only what neither it nor the profile's ipcluster_config.py sets.
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
@@ -323,7 +319,12 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     watch = Stopwatch()
     launcher = launch.with_profile(launcher)   # the profile's ipcluster_config.py counts in every check below
     launch.check_start(n=n, backend=backend, timeout_s=timeout_s, device_count=device_count, device=device,
-                       launcher=launcher)   # fail here, not after engines have started
+                       launcher=launcher, stall_s=stall_s, collective_timeout_s=collective_timeout_s,
+                       cell_timeout_s=cell_timeout_s)   # fail here, not after engines have started
+    if collective_timeout_s is not None:
+        cfg = cfg or EngineConfig()
+        cfg = dataclasses.replace(cfg, communication=dataclasses.replace(cfg.communication,
+                                                                         collective_timeout_s=collective_timeout_s))
     local = launch.kind(launcher) == "local"
     if device == "cpu":
         device_count = 0
@@ -345,9 +346,11 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         _import_in_background("torch")   # what the notebook's next lines need, while the engines boot
         engine_ids = launch.wait_for_new_engines(cluster, client, set(), n, timeout_s)
         watch.lap("register")
-        handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs)
+        handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs, stall_s=stall_s,
+                               cell_timeout_s=cell_timeout_s,
+                               log_dir=log_dir and str(Path(log_dir).resolve() / cluster.cluster_id))
         if not local and master_addr is None:
-            host = _get(handle, client[engine_ids].apply_async(_engine_identity), timeout_s,
+            host = _get(handle, client[engine_ids].apply_async(on_engine.identity), timeout_s,
                         what="asking the engines who they are")
             init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
         _setup_world(handle, engine_ids, watch)
@@ -369,32 +372,3 @@ def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:
     ranks = assign_ranks(dict(zip(engine_ids, idents)))
     rank0 = next(e for e, (r, _) in ranks.items() if r == 0)
     return idents[engine_ids.index(rank0)]["host"]
-
-
-def run_with_progress(handle: ClusterHandle, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
-                      timeout_s: float | None = None, **kwargs: Any) -> tuple[list, ProgressPanel]:
-    """Run a function (or code string) on every rank while showing what each rank `report`s.
-
-    Returns (results in rank order, the panel with the last reported data per rank).
-    """
-    panel = ProgressPanel(handle.ranks)
-    results = run_with_panel(handle, panel, fn_or_code, *args, poll_s=poll_s, timeout_s=timeout_s, **kwargs)
-    return results, panel
-
-
-def run_with_panel(handle: ClusterHandle, panel: Any, fn_or_code: Callable | str, *args: Any, poll_s: float = 0.25,
-                   timeout_s: float | None = None, **kwargs: Any) -> list:
-    """`run_with_progress` with a panel of your own: anything with `update({rank: data})`, such as
-    `widgets.TrainingPanel` (live loss curve, tokens/s, memory per rank). Returns results in rank order."""
-    if isinstance(fn_or_code, str):
-        ar = handle.view.execute(fn_or_code, block=False)
-    else:
-        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
-
-    def refresh(result: Any) -> None:
-        panel.update(dict(zip(handle.ranks, result.data)))
-
-    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
-    ar.wait_for_output(timeout=5)  # published data travels on IOPub and can trail the result
-    refresh(ar)
-    return results

@@ -62,10 +62,19 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 """An engine with this environment sees no GPU: the CUDA driver reports none, torch's device is the CPU."""
 
 
-def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, device: Any, launcher: dict) -> None:
+def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, device: Any, launcher: dict,
+                stall_s: Any = 30.0, collective_timeout_s: Any = None, cell_timeout_s: Any = None) -> None:
     """`cluster.start`'s arguments, checked before anything starts: a ClusterConfigError naming the bad one."""
     def bad(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
         return ClusterConfigError(str(bad_value(field_name, value, allowed)))
+
+    def seconds(value: Any) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < float("inf")
+    for name, value in dict(stall_s=stall_s, cell_timeout_s=cell_timeout_s).items():
+        if not (seconds(value) or (value is None and name != "stall_s")):
+            raise bad(name, value, "a finite number of seconds > 0" + " or None" * (name != "stall_s"))
+    if collective_timeout_s is not None and (not is_int(collective_timeout_s) or collective_timeout_s < 1):
+        raise bad("collective_timeout_s", collective_timeout_s, "None (the config's, 600) or an integer >= 1 (seconds)")
     if backend not in BACKENDS:
         raise bad("backend", backend, " | ".join(BACKENDS))
     if device_count is not None and (not is_int(device_count) or device_count < 0):

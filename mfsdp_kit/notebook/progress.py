@@ -7,7 +7,11 @@ from what the ranks reported; `cluster.run_with_progress` feeds it while a cell 
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
+
+latest: dict | None = None
+"""This process's last `report`, with `t`, when it came (time.time()): `heartbeat` publishes it."""
 
 
 def _engine_shell():
@@ -23,7 +27,9 @@ def _engine_shell():
 
 
 def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
-    """Publish this rank's progress to the notebook (`cluster.run_with_progress` shows it)."""
+    """Publish this rank's progress to the notebook (`cluster.run_with_progress` shows it; `handle.status()` too)."""
+    global latest
+    latest = dict(step=step, total=total, t=time.time(), **metrics)
     shell = _engine_shell()
     if shell is not None:
         shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
@@ -65,3 +71,31 @@ class ProgressPanel:
         metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in data.items() if k not in ("step", "total"))
         return f"step {data.get('step', '-')}/{data.get('total') or '?'} {metrics}".strip()
+
+
+def run_with_progress(handle: Any, fn_or_code: Any, *args: Any, poll_s: float = 0.25,
+                      timeout_s: float | None = None, **kwargs: Any) -> tuple[list, ProgressPanel]:
+    """Run a function (or code string) on every rank of `handle` (`cluster.start`) while showing what each rank
+    `report`s. Returns (results in rank order, the panel with the last reported data per rank)."""
+    panel = ProgressPanel(handle.ranks)
+    results = run_with_panel(handle, panel, fn_or_code, *args, poll_s=poll_s, timeout_s=timeout_s, **kwargs)
+    return results, panel
+
+
+def run_with_panel(handle: Any, panel: Any, fn_or_code: Any, *args: Any, poll_s: float = 0.25,
+                   timeout_s: float | None = None, **kwargs: Any) -> list:
+    """`run_with_progress` with a panel of your own: anything with `update({rank: data})`, such as
+    `widgets.TrainingPanel` (live loss curve, tokens/s, memory per rank). Returns results in rank order
+    (Stop: `handle.wait` pauses every rank at one step boundary, `notebook/interrupt.py`)."""
+    if isinstance(fn_or_code, str):
+        ar = handle.view.execute(fn_or_code, block=False)
+    else:
+        ar = handle.view.apply_async(fn_or_code, *args, **kwargs)
+
+    def refresh(result: Any) -> None:
+        panel.update(dict(zip(handle.ranks, result.data)))
+
+    results = handle.wait(ar, timeout_s=timeout_s, poll_s=poll_s, on_poll=refresh)
+    ar.wait_for_output(timeout=5)  # published data travels on IOPub and can trail the result
+    refresh(ar)
+    return results

@@ -19,13 +19,14 @@ world on the same engines. A cell that fails on every rank (a typo) aborts nothi
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 import uuid
 from datetime import timedelta
 from typing import Any
 
-from . import launch
+from . import launch, stall
 
 GRACE_S = 1.0
 """How long the other ranks may keep running after one rank failed before the world is aborted."""
@@ -96,25 +97,47 @@ def failed_and_pending(handle: Any, ar: Any) -> tuple[list[str], int]:
 
 
 def guard(handle: Any, ar: Any, *, grace_s: float | None = None, poll_s: float = 0.1) -> Any:
-    """Watch `ar` from a daemon thread; abort the world when a rank failed and others still run."""
+    """Watch `ar` from a daemon thread: abort the world when a rank failed and others still run; name a stalled
+    cell once (`stall.py`); abort the world when the cell runs past `handle.cell_timeout_s` (opt-in)."""
     grace_s = GRACE_S if grace_s is None else grace_s
+    started, handle.inflight = time.monotonic(), [a for a in handle.inflight if not a.ready()] + [ar]
 
     def watch() -> None:
-        since = None
+        since, checked, told = None, started, False
         while not ar.ready() and handle.abort_reason is None and handle.view is not None:
             if lost := launch.controller_error(handle.cluster):   # no reply can come: fail the cell (%%px) now
                 _fail(ar, lost)
                 return
             failed, pending = failed_and_pending(handle, ar)
+            failed = [f for f in failed if "raised KeyboardInterrupt" not in f]   # Stop: interrupt.pause's to handle
             if failed and pending:
                 since = since or time.monotonic()
                 if time.monotonic() - since >= grace_s:
                     abort_world(handle, "; ".join(failed))
                     return
+            timeout_s = handle.cell_timeout_s
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                abort_world(handle, f"the cell ran past timeout_s={timeout_s} s")
+                return
+            if not told and handle.monitor is not None and time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                if stall.stalled(by_rank := stall.states(handle, ar)):
+                    print(stall.report(by_rank, stall_s=handle.monitor.stall_s), file=sys.stderr, flush=True)
+                    told = True
             time.sleep(poll_s)
 
     threading.Thread(target=watch, name="mfsdp_kit-guard", daemon=True).start()
     return ar
+
+
+def check_not_stuck(handle: Any) -> None:
+    """Raise ClusterError at once when a cell still running on some rank is stalled: a new cell would queue behind
+    it and hang without a word."""
+    for ar in [a for a in handle.inflight if not a.ready()]:
+        if handle.monitor is not None and stall.stalled(by_rank := stall.states(handle, ar)):
+            raise launch.ClusterError("an earlier cell is still running and the world is stuck, so this cell would "
+                                      "wait behind it forever; nothing was sent.\n"
+                                      + stall.report(by_rank, stall_s=handle.monitor.stall_s))
 
 
 def _fail(ar: Any, error: Exception) -> None:
@@ -131,13 +154,17 @@ def guard_view(handle: Any) -> None:
     execute, apply_async = view.execute, view.apply_async
 
     def guarded_execute(code: str, *args: Any, **kwargs: Any) -> Any:
+        check_not_stuck(handle)
         block = kwargs.pop("block", None)
         block = view.block if block is None else block
         ar = guard(handle, execute(code, *args, block=False, **kwargs))
         return ar.get() if block else ar
 
     view.execute = guarded_execute
-    view.apply_async = lambda fn, *args, **kwargs: guard(handle, apply_async(fn, *args, **kwargs))
+    def guarded_apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        check_not_stuck(handle)
+        return guard(handle, apply_async(fn, *args, **kwargs))
+    view.apply_async = guarded_apply
 
 
 def describe(handle: Any, err: Exception) -> str:

@@ -31,7 +31,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 
-from ..distributed import offload, runtime
+from ..distributed import offload, runtime, stop
 from ..config import bad_value
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
@@ -204,6 +204,7 @@ def offloaded(chunks, optimizer):
         offload.reload(chunks, optimizer)
 
 
+@stop.stoppable()   # Stop during a rollout lets it finish (it holds collectives): the loop stops after it
 def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
             refresh: bool = True, offload_optimizer=None) -> RolloutBatch:

@@ -84,18 +84,25 @@ def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list
 def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
                    on_iteration=None):
     """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;
-    tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each."""
+    tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each. On a notebook
+    engine Stop ends the loop between two iterations (an iteration under way, its rollout included, finishes
+    first), the same one on every rank (`distributed.stop`); the history so far is returned."""
     from tqdm.auto import tqdm
 
-    from ..distributed import runtime
+    from ..distributed import runtime, stop
     from ..notebook.progress import report
     bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
-    for it in bar:
-        m = iteration(it)
-        for key in vars(history):
-            getattr(history, key).append(m[key])
-        bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
-        report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
-        if on_iteration is not None:
-            on_iteration(it, m)
+    with stop.stoppable():
+        for it in bar:
+            if stop.agreed():   # Stop on a notebook engine: between two iterations, the same one on every rank
+                stop.record(what=desc, step=it, total=iterations)
+                break
+            m = iteration(it)
+            for key in vars(history):
+                getattr(history, key).append(m[key])
+            bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
+            report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
+            if on_iteration is not None:
+                on_iteration(it, m)
+    bar.close()
     return history

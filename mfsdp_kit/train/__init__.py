@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..distributed import engine, introspect, keep_gathered, runtime
+from ..distributed import engine, introspect, keep_gathered, runtime, stop
 from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
@@ -348,6 +348,8 @@ class History:
     tokens_per_s: list[float] = field(default_factory=list)
     memory_bytes: list[int] = field(default_factory=list)
     """Peak accelerator memory of this rank after each step (0 on CPU)."""
+    stopped_at: int | None = None
+    """The step index a Stop ended the run before (`distributed.stop`), None when it ran to the end."""
 
     def append(self, r: StepResult) -> None:
         self.loss.append(r.loss)
@@ -367,6 +369,9 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
     (e.g. to checkpoint); micro-batches packed or padded as `forward_backward` says; a non-finite loss raises NonFiniteLossError naming the step, and a run that
     stops learning (`HealthWatch`) warns once per episode, naming the step.
+    On a notebook engine, Stop ends the run between two steps, the same one on every rank (`distributed.stop`):
+    the History so far is returned with `stopped_at` set, and `fit(..., start_step=stopped_at, steps=the rest)`
+    continues exactly as the uninterrupted run would have.
     """
     from tqdm.auto import tqdm
 
@@ -375,15 +380,21 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))
     watch = HealthWatch.of(chunks)
-    for i in range(start_step, start_step + steps):
-        result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
-                      scheduler=scheduler, step_index=i, watch=watch,
-                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
-        history.append(result)
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
-        report(step=i + 1, total=start_step + steps, loss=result.loss, tokens_per_s=history.tokens_per_s[-1])
-        if on_step is not None:
-            on_step(i, result)
+    end = start_step + steps
+    with stop.stoppable():
+        for i in range(start_step, end):
+            if stop.agreed():   # before the batch is drawn: the iterator stays at step i
+                history.stopped_at = i
+                stop.record(what="train.fit", step=i, total=end, resume=f"fit(..., start_step={i}, steps={end - i})")
+                break
+            result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
+                          scheduler=scheduler, step_index=i, watch=watch,
+                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+            history.append(result)
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")
+            report(step=i + 1, total=end, loss=result.loss, tokens_per_s=history.tokens_per_s[-1])
+            if on_step is not None:
+                on_step(i, result)
     bar.close()
     return history
