@@ -25,6 +25,7 @@ import importlib
 import os
 import stat
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -295,7 +296,7 @@ def _secure_connection_files(handle: ClusterHandle) -> None:
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
           master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
           device: str = "auto", stall_s: float = stall.STALL_S, collective_timeout_s: int | None = None,
-          cell_timeout_s: float | None = None, log_dir: str | None = "runs/engines", **launcher: Any) -> ClusterHandle:
+          cell_timeout_s: float | None = None, log_dir: str | None = None, **launcher: Any) -> ClusterHandle:
     """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
@@ -310,7 +311,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     collective_timeout_s: seconds a collective waits for its peers before it fails (default: `cfg`'s
       `communication.collective_timeout_s`, 600).
     cell_timeout_s: opt-in: a cell running longer aborts the world (`reinit()` then builds a new one).
-    log_dir: each engine's stdout and stderr also go to `<log_dir>/<cluster id>/rank<r>.log` (None: nowhere).
+    log_dir: each engine's stdout and stderr also go to `<log_dir>/<cluster id>/rank<r>.log` (None: a new folder
+      under the system's temporary folder; `handle.logs` and `handle.status()` name the files).
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...); the
       kit's defaults fill only what neither it nor the profile's ipcluster_config.py sets.
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
@@ -348,7 +350,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         watch.lap("register")
         handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs, stall_s=stall_s,
                                cell_timeout_s=cell_timeout_s,
-                               log_dir=log_dir and str(Path(log_dir).resolve() / cluster.cluster_id))
+                               log_dir=str(Path(log_dir or tempfile.mkdtemp(prefix="mfsdp_kit-logs-")).resolve()
+                                           / cluster.cluster_id))
         if not local and master_addr is None:
             host = _get(handle, client[engine_ids].apply_async(on_engine.identity), timeout_s,
                         what="asking the engines who they are")
