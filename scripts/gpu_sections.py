@@ -127,12 +127,14 @@ SECTIONS = {
     # the tests that only a GPU can decide (e.g. that train.start_step makes no host-blocking CUDA call; that public
     # calls take CPU inputs for a GPU model), ~1 min
     # (and that engines started with device="cpu" see none of the node's GPUs; that a killed kernel's engines and
-    # controller exit, under the image's Python)
+    # controller exit, under the image's Python; that Stop pauses a %%px fit on an NCCL engine, 02_sft's cells in a
+    # real kernel)
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
                           args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
                                "tests/rl/test_continuous.py tests/rl/test_runner.py tests/distributed/test_runtime.py "
-                               "tests/train/test_token_budget.py tests/distributed/test_engine.py -k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier'")],
+                               "tests/train/test_token_budget.py tests/distributed/test_engine.py tests/notebook/test_kernel_stop.py "
+                               "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier or stop_during_fit'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
     # on two GPUs), the notebooks' GPU attention, fp32: logits, loss, greedy tokens, export, save_hf reload vs HF
     "archs": [Row(name="archs", script="-m tests.models.arch_table", launch="python", args="--gpus {ngpu} {out}",

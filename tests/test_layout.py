@@ -299,7 +299,9 @@ change, undone when its block ends) is allowed anywhere."""
 KIT_PROCESS_SETTINGS = {
     "mfsdp_kit.distributed.runtime": "os.environ: MASTER_ADDR / MASTER_PORT and GLOO/NCCL_SOCKET_IFNAME, the env:// rendezvous "
                          "torch.distributed reads: the kit's own world, configured the documented way",
-    "mfsdp_kit.notebook.cluster": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
+    "mfsdp_kit.notebook.on_engine": "os.environ: RANK, WORLD_SIZE, MASTER_ADDR, ... of an engine's torch.distributed world",
+    "mfsdp_kit.distributed.stop": "signal.signal: SIGINT's handler inside a kit loop on a notebook engine (Stop as a "
+                                  "pause), the previous one restored when the loop ends",
     "mfsdp_kit.notebook.ipengine": "os.environ: IPP_CONNECTION_INFO, what ipyparallel's engine reads to find its controller",
     "mfsdp_kit.notebook.ipcontroller": "os.environ: the kit's own parent-watch marker, dropped in the controller's children",
     "mfsdp_kit.notebook.lab": "signal.signal: the lab launcher's own main(), stopping the server it started",

@@ -73,6 +73,13 @@ def enabled() -> bool:
     return _enabled
 
 
+def disable() -> None:
+    """Back to Python's own Ctrl-C on this process (an engine leaving the kit's world, a test)."""
+    global _enabled, _group
+    _enabled, _group = False, None
+    clear()
+
+
 def _on_sigint(signum, frame) -> None:
     global _requested_at
     if _requested_at is not None:   # the second Stop: Python's KeyboardInterrupt (the notebook aborts the world)
@@ -81,10 +88,14 @@ def _on_sigint(signum, frame) -> None:
 
 
 @contextmanager
-def stoppable() -> Iterator[None]:
+def stoppable(*, then_interrupt: str | None = None) -> Iterator[None]:
     """While inside, SIGINT asks the loop to stop at its next `agreed()` boundary instead of raising (main thread of
-    an armed engine only; nested uses share the outermost handler). Work with no boundary inside (a checkpoint save,
-    a rollout) simply finishes: Stop then takes effect at the caller's next boundary, or when the cell ends."""
+    an armed engine only; nested uses share the outermost handler).
+
+    then_interrupt: the name of work with no boundary inside (a checkpoint save, a rollout: both hold collectives).
+    It finishes whole; then, if Stop came meanwhile and no kit loop encloses it, KeyboardInterrupt is raised as
+    Python would have raised it, only after the work, saying so: a save is committed or was never begun. Inside a
+    loop, the loop stops at its next boundary instead."""
     global _depth
     if not _enabled or threading.current_thread() is not threading.main_thread():
         yield
@@ -97,6 +108,9 @@ def stoppable() -> Iterator[None]:
         _depth -= 1
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    if then_interrupt and previous is not None and requested():
+        clear()
+        raise KeyboardInterrupt(f"Stop came during {then_interrupt}, which finished first")
 
 
 def requested() -> bool:

@@ -52,8 +52,10 @@ def pause(handle: Any, ar: Any) -> list | None:
         if not all(e[0] == "KeyboardInterrupt" for e in err.elist):
             raise
         handle.apply(stop.take, pause_on_stop=False)
-        print(f"KeyboardInterrupt on every rank ({time.monotonic() - started:.1f} s after Stop): the cell was not in "
-              "a kit loop, so Python's own interrupt ended it", file=sys.stderr)
+        why = sorted({str(e[1]) for e in err.elist if e[1]}) or ["the cell was not in a kit loop, so Python's own "
+                                                                 "interrupt ended it"]
+        print(f"KeyboardInterrupt on every rank ({time.monotonic() - started:.1f} s after Stop): {'; '.join(why)}",
+              file=sys.stderr)
         raise KeyboardInterrupt from None
     taken = handle.apply(stop.take, pause_on_stop=False)
     print(summary(taken, seconds=time.monotonic() - started), flush=True)

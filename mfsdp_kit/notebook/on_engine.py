@@ -81,5 +81,7 @@ def _clear_stop_at_each_cell() -> None:
 
 
 def shutdown() -> None:
-    from mfsdp_kit.distributed import runtime
+    """Leave the world (`reinit` builds the next one): its Stop group goes with it."""
+    from mfsdp_kit.distributed import runtime, stop
+    stop.disable()
     runtime.shutdown(destroy_process_group=True)

@@ -204,7 +204,7 @@ def offloaded(chunks, optimizer):
         offload.reload(chunks, optimizer)
 
 
-@stop.stoppable()   # Stop during a rollout lets it finish (it holds collectives): the loop stops after it
+@stop.stoppable(then_interrupt="a rollout")   # it holds collectives: Stop lets it finish
 def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
             refresh: bool = True, offload_optimizer=None) -> RolloutBatch:

@@ -13,8 +13,7 @@ from mfsdp_kit.distributed import stop
 def armed():
     stop.enable()   # no process group: agreed() is this rank's own flag
     yield
-    stop.clear()
-    stop._enabled = False
+    stop.disable()
 
 
 def _sigint():
@@ -55,3 +54,16 @@ def test_outside_a_block_sigint_is_keyboard_interrupt(armed):
     with pytest.raises(KeyboardInterrupt):
         _sigint()
     assert not stop.requested()
+
+
+def test_work_without_a_boundary_finishes_then_interrupts(armed):
+    done = []
+    with pytest.raises(KeyboardInterrupt, match="Stop came during a checkpoint save, which finished first"):
+        with stop.stoppable(then_interrupt="a checkpoint save"):
+            _sigint()
+            done.append("saved")   # the work goes on to its end
+    assert done == ["saved"] and not stop.requested()
+    with stop.stoppable():   # inside a loop it only leaves the flag, for the loop's next boundary
+        with stop.stoppable(then_interrupt="a rollout"):
+            _sigint()
+        assert stop.requested()

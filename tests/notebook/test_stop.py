@@ -83,6 +83,26 @@ def test_stop_pauses_fit_at_one_step_and_the_next_cell_continues_bitwise(h, tmp_
     assert resumed[0] == h.view["straight.loss"][0] and resumed[0] == resumed[1]   # bitwise, as if never stopped
 
 
+def test_stop_ends_an_rl_loop_between_two_iterations(h, capsys):
+    stop_in(2.0)
+    h.run("""
+import time, torch
+from mfsdp_kit.rl.grpo import GRPOHistory
+from mfsdp_kit.rl.loop import run_iterations
+
+def iteration(it):   # a collective in every iteration, as an RL update has
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    time.sleep(0.05)
+    return {key: float(it) for key in vars(GRPOHistory())}
+
+rl_history = run_iterations(iteration=iteration, iterations=100_000, history=GRPOHistory(), desc="grpo",
+                            progress=False)
+""", timeout_s=BOUND_S)
+    n = h.view["len(rl_history.reward)"]
+    assert n[0] == n[1] > 0 and f"grpo: stopped at step {n[0]} of 100000 on every rank" in capsys.readouterr().out
+
+
 def test_stop_in_plain_code_is_keyboard_interrupt_on_every_rank(h, capsys):
     stop_in(1.5)
     with pytest.raises(KeyboardInterrupt):
@@ -94,8 +114,11 @@ def test_stop_in_plain_code_is_keyboard_interrupt_on_every_rank(h, capsys):
 
 def test_a_stuck_collective_is_named_with_its_stack_and_blocks_no_cell_silently(h, capsys):
     ar = h.view.execute("if rank == 0:\n    dist.barrier()", block=False)
-    time.sleep(STALL_S + 2.5)
-    err = capsys.readouterr().err
+    t0, err = time.monotonic(), ""
+    while "Nothing is aborted" not in err and time.monotonic() - t0 < STALL_S + 2.5:   # the issue's bound
+        time.sleep(0.1)
+        err += capsys.readouterr().err
+    print(f"the stuck barrier was named {time.monotonic() - t0:.1f} s after the cell started (stall_s={STALL_S})")
     assert "rank 0: stuck in torch.distributed.barrier" in err and "rank 1: done" in err, err
     assert "if rank == 0:" not in err or "dist.barrier()" in err   # the cell's own line is in the stack
     assert h.status().ranks[0]["state"] == "stuck" and h.status().ranks[1]["state"] == "done"
@@ -115,8 +138,10 @@ def test_a_second_stop_aborts_the_world_and_reinit_makes_it_usable(h, capsys):
     stop_in(2.5)
     t0 = time.monotonic()
     h.run("if rank == 0:\n    dist.barrier()", timeout_s=BOUND_S)
-    print(f"the cell returned {time.monotonic() - t0 - 2.5:.2f} s after the second Stop")
+    took = time.monotonic() - t0 - 2.5
     assert "Stop pressed twice" in capsys.readouterr().err
+    with capsys.disabled():
+        print(f"the cell returned {took:.2f} s after the second Stop")
     assert h.abort_reason == "Stop pressed twice"
     h.reinit()
     h.run("dist.barrier()", timeout_s=BOUND_S)
@@ -141,8 +166,11 @@ def test_a_frozen_rank_is_called_frozen_with_its_stack(h, capsys):
     time.sleep(1.0)
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(STALL_S + 3.0)
-        err = capsys.readouterr().err
+        t0, err = time.monotonic(), ""
+        while "frozen" not in err and time.monotonic() - t0 < STALL_S + 3.0:
+            time.sleep(0.1)
+            err += capsys.readouterr().err
+        print(f"the frozen rank was named {time.monotonic() - t0:.1f} s after SIGSTOP (stall_s={STALL_S})")
         assert "rank 1 (pid" in err and "frozen, not dead: its process is stopped (SIGSTOP" in err, err
         assert "rank 0: stuck in torch.distributed.barrier" in err
     finally:
