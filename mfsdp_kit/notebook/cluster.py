@@ -357,10 +357,22 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
                         what="asking the engines who they are")
             init_kwargs["master_addr"] = _rank0_host(engine_ids, host)
         _setup_world(handle, engine_ids, watch)
+        _started[:] = [h for h in _started if h.view is not None] + [handle]
         return handle
     except BaseException:
         launch.stop(cluster, client)
         raise
+
+
+_started: list[ClusterHandle] = []
+
+
+def status(handle: ClusterHandle | None = None) -> "status_view.Status":
+    """`handle.status()`; without a handle, that of the world this notebook started last and has not stopped."""
+    live = [h for h in _started if h.view is not None]
+    if handle is None and not live:
+        raise ClusterError("no running cluster: start one with cluster.start(), or pass handle=")
+    return (handle or live[-1]).status()
 
 
 def _import_in_background(module: str) -> None:

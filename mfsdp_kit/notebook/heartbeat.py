@@ -3,7 +3,7 @@
 A notebook cannot ask a busy engine anything: its requests queue behind the running cell, and a rank that waits
 in a collective runs no Python in its main thread. So each engine runs a thread (`start`) that publishes, every
 `PERIOD_S`, a small JSON record to the world's store (torch's TCPStore on rank 0, the one the watchdog uses):
-- the last `progress.report` (step, total, tokens/s, ...) and when it came;
+- the last `progress.report` (step, total, tokens/s, ...) and when it came (published at once);
 - where the main thread is (`sys._current_frames`: readable while it sits in C++, which releases the GIL), for how
   long it has stood at that very instruction, the torch.distributed collective it is in, if any, and its stack;
 - memory: the GPU's allocated and peak bytes, or the process's RSS on the CPU.
@@ -26,6 +26,8 @@ from pathlib import Path
 
 PERIOD_S = 1.0
 """Seconds between two records of one rank."""
+MIN_GAP_S = 0.1
+"""Fewest seconds between two records: a loop that reports every millisecond costs the store 10 writes a second."""
 STACK_FRAMES = 12
 """Innermost frames of the main thread kept in a record."""
 _stop_event: threading.Event | None = None
@@ -51,13 +53,19 @@ def start(*, addr: str, port: int, prefix: str, rank: int, log_dir: str | None) 
     publish(0)   # the key exists from here on
 
     def beat() -> None:
+        from . import progress
         seq = 0
-        while not stop_event.wait(PERIOD_S):
+        while not stop_event.is_set():
+            progress.reported.wait(PERIOD_S)   # a beat, or a `report` to pass on at once
+            progress.reported.clear()
+            if stop_event.is_set():
+                return
             seq += 1
             try:
                 publish(seq)
             except Exception:  # noqa: BLE001 -- the store is gone (rank 0 died, the world was rebuilt)
                 return
+            stop_event.wait(MIN_GAP_S)
     threading.Thread(target=beat, name="mfsdp_kit-heartbeat", daemon=True).start()
     return log
 

@@ -7,11 +7,14 @@ from what the ranks reported; `cluster.run_with_progress` feeds it while a cell 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any
 
 latest: dict | None = None
 """This process's last `report`, with `t`, when it came (time.time()): `heartbeat` publishes it."""
+reported = threading.Event()
+"""Set by each `report`, so the heartbeat publishes it now rather than at its next beat."""
 
 
 def _engine_shell():
@@ -30,6 +33,7 @@ def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
     """Publish this rank's progress to the notebook (`cluster.run_with_progress` shows it; `handle.status()` too)."""
     global latest
     latest = dict(step=step, total=total, t=time.time(), **metrics)
+    reported.set()
     shell = _engine_shell()
     if shell is not None:
         shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
