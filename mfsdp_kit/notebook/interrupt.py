@@ -42,7 +42,7 @@ def pause(handle: Any, ar: Any) -> list | None:
     started = time.monotonic()
     signal_ranks(handle)
     print("Stop: every rank finishes its current step and leaves at the same step boundary "
-          "(press Stop again to abort the world instead)", file=sys.stderr, flush=True)
+          "(press Stop again to abort the world instead)", flush=True)
     try:
         results = handle.wait(ar, pause_on_stop=False)
     except KeyboardInterrupt:
@@ -58,8 +58,18 @@ def pause(handle: Any, ar: Any) -> list | None:
               file=sys.stderr)
         raise KeyboardInterrupt from None
     taken = handle.apply(stop.take, pause_on_stop=False)
+    _finish_px_bars(ar)
     print(summary(taken, seconds=time.monotonic() - started), flush=True)
     return results
+
+
+def _finish_px_bars(ar: Any) -> None:
+    """Bring ipyparallel's "%px" progress bar to its end: the KeyboardInterrupt left it where Stop found it (0/2
+    tasks), which reads as a cell that never finished."""
+    from tqdm.auto import tqdm
+    for bar in [b for b in list(getattr(tqdm, "_instances", ())) if b.desc == getattr(ar, "_fname", None)]:
+        bar.update(bar.total - bar.n)
+        bar.close()
 
 
 def summary(taken: list[dict | None], *, seconds: float) -> str:
