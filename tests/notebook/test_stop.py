@@ -178,3 +178,20 @@ def test_a_frozen_rank_is_called_frozen_with_its_stack(h, capsys):
     h.abort()
     ar.wait(BOUND_S)
     h.reinit()
+
+
+def test_an_opt_in_timeout_aborts_the_world_and_reinit_works(h):
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match="ran past timeout_s=2"):
+        h.run("if rank == 0:\n    dist.barrier()", timeout_s=2)   # handle.run's own timeout
+    assert time.monotonic() - t0 < BOUND_S and h.abort_reason.startswith("the cell ran past")
+    h.reinit()
+    h.cell_timeout_s = 2   # start(cell_timeout_s=2): every cell, %%px included
+    try:
+        ar = h.view.execute("if rank == 0:\n    dist.barrier()", block=False)
+        ar.wait(BOUND_S)
+        assert ar.ready() and h.abort_reason == "the cell ran past timeout_s=2 s"
+    finally:
+        h.cell_timeout_s = None
+    h.reinit()
+    h.run("dist.barrier()", timeout_s=BOUND_S)
