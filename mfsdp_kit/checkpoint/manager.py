@@ -121,12 +121,12 @@ class CheckpointManager:
         self.last_load_s: float | None = None
         self.last_load_phases_s: dict = {}
         """Seconds per phase of the last load: find (the step to load; with `fallback`, the tries of damaged steps
-        too), check (trust, sizes, crc32 of this rank's share of
-        the small files, DCP metadata), match (layout, state to load into, names and shapes), read
-        (DCP: file reads straight into the state, crc32 of the shard files this rank verifies;
-        `read_threads` files at a time), restore (the components' load_state_dict). read's parts:
+        too), check (trust, sizes, crc32 of this rank's share of the files, shard files included:
+        `check.checksum`; DCP metadata), match (layout, state to load into, names and shapes), read
+        (DCP: file reads straight into the state, `read_threads` files at a time), restore (the
+        components' load_state_dict). read's parts:
         `read.plan`, `read.data` (the reader threads), `read.finish`, `read.wait_peers`; per file
-        (mean) `read.file_read`, `read.checksum`, `read.copy` (host->device on GPU), `read.other`;
+        (mean) `read.file_read`, `read.copy` (host->device on GPU), `read.other`;
         `read.slowest_file` (wall)."""
 
     # ---- listing
@@ -308,7 +308,8 @@ class CheckpointManager:
         `components` as in `save` (a dict of name -> Stateful, or the model chunks with `optimizer`
         and `scheduler`); each is loaded with its `load_state_dict`, in the dict's order.
         Collective. Checked before any tensor is read: trust (`trust_checkpoint=True` skips the
-        ownership/mode check, never the safe unpickler), checksums, names and shapes. With
+        ownership/mode check, never the safe unpickler), checksums, names and shapes, so a load
+        they refuse leaves every tensor as it was. With
         `fallback=True` a damaged checkpoint is skipped for the next older intact one (a warning;
         meta["fallback_from"] lists what was skipped and why). The RNG states are restored when the
         checkpoint has this job's TP/PP layout (meta["rng_restored"]); optimizer state needs the

@@ -1,27 +1,28 @@
 """Reading one checkpoint directory back: into a running job (`load_dir`) or into an HF folder (`to_hf`).
 
-`load_dir` runs in phases, each ending in `collective.agreed` (a failure anywhere raises the
-same CheckpointError everywhere):
-1. checks that need no model (`checked`): meta.json, listed files and their sizes, trust,
-   checksums of the small files (each rank its share), the DCP metadata through the allow-list
-   unpickler;
+`load_dir` runs in phases, each ending in `collective.agreed` (a failure anywhere raises the same
+CheckpointError everywhere):
+1. checks that need no model (`checked`): meta.json, listed files and their sizes, trust, the
+   crc32 of every file, shard files included (each rank its share: file i on rank i % world size),
+   the DCP metadata through the allow-list unpickler;
 2. the job's layout against the saved one, through each component's `accepts` (optimizer state
    needs the same wrapper and TP/PP/EP, DDP's also the world size; RNG the same TP/PP layout, else it is skipped);
 3. the state to load into (`components.collect`: each component's state dict; JSON components
    from `<name>.json`), then `integrity.check_fit` against the DCP metadata - names and shapes -
    still before any tensor is read;
-4. the DCP read (`storage.read`), which crc32s each shard file on one rank as it reads it
-   (`rawio`; a damaged file fails the load here, before any `load_state_dict`; with nothing to read,
-   the shard files are hashed on their own), then each component's `load_state_dict`, in the
-   dict's order (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
-   DCP reads into the model's own tensors, so a file found damaged in this phase may leave the
-   files read before it in the model: the error says so (`PARTLY_READ`), and `fallback=True`
-   loads the next older checkpoint over all of it. Reading into spare buffers first would keep
-   the model untouched at the cost of a second copy of the state in memory.
+4. the DCP read (`storage.read`), then each component's `load_state_dict`, in the dict's order
+   (the optimizer, Megatron-FSDP's compute weights, RNG, scheduler, yours).
+Every check comes before the first tensor is read, so a load they refuse leaves the job's tensors as they
+were. DCP reads into the model's own tensors: a crc32 of each shard file taken while reading it (the bytes
+read once) found damage only after the files read before it, and the damaged file's bytes before the
+damage, had landed in the model. Checked first, each shard file's bytes are read twice, the second time
+from the page cache the check filled (the cost: docs/checkpoint.md); loading into spare buffers and
+swapping would hold a second copy of the whole state in memory instead.
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from ..perf.stopwatch import Stopwatch
@@ -31,18 +32,16 @@ from .collective import agreed
 from .errors import CheckpointCorruptError, CheckpointError
 
 DCP_METADATA = ".metadata"
-PARTLY_READ = ("The model's tensors may already hold what was read before the damage was found: load an intact "
-               "checkpoint over them (fallback=True loads the next older one) or rebuild the model before training")
 
 
 def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: int = 1, threads: int = 4,
-            shards: bool = True):
+            phases: dict | None = None):
     """(meta, DCP metadata) of a checkpoint that passed every check needing no model. Local.
 
-    Trust (unless `trust_checkpoint`), meta.json and its file list, checksums (crc32 of files
-    rank::world; `shards=False`: not of the shard files, which the read verifies), then
-    `.metadata` through `trust.load_metadata` (never runs code it contains), whose storage paths
-    must all be shard files meta.json lists (`integrity.check_storage`).
+    Trust (unless `trust_checkpoint`), meta.json and its file list, checksums (sizes of all files, crc32
+    of files rank::world, shard files included), then `.metadata` through `trust.load_metadata` (never
+    runs code it contains), whose storage paths must all be shard files meta.json lists
+    (`integrity.check_storage`). `phases` (a dict) gets `check.checksum`: this rank's seconds of crc32.
     """
     path = Path(path)
     meta = integrity.read_meta(path, trusted=trust_checkpoint)
@@ -50,7 +49,10 @@ def checked(path, trust_checkpoint: bool, *, root=None, rank: int = 0, world: in
         raise CheckpointCorruptError(f"checkpoint directory {path} has no DCP {DCP_METADATA} file")
     if not trust_checkpoint:
         trust.check_trusted(path, root=root)
-    integrity.verify(path, meta, rank=rank, world=world, threads=threads, shards=shards, trusted=trust_checkpoint)
+    start = time.perf_counter()
+    integrity.verify(path, meta, rank=rank, world=world, threads=threads, trusted=trust_checkpoint)
+    if phases is not None:
+        phases["check.checksum"] = time.perf_counter() - start
     metadata = trust.load_metadata(path / DCP_METADATA)
     integrity.check_storage(path, metadata, meta["files"])
     return meta, metadata
@@ -75,8 +77,9 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     with `optimizer` / `scheduler`: see `components.as_components`). Collective; see
     `CheckpointManager.load` and the module docstring. Returns meta.json's dict, plus
     `rng_restored` and `restored` (the component names loaded). `phases` (a dict) gets the seconds of check,
-    match, read and restore, and read's parts as `read.<part>` (`storage.read`); `watch` (a `Stopwatch`, the
-    caller's, so its phases continue one run of marks: `CheckpointManager.load`) gets them instead."""
+    match, read and restore, check's crc32 as `check.checksum` and read's parts as `read.<part>`
+    (`storage.read`); `watch` (a `Stopwatch`, the caller's, so its phases continue one run of marks:
+    `CheckpointManager.load`) gets them instead."""
     path = Path(path)
     watch = watch or Stopwatch(phases)
     phases, lap = watch.phases, watch.lap
@@ -84,7 +87,7 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     with agreed("checking checkpoint", path):
         parts.check(components)
         meta, metadata = checked(path, trust_checkpoint, root=root, rank=collective.rank(), world=collective.world(),
-                                 threads=read_threads, shards=False)
+                                 threads=read_threads, phases=phases)
     lap("check")
     with agreed("checking the layout for checkpoint", path):
         active = parts.accepted(components, meta, path, restore_rng=restore_rng)
@@ -95,26 +98,12 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     # Expert-parallel ranks each ask for their own experts: a key is unexpected when no rank asks for it.
     asked = set().union(*collective.all_gather(integrity.flat_keys(into)))
     with agreed("matching the model to checkpoint", path):
-        try:
-            integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
-        except CheckpointError:  # damaged bytes are the first thing to report (and `fallback` skips them)
-            # every rank every file: on this failure only
-            integrity.verify(path, meta, threads=read_threads, trusted=trust_checkpoint)
-            raise
+        integrity.check_fit(path, metadata, into, model_prefix=parts.strict_prefixes(active), asked_anywhere=asked)
     lap("match")
     reading: dict = {}
-    try:
-        with agreed("loading checkpoint", path):
-            if into:
-                storage.read(into, path, threads=read_threads, checksums=integrity.shard_sums(meta), phases=reading,
-                             files=meta["files"])
-            else:  # nothing to read: the shard files' checksums on their own
-                integrity.verify(path, meta, rank=collective.rank(), world=collective.world(), threads=read_threads,
-                                 trusted=trust_checkpoint)
-    except CheckpointCorruptError as e:
-        if into:   # DCP reads straight into the live tensors; a file's crc32 is known only once it is read
-            raise CheckpointCorruptError(f"{e}. {PARTLY_READ}") from e
-        raise
+    with agreed("loading checkpoint", path):
+        if into:   # every file's crc32 was checked in "check", on every rank's say: none is damaged
+            storage.read(into, path, threads=read_threads, phases=reading, files=meta["files"])
     lap("read")
     if reading:
         reading["wait_peers"] = phases["read"] - reading["plan"] - reading["data"] - reading["finish"]

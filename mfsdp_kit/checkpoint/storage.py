@@ -3,7 +3,8 @@
 Every `dcp.load` of the kit is `read(state, path)`: DCP with `trust.SafeReader` (allow-list
 unpickler for `.metadata`) and `trust.SafeLoadPlanner` (weights_only for non-tensor values),
 its files read by `read_threads` threads (DCP's FileSystemReader reads them one after another),
-tensor items in every format (`rawread`), shard files crc32'd as they are read.
+tensor items in every format (`rawread`). It checks no crc32: a load verifies every file before it
+(`restore.load_dir`), as DCP reads into the live tensors.
 
 Every `dcp.save` is `write(...)`: DCP's FileSystemWriter, whose `thread_count` threads each
 write a share of the tensors into their own file, each as the torch.save archive stock torch reads,
@@ -36,18 +37,16 @@ from .rawio import PIECE_BYTES
 from .trust import SafeLoadPlanner, SafeReader
 
 
-def read(state: dict, path, *, threads: int = 4, checksums: dict | None = None, phases: dict | None = None,
-         files=None) -> None:
+def read(state: dict, path, *, threads: int = 4, phases: dict | None = None, files=None) -> None:
     """torch DCP load of `state` (in place) from `path`, never unpickling code. Collective.
-    `checksums` ({shard file: {bytes, crc32}}, every rank the same): crc32 each shard file while
-    reading it, on one rank (`rawread.assign_checks`); CheckpointCorruptError (inside DCP's
-    CheckpointException) when one differs. `phases` (a dict) gets this rank's seconds of plan
-    (DCP's planning and its collectives), data (`read_data`: the reader threads), finish (DCP's
-    last barrier) and, per file (mean over files), file_read, checksum, copy (into the
-    destination: host->device on GPU), other (the rest of a reader thread's time), slowest_file.
-    `files` (meta.json's list): every storage path in the metadata DCP reads must be one of them."""
+    Checks no checksum: verify the files first (`integrity.verify`), DCP reads into `state`'s own tensors.
+    `phases` (a dict) gets this rank's seconds of plan (DCP's planning and its collectives), data
+    (`read_data`: the reader threads), finish (DCP's last barrier) and, per file (mean over files),
+    file_read, copy (into the destination: host->device on GPU), other (the rest of a reader thread's
+    time), slowest_file. `files` (meta.json's list): every storage path in the metadata DCP reads must
+    be one of them."""
     import torch.distributed.checkpoint as dcp
-    reader = ParallelReader(str(path), threads=threads, checksums=checksums, files=files)
+    reader = ParallelReader(str(path), threads=threads, files=files)
     start = time.perf_counter()
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     done = time.perf_counter()
@@ -218,11 +217,11 @@ class HashingWriter(torch.distributed.checkpoint.FileSystemWriter):
 
 class ParallelReader(SafeReader):
     """SafeReader reading its files in `threads` threads (DCP's reader: one file after another),
-    every tensor-item format, verifying shard files while reading them (`rawread.read_data`)."""
+    every tensor-item format (`rawread.read_data`)."""
 
-    def __init__(self, path: str, *, threads: int = 4, checksums: dict | None = None, files=None):
+    def __init__(self, path: str, *, threads: int = 4, files=None):
         super().__init__(path)
-        self.threads, self.checksums, self.chunks, self.files = threads, checksums, {}, files
+        self.threads, self.chunks, self.files = threads, {}, files
         self.marks: dict = {}
         """perf_counter() seconds when `read_data` began (data) and ended (data_done)."""
         self.file_s: dict = {}
@@ -238,12 +237,6 @@ class ParallelReader(SafeReader):
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.chunks = rawread.chunk_table(metadata)
-
-    def prepare_global_plan(self, plans):
-        plans = super().prepare_global_plan(plans)
-        if not self.checksums:
-            return plans
-        return rawread.assign_checks(plans, self.storage_data, self.checksums)
 
     def read_data(self, plan, planner):
         self.marks["data"] = time.perf_counter()

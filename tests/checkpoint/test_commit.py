@@ -65,14 +65,15 @@ def test_phases_add_up_to_the_save_and_the_load(tmp_path):
     mgr.load({"t": _Tensor(0)})
     load = mgr.last_load_phases_s
     assert list(_top(load)) == ["find", "check", "match", "read", "restore"]
+    assert 0 < load["check.checksum"] <= load["check"]   # every file's crc32, shard files included, is a part of check
     assert abs(sum(_top(load).values()) - mgr.last_load_s) < 1e-6
     read_parts = ("read.plan", "read.data", "read.finish", "read.wait_peers")
     assert abs(sum(load[k] for k in read_parts) - load["read"]) < 1e-6
 
 
 def test_a_fallback_load_counts_the_damaged_step_in_find(tmp_path, monkeypatch):
-    """A shard of the newest step is damaged, so its try fails in `read`, after its `check` and `match` laps: those
-    count in `find` (the search for an intact step), and the loaded step's phases are its own."""
+    """A shard of the newest step is damaged, so its try fails in `check` (crc32 before any tensor is read): that
+    lap counts in `find` (the search for an intact step), and the loaded step's phases are its own."""
     mgr = ckpt.CheckpointManager(tmp_path)
     mgr.save(1, {"t": _Tensor(1)})
     mgr.save(2, {"t": _Tensor(2)})
@@ -81,19 +82,19 @@ def test_a_fallback_load_counts_the_damaged_step_in_find(tmp_path, monkeypatch):
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x10
     shard.write_bytes(bytes(data))
-    accepted, calls = restore.parts.accepted, []
+    verify, calls = restore.integrity.verify, []
 
-    def slow_first_match(*args, **kwargs):   # the damaged try's match phase takes 0.2 s more
+    def slow_first_check(*args, **kwargs):   # the damaged try's check phase takes 0.2 s more
         calls.append(1)
         if len(calls) == 1:
             time.sleep(0.2)
-        return accepted(*args, **kwargs)
-    monkeypatch.setattr(restore.parts, "accepted", slow_first_match)
+        return verify(*args, **kwargs)
+    monkeypatch.setattr(restore.integrity, "verify", slow_first_check)
     with pytest.warns(UserWarning, match="instead of the damaged step_000002"):
         info = mgr.load({"t": _Tensor(0)}, fallback=True)
     load = mgr.last_load_phases_s
     assert info["step"] == 1 and len(calls) == 2 and list(_top(load)) == ["find", "check", "match", "read", "restore"]
-    assert load["find"] >= 0.2 > load["match"]
+    assert load["find"] >= 0.2 > load["check"]
     assert abs(sum(_top(load).values()) - mgr.last_load_s) < 1e-6
 
 
