@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import folders
+from ..distributed import stop
 from ..perf.stopwatch import Stopwatch
 from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
@@ -150,6 +151,7 @@ class CheckpointManager:
         return self.root / step_dirname(step)
 
     # ---- save
+    @stop.stoppable(then_interrupt="a checkpoint save")   # a notebook's Stop: the step is committed whole first
     def save(self, step: int, components, optimizer=None, scheduler=None, extra: dict | None = None,
              *, hf_source: str | None = None, trust_checkpoint: bool = False, allow_backwards: bool = False) -> Path:
         """Write checkpoint `step` (collective); returns its final directory.
@@ -252,6 +254,7 @@ class CheckpointManager:
         if collective.rank() == 0:
             folders.discard(tmp)
 
+    @stop.stoppable(then_interrupt="a checkpoint save")
     def wait(self) -> Path | None:
         """Finish a pending (async) save: wait for the writes, checksum, commit. Collective."""
         if self._pending is None:

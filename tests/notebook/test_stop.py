@@ -103,6 +103,30 @@ rl_history = run_iterations(iteration=iteration, iterations=100_000, history=GRP
     assert n[0] == n[1] > 0 and f"grpo: stopped at step {n[0]} of 100000 on every rank" in capsys.readouterr().out
 
 
+def test_stop_during_a_checkpoint_save_commits_the_step_first(h, tmp_path):
+    h.run(f"""
+import os, signal, torch
+from mfsdp_kit.checkpoint import CheckpointManager
+
+class PressesStop:   # the user's own state: Stop comes while the save collects it (an engine gets SIGINT)
+    saving = True
+    def state_dict(self):
+        if self.saving:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {{"x": torch.arange(4.0) + rank * 0}}
+    def load_state_dict(self, sd):
+        self.loaded = sd["x"].tolist()
+
+ckpt = CheckpointManager({str(tmp_path / "ckpt")!r})
+""")
+    with pytest.raises(Exception) as err:
+        h.run("ckpt.save(1, {'mine': PressesStop()})", timeout_s=BOUND_S)
+    assert [e[0] for e in err.value.elist] == ["KeyboardInterrupt"] * 2, err.value
+    assert "Stop came during a checkpoint save, which finished first" in str(err.value)
+    h.run("mine = PressesStop()\nmine.saving = False\nmeta = ckpt.load({'mine': mine})")
+    assert h.view["(ckpt.latest(), meta['step'], mine.loaded)"] == [(1, 1, [0.0, 1.0, 2.0, 3.0])] * 2
+
+
 def test_stop_in_plain_code_is_keyboard_interrupt_on_every_rank(h, capsys):
     stop_in(1.5)
     with pytest.raises(KeyboardInterrupt):
