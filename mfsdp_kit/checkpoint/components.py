@@ -52,6 +52,17 @@ def as_components(components, optimizer=None, scheduler=None, *, rng: bool = Tru
     return out
 
 
+def load(comp, state_dict) -> None:
+    """`comp.load_state_dict(state_dict)`. megatron's scheduler counts the saved steps on top of its own
+    (`OptimizerParamScheduler.load_state_dict` calls `step(increment=saved)`), so one that has stepped is set back
+    to 0 first: loaded into a live job (a fallback after training on, a notebook's earlier step) it holds the
+    saved count, as a fresh one does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    if isinstance(comp, OptimizerParamScheduler):
+        comp.num_steps = 0
+    comp.load_state_dict(state_dict)
+
+
 def check(components: dict) -> None:
     """Raise CheckpointError for a name that cannot be a key prefix / file name, or a non-Stateful."""
     for name, comp in components.items():

@@ -110,7 +110,7 @@ def load_dir(path, components, optimizer=None, scheduler=None, *, trust_checkpoi
     phases.update({f"read.{k}": v for k, v in reading.items()})
     with agreed("restoring checkpoint", path):
         for name, comp in active.items():
-            comp.load_state_dict(into[name] if name in into else from_json[name])
+            parts.load(comp, into[name] if name in into else from_json[name])
     lap("restore")
     meta["rng_restored"] = any(isinstance(c, state.RNGState) for c in active.values())
     meta["restored"] = list(active)

@@ -30,7 +30,7 @@ def refused_load(*, root: str, fsdp: bool) -> dict:
     mgr = CheckpointManager(root)
     _train(chunks, opt, sched, batches, 0, 1)
     mgr.save(1, chunks, opt, sched, extra={"data_position": 1})
-    at_step1 = _live(chunks, opt, fsdp)
+    at_step1, sched_at_step1 = _live(chunks, opt, fsdp), sched.state_dict()
     _train(chunks, opt, sched, batches, 1, 2)
     mgr.save(2, chunks, opt, sched, extra={"data_position": 2})
     at_step2 = _live(chunks, opt, fsdp)
@@ -41,11 +41,12 @@ def refused_load(*, root: str, fsdp: bool) -> dict:
     untouched = _compare(before, _live(chunks, opt, fsdp))
     sched_untouched = sched.state_dict() == sched_before
     info = mgr.load(chunks, opt, sched, fallback=True)
-    # Tensors only: megatron's scheduler.load_state_dict adds the saved num_steps to the live one's (3 + 1 here);
-    # into a fresh scheduler, as a resume loads, it is exact (scenarios_ckpt, scenarios_ckpt_hardening).
     fell_back = _compare(at_step1, _live(chunks, opt, fsdp))
+    # megatron's scheduler.load_state_dict adds the saved num_steps to the live one's (3 + 1 = 4 before
+    # components.load set it back): loaded into this live job, the scheduler must say step 1 too
+    sched_fell_back = sched.state_dict() == sched_at_step1
     moved = not _compare(at_step2, before)["all_equal"]   # step 3 changed the live job: a read would show
     runtime.shutdown()
     return dict(refused=refused, untouched=untouched, sched_untouched=sched_untouched, moved=moved,
                 shard=str(mgr.path(2) / "__1_0.distcp"), step=info["step"], fallback_from=info["fallback_from"],
-                fell_back=fell_back)
+                fell_back=fell_back, sched_fell_back=sched_fell_back)
