@@ -10,8 +10,8 @@ The kit's answer (`pause`), for `%%px`, `handle.run` / `apply` and `run_with_pro
    (`distributed.stop`): every rank leaves at the same step boundary, with the state between two steps. In any other
    code it is Python's KeyboardInterrupt, on every rank.
 2. Wait for the cell to end on every rank, then print one line: "train.fit: stopped at step N of M on every rank
-   (History kept ...)". A rank that cannot get there (it waits in a collective its peer left) is named by the
-   stall monitor (`stall.py`) while this waits.
+   (History kept ...)". A pause that takes over a second says first what it waits for; a rank that cannot get
+   there (it waits in a collective its peer left) is named by the stall monitor (`stall.py`) while this waits.
 3. A second Stop while it waits escalates: the world's process groups are aborted on every rank (`watchdog`:
    that wakes a rank stuck in a collective), SIGINT again, and the cell says so; the engines and their variables
    live on and `handle.reinit()` builds a new world.
@@ -26,6 +26,8 @@ import ipyparallel as ipp
 
 from . import watchdog
 
+SLOW_PAUSE_S = 1.0
+"""A pause still waiting after this long says what it waits for, and that Stop again aborts the world."""
 ESCALATED_WAIT_S = 10.0
 """How long the cell waits for the ranks after the world was aborted (aborted collectives return at once)."""
 
@@ -39,12 +41,16 @@ def pause(handle: Any, ar: Any) -> list | None:
     """Stop pressed while `ar` runs: the protocol of the module docstring. Returns the results in rank order when
     every rank ended (None after an escalation); raises what the cell raised otherwise."""
     from ..distributed import stop
-    started = time.monotonic()
+    started, told = time.monotonic(), []
     signal_ranks(handle)
-    print("Stop: every rank finishes its current step and leaves at the same step boundary "
-          "(press Stop again to abort the world instead)", flush=True)
+
+    def tell_if_slow(_ar: Any) -> None:   # a pause that ends at once is the one line below; a slow one says why
+        if not told and time.monotonic() - started > SLOW_PAUSE_S:
+            told.append(True)
+            print("Stop: every rank finishes its current step and leaves at the same step boundary "
+                  "(press Stop again to abort the world instead)", flush=True)
     try:
-        results = handle.wait(ar, pause_on_stop=False)
+        results = handle.wait(ar, pause_on_stop=False, on_poll=tell_if_slow)
     except KeyboardInterrupt:
         escalate(handle, ar)
         return None
