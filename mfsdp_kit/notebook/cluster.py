@@ -142,7 +142,7 @@ class ClusterHandle:
                 if deadline is not None and time.monotonic() > deadline:
                     raise self._timed_out(result, timeout_s, what)
         except KeyboardInterrupt:
-            if not pause_on_stop:
+            if not pause_on_stop or what:   # Stop while the world forms: start / restart / reinit give up
                 raise
             return interrupt.pause(self, result)
         try:
