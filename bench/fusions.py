@@ -28,7 +28,7 @@ from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.models import GPTSpec
 from mfsdp_kit.models.gpt import SPECS
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.report import write_json
 
 TINY = GPTSpec(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,

@@ -39,7 +39,7 @@ from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import EngineConfig, Kernels, OptimConfig, Wrapper
 from mfsdp_kit.distributed.memory import lora_formula_bytes, memory_report, zero_formula_bytes
 from mfsdp_kit.models import hf as hf_models
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
 from mfsdp_kit.perf.peaks import guarded_run
 from mfsdp_kit.perf.report import write_json

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches

@@ -33,7 +33,7 @@ from mfsdp_kit.distributed.memory import memory_report
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.train import step
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.report import write_json
 
 

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.report import write_json
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConfig
 

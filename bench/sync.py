@@ -40,7 +40,7 @@ from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.distributed.introspect import torch_dtype
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.models.tiny import tiny
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, write_folder
 from mfsdp_kit.weights.sync import export_hf_weights, load_into
 from mfsdp_kit.perf.report import write_json

@@ -54,7 +54,7 @@ from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
 from mfsdp_kit.perf.trainers import Trainer, batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import (TRAINERS, VARIANTS, add_engine_args, add_step_args, engine_config_from_args,
                                      parse_modes, trainer_of, variant_overrides)
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.report import table_row, units, write_json
 
 PROFILE_STEPS = 2

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from mfsdp_kit.models.sdpa import per_sequence
 from mfsdp_kit.models.varlen import VarlenFlash
-from mfsdp_kit.perf import clock, length_mix
+from mfsdp_kit.distributed import clock
+from mfsdp_kit.perf import length_mix
 from mfsdp_kit.perf.report import write_json
 
 KERNELS = ("flash", "cudnn", "cudnn-i64", "per-sequence", "dense")

@@ -4,6 +4,7 @@ a root of a few modules (`ROOT_MODULES`) with every other module in a subpackage
 lists, tests/ mirroring the package, and the notebooks' short imports served by `mfsdp_kit.SHORT_NAMES`.
 Run alone: pytest tests/test_layout.py -s."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +133,6 @@ def subpackages() -> dict[str, set[str]]:
 def design_tree() -> dict[str, set[str]]:
     """docs/design.md's tree of the package (its first fenced block starting `mfsdp_kit/`): folder -> the names
     listed on its line (parenthesised notes dropped)."""
-    import re
     text = (ROOT / "docs" / "design.md").read_text()
     block = next(b for b in text.split("```")[1::2] if b.lstrip("\n").startswith(f"{PACKAGE}/"))
     tree, path = {}, []
@@ -186,7 +186,6 @@ def short_names() -> dict[str, str]:
 def test_short_names_cover_what_notebooks_and_readme_import():
     """`from mfsdp_kit import X` in the notebooks, their generator and README: X is a subpackage, a root module or a
     SHORT_NAMES entry, and each entry names a module of the kit."""
-    import re
     names, modules = short_names(), kit_modules()
     assert not {n: m for n, m in names.items() if m not in modules}, f"SHORT_NAMES naming no module: {names}"
     real = ({f.split("/")[0] for f in subpackages()} | ROOT_MODULES) - {"", "__init__"}   # what needs no short name
@@ -200,14 +199,12 @@ def test_short_names_cover_what_notebooks_and_readme_import():
     assert not missing, f"names the notebooks or README import from {PACKAGE} that it does not have: {missing}"
 
 PERF = f"{PACKAGE}.perf"
-PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options",
-                        f"{PERF}.clock", f"{PERF}.stopwatch"}
+PERF_FOR_THE_RUNTIME = {f"{PERF}.flops", f"{PERF}.timeline", f"{PERF}.profile", f"{PERF}.options"}
 """The boundary of perf/ (measuring training: what bench/ and the tests compute). perf sits above the runtime - it
 imports engine, train, models, memory - and the rest of the kit imports only these of its modules: FLOPs and MFU
-(notebook_model), a trace's intervals and exposed communication (plots), command-line options made from a config
-dataclass (rl.cli), the one clock of device work (rl.rollout's per-batch timer, offload's synchronize) and the
-host's phase stopwatch (checkpoint saves and loads, the cluster's start), which
-at import time bring nothing of the training stack (their own imports of it are inside the functions that train)."""
+(notebook_model), a trace's intervals and exposed communication (plots) and command-line options made from a config
+dataclass (rl.cli), which at import time bring nothing of the training stack (their own imports of it are inside the
+functions that train). The timers the runtime uses are below it: distributed.clock, distributed.stopwatch."""
 PERF_LIGHT_IMPORTS = {f"{PERF}.timeline", f"{PERF}.flops", f"{PACKAGE}.models.gpt", f"{PACKAGE}.fieldtypes"}
 """What those modules may import from the kit at module level."""
 
@@ -227,6 +224,31 @@ def top_level_kit_imports(name: str) -> set[str]:
         target = ".".join(base + ([node.module] if node.module else []))
         out |= ({f"{target}.{a.name}" for a in node.names} & modules.keys()) or ({target} & modules.keys())
     return out
+
+
+def stated_layers() -> dict[str, int]:
+    """docs/design.md's layer line (`compat < fieldtypes, folders, cache < config < ...`): folder or root module -> its
+    place, bottom first."""
+    line = re.search(r"^\s+(compat <.*)$", (ROOT / "docs" / "design.md").read_text(), re.M)
+    assert line, "docs/design.md states no layer order (a line 'compat < ... < notebook')"
+    return {name.strip(): i for i, group in enumerate(line.group(1).split("<")) for name in group.split(",")}
+
+
+def unit_of(module: str) -> str:
+    """The layer a module is in: its folder (`mfsdp_kit.train.data` -> train), or itself at the package root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_imports_point_down():
+    """Every import, lazy ones too, goes to the module's own layer or one before it in docs/design.md's order."""
+    layers, graph = stated_layers(), import_graph()
+    unlisted = {unit_of(m) for m in graph} - layers.keys()
+    assert not unlisted, f"folders or root modules docs/design.md's layer order does not place: {sorted(unlisted)}"
+    up = sorted(f"{m} -> {t}" for m, edges in graph.items() for t in edges
+                if layers[unit_of(t)] > layers[unit_of(m)])
+    assert not up, "imports that point up a layer (docs/design.md, 'Layers'):\n" + "\n".join(up)
+    assert any(layers[unit_of(t)] < layers[unit_of(m)] for m, e in graph.items() for t in e)   # the scan sees edges
 
 
 def test_perf_sits_above_the_runtime():

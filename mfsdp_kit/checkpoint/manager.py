@@ -35,7 +35,7 @@ import torch
 
 from .. import folders
 from ..distributed import stop
-from ..perf.stopwatch import Stopwatch
+from ..distributed.stopwatch import Stopwatch
 from . import collective, integrity, restore, state, steps, storage, trust
 from . import commit as committing
 from . import components as parts

@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from ..perf.stopwatch import Stopwatch
+from ..distributed.stopwatch import Stopwatch
 from . import collective, integrity, state, storage, trust
 from . import components as parts
 from .collective import agreed

@@ -26,7 +26,7 @@ import torch
 
 from . import step_pipeline
 from ..compat.access import fsdp
-from ..perf import clock
+from . import clock
 from .introspect import (fsdp_buffers, inner_optimizers, is_fsdp, local, main_params, param_view,
                          set_param_view)
 

@@ -38,7 +38,7 @@ import ipyparallel as ipp
 from . import gpus, interrupt, launch, on_engine, stall, status as status_view, watchdog
 from ..config import EngineConfig
 from ..distributed import ports
-from ..perf.stopwatch import Stopwatch
+from ..distributed.stopwatch import Stopwatch
 from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
 from .progress import ProgressPanel, report, run_with_panel, run_with_progress  # noqa: F401  (cluster.X, re-exported)
 

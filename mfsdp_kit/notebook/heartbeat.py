@@ -3,7 +3,7 @@
 A notebook cannot ask a busy engine anything: its requests queue behind the running cell, and a rank that waits
 in a collective runs no Python in its main thread. So each engine runs a thread (`start`) that publishes, every
 `PERIOD_S`, a small JSON record to the world's store (torch's TCPStore on rank 0, the one the watchdog uses):
-- the last `progress.report` (step, total, tokens/s, ...) and when it came (published at once);
+- the last `distributed.progress.report` (step, total, tokens/s, ...) and when it came (published at once);
 - where the main thread is (`sys._current_frames`: readable while it sits in C++, which releases the GIL), for how
   long it has stood at that very instruction, the torch.distributed collective it is in, if any, and its stack;
 - memory: the GPU's allocated and peak bytes, or the process's RSS on the CPU.
@@ -53,7 +53,7 @@ def start(*, addr: str, port: int, prefix: str, rank: int, log_dir: str | None) 
     publish(0)   # the key exists from here on
 
     def beat() -> None:
-        from . import progress
+        from ..distributed import progress
         seq = 0
         while not stop_event.is_set():
             progress.reported.wait(PERIOD_S)   # a beat, or a `report` to pass on at once
@@ -72,7 +72,7 @@ def start(*, addr: str, port: int, prefix: str, rank: int, log_dir: str | None) 
 
 def record(rank: int, main: int, mark: dict, log: str | None, *, seq: int) -> dict:
     """This rank's record now; `mark` remembers the main thread's instruction and since when it stands there."""
-    from . import progress
+    from ..distributed import progress
     frame = sys._current_frames().get(main)
     here = None if frame is None else (id(frame.f_code), frame.f_lasti, id(frame))
     now = time.time()

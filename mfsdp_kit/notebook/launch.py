@@ -4,7 +4,7 @@
 the checks of `start`'s arguments before any process exists (`check_start`), the kit's defaults for ipyparallel's `Cluster` (its own engine, ipengine.py, for local engines, spawned before
 the controller so that their boot overlaps the controller's), OpenMPI's switches for `engines="mpi"`, waiting
 for engines to register (failing at once when the launcher itself exited, e.g. `mpiexec` refusing to run),
-and killing engines stuck in a collective. Where the start's time goes is a `perf.stopwatch.Stopwatch`.
+and killing engines stuck in a collective. Where the start's time goes is a `distributed.stopwatch.Stopwatch`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from traitlets.config import Config, LazyConfigValue
 from .. import cache
 from ..config import BACKENDS, ConfigError, bad_value
 from ..fieldtypes import is_int
-from ..perf.stopwatch import Stopwatch
+from ..distributed.stopwatch import Stopwatch
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 LOCAL_CONTROLLERS = ("local", "localcontroller", "localcontrollerlauncher", "")

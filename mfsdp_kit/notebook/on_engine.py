@@ -9,7 +9,7 @@ from typing import Any
 
 from . import watchdog
 from ..config import EngineConfig
-from ..perf.stopwatch import Stopwatch
+from ..distributed.stopwatch import Stopwatch
 
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 """Where MPI / Slurm launchers put an engine's global rank (first one set wins)."""
@@ -59,7 +59,9 @@ def init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, 
     if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
         watchdog.arm(master_addr, master_port, abort_key)
     from mfsdp_kit.distributed import stop
-    from mfsdp_kit.notebook import heartbeat
+    from mfsdp_kit.notebook import heartbeat, progress
+    from mfsdp_kit.distributed import progress as loop_progress
+    loop_progress.listen(progress.publish)   # the loops' reports reach this notebook's bars and panels
     stop.enable()   # collective (its gloo group on NCCL worlds): every rank here at once
     _clear_stop_at_each_cell()
     log = heartbeat.start(addr=master_addr, port=master_port, prefix=status_prefix, rank=rank,

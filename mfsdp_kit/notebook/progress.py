@@ -1,20 +1,15 @@
 """Progress across ranks, both ends.
 
-Engine side: `report(step=, total=, **metrics)` publishes to the notebook when the code runs on an
-ipyparallel engine, and does nothing anywhere else (scripts, torchrun, a GPU node without
-ipyparallel installed). Notebook side: `ProgressPanel` draws one bar and one metrics line per rank
-from what the ranks reported; `cluster.run_with_progress` feeds it while a cell runs."""
+Engine side: `report(step=, total=, **metrics)` (the same function as `distributed.progress.report`, which the kit's loops
+call) reaches the notebook through `publish`, which `cluster.start` installs as a listener on every engine; anywhere
+else (scripts, torchrun) nobody listens. Notebook side: `ProgressPanel` draws one bar and one metrics line per rank
+from what the ranks reported; `run_with_progress` / `run_with_panel` (also `cluster.X`) feed it while a cell runs."""
 from __future__ import annotations
 
 import sys
-import threading
-import time
 from typing import Any
 
-latest: dict | None = None
-"""This process's last `report`, with `t`, when it came (time.time()): `heartbeat` publishes it."""
-reported = threading.Event()
-"""Set by each `report`, so the heartbeat publishes it now rather than at its next beat."""
+from ..distributed.progress import report  # noqa: F401  (cluster.report: user code on the engines reports with it)
 
 
 def _engine_shell():
@@ -29,14 +24,12 @@ def _engine_shell():
     return shell if isinstance(getattr(shell, "kernel", None), IPythonParallelKernel) else None
 
 
-def report(*, step: int, total: int | None = None, **metrics: Any) -> None:
-    """Publish this rank's progress to the notebook (`cluster.run_with_progress` shows it; `handle.status()` too)."""
-    global latest
-    latest = dict(step=step, total=total, t=time.time(), **metrics)
-    reported.set()
+def publish(data: dict) -> None:
+    """Send one report to the notebook (ipyparallel's data publication, polled through `AsyncResult.data`); a no-op
+    outside an engine. `on_engine.init` makes it a `distributed.progress` listener."""
     shell = _engine_shell()
     if shell is not None:
-        shell.data_pub.publish_data(dict(step=step, total=total, **metrics))
+        shell.data_pub.publish_data(data)
 
 
 class ProgressPanel:

@@ -1,7 +1,5 @@
 """Measuring training: what the benchmarks in bench/ compute, as library code they and the tests import.
 
-- `clock`: the one timer of device work (CUDA events on a GPU, the host clock after a synchronize elsewhere);
-- `stopwatch`: host work split into phases that sum to its total (a cluster's start, a checkpoint's save and load);
 - `flops`: FLOPs per token (PaLM's accounting) and MFU;
 - `timeline`: a torch.profiler trace's GPU kernels as intervals, and how much NCCL time no compute hides;
 - `peaks`: peak device memory per training phase, and freeing every model between measurements;
@@ -13,8 +11,8 @@
 - `report`: a run's JSON, written where --out says.
 
 The boundary: perf sits above the runtime (it imports engine, train, models, memory), and the rest of the kit
-imports only `flops` (notebook_model's MFU), `timeline` / `profile`'s trace analysis (plots), `options` (rl.cli),
-`clock` (rl.rollout's per-batch timer, offload) and `stopwatch` (checkpoint, cluster), which bring nothing of the
-training stack at import time.
+imports only `flops` (notebook_model's MFU), `timeline` / `profile`'s trace analysis (plots) and `options` (rl.cli),
+which bring nothing of the training stack at import time. The timers the runtime itself uses live below it:
+`distributed.clock` (the one timer of device work) and `distributed.stopwatch` (host work in phases).
 tests/test_layout.py (`PERF_FOR_THE_RUNTIME`) checks both.
 """

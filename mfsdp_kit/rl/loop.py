@@ -90,7 +90,7 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
     from tqdm.auto import tqdm
 
     from ..distributed import runtime, stop
-    from ..notebook.progress import report
+    from ..distributed.progress import report
     bar = tqdm(range(iterations), desc=desc, disable=not (progress and runtime.current().rank == 0))
     with stop.stoppable():
         for it in bar:

@@ -375,7 +375,7 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
     """
     from tqdm.auto import tqdm
 
-    from ..notebook.progress import report
+    from ..distributed.progress import report
     history = History()
     rank0 = runtime.current().rank == 0
     bar = tqdm(total=steps, desc="train", disable=not (progress and rank0))

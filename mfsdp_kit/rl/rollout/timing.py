@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...perf import clock
+from ...distributed import clock
 
 
 class ChunkTimer:

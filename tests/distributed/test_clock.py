@@ -1,11 +1,11 @@
-"""`perf.clock`, the one timer of the benches: a span owns its work (host work included), `mean_ms` leaves its
+"""`distributed.clock`, the one timer of the benches: a span owns its work (host work included), `mean_ms` leaves its
 warm-up calls out, and on a GPU the same spans come from CUDA events."""
 import time
 
 import pytest
 import torch
 
-from mfsdp_kit.perf import clock
+from mfsdp_kit.distributed import clock
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

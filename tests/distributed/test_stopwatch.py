@@ -1,7 +1,7 @@
-"""perf.stopwatch: the phases are laps of one run of marks."""
+"""distributed.stopwatch: the phases are laps of one run of marks."""
 import time
 
-from mfsdp_kit.perf.stopwatch import Stopwatch
+from mfsdp_kit.distributed.stopwatch import Stopwatch
 
 
 def test_a_stopwatchs_laps_partition_its_span():
