@@ -184,17 +184,19 @@ class ClusterHandle:
         """`status()` in a widget that refreshes every `period_s` while later cells run."""
         return status_view.widget(self, period_s=period_s)
 
-    def _died(self, dead: list[int]) -> ClusterError:
+    def _died(self, dead: list[int], *, when: str = "mid-cell") -> ClusterError:
         by_rank = stall.states(self) if self.monitor is not None else {}
         frozen = [r for r in dead if by_rank.get(r, {}).get("state") == "frozen"]
         words = [stall.describe(r, by_rank[r]) + " (ipyparallel has dropped it)" if r in frozen else
-                 f"rank {r} (engine {self.engine_of[r]}) died mid-cell" for r in dead]
+                 f"rank {r} (engine {self.engine_of[r]}) died {when}" for r in dead]
         return ClusterError("; ".join(words) + "; the process group is broken for every rank. Call handle.restart() "
                             "to rebuild the world.")
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def reinit(self) -> "ClusterHandle":
         """A new world on the same engines (after a failure aborted the process groups); variables stay."""
+        if dead := self.dead_ranks():   # ipyparallel's own answer is a bare KeyError naming the engine id
+            raise self._died(dead, when="earlier")
         self.wait(self.view.apply_async(on_engine.shutdown), timeout_s=self.init_kwargs["timeout_s"],
                   what="leaving the old world")
         _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())

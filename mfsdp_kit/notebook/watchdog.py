@@ -131,8 +131,10 @@ def guard(handle: Any, ar: Any, *, grace_s: float | None = None, poll_s: float =
 
 
 def check_not_stuck(handle: Any) -> None:
-    """Raise ClusterError at once when a cell still running on some rank is stalled: a new cell would queue behind
-    it and hang without a word."""
+    """Raise ClusterError at once when an engine is gone (ipyparallel's own answer is a bare KeyError) or a cell
+    still running on some rank is stalled: a new cell would queue behind it and hang without a word."""
+    if dead := handle.dead_ranks():
+        raise handle._died(dead, when="earlier")
     for ar in [a for a in handle.inflight if not a.ready()]:
         if handle.monitor is not None and stall.stalled(by_rank := stall.states(handle, ar)):
             raise launch.ClusterError("an earlier cell is still running and the world is stuck, so this cell would "

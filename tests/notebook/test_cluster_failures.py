@@ -81,6 +81,9 @@ def test_killed_engine_mid_cell_returns_quickly_then_restart(handle):
     took = time.monotonic() - t0
     print(f"killed rank 1 mid-cell: returned in {took:.2f} s")
     assert took < 10
+    for call in (lambda: handle.run("x = 1"), handle.reinit):   # was a bare `KeyError: 1` (issue 69)
+        with pytest.raises(ClusterError, match=r"rank 1 \(engine \d+\) died earlier.*handle\.restart\(\)"):
+            call()
     handle.restart()
     _all_reduce_works(handle)
 
