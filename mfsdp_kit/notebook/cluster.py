@@ -194,9 +194,8 @@ class ClusterHandle:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def reinit(self) -> "ClusterHandle":
-        """A new world on the same engines (after a failure aborted the process groups); variables stay."""
-        if dead := self.dead_ranks():   # ipyparallel's own answer is a bare KeyError naming the engine id
-            raise self._died(dead, when="earlier")
+        """A new world on the same engines (after a failure aborted the process groups); variables stay. A dead engine
+        is named before anything is sent (`watchdog.check_not_stuck`, as for every cell)."""
         self.wait(self.view.apply_async(on_engine.shutdown), timeout_s=self.init_kwargs["timeout_s"],
                   what="leaving the old world")
         _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())

@@ -63,7 +63,7 @@ HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def check_start(*, n: Any, backend: Any, timeout_s: Any, device_count: Any, device: Any, launcher: dict,
-                stall_s: Any = 30.0, collective_timeout_s: Any = None, cell_timeout_s: Any = None) -> None:
+                stall_s: Any, collective_timeout_s: Any = None, cell_timeout_s: Any = None) -> None:
     """`cluster.start`'s arguments, checked before anything starts: a ClusterConfigError naming the bad one."""
     def bad(field_name: str, value: Any, allowed: str) -> ClusterConfigError:
         return ClusterConfigError(str(bad_value(field_name, value, allowed)))
