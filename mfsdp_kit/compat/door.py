@@ -10,7 +10,8 @@ Every feature records its `registry` row(s) when it changes something, as before
 
 `FEATURES` is resolved lazily (module paths as strings): `import mfsdp_kit.compat` imports neither megatron nor a
 patch module, so a process that only imports the kit gets torch and megatron as they ship (tests/compat/
-test_startup.py), and a patch module may import the kit's own kernels (models.fusions) without an import cycle.
+test_startup.py). compat imports nothing of the kit: a patch that installs the kit's own code (its RoPE, SwiGLU or
+loss kernels) is handed it by the caller as an object (`compat.apply("rope", slots=...)`).
 """
 from __future__ import annotations
 
@@ -57,11 +58,13 @@ FEATURES: dict[str, Feature] = {
     "experts": Feature(f"{_P}.experts:_enable", "process", "SequentialMLP expert numbers under EP (the bridge)"),
     "peft": Feature(f"{_P}.peft:_enable", "process", "the bridge's LoRA told that TE is absent"),
     "fsdp_frozen": Feature(f"{_P}.fsdp_frozen:_enable", "process", "Megatron-FSDP wraps frozen params"),
-    "rope": Feature(f"{_P}.rope:_install", "process", "megatron's empty fused-RoPE slots filled (fused_kernels)"),
-    "swiglu": Feature(f"{_P}.swiglu:_install", "process", "the MLP's fused SwiGLU in Triton (fusion_kernels)"),
+    "rope": Feature(f"{_P}.rope:_install", "process",
+                    "slots=: megatron's empty fused-RoPE slots filled with the kit's pair (fused_kernels)"),
+    "swiglu": Feature(f"{_P}.swiglu:_install", "process",
+                      "kernel=: the MLP's fused SwiGLU in the kit's Triton kernel, None: megatron's (fusion_kernels)"),
     # one upstream object each
     "cross_entropy": Feature(f"{_P}.cross_entropy:_install", "object",
-                             "model=: a LanguageModule's loss from its logits' dtype (fused_cross_entropy)"),
+                             "model=, loss=: a LanguageModule's loss from its logits' dtype (fused_cross_entropy)"),
     "critic_values": Feature(f"{_P}.value_loss:_install", "object",
                              "model=: a GPTModel's per-token output is its value head's (rl.critic)"),
     "keep_gathered": Feature(f"{_P}.fsdp_gather_hold:_install", "object",

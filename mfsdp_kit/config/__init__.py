@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import overrides
-from .. import lora as _lora
 from .flat import FLAT_NAMES, accept_flat, hsdp_from_override
-from .sections import SECTIONS, Communication, Kernels, Offload, Parallelism, Wrapper  # noqa: F401
+from .sections import SECTIONS, Communication, Kernels, LoRAConfig, Offload, Parallelism, Wrapper  # noqa: F401
+from .sections import check_lora
 from ..fieldtypes import ConfigError, bad_value, check_field_types, field_types, finite, is_int, type_error  # noqa: F401
 from .parallel_dims import ParallelDims, check_sizes
 
@@ -75,8 +75,9 @@ class EngineConfig:
     """Fields of megatron's TransformerConfig set on the model provider before it is built."""
     seed: int = 1234
     """Seed for parameter init and the per-rank RNG tracker."""
-    lora: _lora.LoRAConfig | None = None
-    """Train LoRA adapters only (`lora.LoRAConfig`), the loaded base frozen; None = train every weight."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters only (`lora.LoRAConfig`, defined in `config.sections`), the loaded base frozen; None =
+    train every weight."""
 
     def __post_init__(self):
         hsdp_from_override(self, stacklevel=4)   # the user's frame: __post_init__ < __init__ < accept_flat's
@@ -147,7 +148,7 @@ class EngineConfig:
                        "use DDP for pipeline parallelism")
         overrides.check(override_ddp_config=wrap.override_ddp_config,
                                override_transformer_config=self.override_transformer_config)
-        _lora.check(lora=self.lora)
+        check_lora(lora=self.lora)
         strategy = wrap.override_ddp_config.get("data_parallel_sharding_strategy")
         if strategy is not None and strategy not in SHARDING_STRATEGIES:
             raise bad_value("wrapper.override_ddp_config.data_parallel_sharding_strategy", strategy,
@@ -182,7 +183,7 @@ class EngineConfig:
             if key in SECTIONS and isinstance(value, dict):
                 kwargs[key] = _section_from_dict(key, value)
         if isinstance(kwargs.get("lora"), dict):
-            kwargs["lora"] = _lora.LoRAConfig(**kwargs["lora"])
+            kwargs["lora"] = LoRAConfig(**kwargs["lora"])
         return cls(**kwargs)
 
     def to_yaml(self, path: str | None = None) -> str:

@@ -6,11 +6,18 @@ Each field keeps the name it had when `EngineConfig` was one flat list (`tensor_
 values: `EngineConfig` checks them when made and in `validate()` (the rank arithmetic in
 `parallel_dims.ParallelDims`), naming a field by its path, e.g. `parallelism.context_parallel_size=0 is not
 allowed; allowed: a positive integer`.
+
+`LoRAConfig` (`EngineConfig.lora`, None by default) is the one section that checks itself when made: it is also made
+alone (`lora.LoRAConfig(...)`, the name users type; `lora` re-exports it). It lives here, below the code that
+applies it (`distributed.engine.add_adapters`, which `engine.build` and `models.hf.load` call), so `EngineConfig`
+holds it without importing `lora/` (imports point down).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from ..fieldtypes import bad_value, check_field_types, finite
 
 
 @dataclass(kw_only=True)
@@ -84,7 +91,7 @@ class Kernels:
     attributes, so the last model built chooses for every model of the process."""
     fused_cross_entropy: bool = False
     """The loss's cross-entropy in compiled kernels that read the logits in their own dtype
-    (`models.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
+    (`distributed.cross_entropy`) instead of megatron's unfused one, which copies the [tokens, vocab] logits to
     fp32 (4 B x tokens x vocabulary / TP per micro-batch) and passes over the copy several times.
     Replaces the model's `compute_language_model_loss` (so it also wins over `cross_entropy_loss_fusion`).
     Measured: docs/benchmarks.md, "levers, fourth set". Off by default: the first step compiles (seconds),
@@ -125,6 +132,67 @@ class Offload:
     applied by `offload.apply_config`; megatron-core 0.16.1's optimizer_cpu_offload fails with
     Megatron-FSDP on DTensor shards). Saves 12 B/param / N on the device, costs 24 B/param / N of
     host<->device copies per step. For all state between steps use `offload.offload`/`reload`."""
+
+
+MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The dense linears of a megatron GPT layer LoRA can adapt."""
+HF_TO_MEGATRON = dict(q_proj="linear_qkv", k_proj="linear_qkv", v_proj="linear_qkv", o_proj="linear_proj",
+                      gate_proj="linear_fc1", up_proj="linear_fc1", down_proj="linear_fc2")
+"""HF (Llama/Qwen) module names -> the megatron linear holding them."""
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters: W x + (alpha / rank) * B A x, with only A and B trained."""
+
+    rank: int = 8
+    """Inner dimension r of A (r x in) and B (out x r); the bridge's `dim`."""
+    alpha: int = 16
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (the bridge takes an int)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (the bridge's dropout_position "pre"), in [0, 1)."""
+    target_modules: list = field(default_factory=lambda: list(MEGATRON_TARGETS))
+    """Linears to adapt: megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF names
+    (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; fused ones as whole groups)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "LoRAConfig":
+        """Raise `ConfigError` naming the bad field, its value and what is allowed."""
+        check_field_types(self)
+        if self.rank < 1:
+            raise bad_value("lora.rank", self.rank, "an integer >= 1")
+        if self.alpha < 1:
+            raise bad_value("lora.alpha", self.alpha, "an integer >= 1")
+        if not (finite(self.dropout) and 0 <= self.dropout < 1):
+            raise bad_value("lora.dropout", self.dropout, "a number in [0, 1)")
+        names = MEGATRON_TARGETS + tuple(HF_TO_MEGATRON)
+        for name in self.target_modules:
+            if name not in names:
+                raise bad_value("lora.target_modules", self.target_modules, f"a non-empty list of {' | '.join(names)}")
+        if not self.target_modules:
+            raise bad_value("lora.target_modules", self.target_modules, f"a non-empty list of {' | '.join(names)}")
+        for fused in MEGATRON_TARGETS:
+            group = sorted(hf for hf, m in HF_TO_MEGATRON.items() if m == fused)
+            given = sorted(set(group) & set(self.target_modules))
+            if given and given != group:
+                raise bad_value("lora.target_modules", self.target_modules,
+                                f"all of {group} or none: megatron fuses them into {fused}, one adapter for all")
+        return self
+
+    def megatron_targets(self) -> list[str]:
+        """The megatron linear names the targets map to, each once, in megatron's layer order."""
+        wanted = {HF_TO_MEGATRON.get(name, name) for name in self.target_modules}
+        return [name for name in MEGATRON_TARGETS if name in wanted]
+
+
+def check_lora(*, lora) -> None:
+    """`EngineConfig.lora`: None or a valid `LoRAConfig`."""
+    if lora is not None and not isinstance(lora, LoRAConfig):
+        raise bad_value("lora", lora, "None | LoRAConfig(rank=..., alpha=..., dropout=..., target_modules=[...])")
+    if lora is not None:
+        lora.validate()
 
 
 SECTIONS: dict[str, type] = {"parallelism": Parallelism, "wrapper": Wrapper, "kernels": Kernels,

@@ -15,11 +15,11 @@ from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
-from .. import compat, lora
-from . import grad_upcast, runtime
+from .. import compat
+from . import cross_entropy, grad_upcast, runtime
 from ..config import hsdp
-from ..compat.access import fsdp, fsdp_unit
-from ..config import EngineConfig, OptimConfig, ddp_config
+from ..compat.access import bridge_model, fsdp, fsdp_unit
+from ..config import EngineConfig, LoRAConfig, OptimConfig, ddp_config
 from .introspect import (all_gather_pipelines, grad_scalers, inner_optimizers, is_fsdp, local, param_view,
                          set_param_view, torch_dtype)
 
@@ -56,7 +56,8 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
     `model_fn(pre_process=, post_process=, vp_stage=)` (or a provider's `.provide`) builds one
     chunk. `wrap=False` stops before the data-parallel wrapper (for reference models that
     only run forward, and for loading weights before sharding). With `cfg.lora` and `wrap`, the adapters go
-    onto the built model before the wrap (`lora.apply`; `models.hf.load` applies them after loading weights).
+    onto the built model before the wrap (`add_adapters`; `models.hf.load` adds them after loading weights).
+    With `cfg.kernels.fused_cross_entropy`, each chunk computes its loss with `cross_entropy.use_in`.
     """
     rt = runtime.current()
     vpp = cfg.parallelism.virtual_pipeline_model_parallel_size
@@ -65,7 +66,7 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
     for vp_stage in stages:
         module = _provide(model_fn, vp_stage)
         if cfg.kernels.fused_cross_entropy:
-            compat.apply("cross_entropy", model=module)   # the loss from bf16 logits (models.cross_entropy)
+            cross_entropy.use_in(module)   # the loss from bf16 logits (distributed/cross_entropy.py)
         for p in module.parameters():  # megatron's get_model: TP attributes on every param
             from megatron.core import tensor_parallel
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
@@ -78,8 +79,25 @@ def build(cfg: EngineConfig, model_fn: ModelProvider | ModelFn, *, wrap: bool = 
             module = Float16Module(module.config, module)
         chunks.append(module)
     if wrap and cfg.lora is not None:
-        lora.apply(chunks, lora=cfg.lora)
+        add_adapters(chunks, lora=cfg.lora)
     return wrap_chunks(cfg, chunks) if wrap else chunks
+
+
+def add_adapters(chunks: list[torch.nn.Module], *, lora: LoRAConfig) -> list[torch.nn.Module]:
+    """LoRA adapters (`EngineConfig.lora`) into the plain (unwrapped) `chunks` through Megatron-Bridge's PEFT, every
+    other parameter frozen; returns `chunks` (`lora.apply` is this plus the base's reference).
+
+    Here, beside the wrap, because it must precede it: DDP and Megatron-FSDP lay out their grad buffers from each
+    parameter's `requires_grad` when they wrap (`lora`'s docstring says what each then does with the frozen base).
+    `build` calls it, and `models.hf.load` after loading the weights."""
+    compat.apply("bridge")
+    compat.apply("peft")
+    compat.apply("fsdp_frozen")   # for a later Megatron-FSDP wrap
+    LoRA = bridge_model.lora_class()
+    lora.validate()
+    peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+    peft(chunks, training=True)
+    return chunks
 
 
 def wrap_chunks(cfg: EngineConfig, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -19,75 +19,17 @@ What the wrappers then do with the frozen base (megatron-core 0.16.1):
 Megatron fuses what HF keeps apart: q/k/v are one `linear_qkv`, gate/up one `linear_fc1`. One adapter on a
 fused linear shares its A over the fused outputs (rank r for q, k and v together), so HF names are accepted
 only as whole fused groups (q_proj with k_proj and v_proj), never one of them alone.
+
+Where the pieces live (imports point down: docs/design.md, "Layers"): `LoRAConfig` is a section of `EngineConfig`
+(`config.sections`); putting the adapters on is `distributed.engine.add_adapters`, because `engine.build` and
+`models.hf.load` do it before their wrap; an HF base's fingerprint is `models.hf.base_reference`, which `load` keeps
+on the chunks. This package is where a user finds all of it (`lora.LoRAConfig`, `lora.apply`, ...), and holds what
+is asked of adapted chunks afterwards; `adapters` writes them for HF `peft`.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from ..fieldtypes import bad_value, check_field_types, finite
-
-MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""The dense linears of a megatron GPT layer LoRA can adapt."""
-HF_TO_MEGATRON = dict(q_proj="linear_qkv", k_proj="linear_qkv", v_proj="linear_qkv", o_proj="linear_proj",
-                      gate_proj="linear_fc1", up_proj="linear_fc1", down_proj="linear_fc2")
-"""HF (Llama/Qwen) module names -> the megatron linear holding them."""
-
-
-@dataclass(kw_only=True)
-class LoRAConfig:
-    """Low-rank adapters: W x + (alpha / rank) * B A x, with only A and B trained."""
-
-    rank: int = 8
-    """Inner dimension r of A (r x in) and B (out x r); the bridge's `dim`."""
-    alpha: int = 16
-    """Scale numerator: the adapter's output is multiplied by alpha / rank (the bridge takes an int)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input (the bridge's dropout_position "pre"), in [0, 1)."""
-    target_modules: list = field(default_factory=lambda: list(MEGATRON_TARGETS))
-    """Linears to adapt: megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or HF names
-    (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; fused ones as whole groups)."""
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "LoRAConfig":
-        """Raise `ConfigError` naming the bad field, its value and what is allowed."""
-        check_field_types(self)
-        if self.rank < 1:
-            raise bad_value("lora.rank", self.rank, "an integer >= 1")
-        if self.alpha < 1:
-            raise bad_value("lora.alpha", self.alpha, "an integer >= 1")
-        if not (finite(self.dropout) and 0 <= self.dropout < 1):
-            raise bad_value("lora.dropout", self.dropout, "a number in [0, 1)")
-        names = MEGATRON_TARGETS + tuple(HF_TO_MEGATRON)
-        for name in self.target_modules:
-            if name not in names:
-                raise bad_value("lora.target_modules", self.target_modules, f"a non-empty list of {' | '.join(names)}")
-        if not self.target_modules:
-            raise bad_value("lora.target_modules", self.target_modules, f"a non-empty list of {' | '.join(names)}")
-        for fused in MEGATRON_TARGETS:
-            group = sorted(hf for hf, m in HF_TO_MEGATRON.items() if m == fused)
-            given = sorted(set(group) & set(self.target_modules))
-            if given and given != group:
-                raise bad_value("lora.target_modules", self.target_modules,
-                                f"all of {group} or none: megatron fuses them into {fused}, one adapter for all")
-        return self
-
-    def megatron_targets(self) -> list[str]:
-        """The megatron linear names the targets map to, each once, in megatron's layer order."""
-        wanted = {HF_TO_MEGATRON.get(name, name) for name in self.target_modules}
-        return [name for name in MEGATRON_TARGETS if name in wanted]
-
-
-def check(*, lora) -> None:
-    """`EngineConfig.lora`: None or a valid `LoRAConfig`."""
-    if lora is not None and not isinstance(lora, LoRAConfig):
-        raise bad_value("lora", lora, "None | LoRAConfig(rank=..., alpha=..., dropout=..., target_modules=[...])")
-    if lora is not None:
-        lora.validate()
+from ..config.sections import HF_TO_MEGATRON, MEGATRON_TARGETS, LoRAConfig  # noqa: F401 (the names users type)
+from ..config.sections import check_lora as check  # noqa: F401
 
 
 def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
@@ -96,19 +38,11 @@ def apply(chunks: list, *, lora: LoRAConfig, base_path=None) -> list:
     Call before wrapping (module docstring: the wrappers lay out their buffers from `requires_grad`).
     `base_path`: the HF folder the frozen weights came from; its `base_reference` is kept on the chunks
     (`base_of`), so checkpoints name their base and refuse another one."""
-    from .. import compat
-    from ..compat.access import bridge_model
-    compat.apply("bridge")
-    compat.apply("peft")
-    compat.apply("fsdp_frozen")   # for a later Megatron-FSDP wrap
-    LoRA = bridge_model.lora_class()
-    lora.validate()
-    peft = LoRA(target_modules=lora.megatron_targets(), dim=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
-    peft(chunks, training=True)
+    from ..distributed.engine import add_adapters
+    add_adapters(chunks, lora=lora)
     if base_path is not None:
-        reference = base_reference(base_path=base_path)
-        for chunk in chunks:
-            chunk.mfsdp_lora_base = reference
+        from ..models.hf import keep_base
+        keep_base(chunks, base_path=base_path)
     return chunks
 
 
@@ -118,7 +52,8 @@ def has_adapters(chunks) -> bool:
 
 
 def base_of(chunks) -> dict | None:
-    """The `base_reference` `apply` kept on these chunks (wrapped or not), or None (no LoRA, or no base path)."""
+    """The `base_reference` `apply` (or `models.hf.load`: `models.hf.keep_base`) kept on these chunks (wrapped or
+    not), or None (no LoRA, or no base path)."""
     for module in list(chunks)[:1]:
         while not hasattr(module, "mfsdp_lora_base") and hasattr(module, "module"):   # through the wrappers
             module = module.module
@@ -126,28 +61,19 @@ def base_of(chunks) -> dict | None:
     return None
 
 
-FINGERPRINT_BLOCK_BYTES = 1 << 20
-"""Bytes read from each of a safetensors file's first, middle and last block (1 MiB each)."""
-
-
 def base_reference(*, base_path) -> dict:
-    """{"path": absolute folder, "fingerprint": sha256 hex} of an HF base folder.
+    """{"path": absolute folder, "fingerprint": sha256 hex} of an HF base folder: `models.hf.base_reference`, which
+    says what the fingerprint reads (imported at the call: this package imports no model code at import)."""
+    from ..models.hf import base_reference as reference
+    return reference(base_path=base_path)
 
-    The fingerprint hashes config.json and, per *.safetensors file (in name order), its name, size, header (every
-    tensor's name, dtype, shape and offsets) and three 1 MiB blocks of its data: 3 MiB read per file, not the
-    whole model (14 GB at 7 B), yet any other model (another fine-tune of the same shapes included) differs in
-    those blocks. A base copied elsewhere keeps its fingerprint; its path is only a hint to the reader."""
-    path = Path(base_path).resolve()
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")):
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            header = int.from_bytes(f.read(8), "little")
-            digest.update(json.dumps([file.name, size]).encode() + f.read(header))
-            for start in sorted({8 + header, max(8 + header, size // 2), max(8 + header, size - FINGERPRINT_BLOCK_BYTES)}):
-                f.seek(start)
-                digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
-    return dict(path=str(path), fingerprint=digest.hexdigest())
+
+def __getattr__(name: str):
+    """`lora.FINGERPRINT_BLOCK_BYTES`, now `models.hf`'s, served from there on first use (as `base_reference`)."""
+    if name == "FINGERPRINT_BLOCK_BYTES":
+        from ..models.hf import FINGERPRINT_BLOCK_BYTES
+        return FINGERPRINT_BLOCK_BYTES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_adapter(name: str) -> bool:

@@ -7,13 +7,14 @@ on its fused linears, so the names and the splits are the bridge's own export ma
 the base weights (`MegatronPeftBridge.stream_adapter_weights_megatron_to_hf`): `linear_qkv`'s B is split into
 q/k/v_proj by the query-group layout, `linear_fc1`'s into gate/up_proj halves, and the one A a fused linear shares
 is written for each of its HF modules (peft computes q = W_q x + s B_q A x with the same A: the same numbers).
-Under Megatron-FSDP the adapters are all-gathered first (`sync.adapters_gathered`).
+Under Megatron-FSDP the adapters are all-gathered first (`adapters_gathered`, which `weights.sync` uses too).
 
 The folder appears whole or not at all (`folders.written_aside`: written into a hidden sibling, then renamed into
 place); an earlier adapter folder at the path is replaced, any other non-empty folder refused.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Iterator
@@ -22,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from .. import folders, lora
-from ..weights import sync
+from ..compat.access import fsdp as megatron_fsdp
 from ..distributed import runtime
 from ..distributed.engine import params_view, unwrap_model
+from ..distributed.introspect import is_fsdp
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -32,11 +34,32 @@ PEFT_PREFIX = "base_model.model."
 """What peft puts before the HF module name in an adapter file's keys (PeftModel -> LoraModel -> the HF model)."""
 
 
+@contextlib.contextmanager
+def adapters_gathered(chunks) -> Iterator[None]:
+    """Inside the block, every FSDP chunk's LoRA adapters show their full values in the compute view (one
+    all-gather of their buckets, released at the end). No-op for DDP and for models without adapters.
+    The bridge reads them while converting the base weight they belong to: the export here, and `weights.sync`'s
+    merged exports (`sync.adapters_gathered` is this)."""
+    gathered = []
+    try:
+        for inner in unwrap_model([c for c in chunks if is_fsdp(c)]):
+            params = [p for name, p in inner.named_parameters() if lora.is_adapter(name)]
+            fsdp = megatron_fsdp.owner(chunks, params[0]) if params else None
+            if fsdp is None:
+                continue
+            fsdp.all_gather_and_wait_parameters_ready(params=params, prefetch=False)
+            gathered += [(fsdp, unit) for unit in {megatron_fsdp.unit_of(fsdp, p) for p in params}]
+        yield
+    finally:
+        for fsdp, unit in gathered:
+            megatron_fsdp.release_unit(fsdp, unit)
+
+
 def export_adapter_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF LoRA name, full tensor), e.g. `model.layers.0.self_attn.q_proj.lora_B.weight`, from DDP or
     Megatron-FSDP chunks at any TP. Collective: every rank iterates the whole stream."""
     inner = unwrap_model(list(chunks))
-    with params_view(chunks, "compute"), sync.adapters_gathered(chunks):
+    with params_view(chunks, "compute"), adapters_gathered(chunks):
         for name, tensor in bridge.export_adapter_weights(inner, cpu=cpu, show_progress=False):
             yield name, tensor.detach().clone()   # a view of a gathered bucket is released after the block
 

@@ -7,8 +7,8 @@ both only with TE (`apply_rope_fusion`) or through its `jit_fuser` (`bias_activa
 is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns both on:
 - SwiGLU: megatron's own `bias_activation_fusion` path (`fusions/fused_bias_swiglu.py`).
 - RoPE: megatron calls `rope_utils.fused_apply_rotary_pos_emb(t, freqs, interleaved=)` when
-  `apply_rope_fusion` is set; that slot holds TE's kernel, or None without TE. `compat.apply("rope")` puts `rope`
-  in the empty slot: megatron's own unfused `_apply_rotary_pos_emb_bshd`, with cos and sin of `freqs`
+  `apply_rope_fusion` is set; that slot holds TE's kernel, or None without TE. `compat.apply("rope", slots=)` puts
+  `rope` in the empty slot: megatron's own unfused `_apply_rotary_pos_emb_bshd`, with cos and sin of `freqs`
   taken once per freqs tensor (megatron's RotaryEmbedding caches freqs per sequence length) instead of
   once per element, and the rotation compiled. Compiling megatron's function whole made one kernel
   that took cos and sin of every element, batch x heads times over each angle: 19.8 ms of kernels per
@@ -97,8 +97,18 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
 
 ROPE_SLOTS = {"torch": (rope, rope_thd),
               "triton": (functools.partial(rope, kernels="triton"), functools.partial(rope_thd, kernels="triton"))}
-"""What `compat.apply("rope", kernels=)` puts in megatron's fused-RoPE slots (padded, packed), per
+"""What `compat.apply("rope", slots=)` puts in megatron's fused-RoPE slots (padded, packed), per
 config.FUSION_KERNELS."""
+
+
+def swiglu_kernel(kernels: str):
+    """What `compat.apply("swiglu", kernel=)` sends megatron's bias-free SwiGLU to for `kernels` (a resolved
+    config.FUSION_KERNELS value): the Triton kernel (imported here: Triton loads only where it is asked for), or None
+    for "torch" (megatron's own compiled function)."""
+    if kernels != "triton":
+        return None
+    from .triton_fusions import swiglu
+    return swiglu
 
 
 def _packed_cos_sin(cu_seqlens: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
@@ -145,9 +155,9 @@ def transformer_settings(fused_kernels: bool | str, model_config, *, overrides: 
     if settings and kernels == "triton":
         check_triton(on_gpu=on_gpu)
     if "apply_rope_fusion" in settings:
-        compat.apply("rope", kernels=kernels)     # compat/patches/rope.py
+        compat.apply("rope", slots=ROPE_SLOTS[kernels])          # compat/patches/rope.py
     if "bias_activation_fusion" in settings:
-        compat.apply("swiglu", kernels=kernels)   # compat/patches/swiglu.py
+        compat.apply("swiglu", kernel=swiglu_kernel(kernels))   # compat/patches/swiglu.py
     return {k: v for k, v in settings.items() if k not in overrides}
 
 

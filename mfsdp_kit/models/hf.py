@@ -17,21 +17,34 @@ and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF);
 architecture-specific attention modules are kept on the local spec (OLMoE), a vocabulary TP does
 not divide is padded (`models.vocab`), and `load(..., verify=True)` compares the result with
 transformers' logits (`models.verify`).
+
+With `EngineConfig.lora`, `load` adds the adapters before the wrap (`engine.add_adapters`) and keeps the folder's
+`base_reference` on the chunks (`keep_base`), so a checkpoint of the adapters names its base. A folder that does not
+fit its own config.json raises `CheckpointError`, defined here, the lowest layer that reads saved weights, and
+re-exported by `checkpoint` (imports point down).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .. import compat, lora
+from .. import compat
 from ..distributed import engine
 from ..compat.access import bridge_model
 from ..config import ConfigError, EngineConfig
 from ..distributed.introspect import torch_dtype
 from . import support, transformer_settings, vocab
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, untrusted, does not fit the model, or could not be
+    written; the message names the path and what to do. (An HF folder is a checkpoint too: `check_tensors`.)
+    `checkpoint.CheckpointError` is this class."""
+
 
 @dataclass
 class HFModel:
@@ -155,7 +168,6 @@ def check_tensors(hf_path, *, strict: bool = True) -> None:
     import re
     import warnings
 
-    from ..checkpoint.errors import CheckpointError
     path = Path(hf_path)
     saved = saved_tensors(path)
     files = sorted({file for _, file in saved.values()})
@@ -249,7 +261,7 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     exports). With `verify`, transformers' logits on the same folder are compared with the loaded
     model's on a few fixed sequences (models.verify) and a mismatch raises `VerificationError`;
     the result is `HFModel.verification`. `phases` (`perf.phases.Phases`) times each step under its
-    name: check, provider, build, weights, lora (with `cfg.lora`: `lora.apply`), wrap (what bench/load_hf.py
+    name: check, provider, build, weights, lora (with `cfg.lora`: `lora.apply`'s work), wrap (what bench/load_hf.py
     and bench/notebook_setup.py print).
     `strict=False` loads a folder holding tensors its architecture lacks, listing them (`check_tensors`)."""
     run = phases.run if phases is not None else _untimed
@@ -258,7 +270,7 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
     chunks = run("build", engine.build, cfg, p, wrap=False)
     run("weights", load_weights, bridge, chunks, hf_path, cfg)
     if cfg.lora is not None:   # before the wrap: the wrappers lay out grad buffers from requires_grad
-        run("lora", lora.apply, chunks, lora=cfg.lora, base_path=hf_path)
+        run("lora", _add_adapters, chunks, lora=cfg.lora, base_path=hf_path)
     if wrap:
         chunks = run("wrap", engine.wrap_chunks, cfg, chunks)
     model = HFModel(chunks=chunks, bridge=bridge, hf_path=Path(hf_path), cfg=cfg)
@@ -266,3 +278,41 @@ def load(hf_path, cfg: EngineConfig, *, wrap: bool = True, trust_pickle: bool = 
         from .verify import verify as run_verify
         model.verification = run_verify(model, strict=True)
     return model
+
+
+def _add_adapters(chunks, *, lora, base_path) -> None:
+    """`lora.apply(chunks, lora=, base_path=)` at this layer: the adapters, then the base they belong to."""
+    engine.add_adapters(chunks, lora=lora)
+    keep_base(chunks, base_path=base_path)
+
+
+FINGERPRINT_BLOCK_BYTES = 1 << 20
+"""Bytes read from each of a safetensors file's first, middle and last block (1 MiB each)."""
+
+
+def base_reference(*, base_path) -> dict:
+    """{"path": absolute folder, "fingerprint": sha256 hex} of an HF base folder.
+
+    The fingerprint hashes config.json and, per *.safetensors file (in name order), its name, size, header (every
+    tensor's name, dtype, shape and offsets) and three 1 MiB blocks of its data: 3 MiB read per file, not the
+    whole model (14 GB at 7 B), yet any other model (another fine-tune of the same shapes included) differs in
+    those blocks. A base copied elsewhere keeps its fingerprint; its path is only a hint to the reader."""
+    path = Path(base_path).resolve()
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(json.dumps([file.name, size]).encode() + f.read(header))
+            for start in sorted({8 + header, max(8 + header, size // 2), max(8 + header, size - FINGERPRINT_BLOCK_BYTES)}):
+                f.seek(start)
+                digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
+    return dict(path=str(path), fingerprint=digest.hexdigest())
+
+
+def keep_base(chunks, *, base_path) -> None:
+    """Keep the `base_reference` of the HF folder the frozen weights came from on each plain (LoRA-adapted) chunk,
+    where `lora.base_of` finds it through the wrappers: checkpoints name their base and refuse another one."""
+    reference = base_reference(base_path=base_path)
+    for chunk in chunks:
+        chunk.mfsdp_lora_base = reference

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..distributed.introspect import torch_dtype
+from .vocab import full_logits
 
 DEFAULT_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}
 """Largest |Megatron - HF| / logit scale accepted per compute dtype."""
@@ -78,14 +79,13 @@ def verify(model, *, tokens: torch.Tensor | None = None, sequences: int = 2, seq
     `tokens` [batch, seq] default to `fixed_tokens`. With `strict`, a difference beyond the
     tolerance raises `VerificationError` instead of being only reported.
     """
-    from ..train.generate import logits
     vocab = model.vocab_size
     if tokens is None:
         tokens = fixed_tokens(vocab, sequences=sequences, seq_len_tokens=seq_len_tokens)
     device = next(model.chunks[0].parameters()).device
     tokens = tokens.to(device if device.type != "meta" else "cpu")
     ref = hf_logits(model.hf_path, tokens, dtype=model.cfg.dtype)
-    mine = logits(model.chunks, tokens, vocab_size=vocab)
+    mine = full_logits(model.chunks, tokens, vocab_size=vocab)   # what generate.logits returns for whole rows
     max_abs = (mine - ref).abs().max().item()
     scale = ref.abs().max().item()
     result = Verification(max_abs_diff=max_abs, logit_scale=scale, relative=max_abs / max(scale, 1e-30),

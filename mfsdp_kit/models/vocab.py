@@ -14,7 +14,8 @@ The padded ids must never leak:
   the real vocabulary, and their rows get zero gradient (they stay zero through Adam and decay);
 - export / sync / save_hf: rows beyond the HF vocabulary are cut off (`trim`), so every tensor
   has the HF shape;
-- generation: `generate.logits(..., vocab_size=)` cuts the logits to the real vocabulary.
+- logits a user sees (`full_logits`, what `generate.logits` and `verify` return): gathered over the TP ranks'
+  vocabulary slices, then cut to the real vocabulary (`vocab_size=`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from .. import compat
 from ..compat.access import bridge_model
+from ..distributed import runtime
 
 DIVISIBLE_BY = 128
 """Megatron's default `make_vocab_size_divisible_by`."""
@@ -91,3 +93,32 @@ def trim(name: str, tensor: torch.Tensor, vocab_size: int, names: set[str]) -> t
     if name in names and tensor.shape[0] > vocab_size:
         return tensor[:vocab_size]
     return tensor
+
+
+def forward_padded(chunks, tokens: torch.Tensor) -> torch.Tensor:
+    """The output layer's vocab-parallel logits [batch, seq, vocab / TP] of one forward of the first chunk over
+    `tokens` [batch, seq], rows as they are (padding included: causal, it changes no real position)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return chunks[0](tokens, positions, None)
+
+
+@torch.no_grad()
+def full_logits(chunks, tokens: torch.Tensor, *, vocab_size: int | None = None, forward=None) -> torch.Tensor:
+    """The model's fp32 logits for `tokens` [batch, seq], the same full vocabulary on every tensor-parallel rank,
+    on `tokens`' device: `forward(tokens)` (default `forward_padded`) run in eval mode on the runtime's device,
+    its vocab-parallel logits all-gathered over the TP group, megatron's padded ids cut off at `vocab_size`.
+
+    The one "forward and gather" of the kit: `train.generate.logits` is this with its own `forward` (rows packed
+    where the model can, only the last positions with `last_only`), and `verify` compares this with transformers.
+    The chunks go back to the mode they were in. Collective (Megatron-FSDP's gathers, TP's)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    asked_on = tokens.device
+    tokens = runtime.to_device(tokens, runtime.current().device)   # where they first meet the embedding's table
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    out = forward(tokens) if forward is not None else forward_padded(chunks, tokens)
+    for c, mode in zip(chunks, was_training):
+        c.train(mode)
+    out = gather_from_tensor_model_parallel_region(out)
+    return (out if vocab_size is None else out[..., :vocab_size]).float().to(asked_on)

@@ -13,8 +13,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from .. import compat
-from ..distributed import engine, runtime
+from ..distributed import cross_entropy, engine, runtime
 from ..config import EngineConfig, OptimConfig
 from ..train.data import random_token_batches
 from ..distributed.introspect import local, torch_dtype
@@ -75,7 +74,7 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
     rt = runtime.current()
     model = gpt_model_fn(spec, cfg)(pre_process=True, post_process=True)
     if cfg.kernels.fused_cross_entropy:  # as engine.build does for the megatron wrappers
-        compat.apply("cross_entropy", model=model)
+        cross_entropy.use_in(model)
     for p in model.parameters():
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
     model = model.float().to(rt.device)  # fp32 master weights; FSDP2 casts to the compute dtype per unit

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import chat, packing
 from ..distributed import engine, keep_gathered, runtime
+from ..models import vocab
 from .data import Batch
 from ..fieldtypes import COUNT, bad_value, checked_args, optional
 
@@ -44,23 +45,17 @@ def logits(chunks, tokens: torch.Tensor, *, last_only: bool = False, vocab_size:
     `tokens` may be on any device: they go to the runtime's device here, where they first meet the model
     (megatron's embedding indexes its GPU table with them), and the logits come back on `tokens`' device, so
     a caller comparing with a CPU model (peft, transformers) needs no `.cpu()`.
+
+    The device, eval mode and gather are `models.vocab.full_logits`'s (what `models.verify` compares); the forward,
+    packed or cut to `lengths`, is this module's.
     """
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    asked_on = tokens.device
-    tokens = runtime.to_device(tokens, runtime.current().device)
-    was_training = [c.training for c in chunks]
-    for c in chunks:
-        c.eval()
     if lengths is not None and packing.can_pack(chunks):
-        out = _packed_logits(chunks, tokens, lengths=lengths, last_only=last_only)
+        def forward(t):
+            return _packed_logits(chunks, t, lengths=lengths, last_only=last_only)
     else:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        out = chunks[0](tokens, positions, None)
-        out = _at_lengths(out, lengths, last_only=last_only)
-    for c, mode in zip(chunks, was_training):
-        c.train(mode)
-    out = gather_from_tensor_model_parallel_region(out)
-    return (out if vocab_size is None else out[..., :vocab_size]).float().to(asked_on)
+        def forward(t):
+            return _at_lengths(vocab.forward_padded(chunks, t), lengths, last_only=last_only)
+    return vocab.full_logits(chunks, tokens, vocab_size=vocab_size, forward=forward)
 
 
 def _row_batch(tokens: torch.Tensor, lengths: list[int]) -> Batch:

@@ -9,8 +9,9 @@ tensor, never the whole model. Every rank must iterate the stream (the gathers a
 
 LoRA (`cfg.lora`): the bridge merges each adapted weight as it converts it, W + (alpha / r) B A, so every export
 here (the rollout sync, `save_hf`) is of the merged model. Under Megatron-FSDP the adapters are sharded like any
-weight: `adapters_gathered` all-gathers every adapter bucket for the whole export (they are small; the base
-units still go one at a time), because the bridge reads them while converting the base weight they belong to.
+weight: `adapters_gathered` (`lora.adapters`') all-gathers every adapter bucket for the whole export (they are
+small; the base units still go one at a time), because the bridge reads them while converting the base weight they
+belong to.
 
 `load_into` (the rollout path, run every RL iteration) does not convert tensor by tensor: it
 replays a `weights.plan` built once per rollout model (views of the gathered buckets, copied in
@@ -35,6 +36,7 @@ from ..distributed import runtime
 from ..distributed.engine import params_view, unwrap_model
 from ..compat.access import fsdp as megatron_fsdp
 from ..distributed.introspect import is_fsdp
+from ..lora.adapters import adapters_gathered   # LoRA's (so `sync.adapters_gathered` still names it)
 from ..models import vocab
 from .plan import fsdp_owner
 
@@ -65,25 +67,6 @@ def _tasks_with_full_params(tasks, chunks) -> Iterator:
     finally:
         if held is not None:
             megatron_fsdp.release_unit(*held)
-
-
-@contextlib.contextmanager
-def adapters_gathered(chunks) -> Iterator[None]:
-    """Inside the block, every FSDP chunk's LoRA adapters show their full values in the compute view (one
-    all-gather of their buckets, released at the end). No-op for DDP and for models without adapters."""
-    gathered = []
-    try:
-        for inner in unwrap_model([c for c in chunks if is_fsdp(c)]):
-            params = [p for name, p in inner.named_parameters() if lora.is_adapter(name)]
-            fsdp = fsdp_owner(chunks, params[0]) if params else None
-            if fsdp is None:
-                continue
-            fsdp.all_gather_and_wait_parameters_ready(params=params, prefetch=False)
-            gathered += [(fsdp, unit) for unit in {megatron_fsdp.unit_of(fsdp, p) for p in params}]
-        yield
-    finally:
-        for fsdp, unit in gathered:
-            megatron_fsdp.release_unit(fsdp, unit)
 
 
 def export_hf_weights(chunks, bridge, *, cpu: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -196,7 +196,7 @@ def cross_entropy_vocab_parallel() -> dict:
     fused cross-entropy and megatron's vocab-parallel one, losses and slice gradients, max |diff| over ranks."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from mfsdp_kit.models.cross_entropy import cross_entropy
+    from mfsdp_kit.distributed.cross_entropy import cross_entropy
     rt = runtime.init(EngineConfig(tensor_model_parallel_size=2))
     g = torch.Generator().manual_seed(3)
     full = torch.randn(9, 2, 40, generator=g) * 3

@@ -86,7 +86,7 @@ def test_rope_takes_cos_sin_once_per_freqs_and_again_after_an_in_place_change():
 def test_install_fills_only_the_empty_slot():
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.extensions.transformer_engine import HAVE_TE
-    assert compat.apply("rope") is (not HAVE_TE)
+    assert compat.apply("rope", slots=fusions.ROPE_SLOTS["torch"]) is (not HAVE_TE)
     assert (rope_utils.fused_apply_rotary_pos_emb is fusions.rope) is (not HAVE_TE)
 
 

@@ -32,8 +32,8 @@ def world():
 def torch_slots_after():
     """megatron's RoPE and SwiGLU slots are process-wide: put the compiled ones back for the tests after this one."""
     yield
-    compat.apply("rope", kernels="torch")
-    compat.apply("swiglu", kernels="torch")
+    compat.apply("rope", slots=fusions.ROPE_SLOTS["torch"])
+    compat.apply("swiglu", kernel=None)
 
 
 def _out_and_grad(fn, t: torch.Tensor, weights: torch.Tensor):
@@ -132,11 +132,12 @@ def test_swiglu_equals_silu_times_up(dtype, ffn):
 
 @kernels_run
 def test_swiglu_patch_routes_only_what_the_kernels_compute(torch_slots_after):
-    """After compat.apply("swiglu", kernels="triton") megatron's MLP sends bias-free calls to the Triton kernels and
-    calls with a bias to megatron's own function; kernels="torch" puts megatron's function back."""
+    """After compat.apply("swiglu", kernel=) with the Triton kernel megatron's MLP sends bias-free calls to it and
+    calls with a bias to megatron's own function; kernel=None ("torch") puts megatron's function back."""
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.transformer import mlp
-    assert compat.apply("swiglu", kernels="triton") and mlp.bias_swiglu_impl is not fused_bias_swiglu.bias_swiglu_impl
+    assert compat.apply("swiglu", kernel=fusions.swiglu_kernel("triton"))
+    assert mlp.bias_swiglu_impl is not fused_bias_swiglu.bias_swiglu_impl
     y, bias = torch.randn(5, 1, 16, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE)
     out = mlp.bias_swiglu_impl(y, None)
     assert out.grad_fn.name() == "_SwiGLUBackward"   # the Triton kernels' autograd node
@@ -146,7 +147,8 @@ def test_swiglu_patch_routes_only_what_the_kernels_compute(torch_slots_after):
     assert with_bias.grad_fn.name() != "_SwiGLUBackward"   # megatron's function
     gate, up = (y.detach() + bias).chunk(2, -1)
     torch.testing.assert_close(with_bias, F.silu(gate) * up)
-    assert not compat.apply("swiglu", kernels="torch") and mlp.bias_swiglu_impl is fused_bias_swiglu.bias_swiglu_impl
+    assert not compat.apply("swiglu", kernel=fusions.swiglu_kernel("torch"))
+    assert mlp.bias_swiglu_impl is fused_bias_swiglu.bias_swiglu_impl
 
 
 @kernels_run

@@ -1,9 +1,11 @@
-"""`compat.apply("cross_entropy", model=)`: one megatron LanguageModule computes its loss with the kit's
-`models.cross_entropy` (from the logits in their own dtype; that module says why), an instance patch.
+"""`compat.apply("cross_entropy", model=, loss=)`: one megatron LanguageModule computes its loss with `loss` (the
+kit's `distributed.cross_entropy.language_model_loss`, from the logits in their own dtype; that module says why, and
+its `use_in` is the caller), an instance patch. The caller hands the function in: compat imports nothing of the kit.
 """
 from __future__ import annotations
 
 from types import MethodType
+from typing import Callable
 
 import torch
 
@@ -18,14 +20,9 @@ PATCH = Patch(
 """The instance patch `_install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
 
-def _install(*, model: torch.nn.Module) -> None:
-    """Make `model` (a megatron LanguageModule, e.g. GPTModel, before any wrapper) compute its loss with
-    `cross_entropy`. Per instance: other models in the process keep megatron's."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from ...models.cross_entropy import language_model_loss
-    from ...config import ConfigError
-    if not isinstance(model, LanguageModule):
-        raise ConfigError(f"fused_cross_entropy=True needs a megatron LanguageModule (GPTModel, ...), got "
-                          f"{type(model).__name__}; allowed: False for other models")
-    model.compute_language_model_loss = MethodType(language_model_loss, model)
+def _install(*, model: torch.nn.Module, loss: Callable) -> None:
+    """Make `model` (a megatron LanguageModule, e.g. GPTModel, before any wrapper) compute its loss with `loss`
+    (`loss(model, labels [b, s], logits [s, b, vocab / TP])` -> per-token losses [b, s], megatron's
+    `compute_language_model_loss` contract). Per instance: other models in the process keep megatron's."""
+    model.compute_language_model_loss = MethodType(loss, model)
     record(PATCH)

@@ -1,8 +1,11 @@
-"""`compat.apply("rope", kernels=)`: megatron's fused-RoPE slots, empty without TE, filled with the kit's RoPE
-(`models.fusions.rope` / `rope_thd`, their rotation compiled or in Triton per `kernels`; that module says why), a
-module patch made by `fused_kernels`.
+"""`compat.apply("rope", slots=)`: megatron's fused-RoPE slots, empty without TE, filled with the caller's pair (the
+kit's `models.fusions.rope` / `rope_thd`, their rotation compiled or in Triton: `models.fusions.ROPE_SLOTS`; that
+module says why), a module patch made by `fused_kernels`. The caller hands the functions in: compat imports nothing
+of the kit.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from ..registry import Patch, record
 
@@ -12,16 +15,18 @@ PATCH = Patch(target="megatron.core.models.common.embeddings.rope_utils",
               needed_if="    fused_apply_rotary_pos_emb = None")
 """The module patch `_install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
+_FILLED: set[Callable] = set()
+"""Every function this patch has put in a slot: a slot holding another one holds TE's kernel."""
 
-def _install(kernels: str = "torch") -> bool:
-    """Fill megatron's fused-RoPE slots (padded and packed) with the kit's pair for `kernels` ("torch" | "triton",
-    `models.fusions.ROPE_SLOTS`) when TE left them empty or the kit filled them before (the last call chooses);
-    returns whether they now hold the kit's pair."""
+
+def _install(*, slots: tuple[Callable, Callable]) -> bool:
+    """Fill megatron's fused-RoPE slots with `slots` (padded, packed: `fused_apply_rotary_pos_emb`,
+    `fused_apply_rotary_pos_emb_thd`) when TE left them empty or this patch filled them before (the last call
+    chooses); returns whether they now hold `slots`."""
     from megatron.core.models.common.embeddings import rope_utils
-    from ...models.fusions import ROPE_SLOTS
-    ours = [fn for pair in ROPE_SLOTS.values() for fn in pair]
-    if rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb not in ours:
+    if rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb not in _FILLED:
         return False   # TE's kernel
-    rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd = ROPE_SLOTS[kernels]
+    rope_utils.fused_apply_rotary_pos_emb, rope_utils.fused_apply_rotary_pos_emb_thd = slots
+    _FILLED.update(slots)
     record(PATCH)
     return True

@@ -1,15 +1,18 @@
-"""`compat.apply("swiglu", kernels=)`: the MLP's fused SwiGLU (`bias_activation_fusion`) in the kit's Triton kernels
-(`models.triton_fusions.swiglu`) instead of megatron's torch.compile'd functions, with
-`kernels.fusion_kernels="triton"` (`models.fusions.transformer_settings`).
+"""`compat.apply("swiglu", kernel=)`: the MLP's fused SwiGLU (`bias_activation_fusion`) in the caller's kernel (the
+kit's Triton `models.triton_fusions.swiglu`, with `kernels.fusion_kernels="triton"`: `models.fusions`) instead of
+megatron's torch.compile'd functions. The caller hands the kernel in: compat imports nothing of the kit.
 
 megatron-core 0.16.1's MLP calls `bias_swiglu_impl`, imported by name into megatron/core/transformer/mlp.py, whose
 `swiglu` / `swiglu_back` are `jit_fuser` (torch.compile) functions. The patch swaps that name in mlp only: calls
-without a bias, an fp8-stored input or activation offloading (the kit's models) go to the Triton kernels, the rest
+without a bias, an fp8-stored input or activation offloading (the kit's models) go to the kernel, the rest
 to megatron's function as before. MoE layers keep megatron's compiled functions: the experts call their own
 `weighted_bias_swiglu_impl`, and moe/shared_experts.py imports `bias_swiglu_impl` by name too.
-`kernels="torch"` puts megatron's function back (the last model built chooses for the process).
+`kernel=None` puts megatron's function back (the last model built chooses for the process).
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 from ..registry import Patch, record
 
@@ -20,21 +23,23 @@ PATCH = Patch(target="megatron.core.transformer.mlp",
 """The module patch `_install` applies (a compat.registry row; tests/compat/test_instance_patches.py)."""
 
 
-def _triton_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
-    """megatron's `bias_swiglu_impl`, through the Triton kernels where they compute the same thing."""
-    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-    if bias is not None or fp8_input_store or cpu_offload_input:
-        return bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
-    from ...models.triton_fusions import swiglu
-    return swiglu(input)
+@functools.lru_cache(maxsize=None)
+def _routed(kernel: Callable) -> Callable:
+    """megatron's `bias_swiglu_impl`, through `kernel` (`y [..., 2 * ffn] -> silu(gate) * up`) where it computes the
+    same thing; one function per kernel, so applying it again changes nothing."""
+    def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+        from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl as megatrons
+        if bias is not None or fp8_input_store or cpu_offload_input:
+            return megatrons(input, bias, fp8_input_store, cpu_offload_input)
+        return kernel(input)
+    return bias_swiglu_impl
 
 
-def _install(kernels: str = "torch") -> bool:
-    """Point megatron's MLP at the SwiGLU of `kernels` ("torch": megatron's own | "triton"); returns whether the
-    Triton one is in."""
+def _install(*, kernel: Callable | None = None) -> bool:
+    """Point megatron's MLP at the SwiGLU `kernel` (None: megatron's own); returns whether the kernel is in."""
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
     from megatron.core.transformer import mlp
-    mlp.bias_swiglu_impl = _triton_bias_swiglu_impl if kernels == "triton" else bias_swiglu_impl
-    if kernels == "triton":
+    mlp.bias_swiglu_impl = bias_swiglu_impl if kernel is None else _routed(kernel)
+    if kernel is not None:
         record(PATCH)
-    return kernels == "triton"
+    return kernel is not None

@@ -1,13 +1,11 @@
-"""models.cross_entropy (EngineConfig.kernels.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
+"""distributed.cross_entropy (EngineConfig.kernels.fused_cross_entropy) against megatron's vocab-parallel cross-entropy:
 same per-token losses and logit gradients (fp32 within rounding; bf16 within one bf16 rounding), on one gloo
 rank and vocab-parallel over two; a whole GPT trains to megatron's loss with it."""
 import pytest
 import torch
 
-from mfsdp_kit import compat
-from mfsdp_kit.distributed import runtime
+from mfsdp_kit.distributed import cross_entropy, runtime
 from mfsdp_kit.config import ConfigError, EngineConfig
-from mfsdp_kit.models import cross_entropy
 from tests.dist.launch import run
 from tests.models.gpt_grads import SPEC, loss_and_grads
 
@@ -70,7 +68,14 @@ def test_vocab_parallel_over_two_ranks():
 
 def test_refuses_a_model_without_a_language_model_loss():
     with pytest.raises(ConfigError, match="fused_cross_entropy=True needs a megatron LanguageModule.*Linear"):
-        compat.apply("cross_entropy", model=torch.nn.Linear(2, 2))
+        cross_entropy.use_in(torch.nn.Linear(2, 2))
+
+
+def test_the_old_path_serves_the_same_functions():
+    """`models.cross_entropy` (where it lived before imports pointed down) serves the same functions."""
+    from mfsdp_kit.models import cross_entropy as old
+    assert (old.cross_entropy, old.language_model_loss, old.use_in) == \
+        (cross_entropy.cross_entropy, cross_entropy.language_model_loss, cross_entropy.use_in)
 
 
 def test_bad_value_is_named():
