@@ -240,30 +240,13 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-STILL_UP = frozenset({
-    "mfsdp_kit.compat.patches.cross_entropy -> mfsdp_kit.config",
-    "mfsdp_kit.compat.patches.cross_entropy -> mfsdp_kit.models.cross_entropy",
-    "mfsdp_kit.compat.patches.rope -> mfsdp_kit.models.fusions",
-    "mfsdp_kit.compat.patches.swiglu -> mfsdp_kit.models.triton_fusions",
-    "mfsdp_kit.config -> mfsdp_kit.lora",
-    "mfsdp_kit.distributed.engine -> mfsdp_kit.lora",
-    "mfsdp_kit.lora.adapters -> mfsdp_kit.weights.sync",
-    "mfsdp_kit.models.hf -> mfsdp_kit.checkpoint.errors",
-    "mfsdp_kit.models.hf -> mfsdp_kit.lora",
-    "mfsdp_kit.models.verify -> mfsdp_kit.train.generate",
-})
-"""The upward edges issue 70 has still to remove (docs/design.md, 'Layers'): a new edge fails the test, and so does
-one of these once it is gone (delete its row)."""
-
-
 def test_imports_point_down():
     """Every import, lazy ones too, goes to the module's own layer or one before it in docs/design.md's order."""
     layers, graph = stated_layers(), import_graph()
     unlisted = {unit_of(m) for m in graph} - layers.keys()
     assert not unlisted, f"folders or root modules docs/design.md's layer order does not place: {sorted(unlisted)}"
     up = {f"{m} -> {t}" for m, edges in graph.items() for t in edges if layers[unit_of(t)] > layers[unit_of(m)]}
-    assert not up - STILL_UP, "imports that point up a layer (docs/design.md, 'Layers'):\n" + "\n".join(sorted(up - STILL_UP))
-    assert not STILL_UP - up, f"STILL_UP rows whose edge is gone (delete them): {sorted(STILL_UP - up)}"
+    assert not up, "imports that point up a layer (docs/design.md, 'Layers'):\n" + "\n".join(sorted(up))
     assert any(layers[unit_of(t)] < layers[unit_of(m)] for m, e in graph.items() for t in e)   # the scan sees edges
 
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, warnings
+warnings.simplefilter("default", DeprecationWarning)     # as an engine or a kernel may show them; quiet's go in front
 if sys.argv[1] == "installed":
     from mfsdp_kit import compat
     compat.apply("startup")                                   # what runtime.init and an engine's boot call first
@@ -20,6 +21,13 @@ import megatron.core.extensions.transformer_engine_spec_provider
 import megatron.core.optimizer.clip_grads, megatron.core.optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
 TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)   # the default cuda_graph_scope
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+try:                                                    # a dense MLP as megatron's layer specs build it
+    build_module(ModuleSpec(module=MLP, submodules=MLPSubmodules()),
+                 config=TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, ffn_hidden_size=16))
+except (AttributeError, TypeError):                     # no linear layers given: the warning came first
+    pass
 import transformers
 transformers.PretrainedConfig().torch_dtype             # what megatron-bridge reads
 from mfsdp_kit import compat

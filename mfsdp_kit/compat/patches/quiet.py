@@ -58,6 +58,12 @@ KNOWN: tuple[KnownWarning, ...] = (
                  module=r"megatron\.core\.|megatron_fsdp\.",
                  why="torch's optimizers and megatron's local multi-tensor kernels are the kit's choice (compat/"
                      "grad_norm.py keeps the grad norm free of host syncs)"),
+    # megatron/core/transformer/mlp.py:96 (DeprecationWarning, reported at spec_utils.py:119's build_module): every
+    # dense MLP megatron's own layer specs build, which pass no ffn_hidden_size (megatron-core 0.16.1)
+    KnownWarning(message=r"MLP requires ffn_hidden_size, but it was not provided",
+                 module=r"megatron\.core\.transformer\.spec_utils", category=DeprecationWarning,
+                 why="megatron's layer specs build the dense MLP without it and fall back to config.ffn_hidden_size, "
+                     "which the kit's configs set; shown wherever DeprecationWarnings are (an engine, a kernel)"),
     # megatron/core/optimizer/optimizer.py:66 `hasattr(param, "grad")`, from distrib_optimizer.py:2290's zero_grad,
     # which upstream marks "throws grad-access warning" (a DDP model with the distributed optimizer)
     KnownWarning(message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
