@@ -119,6 +119,7 @@ ROOT_TESTS = {
     "test_gpu_sections": "scripts/gpu_sections.py", "test_make_notebooks": "notebooks/make_notebooks.py",
     "test_loopback": "a local world (cluster, runtime, gloo) listens on 127.0.0.1 only",
     "test_ui_live": "the notebooks in a browser",
+    "test_docstrings": "every docstring of the package states a contract, not a measured figure",
 }
 """The tests at tests/'s top, each with what it tests: a root module or something that is no one subpackage's."""
 

@@ -71,9 +71,9 @@ class CheckpointManager:
         do (training must not change what is written). Without it the writer threads copy each GPU
         tensor through a 64 MiB pinned buffer, one blocking copy at a time. The cost: the host holds
         one more copy of this rank's checkpoint bytes for the manager's life (pinned on CUDA).
-        Off by default: on 1 H200 (4.03 GB, one rank, the prune out of the commit) the staged sync save
-        was the slower one: 2.64 vs 5.27 GB/s with 8 threads, 2.60 vs 3.28 with 4 (an earlier 2-GPU run, with
-        the prune inside the commit, had favoured staging: 1.85 vs 1.31); on CPU it only adds a copy.
+        Off by default: once the prune left the commit, the staged sync save was the slower one with 4 and
+        with 8 threads (an earlier 2-GPU run, the prune inside the commit, had favoured staging; measured:
+        docs/benchmarks.md, checkpoint, "Every second attributed"); on CPU it only adds a copy.
         `tensor_format`: "standard" (each tensor a torch.save archive, as DCP's own writer makes them, written
         around the tensor's memory: `torchsave`; stock torch's `FileSystemReader` and `dcp_to_torch_save` read
         it), "raw" (each tensor's bytes alone, format 3: torch's reader refuses them) or "torch_save" (DCP's own
@@ -374,9 +374,9 @@ class CheckpointManager:
 
 @functools.cache
 def io_threads() -> int:
-    """Writer / reader threads per rank by default: 8 where every local GPU has 8 or more cores (each thread crc32s
-    and copies its own file, so they scale with cores: 1 H200, 16 cores, 4.03 GB to /dev/shm, 4 -> 8 threads took
-    save 2.60 -> 3.90 and load 3.15 -> 4.73 GB/s), else 4."""
+    """Writer / reader threads per rank by default: 8 where every local GPU has 8 or more cores, else 4. Each thread
+    crc32s and copies its own file, so save and load scale with cores (4 -> 8 threads measured: docs/benchmarks.md,
+    checkpoint, "Every second attributed")."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return 8 if gpus and len(os.sched_getaffinity(0)) // gpus >= 8 else 4
 

@@ -5,7 +5,8 @@ torch/distributed/checkpoint/filesystem.py) calls `torch.load(weights_only=True)
 byte range, so `dcp_to_torch_save`, verl's and torchtitan's converters, and anyone without the kit read
 exactly that: a torch.save archive. The naive way to write one is DCP's (`torch.save` per item: a copy of
 a GPU tensor into fresh pageable memory, a clone of a view, the pickler and the zip writer copying the
-bytes again, 0.71 GB/s per rank); the kit's first fast format wrote the bytes alone, which torch refuses.
+bytes again: about half of a save's write, docs/benchmarks.md, checkpoint, "After the checkpoint I/O changes"); the
+kit's first fast format wrote the bytes alone, which torch refuses.
 
 Here: a torch.save archive is a zip of stored (uncompressed) records - `data.pkl` (the pickle: "rebuild a
 tensor of this dtype, shape and strides from storage 0 of N elements"), a few one-line records, the

@@ -85,8 +85,8 @@ class Kernels:
     """What computes the fused RoPE and SwiGLU of `fused_kernels`: "auto" ("triton" on a GPU that runs the kernels:
     `models.support.triton_available`, NVIDIA sm80+ with Triton; else "torch") | "torch" (torch.compile of the torch
     functions: `models.fusions`) | "triton" (the kit's Triton kernels, `models.triton_fusions`). Triton has no graph to
-    trace: on 1 H100 a fresh machine's first GRPO update took 3.40 s against 9.04 s with "torch"; later ones are level
-    within the runs' spread (2.07-2.40 s against 2.39-2.61 s; docs/benchmarks.md, "The Triton kernels by default").
+    trace: a fresh machine's first GRPO update is a few times faster than with "torch", later ones level within the
+    runs' spread (measured: docs/benchmarks.md, "The Triton kernels by default").
     Dense MLPs only: MoE experts keep megatron's compiled SwiGLU. Process-wide: megatron's slots for them are module
     attributes, so the last model built chooses for every model of the process."""
     fused_cross_entropy: bool = False

@@ -3,8 +3,9 @@
 megatron-core's vocab-parallel cross-entropy without Transformer Engine (tensor_parallel/cross_entropy.py)
 first copies the [tokens, vocab] logits to fp32, then runs max, subtract, exp, sum and divide over that copy,
 one kernel each, keeps the fp32 softmax for backward, scales it in place there, and autograd casts it back to
-the logits' dtype. At vocabulary 32768 and 16384 tokens a micro-batch, the copy is 2 GiB, and each pass over it
-costs ~1 ms on an H200. Its 'native' fusion (`cross_entropy_loss_fusion`) starts from the same fp32 copy.
+the logits' dtype. At vocabulary 32768 and 16384 tokens a micro-batch, the copy is 2 GiB, and each pass reads and
+writes all of it (kernel times: docs/benchmarks.md, "levers, fourth set"). Its 'native' fusion
+(`cross_entropy_loss_fusion`) starts from the same fp32 copy.
 
 Here forward reads the logits twice (the row max; then the sum of exp and the label's logit, one compiled
 kernel) and keeps for backward only the logits themselves and one fp32 number per token. Backward is one

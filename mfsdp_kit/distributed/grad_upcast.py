@@ -4,9 +4,9 @@ Adam keeps fp32 main weights; Megatron-FSDP reduce-scatters bf16 gradients. mega
 two in `update_main_grads` (megatron_fsdp/param_and_grad_buffer.py:2615-2680): when backward's reduce-scatter
 ends it copies EVERY bf16 grad shard to fp32 (`optimizer_grad.to(param.dtype)`) and keeps the copies until the
 next zero_grad. That is +4 B per local element through the optimizer step, on top of the 16 B/param / N of
-state; it makes the step the peak of a large model (max_model on 2 H200: Megatron-FSDP grows 1.87 GiB per 7b
-layer against FSDP2's 1.51, and trains 13.6 B parameters against FSDP2's 17.1 B). megatron's own fix, the
-precision-aware optimizer, needs Transformer Engine's FusedAdam.
+state; it makes the step the peak of a large model, so Megatron-FSDP grew faster per layer than FSDP2 and trained
+a smaller largest model (docs/benchmarks.md, max_model). megatron's own fix, the precision-aware optimizer, needs
+Transformer Engine's FusedAdam.
 
 `install` moves the copies into the step and makes them a part at a time (`part_bytes` of fp32, 256 MiB by
 default):
@@ -20,8 +20,8 @@ default):
                        -> the part's fp32 grads dropped
 Every float operation is the one megatron's step does on the same numbers, so the weights come out bit for bit
 the same (tests/distributed/test_grad_upcast.py); the step's peak holds one part of fp32 grads instead of the shard.
-Measured on 1 H200 (docs/benchmarks.md, levers7): the optimizer step's peak -4.85 GiB at 1.37 B, +1.0 %
-tokens/s; the largest 7b-width model 6.95 -> 7.96 B params, and 8.77 B (= FSDP2's) with full recompute.
+Measured (docs/benchmarks.md, "levers, seventh set"): a lower optimizer-step peak at the same or slightly better
+tokens/s, and a larger largest model (FSDP2's with full recompute).
 """
 from __future__ import annotations
 

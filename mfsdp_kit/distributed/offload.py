@@ -169,7 +169,8 @@ def offload(chunks, optimizer, *, kinds=KINDS, guard: bool = True) -> dict:
     """Move `kinds` of this rank's state to (pinned) host memory, freeing the device storages.
 
     FSDP chunks first finish their parameter all-gathers and release the unsharded buckets
-    (`synchronize_param_gather`), so only the shards remain. Returns bytes, seconds and GB/s."""
+    (`synchronize_param_gather`), so only the shards remain. Returns a dict: `bytes`, `seconds`, `gb_per_s` and
+    `bytes_by_kind`."""
     if is_offloaded(optimizer):
         raise OffloadedError("already offloaded; call `offload.reload(chunks, optimizer)` before offloading again")
     _check_wrappers(chunks)

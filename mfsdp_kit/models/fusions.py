@@ -1,8 +1,8 @@
 """Fused RoPE and SwiGLU without Transformer Engine, through torch.compile.
 
 On the local layer spec megatron-core runs RoPE as ~10 separate kernels per tensor (cos/sin casts,
-two multiplies, a negation, two concatenations, forward and backward) and SwiGLU as three; on a
-1.37 B GPT on H200 they took ~140 ms of a 700 ms step (docs/benchmarks.md, profile). Megatron fuses
+two multiplies, a negation, two concatenations, forward and backward) and SwiGLU as three; at 1.37 B
+they took about a fifth of a step (docs/benchmarks.md, throughput, "Fusing RoPE and SwiGLU"). Megatron fuses
 both only with TE (`apply_rope_fusion`) or through its `jit_fuser` (`bias_activation_fusion`, which
 is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns both on:
 - SwiGLU: megatron's own `bias_activation_fusion` path (`fusions/fused_bias_swiglu.py`).
@@ -11,10 +11,10 @@ is `torch.compile` on torch >= 2.2). `EngineConfig(fused_kernels=True)` turns bo
   `rope` in the empty slot: megatron's own unfused `_apply_rotary_pos_emb_bshd`, with cos and sin of `freqs`
   taken once per freqs tensor (megatron's RotaryEmbedding caches freqs per sequence length) instead of
   once per element, and the rotation compiled. Compiling megatron's function whole made one kernel
-  that took cos and sin of every element, batch x heads times over each angle: 19.8 ms of kernels per
-  step at 1.37 B on an H200, 6.7 ms this way (bench/fusions.py). The math is megatron's: cos and sin
-  rounded to t's dtype as there, then one rounding of the result where eager rounds after each op
-  (equal in fp32).
+  that took cos and sin of every element, batch x heads times over each angle: about three times the
+  kernel time of this way (bench/fusions.py; docs/benchmarks.md, "levers, fourth set"). The math is
+  megatron's: cos and sin rounded to t's dtype as there, then one rounding of the result where eager
+  rounds after each op (equal in fp32).
 Each fusion applies only where megatron's fused path computes what the unfused one does: SwiGLU
 (silu + gated linear unit; megatron's GeGLU fusion uses the tanh gelu, its others exist only with
 TE) and plain RoPE (not interleaved, not multi-latent attention).
@@ -25,8 +25,8 @@ each kernel twice on the way. One graph for q's layout and one for k's (fewer he
 of megatron's fused qkv output), each direction, whatever the lengths.
 `EngineConfig.kernels.fused_kernels="auto"` (the default) turns both on on a GPU where they apply, and
 `kernels.fusion_kernels="auto"` (the default) computes them in the kit's Triton kernels on a GPU that runs them
-(`support.triton_available`; `models.triton_fusions`: no torch.compile; a fresh machine's first GRPO update took 3.40 s
-against 9.04 s with torch.compile, docs/benchmarks.md). "torch" keeps the compiled functions of this module.
+(`support.triton_available`; `models.triton_fusions`: no torch.compile, so a fresh machine's first GRPO update is a few
+times faster; docs/benchmarks.md, "The Triton kernels by default"). "torch" keeps the compiled functions of this module.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ computes attention the naive way: it materialises the [b, heads, sq, sk] score m
 separate softmax and keeps the probabilities for backward - O(s^2) memory per layer and three
 kernels where one would do. `SDPAttention` takes the same constructor and forward arguments
 and calls torch's SDPA instead, which dispatches to a fused kernel (flash / memory-efficient /
-cuDNN on GPU) that never stores the score matrix. On 2 x H200 at 1.7 B params that was 1.7x
-the throughput at half the peak memory (docs/benchmarks.md has the kit's own runs).
+cuDNN on GPU) that never stores the score matrix: at 1.7 B params, 1.7x the throughput at half the
+peak memory (measured: docs/benchmarks.md, "Figures that used to live in docstrings").
 
 What it keeps equal to `DotProductAttention` (megatron-core 0.16.1,
 megatron/core/transformer/dot_product_attention.py):

@@ -26,11 +26,11 @@ FUSIONS_OFF = dict(gradient_accumulation_fusion=False, persist_layer_norm=False,
 
 NATIVE_CE_FUSION_OFF = dict(cross_entropy_loss_fusion=False)
 """The bridge's providers switch on megatron's "native" fused cross-entropy, which without TE is torch.compile of
-four functions (fusions/fused_cross_entropy.py). Measured: no faster at vocabulary 32768 and 2 GiB more peak on
-2 H200 (docs/benchmarks.md, levers2), and its compile costs each process 2.2 s at its first step (CPU, warm
-compile cache), i.e. in every notebook. Off, megatron's unfused vocab-parallel cross entropy computes the same
-fp32 loss, as megatron-core's own default; `override_transformer_config={"cross_entropy_loss_fusion": True}`
-turns it back on."""
+four functions (fusions/fused_cross_entropy.py). Measured: no faster at vocabulary 32768 and more peak memory
+(docs/benchmarks.md, "levers, second set"), and its compile costs each process seconds at its first step (CPU,
+warm compile cache; docs/benchmarks.md, notebooks, "Then per process"), i.e. in every notebook. Off, megatron's
+unfused vocab-parallel cross entropy computes the same fp32 loss, as megatron-core's own default;
+`override_transformer_config={"cross_entropy_loss_fusion": True}` turns it back on."""
 
 MOE_TE_ONLY = dict(moe_permute_fusion=False, moe_grouped_gemm=False, moe_router_fusion=False)
 """MoE fusions the Qwen3-MoE and OLMoE bridges switch on that exist only with Transformer Engine:

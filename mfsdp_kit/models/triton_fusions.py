@@ -2,11 +2,12 @@
 (`EngineConfig.kernels.fusion_kernels`: "auto", the default, takes them on a GPU that runs them,
 `models.support.triton_available`; "torch" takes `models.fusions`' torch.compile of the same math).
 
-Why not torch.compile: a fresh 1 H200 machine's first GRPO update spent 6.27 s of its 8.32 s in torch.compile
-(dynamo, AOT autograd and inductor for the rotation of q and of k and for SwiGLU, each forward and backward;
-docs/benchmarks.md, 2026-12-05), and 3.3 s again in every new process with inductor's cache warm. A Triton kernel
-has no graph to trace: Triton compiles each of the six below once per dtype and head count (not per token count)
-and keeps it in its disk cache, so a new process loads them in milliseconds.
+Why not torch.compile: on a fresh machine most of the first GRPO update went to torch.compile (dynamo, AOT autograd
+and inductor for the rotation of q and of k and for SwiGLU, each forward and backward), and seconds again in every
+new process with inductor's cache warm (measured: docs/benchmarks.md, "The first update's compile" and "Figures that
+used to live in docstrings"). A Triton kernel has no graph to trace: Triton compiles each of the six below once per
+dtype and head count (not per token count) and keeps it in its disk cache, so a new process loads them in
+milliseconds.
 
 The math is `models.fusions`' and megatron's:
   - RoPE (megatron's `_rotate_half`, not interleaved): out = [lo * cos_lo - hi * sin_lo, hi * cos_hi + lo * sin_hi]
@@ -111,8 +112,8 @@ class _SwiGLU(torch.autograd.Function):
 
 _BACKWARD_RAN: set[str] = set()
 """The functions ("rope", "swiglu") whose backward has run in this process: their forward stops asking for background
-compiles (~40 us of host work a call), since the shapes a model uses are compiled by then (a new one compiles at its
-launch)."""
+compiles (host work on every call: docs/benchmarks.md, "Figures that used to live in docstrings"), since the shapes a
+model uses are compiled by then (a new one compiles at its launch)."""
 
 
 def _ready(ctx, name: str) -> None:

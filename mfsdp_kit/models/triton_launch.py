@@ -4,12 +4,12 @@ all at once on a pool of threads, instead of one after another at their first us
 A kernel's first launch with a new specialisation (dtype, constexprs, integer arguments equal to 1 or divisible by
 16) waits for its compile: Triton's IR passes and ptxas, 0.1-0.2 s each. The first time on a machine it also waits
 for the kernel's C launcher, which Triton builds per signature with the system's C compiler (~0.3 s). The rollout
-engine's first cache met ~8 such kernels one by one, in the eager warm-ups before its graph captures (a fresh 1
-H100: 14 kit kernels in 2.29 s of Triton's own stage times, launchers apart; docs/benchmarks.md). ptxas and the C
-compiler run as subprocesses and Triton's passes release the GIL in part: on this kit's 2-core CI machine 4 kernels
-compiled in 0.66 s on a pool against 0.97 s one after another. So `Runner.cache_for` first runs each decode step
-inside `ahead()`, which records the launches instead of running them, and `compile_all` compiles and loads what it
-recorded on one thread per CPU core; the warm-ups and captures then find every kernel ready.
+engine's first cache met ~8 such kernels one by one, in the eager warm-ups before its graph captures (on a fresh
+machine, seconds of Triton's own stage times, launchers apart: docs/benchmarks.md, "The Triton kernels by default").
+ptxas and the C compiler run as subprocesses and Triton's passes release the GIL in part: on this kit's 2-core CI
+machine 4 kernels compiled in 0.66 s on a pool against 0.97 s one after another. So `Runner.cache_for` first runs
+each decode step inside `ahead()`, which records the launches instead of running them, and `compile_all` compiles and
+loads what it recorded on one thread per CPU core; the warm-ups and captures then find every kernel ready.
 
 A launch that is sure to come soon (a backward's, known from its forward) can instead be compiled on a background
 thread while the caller goes on (`compile_soon`). Outside `ahead()`, `launch` is `kernel[grid](...)`. In Triton's

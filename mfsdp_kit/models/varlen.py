@@ -3,7 +3,7 @@
 A packed row ("thd": [t, heads, hn]) holds several sequences end to end. On CPU `SDPAttention` runs one SDPA
 per sequence. On a GPU that is a launch per sequence, layer and direction, and short sequences leave the
 kernel's tiles idle; flex_attention's document mask (`models.flex`) takes the row at once but its Triton
-kernels ran at ~80 TFLOP/s where cuDNN's ran ~400 on 1 H200 (docs/benchmarks.md, packing). torch ships the
+kernels ran at about a fifth of cuDNN's FLOP rate (docs/benchmarks.md, packing). torch ships the
 varlen flash-attention kernels (FlashAttention-2's `mha_varlen_fwd/bwd`) as `aten::_flash_attention_forward`
 / `_backward`, which take the sequences' bounds `cu_seqlens` directly - the path flash-attn's
 `flash_attn_varlen_func` gives verl. SDPA does not expose it for dense tensors, so `VarlenFlash` wraps the

@@ -224,7 +224,8 @@ class ClusterHandle:
         """Stop engines and controller. The engines are SIGKILLed, as `restart()` does, without first leaving the
         process group: nothing is left to save, an engine with torch loaded takes 4-5 s to finish after SIGTERM
         (ipyparallel then SIGKILLs it anyway), and a graceful NCCL teardown of a notebook's world (megatron's
-        groups, a model's memory) took 1.6 s of a 1.8 s stop on an H200 (bench/cluster_start.py --model)."""
+        groups, a model's memory) was most of a stop (bench/cluster_start.py --model; docs/benchmarks.md,
+        notebooks, "`stop()` no longer leaves the process group")."""
         if self.view is None:   # already stopped
             return
         watch = Stopwatch()

@@ -12,13 +12,14 @@
                            "local" on CPU.
 
 Why these GPU defaults: a notebook step (32 sequences x 16 tokens) is bound by the host, not the GPU: megatron
-runs Python and launches kernels per layer, per micro-batch. Measured on 1 H200 (bench/sft_step.py, 02_sft's
-step in fp32, ms per step DDP / Megatron-FSDP; `docs/benchmarks.md`):
-- m, megatron's local attention: 144 / 273 (its 16 layers build a causal mask and copy host-to-device each);
-- m, SDPA: 121 / 204 (GPU busy 26-28 ms of it);
-- mw, SDPA: 43 / 70 -- the same parameters in a quarter of the layers, a quarter of the host work.
-All 8 notebooks a single GPU can run took 248 s with m + SDPA and 173 s with mw + SDPA (58 of 58 cells passed);
-on 2 H200 all 9 pass with mw in 169 s (581 s with m and megatron's attention the day before).
+runs Python and launches kernels per layer, per micro-batch, so a step costs what its layers cost the host
+(bench/sft_step.py, 02_sft's step in fp32, DDP and Megatron-FSDP; docs/benchmarks.md, notebooks, "Cutting the
+host work"):
+- m, megatron's local attention: the slowest (its 16 layers build a causal mask and copy host-to-device each);
+- m, SDPA: faster, the GPU busy for a small part of the step;
+- mw, SDPA: the same parameters in a quarter of the layers, a quarter of the host work: about a third of m's step.
+With mw + SDPA every notebook passes, the suite in well under half the time it took with m and megatron's
+attention (docs/benchmarks.md, notebooks).
 `MFSDP_MODEL=l` (1.70 B) fills a GPU more and costs ~30 s to write its folder, once per machine
 (`models.tiny.cached`). The notebooks' learning rates were tuned on xs; `NotebookModel.lr` scales them down for
 larger models (the notebooks' SFT at 3e-3 on xs, 1e-3 on m, 6e-4 on mw, 3e-4 on l; bench/sft_grpo.py trains m at

@@ -3,8 +3,9 @@
 The naive sync (`sync.export_hf_weights` -> `copy_`) asks Megatron-Bridge to convert every tensor
 on every sync: per FSDP unit one blocking all-gather, a `.clone()` of each parameter (so the
 bridge never holds bucket memory that is about to be freed), the bridge's per-task Python (PP/TP
-bookkeeping, the QKV split as a `cat` of per-group slices) and a `copy_` of its result. On 2 H200s
-the 1.7 B tiny `l` model took ~0.1 s, of which the all-gathers (~1.7 GB per rank) are ~0.01 s.
+bookkeeping, the QKV split as a `cat` of per-group slices) and a `copy_` of its result. For the 1.7 B
+tiny `l` model the all-gathers (~1.7 GB per rank) were a small part of that sync's time, the rest the
+bridge's per-tensor work (measured: docs/benchmarks.md, sync).
 
 With TP = PP = EP = 1, everything the bridge does to a dense model's weight is a *view* of the full
 parameter: a plain copy, a transpose (`permute_dims`), the per-query-group split of the fused QKV
@@ -132,7 +133,8 @@ def _key(hf_model, chunks, bridge) -> tuple:
     """Changes when the rollout model's tensors (object or storage: a `.to()` keeps the Parameter), the
     chunks or their parameters change. Ids are safe: the plan holds every tensor it names, so none of
     those ids (nor a rollout tensor's storage) can be reused meanwhile. Runs on every sync: a walk of
-    the modules' own dicts (0.5 ms for 28 layers; `named_parameters` + `named_buffers` 1.2 ms)."""
+    the modules' own dicts, about half the cost of `named_parameters` + `named_buffers` (docs/benchmarks.md,
+    "Figures that used to live in docstrings")."""
     megatron = tuple(megatron_fsdp.param_ids(c.module) if is_fsdp(c)
                      else tuple(id(p) for m in _modules(c) for p in m._parameters.values() if p is not None)
                      for c in chunks)

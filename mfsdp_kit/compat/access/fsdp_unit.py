@@ -9,8 +9,8 @@ NVIDIA/Megatron-LM PR #7134). So every model below 500 M params per layer prefet
 2 GB of bf16 weights, ten layers of a 1.4 B model, in flight at once.
 
 The kit does not patch megatron for this: `unit_elements` computes the intended value and the
-engine passes it as `suggested_communication_unit_size` when the user set none. Measured on 2 H200
-at 1.37 B (docs/benchmarks.md, levers): -0.86 GiB peak, tokens/s the same within run-to-run spread.
+engine passes it as `suggested_communication_unit_size` when the user set none: a lower peak at the
+same tokens/s (measured: docs/benchmarks.md, levers, "Unit = 2 x mean layer").
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Without TE/Apex, optimizer/clip_grads.py:35-43 falls back to `megatron.core.utils.local_multi_tensor_l2_norm`
 (utils.py:1200-1208), which builds `torch.tensor(l2)` from a list of per-parameter 0-dim norms on the GPU:
-one device-to-host copy, and so one `cudaStreamSynchronize`, per gradient tensor, every step (measured on
-1 H200: 123 syncs per step for the 115 tensors of the 180.7 M tiny model; bench/sft_step.py). Its clip
-fallback, `local_multi_tensor_scale` (:1212-1215), launches two kernels per tensor.
+one device-to-host copy, and so one `cudaStreamSynchronize`, per gradient tensor, every step (counted by
+bench/sft_step.py: docs/benchmarks.md, notebooks, "Cutting the host work"). Its clip fallback,
+`local_multi_tensor_scale` (:1212-1215), launches two kernels per tensor.
 
 The replacements keep the contracts of amp_C's `multi_tensor_l2norm` (returns a 1-element float32 norm on
 the grads' device, and None) and `multi_tensor_scale` (dst = src * scale), with torch's `_foreach` kernels:

@@ -2,9 +2,9 @@
 
 megatron/core/jit.py:21 sets `jit_fuser = torch.compile`, and modules decorate their fusions with
 it at import (fusions/fused_bias_geglu.py, fused_bias_swiglu.py, ...). `torch.compile(fn)` imports
-torch._dynamo and torch._inductor on the spot: most of `import megatron.core` (2.4 of 3.5 s on a
-2-core CPU; on an H200 node, megatron's import is 8.5 of the 16.5 s an engine takes to start,
-bench/cluster_start.py), paid by every engine and test process whether a fusion runs or not.
+torch._dynamo and torch._inductor on the spot: most of `import megatron.core`, itself about half of
+an engine's start (measured: docs/benchmarks.md, cluster_start), paid by every engine and test process
+whether a fusion runs or not.
 `torch.compile` compiles only at the first call anyway, so compiling at the first call gives the
 same function at the same moment: only the import of the compiler moves there.
 
@@ -56,7 +56,8 @@ def compile_tokens_dynamic(fn, **options):
     """`torch.compile(fn)` whose tensor arguments have a symbolic dim 0 (tokens) from the first compile, every other
     size static. Packed rows change their token count every micro-batch: torch's default compiles a static graph
     first and a dynamic one at the second size; `dynamic=True` makes every size symbolic, and its kernels, indexing
-    hidden dims by runtime values, made a 1.7 B model's update 0.15 s slower on 1 H200 (1.6 -> 1.75 s)."""
+    hidden dims by runtime values, made a GRPO update slower (docs/benchmarks.md, grpo_iteration, "fused kernels by
+    default, and two rollout ideas that lost")."""
     import torch
     compiled = torch.compile(fn, **options)
 
