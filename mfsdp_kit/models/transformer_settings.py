@@ -57,6 +57,8 @@ def engine_settings(cfg: EngineConfig, *, te_spec: bool, moe: bool, cpu_initiali
         hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=cpu_initialization,
         **RECOMPUTE[cfg.recompute],
     )
+    if moe:   # megatron's RouterReplay on every router: idle (its own top-k) until `router_replay` sets routes
+        settings.update(moe_enable_routing_replay=True)
     if not te_spec:
         settings.update(FUSIONS_OFF, **NATIVE_CE_FUSION_OFF, **(MOE_TE_ONLY if moe else {}))
     settings.update(cfg.override_transformer_config)

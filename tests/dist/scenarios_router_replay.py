@@ -1,0 +1,110 @@
+"""Router replay (`models.router_replay`) on the tiny transformers-made MoE models, 2 gloo ranks, fp32, at EP 1 and
+EP 2 under Megatron-FSDP.
+
+Per layout: the routes a forward chose, recorded; replaying them gives the same logits bit for bit; replaying other
+routes (every expert index shifted by one) makes each router dispatch exactly those experts (read from the routing
+map megatron's router returns) and changes the logits; and three training steps that replay, at each step, the routes
+the current weights choose give the losses and grad norms of three plain steps bit for bit (the load-balancing loss
+included: it reads the router's own scores either way).
+"""
+from __future__ import annotations
+
+import torch
+
+from mfsdp_kit.config import EngineConfig
+from mfsdp_kit.distributed import engine, runtime
+from mfsdp_kit.models import hf as hf_models, router_replay
+from mfsdp_kit.train import data_parallel_slice, step
+from mfsdp_kit.train.data import Batch
+from mfsdp_kit.train.generate import logits
+from scenarios_moe import LAYOUTS, MICRO, OCFG, _batches, _source  # noqa: E402  (tests/dist is on the path)
+
+
+def _dispatched(chunks, tokens) -> list[torch.Tensor]:
+    """Each router's routing map of a forward over `tokens` (megatron's [tokens, experts] bool), in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    maps, hooks = [], []
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, TopKRouter):
+                hooks.append(m.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach().clone())))
+    try:
+        logits(chunks, tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return maps
+
+
+def _as_maps(routes: torch.Tensor, experts: int) -> list[torch.Tensor]:
+    """Routes [batch, seq, layers, k] as per-layer routing maps in megatron's token order."""
+    b, s, layers, _ = routes.shape
+    tokens = routes.transpose(0, 1).reshape(s * b, layers, -1).long()
+    maps = []
+    for layer in range(layers):
+        m = torch.zeros(s * b, experts, dtype=torch.bool)
+        m.scatter_(1, tokens[:, layer], True)
+        maps.append(m)
+    return maps
+
+
+def _train(model, cfg, *, replay: bool) -> dict:
+    opt = engine.build_optimizer(model.chunks, OCFG, cfg)
+    sched = engine.build_scheduler(opt, OCFG)
+    losses, norms = [], []
+    for i, b in enumerate(_batches()):
+        if replay:
+            with router_replay.recording(model.chunks) as rec:
+                logits(model.chunks, b.tokens)
+            routes = rec.routes(batch=b.tokens.shape[0], seq=b.tokens.shape[1])
+            local = data_parallel_slice(Batch(b.tokens, b.labels, b.loss_mask, {"routes": routes}))
+            assert local.tokens.shape[0] == MICRO      # one micro-batch per rank: one set of routes per forward
+            router_replay.set_routes(model.chunks, local.extras["routes"])
+        r = step(model.chunks, opt, b, micro_batch_size=MICRO, scheduler=sched, step_index=i)
+        router_replay.clear(model.chunks)
+        losses.append(r.loss)
+        norms.append(r.grad_norm)
+    return dict(losses=losses, grad_norms=norms)
+
+
+def _layout(src: str, *, ep: int, fsdp: bool) -> dict:
+    cfg = EngineConfig(use_megatron_fsdp=fsdp, expert_model_parallel_size=ep, dtype="fp32", seed=3)
+    runtime.init(cfg)
+    model = hf_models.load(src, cfg)
+    tokens = _batches()[0].tokens
+    b, s = tokens.shape
+    with router_replay.recording(model.chunks) as rec:
+        plain = logits(model.chunks, tokens)
+    routes = rec.routes(batch=b, seq=s)
+    router_replay.set_routes(model.chunks, routes)
+    same = logits(model.chunks, tokens)
+    experts = engine.unwrap_model(model.chunks[0]).config.num_moe_experts
+    other = (routes.long() + 1) % experts
+    router_replay.set_routes(model.chunks, other)
+    dispatched = _dispatched(model.chunks, tokens)
+    moved = logits(model.chunks, tokens)
+    router_replay.clear(model.chunks)
+    after = logits(model.chunks, tokens)
+    wanted = _as_maps(other, experts)
+    out = dict(layers=routes.shape[2], k=routes.shape[3], dtype=str(routes.dtype),
+               self_replay_equal=torch.equal(plain, same), cleared_equal=torch.equal(plain, after),
+               dispatched_as_replayed=len(dispatched) == len(wanted)
+               and all(torch.equal(d.cpu(), w) for d, w in zip(dispatched, wanted)),
+               dispatched_layers=len(dispatched), other_maxdiff=(moved - plain).abs().max().item(),
+               flips_other=router_replay.flips(routes, other), flips_self=router_replay.flips(routes, routes))
+    engine.release(model.chunks)
+    out["plain"] = _train(hf_models.load(src, cfg), cfg, replay=False)
+    out["replayed"] = _train(hf_models.load(src, cfg), cfg, replay=True)
+    runtime.shutdown()
+    return out
+
+
+def replay_layouts(*, archs: list[str], workdir: str, layouts: list[str]) -> dict:
+    """{arch: {layout: ...}} for each named layout of scenarios_moe.LAYOUTS."""
+    runtime.init(EngineConfig())
+    result = {}
+    for arch in archs:
+        src, _ = _source(arch, workdir)
+        result[arch] = {name: _layout(src, ep=LAYOUTS[name][0], fsdp=LAYOUTS[name][1]) for name in layouts}
+        runtime.init(EngineConfig())
+    return result

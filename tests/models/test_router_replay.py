@@ -1,0 +1,37 @@
+"""models.router_replay on 2 gloo ranks (tests/dist/scenarios_router_replay.py): Qwen3-MoE and OLMoE, EP 1 and 2
+under Megatron-FSDP, fp32. Replaying a forward's own routes changes nothing (logits and three training steps bit for
+bit, the load-balancing loss included); replaying other routes dispatches exactly them."""
+import pytest
+
+from tests.dist import launch
+
+ARCHS = ["Qwen3MoeForCausalLM", "OlmoeForCausalLM"]
+LAYOUTS = ["ep1-fsdp", "ep2-fsdp"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch.run("scenarios_router_replay:replay_layouts", archs=ARCHS, layouts=LAYOUTS,
+                      workdir=str(tmp_path_factory.mktemp("replay")))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_replay_routes_exactly_and_changes_nothing_when_they_agree(runs, arch, layout):
+    r = runs[arch][layout]
+    print(arch, layout, {k: v for k, v in r.items() if k not in ("plain", "replayed")})
+    assert r["dtype"] == "torch.int16" and r["k"] == 2 and r["layers"] >= 1
+    assert r["self_replay_equal"] and r["cleared_equal"]
+    assert r["dispatched_layers"] == r["layers"] and r["dispatched_as_replayed"]
+    assert r["other_maxdiff"] > 1e-4 and r["flips_other"] == 1.0 and r["flips_self"] == 0.0
+    assert r["replayed"] == r["plain"], (r["plain"], r["replayed"])
+
+
+def test_flips_counts_expert_sets_not_order():
+    import torch
+    from mfsdp_kit.models.router_replay import flips
+    a = torch.tensor([[[[0, 1]], [[2, 3]]]])            # [batch 1, seq 2, layers 1, k 2]
+    assert flips(a, a.flip(-1)) == 0.0
+    b = torch.tensor([[[[0, 1]], [[2, 0]]]])
+    assert flips(a, b) == 0.5
+    assert flips(a, b, mask=torch.tensor([[1, 0]])) == 0.0
