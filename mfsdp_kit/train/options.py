@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from ..fieldtypes import COUNT, bad_value, check_fields, optional
+from ..fieldtypes import COUNT, Range, bad_value, optional
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,17 +50,22 @@ class StepOptions:
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first field that is not allowed, its value and what is."""
-        if not (self.packed is None or isinstance(self.packed, bool)):
-            raise bad_value("packed", self.packed, "None (where the model can) | True | False")
-        check_fields(self, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise bad_value("loss_fn", self.loss_fn, "None (train.masked_token_loss) or a function "
-                            "(micro_batch, token_losses) -> (sum, count, logged)")
-        if self.scheduler is not None and not callable(getattr(self.scheduler, "step", None)):
-            raise bad_value("scheduler", self.scheduler, "None or a scheduler with step(increment=) "
-                            "(engine.build_scheduler)")
+        for name, (ok, allowed) in ALLOWED.items():
+            if not ok(getattr(self, name)):
+                raise bad_value(name, getattr(self, name), allowed)
 
 
+ALLOWED: dict[str, Range] = {
+    "micro_batch_size": COUNT,
+    "max_tokens_per_micro_batch": optional(COUNT),
+    "packed": (lambda v: v is None or isinstance(v, bool), "None (where the model can) | True | False"),
+    "loss_fn": (lambda v: v is None or callable(v),
+                "None (train.masked_token_loss) or a function (micro_batch, token_losses) -> (sum, count, logged)"),
+    "scheduler": (lambda v: v is None or callable(getattr(v, "step", None)),
+                  "None or a scheduler with step(increment=) (engine.build_scheduler)"),
+}
+"""Each field's check (`validate`), in the order a wrong one is named. Plain checks, no annotation walk: options
+built from keywords are made at every call."""
 FIELDS = frozenset(f.name for f in fields(StepOptions))
 """The keywords `takes_options` gathers into a StepOptions."""
 

@@ -16,7 +16,7 @@ from tests.dist import launch
 
 @pytest.mark.parametrize("fields, message", [
     (dict(micro_batch_size=0), r"^micro_batch_size=0 is not allowed; allowed: an integer >= 1$"),
-    (dict(micro_batch_size="4"), r"^micro_batch_size='4' is not allowed; allowed: an integer$"),
+    (dict(micro_batch_size="4"), r"^micro_batch_size='4' is not allowed; allowed: an integer >= 1$"),
     (dict(micro_batch_size=2, max_tokens_per_micro_batch=0),
      r"^max_tokens_per_micro_batch=0 is not allowed; allowed: None or an integer >= 1$"),
     (dict(micro_batch_size=2, packed="yes"), r"^packed='yes' is not allowed; allowed: None \(where the model can\)"),
