@@ -66,6 +66,7 @@ ALLOWED: dict[str, Range] = {
 }
 """Each field's check (`validate`), in the order a wrong one is named. Plain checks, no annotation walk: options
 built from keywords are made at every call."""
+
 FIELDS = frozenset(f.name for f in fields(StepOptions))
 """The keywords `takes_options` gathers into a StepOptions."""
 
