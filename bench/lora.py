@@ -41,6 +41,7 @@ from mfsdp_kit.distributed.memory import lora_formula_bytes, memory_report, zero
 from mfsdp_kit.models import hf as hf_models
 from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.hf_folder import SHAPES, hf_config, remove_for_world, write_for_world
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.peaks import guarded_run
 from mfsdp_kit.perf.report import write_json
 
@@ -60,8 +61,10 @@ def timed_steps(chunks, opt, args, *, vocab_size: int) -> dict:
     batches = data.random_token_batches(steps=args.warmup + args.steps, global_batch=args.global_batch,
                                         seq_len_tokens=args.seq_len, vocab_size=vocab_size)
 
+    how = options.build(train.StepOptions, args, prefix="")
+
     def step(i: int):
-        return train.step(chunks, opt, batches[i], micro_batch_size=args.micro_batch_size, step_index=i).loss
+        return train.step(chunks, opt, batches[i], options=how, step_index=i).loss
 
     losses = [step(i) for i in range(args.warmup)]
     with clock.timed() as t:   # the --steps after the warmup
@@ -143,7 +146,7 @@ def parse(argv=None):
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--global-batch", type=int, default=8)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
+    options.add_options(ap, train.StepOptions, prefix="", defaults=dict(micro_batch_size=1))
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--keep", action="store_true", help="keep the folder (default: removed at the end)")

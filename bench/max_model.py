@@ -44,19 +44,20 @@ import torch.distributed as dist
 from mfsdp_kit.distributed import runtime
 from mfsdp_kit.distributed.memory import zero_formula_bytes
 from mfsdp_kit.models.gpt import SPECS, GPTSpec
-from mfsdp_kit.perf import capacity
+from mfsdp_kit.perf import capacity, options
 from mfsdp_kit.perf.flops import layer_params
 from mfsdp_kit.perf.peaks import free_memory
 from mfsdp_kit.perf.trainers import batches, build_trainer, run_step
 from mfsdp_kit.perf.variants import VARIANTS, add_engine_args, engine_config_from_args, parse_modes, trainer_of
 from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.train import StepOptions
 
 
 # ---- one trial: build + --steps full training steps -------------------------------------------
 def _train(mode: str, spec: GPTSpec, args) -> list[float]:
     """Build `mode` at `spec` and run --steps steps; the model lives (and dies) in this frame."""
     cfg = engine_config_from_args(args, mode, spec)
-    trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size)
+    trainer = build_trainer(mode, cfg, spec, options=options.build(StepOptions, args, prefix=""))
     world = dist.get_world_size()
     data = batches(spec, n=args.steps, global_batch=args.micro_batch_size * args.micro_batches * world)
     losses = [run_step(trainer, b, i) for i, b in enumerate(data)]
@@ -178,7 +179,7 @@ def main() -> None:
                     help="width of the model; its num_layers is ignored")
     add_engine_args(ap)
     ap.add_argument("--modes", default="ddp,fsdp", help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank per micro-batch")
+    options.add_options(ap, StepOptions, prefix="", defaults=dict(micro_batch_size=1))
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="micro-batches per step (gradient accumulation: the grads then live through later forwards)")
     ap.add_argument("--steps", type=int, default=2, help="training steps per trial (2: see the docstring)")

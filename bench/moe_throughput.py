@@ -31,11 +31,12 @@ from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.config import OptimConfig
 from mfsdp_kit.models.gpt import MOE_SPECS, GPTSpec, gpt_model_fn
 from mfsdp_kit.distributed import clock
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run, record_step_phases
 from mfsdp_kit.perf.trainers import batches
 from mfsdp_kit.perf.variants import add_engine_args, add_step_args, engine_config_from_args
-from mfsdp_kit.train import step
+from mfsdp_kit.train import StepOptions, step
 from mfsdp_kit.perf.report import table_row, units, write_json
 
 MODES = ("ddp", "fsdp")
@@ -52,10 +53,10 @@ def _train(cfg, spec: GPTSpec, data, args, peaks: PhasePeaks) -> dict:
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-4, clip_grad=1.0), cfg)
     record_step_phases(opt, peaks)
-    times, losses = [], []
+    times, losses, how = [], [], options.build(StepOptions, args, prefix="")
     for i, b in enumerate(data):
         with clock.timed() as t:
-            losses.append(step(chunks, opt, b, micro_batch_size=args.micro_batch_size, step_index=i).loss)
+            losses.append(step(chunks, opt, b, options=how, step_index=i).loss)
         times.append(t.seconds)
     engine.synchronize_fsdp_params(chunks)  # waits for and drops pending all-gathers
     local_params = engine.local_numel(chunks)

@@ -27,6 +27,7 @@ with `wrapper.fsdp_keep_gathered`; --wrapper ddp: megatron DDP instead of Megatr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -39,9 +40,9 @@ from mfsdp_kit.train import packing
 from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.config.sections import Kernels, Wrapper
 from mfsdp_kit.models.gpt import SPECS, gpt_model_fn
-from mfsdp_kit.perf import length_mix
+from mfsdp_kit.perf import length_mix, options
 from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.train import local_micro_batches, run_steps, step
+from mfsdp_kit.train import StepOptions, local_micro_batches, run_steps, step
 
 WAYS = {"padded": ("sdpa", False), "packed-sdpa": ("sdpa", True), "packed-flex": ("flex", True)}
 """way -> (attention_backend, packed)."""
@@ -96,7 +97,7 @@ def print_profile(name: str, prof: dict) -> None:
         print(f"   {r['ms']:10.2f} {r['calls']:6d}  {r['op']}")
 
 
-def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int, warmup: int,
+def measure(way: str, batches: list, *, spec, dtype: str, base: StepOptions, warmup: int,
             wrapper: str = "fsdp", keep_gathered: bool = False, profile: bool = False,
             trace: str | None = None) -> dict:
     attention, packed, tokens = parse_way(way)
@@ -108,8 +109,8 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
     opt = engine.build_optimizer(chunks, OptimConfig(lr=1e-5), cfg)
     seq = batches[0].tokens.shape[1]
-    how = dict(micro_batch_size=micro_batch_size, packed=packed,
-               max_tokens_per_micro_batch=(tokens or micro_batch_size * seq) if packed else None)
+    how = dataclasses.replace(base, packed=packed,   # the way's packing; a packed way's default: the padded positions
+                              max_tokens_per_micro_batch=(tokens or base.micro_batch_size * seq) if packed else None)
     cuda = torch.cuda.is_available()
     losses, times = [], []
     mallocs = 0
@@ -118,16 +119,16 @@ def measure(way: str, batches: list, *, spec, dtype: str, micro_batch_size: int,
             torch.cuda.reset_peak_memory_stats()
             mallocs = -torch.cuda.memory_stats()["num_device_alloc"]
         t0 = time.perf_counter()
-        losses.append(step(chunks, opt, b, step_index=i, **how).loss)   # .loss is read: the step's GPU work is done
+        losses.append(step(chunks, opt, b, step_index=i, options=how).loss)   # .loss read: the step's GPU work done
         times.append(time.perf_counter() - t0)
     mallocs += torch.cuda.memory_stats()["num_device_alloc"] if cuda else 0
     # the same batches again, each step issued before the last is read (`run_steps`, as `rl.core.update` runs)
     t0 = time.perf_counter()
-    piped = run_steps(chunks, opt, batches[warmup:], start_index=len(batches), **how)
+    piped = run_steps(chunks, opt, batches[warmup:], start_index=len(batches), options=how)
     piped_s = (time.perf_counter() - t0) / len(piped)
-    forwards = len(local_micro_batches(chunks, batches[0], **how))
-    prof = (step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), **how).loss, trace=trace)
-            if profile else None)
+    forwards = len(local_micro_batches(chunks, batches[0], options=how))
+    prof = (step_profile(lambda: step(chunks, opt, batches[-1], step_index=len(batches), options=how).loss,
+                         trace=trace) if profile else None)
     engine.release(chunks)
     runtime.shutdown()
     step_s = statistics.median(times[warmup:])
@@ -180,7 +181,8 @@ def main() -> None:
     ap.add_argument("--ways", default=",".join(WAYS),
                     help=f"comma-separated of {','.join(WAYS)}; a packed way may add @TOKENS, its micro-batch budget")
     ap.add_argument("--sequences", type=int, default=64, help="sequences per global batch (a step)")
-    ap.add_argument("--micro-batch-size", type=int, default=8, help="padded rows per micro-batch; x S = the budget")
+    options.add_options(ap, StepOptions, prefix="", defaults=dict(micro_batch_size=8),   # x S: a packed way's budget
+                        skip=("packed", "max_tokens_per_micro_batch"))   # each way sets them (--ways)
     ap.add_argument("--max-tokens", type=int, default=2048, help="the longest sequence of a mix")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--steps", type=int, default=6, help="timed steps per way")
@@ -206,7 +208,7 @@ def main() -> None:
                             real_tokens=real, positions=batches[0].tokens.numel(), ways={})
         for way in ways:
             results[mix]["ways"][way] = guarded(way, batches, spec=spec, dtype=args.dtype,
-                                                micro_batch_size=args.micro_batch_size, warmup=args.warmup,
+                                                base=options.build(StepOptions, args, prefix=""), warmup=args.warmup,
                                                 wrapper=args.wrapper, keep_gathered=args.keep_gathered,
                                                 profile=args.profile, trace=args.trace_dir and
                                                 f"{args.trace_dir}/{mix}_{way}.json")

@@ -19,7 +19,8 @@ from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.train.data import random_token_batches
 from mfsdp_kit.distributed.memory import format_table, memory_report, zero_formula_bytes
 from mfsdp_kit.models import GPTSpec, gpt_model_fn
-from mfsdp_kit.train import Batch, step
+from mfsdp_kit.train import Batch, StepOptions, step
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.report import write_json
 
 GPU_SPEC = GPTSpec(num_layers=12, hidden_size=1024, num_attention_heads=16, num_query_groups=4,
@@ -33,7 +34,7 @@ def batches(spec: GPTSpec, *, steps: int, global_batch: int, seed: int = 0) -> l
                                 vocab_size=spec.vocab_size, seed=seed)
 
 
-def run(*, fsdp: bool, spec: GPTSpec, dtype: str, steps: int, micro_batch_size: int, global_batch: int,
+def run(*, fsdp: bool, spec: GPTSpec, dtype: str, steps: int, how: StepOptions, global_batch: int,
         attention_backend: str = "local") -> dict:
     cfg = EngineConfig(use_megatron_fsdp=fsdp, dtype=dtype, seed=11, attention_backend=attention_backend)
     rt = runtime.init(cfg)
@@ -45,7 +46,7 @@ def run(*, fsdp: bool, spec: GPTSpec, dtype: str, steps: int, micro_batch_size: 
     after_wrap = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     losses, times = [], []
     for i, b in enumerate(batches(spec, steps=steps, global_batch=global_batch)):
-        r = step(chunks, opt, b, micro_batch_size=micro_batch_size, step_index=i)
+        r = step(chunks, opt, b, options=how, step_index=i)
         losses.append(r.loss)
         times.append(r.step_time_s)
     report = memory_report(chunks, opt)
@@ -67,13 +68,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--micro-batch-size", type=int, default=2)
+    options.add_options(ap, StepOptions, prefix="", defaults=dict(micro_batch_size=2))
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--attention", default="local")
     ap.add_argument("--out", default="runs/bench/parity.json")
     args = ap.parse_args()
     spec = GPU_SPEC if torch.cuda.is_available() else CPU_SPEC
-    kw = dict(spec=spec, dtype=args.dtype, steps=args.steps, micro_batch_size=args.micro_batch_size,
+    kw = dict(spec=spec, dtype=args.dtype, steps=args.steps, how=options.build(StepOptions, args, prefix=""),
               global_batch=args.global_batch, attention_backend=args.attention)
     ddp, fsdp = run(fsdp=False, **kw), run(fsdp=True, **kw)
     if int(os.environ.get("RANK", "0")) != 0:

@@ -25,6 +25,7 @@ GRPO target needs a start where that ceiling is well above +10).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -38,7 +39,7 @@ from mfsdp_kit.distributed.memory import format_table, memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
-from mfsdp_kit.train import fit
+from mfsdp_kit.train import StepOptions, fit
 from mfsdp_kit.train import step as train_step
 from mfsdp_kit.perf import options
 from mfsdp_kit.perf.report import write_json
@@ -49,7 +50,7 @@ def sft_pairs(task) -> list:
     return task.train_pairs({1: 90, 2: 8000}.get(task.digits, 20_000))
 
 
-def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micro_batch_size: int,
+def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, how: StepOptions,
         heldout, seq_len: int) -> dict:
     ocfg = OptimConfig(lr=lr, warmup_steps=max(steps // 20, 1), decay_steps=steps, min_lr=lr / 10)
     opt = engine.build_optimizer(model.chunks, ocfg, cfg)
@@ -57,7 +58,7 @@ def sft(model, tok, cfg, *, task, steps: int, lr: float, global_batch: int, micr
     before = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify)["accuracy"]
     t0 = time.perf_counter()
     batches = data.batches(sft_pairs(task), tok, seq_len_tokens=seq_len, global_batch=global_batch)
-    history = fit(model.chunks, opt, batches, steps=steps, micro_batch_size=micro_batch_size, scheduler=sched)
+    history = fit(model.chunks, opt, batches, steps=steps, options=dataclasses.replace(how, scheduler=sched))
     seconds = time.perf_counter() - t0
     after = generate.evaluate(model.chunks, tok, heldout, reward_fn=data.verify)["accuracy"]
     return dict(steps=steps, seconds=seconds, loss_first=history.loss[0], loss_last=history.loss[-1],
@@ -131,7 +132,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ceiling-sft-lr", type=float, default=3e-5)
     grpo_flags(ap, gpu)
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--micro-batch-size", type=int, default=32)
+    options.add_options(ap, StepOptions, prefix="", defaults=dict(micro_batch_size=32), title="SFT's StepOptions")
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--out", default="runs/bench/sft_grpo.json")
     return ap.parse_args()
@@ -140,20 +141,19 @@ def parse_args() -> argparse.Namespace:
 def sft_stages(args, cfg, model, tok) -> dict:
     """Stage 1 (--sft-digits) unless skipped, then SFT rounds on the RL task up to the start accuracy;
     saves the start (--save-rl-start) and runs the gold-SFT control on a copy of it."""
-    out = dict(sft=None, ceiling_sft=None)
+    out, how = dict(sft=None, ceiling_sft=None), options.build(StepOptions, args, prefix="")
     if not args.skip_sft1:
         task1 = data.ArithmeticTask(digits=args.sft_digits)
         n1 = min(args.heldout, 10) if args.sft_digits == 1 else args.heldout
         out["sft"] = sft(model, tok, cfg, task=task1, steps=args.sft_steps, lr=args.sft_lr,
-                         global_batch=args.global_batch, micro_batch_size=args.micro_batch_size,
-                         heldout=task1.rl_prompts(n1, split="heldout"), seq_len=args.seq)
+                         global_batch=args.global_batch, how=how, heldout=task1.rl_prompts(n1, split="heldout"),
+                         seq_len=args.seq)
     # SFT in rounds until held-out accuracy reaches --rl-start-accuracy (or --rl-sft-max-steps): GRPO
     # needs groups whose samples disagree, and a model at a few percent gives almost none.
     rounds, done = [], 0
     while args.rl_sft_steps > 0:
         rounds.append(sft(model, tok, cfg, task=args.task2, steps=args.rl_sft_steps, lr=args.sft_lr,
-                          global_batch=args.global_batch, micro_batch_size=args.micro_batch_size,
-                          heldout=args.held2, seq_len=args.seq))
+                          global_batch=args.global_batch, how=how, heldout=args.held2, seq_len=args.seq))
         done = sum(r["steps"] for r in rounds)
         if rounds[-1]["accuracy_after"] >= args.rl_start_accuracy or done >= args.rl_sft_max_steps:
             break
@@ -171,8 +171,8 @@ def sft_stages(args, cfg, model, tok) -> dict:
             raise SystemExit("--ceiling-sft-steps needs --save-rl-start DIR (the copy is loaded from it)")
         twin = load(args.save_rl_start, cfg)
         out["ceiling_sft"] = sft(twin, tok, cfg, task=args.task2, steps=args.ceiling_sft_steps,
-                                 lr=args.ceiling_sft_lr, global_batch=args.global_batch,
-                                 micro_batch_size=args.micro_batch_size, heldout=args.held2, seq_len=args.seq)
+                                 lr=args.ceiling_sft_lr, global_batch=args.global_batch, how=how,
+                                 heldout=args.held2, seq_len=args.seq)
         out["ceiling_sft"].pop("report")
         del twin
     return out
@@ -189,7 +189,7 @@ def grpo_optimizer(args, cfg, model, tok):
         _set_lr(opt, 0.0)
         prime = data.batches(sft_pairs(args.task2), tok, seq_len_tokens=args.seq, global_batch=args.global_batch)
         for _ in range(args.grpo_prime_sft):
-            train_step(model.chunks, opt, next(prime), micro_batch_size=args.micro_batch_size)
+            train_step(model.chunks, opt, next(prime), options=options.build(StepOptions, args, prefix=""))
     return opt, engine.build_scheduler(opt, gocfg, total_steps=grpo_steps)
 
 

@@ -45,9 +45,10 @@ import torch.distributed as dist
 
 from mfsdp_kit.distributed import runtime
 from mfsdp_kit.config import EngineConfig
-from mfsdp_kit.train.data import Batch
+from mfsdp_kit.train import Batch, StepOptions
 from mfsdp_kit.distributed.memory import zero_formula_bytes
 from mfsdp_kit.models.gpt import SPECS, GPTSpec
+from mfsdp_kit.perf import options
 from mfsdp_kit.perf.flops import PEAK_FLOPS_PER_GPU, flops_per_token, matmul_params, mfu
 from mfsdp_kit.perf.peaks import PhasePeaks, guarded_run
 from mfsdp_kit.perf.timeline import gpu_activities, read_trace, timeline_summary
@@ -124,7 +125,7 @@ def _train(mode: str, cfg: EngineConfig, spec: GPTSpec, data: list[Batch], args,
            profile: bool) -> dict:
     """Build, time every step of `data`, report memory, optionally profile. The model lives in
     this frame only, so it is freed when this returns or its exception is handled."""
-    trainer = build_trainer(mode, cfg, spec, micro_batch_size=args.micro_batch_size, peaks=peaks)
+    trainer = build_trainer(mode, cfg, spec, options=options.build(StepOptions, args, prefix=""), peaks=peaks)
     times, losses = (_pipelined if args.pipelined else _one_by_one)(trainer, data)
     memory = trainer.memory()  # its activation peak: whole run, not since the last phase reset
     memory["activations_peak_bytes"] = max(peaks.overall() - memory["model_state_bytes"], 0)

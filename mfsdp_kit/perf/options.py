@@ -6,7 +6,9 @@ then copies each parsed value into the config by hand: two more places per field
 dataclass itself: the flag from the field's name (`--<prefix>-<field>`, or an older spelling the script keeps in
 `names`), the type and choices from its annotation, the help from the docstring written under the field; and
 `build` makes the config from the parsed options. A script changes only what it must: `defaults` (a benchmark's
-own starting point) and `skip` (fields it computes itself).
+own starting point, also for a field the dataclass requires: `StepOptions.micro_batch_size`) and `skip` (fields it
+computes itself). A field no command line spells (a function, a scheduler) gets no option: the script gives it to
+`build`.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ def _optional_bool(text: str) -> bool | None:
     return values[text.lower()]
 
 
-def _parser_type(annotation) -> tuple[Any, tuple | None, bool]:
-    """(argparse type, choices, optional) for a field's annotation."""
+def _parser_type(annotation) -> tuple[Any, tuple | None, bool] | None:
+    """(argparse type, choices, optional) for a field's annotation; None where a command line cannot spell it."""
     args = typing.get_args(annotation)
     optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
     if optional:
@@ -41,21 +43,22 @@ def _parser_type(annotation) -> tuple[Any, tuple | None, bool]:
         return _optional_bool, None, optional
     if typing.get_origin(annotation) is Literal:
         return type(typing.get_args(annotation)[0]), typing.get_args(annotation), optional
-    return (annotation if annotation in (int, float, str) else str), None, optional
+    return (annotation, None, optional) if annotation in (int, float, str) else None
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, *, prefix: str, defaults: dict | None = None,
                 names: dict[str, str] | None = None, skip: tuple[str, ...] = (), title: str | None = None) -> None:
-    """One option per field of the dataclass `cls` (less `skip`): `--<prefix>-<field with dashes>` or
-    `--<prefix>-<names[field]>`; defaults from `defaults`, else the field's own."""
+    """One option per field of the dataclass `cls` (less `skip`, less a required field `defaults` does not name,
+    less one no command line spells): `--<prefix>-<field with dashes>` or `--<prefix>-<names[field]>`; defaults
+    from `defaults`, else the field's own."""
     defaults, names = defaults or {}, names or {}
-    group = parser.add_argument_group(title or f"{cls.__name__} ({prefix})")
+    group = parser.add_argument_group(title or (f"{cls.__name__} ({prefix})" if prefix else cls.__name__))
     docs = field_docs(cls)
     for name, (annotation, default) in field_types(cls).items():
-        if name in skip or default is dataclasses.MISSING:
+        value = defaults.get(name, default)
+        if name in skip or value is dataclasses.MISSING or (annotation is not bool and not _parser_type(annotation)):
             continue
         flag = "--" + "-".join(filter(None, (prefix, names.get(name, name).replace("_", "-"))))
-        value = defaults.get(name, default)
         doc = docs.get(name, "").split("\n\n")[0].replace("%", "%%")
         help_text = f"{doc} ({cls.__name__}.{name}; default {value!r})"
         if annotation is bool:

@@ -186,12 +186,13 @@ def profile_mode(mode: str, spec, *, dtype: str, micro_batch_size: int, steps: i
     """Variant `mode` (perf.variants: "ddp", "fsdp", "fsdp2", ...) of the GPT `spec` on this world:
     `warmup` unprofiled steps, then `profile_steps` of `steps` steps, one micro-batch per rank each."""
     from ..distributed import runtime
+    from ..train.options import StepOptions
     from .trainers import batches, build_trainer, run_step
     from .variants import engine_config
     cfg = engine_config(mode, spec, dtype=dtype, attention=attention,
                         fsdp_overrides=dict(overlap_param_gather=True), ddp_overrides=dict(overlap_grad_reduce=True))
     rt = runtime.init(cfg)
-    trainer = build_trainer(mode, cfg, spec, micro_batch_size=micro_batch_size)
+    trainer = build_trainer(mode, cfg, spec, options=StepOptions(micro_batch_size=micro_batch_size))
     data = batches(spec, n=warmup + steps, global_batch=micro_batch_size * rt.world_size)
     for i in range(warmup):
         run_step(trainer, data[i], i)

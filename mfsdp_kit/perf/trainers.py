@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import cross_entropy, engine, runtime
-from ..config import EngineConfig, OptimConfig
+from ..config import EngineConfig, OptimConfig, bad_value
 from ..train.data import random_token_batches
 from ..distributed.introspect import local, torch_dtype
 from ..distributed.memory import memory_report
 from ..models.gpt import GPTSpec, gpt_model_fn
-from ..train import Batch, start_step
+from ..train import Batch, StepOptions, start_step
 from .peaks import PhasePeaks, record_step_phases
 from .variants import fsdp2_options, optim_overrides, trainer_of, uses_megatron_finalize
 
@@ -41,9 +41,10 @@ def batches(spec: GPTSpec, *, n: int, global_batch: int, seed: int = 0) -> list[
                                 vocab_size=spec.vocab_size, seed=seed)
 
 
-def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks,
+def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, options: StepOptions, peaks: PhasePeaks,
                    optim: dict | None = None, megatron_finalize: bool = False) -> Trainer:
-    """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam; `optim`:
+    """megatron DDP or Megatron-FSDP (as `cfg` says) and megatron's (distributed) Adam, stepped by `train.start_step`
+    with `options`; `optim`:
     OptimConfig fields over lr 1e-4, clip 1.0; `megatron_finalize`: megatron's finalize_model_grads
     instead of the kit's `engine.finalize_grads`."""
     chunks = engine.build(cfg, gpt_model_fn(spec, cfg))
@@ -54,7 +55,7 @@ def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, p
     record_step_phases(opt, peaks)
 
     def start(batch: Batch, i: int):
-        pending = start_step(chunks, opt, batch, micro_batch_size=micro_batch_size, step_index=i)
+        pending = start_step(chunks, opt, batch, options=options, step_index=i)
         return lambda: pending.result().loss
 
     def settle() -> None:
@@ -63,11 +64,13 @@ def build_megatron(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, p
     return Trainer(start, lambda: memory_report(chunks, opt).as_dict(), settle)
 
 
-def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peaks: PhasePeaks,
+def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, options: StepOptions, peaks: PhasePeaks,
                 keep_gathered: bool = False) -> Trainer:
-    """The same megatron GPT under torch's fully_shard, stepped by torch AdamW. `keep_gathered`: FSDP2's side of
-    `fsdp_keep_gathered`, each unit gathered once a step (`reshard_after_forward=False`, and no reshard after the
-    backward of any but the step's last micro-batch)."""
+    """The same megatron GPT under torch's fully_shard, stepped by torch AdamW, in padded micro-batches of
+    `options.micro_batch_size` rows. `keep_gathered`: FSDP2's side of `fsdp_keep_gathered`, each unit gathered once a
+    step (`reshard_after_forward=False`, and no reshard after the backward of any but the step's last micro-batch)."""
+    if options.packed or options.max_tokens_per_micro_batch is not None:
+        raise bad_value("packed", options.packed, "None or False for the fsdp2 trainer (it runs padded rows)")
     from megatron.core import tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -88,7 +91,8 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
 
     def start(batch: Batch, i: int):
         opt.zero_grad(set_to_none=True)
-        loss = fsdp2_forward_backward(model, batch, micro_batch_size=micro_batch_size, keep_gathered=keep_gathered)
+        loss = fsdp2_forward_backward(model, batch, micro_batch_size=options.micro_batch_size,
+                                      keep_gathered=keep_gathered)
         peaks.before_step()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -97,14 +101,15 @@ def build_fsdp2(cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int, peak
     return Trainer(start, lambda: fsdp2_memory(model, opt, spec), lambda: None)
 
 
-def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, micro_batch_size: int,
+def build_trainer(mode: str, cfg: EngineConfig, spec: GPTSpec, *, options: StepOptions,
                   peaks: PhasePeaks | None = None) -> Trainer:
-    """The Trainer of variant `mode`: megatron's (ddp, fsdp and its variants) or torch FSDP2's."""
+    """The Trainer of variant `mode`: megatron's (ddp, fsdp and its variants) or torch FSDP2's, each step with
+    `options` (`train.StepOptions`)."""
     peaks = peaks or PhasePeaks(record=False)
     if trainer_of(mode) == "fsdp2":
-        return build_fsdp2(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks,
+        return build_fsdp2(cfg, spec, options=options, peaks=peaks,
                            keep_gathered=fsdp2_options(mode, spec).get("keep_gathered", False))
-    return build_megatron(cfg, spec, micro_batch_size=micro_batch_size, peaks=peaks, optim=optim_overrides(mode, spec),
+    return build_megatron(cfg, spec, options=options, peaks=peaks, optim=optim_overrides(mode, spec),
                           megatron_finalize=uses_megatron_finalize(mode, spec))
 
 

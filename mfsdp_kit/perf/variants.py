@@ -20,6 +20,8 @@ from ..config import EngineConfig
 from ..config.flat import nest
 from ..lora import LoRAConfig
 from ..models.gpt import GPTSpec
+from ..train.options import StepOptions
+from . import options
 from .flops import layer_params
 
 TRAINERS = ("ddp", "fsdp", "fsdp2")
@@ -182,9 +184,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 
 def add_step_args(ap: argparse.ArgumentParser) -> None:
-    """Batch and step options of the throughput benches (sequences per rank / per step, steps)."""
+    """Batch and step options of the throughput benches: `train.StepOptions`' fields (`perf.options`:
+    `options.build(StepOptions, args, prefix="")` reads them back), sequences per step, steps."""
     on_gpu = torch.cuda.is_available()
-    ap.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 2)
+    options.add_options(ap, StepOptions, prefix="", defaults=dict(micro_batch_size=4 if on_gpu else 2))
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: mbs * world)")
     ap.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)

@@ -39,6 +39,7 @@ from .correction import Mode, rollout_logprobs_like
 from .metrics import rollout_metrics, update_metrics  # noqa: F401 (core's public names)
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
+from ..train.options import StepOptions, takes_options
 from .rollout import RolloutBackend
 from .rollout.placement import ReplicaPlacement
 from .rollout.tools import joined_masks
@@ -75,15 +76,13 @@ class RolloutConfig:
     optimizer step. False: with one step (`ppo_epochs` x `num_minibatches` == 1) the update's own forward gives
     them (`rl.on_policy`: the same numbers, one forward pass fewer); with more steps the pass runs anyway."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward in the log-prob and update passes: the same gradient at any size, fewer
-    FSDP all-gathers when larger."""
+    """Sequences per micro-batch of the log-prob and update passes (`train.StepOptions`, as all three here): the
+    same gradient at any size, fewer FSDP all-gathers when larger."""
     max_tokens_per_micro_batch: int | None = None
-    """Tokens per packed micro-batch of the update (None: from the device's memory,
-    `train.token_budget.memory_budget`; the log-prob passes, which keep no activations, take their own larger
-    budget). Padded models use `micro_batch_size` rows instead."""
+    """Tokens per packed micro-batch of the update (None: from the device's memory); the log-prob passes, which keep
+    no activations, take their own larger budget (`scoring_options`)."""
     packed: bool | None = None
-    """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True (or an error),
-    False (padded rows of `micro_batch_size`)."""
+    """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True, False."""
     advantage_estimator: Estimator = "grpo"
     """How rewards become advantages (`rl.advantages`): within each group (grpo), leave-one-out (rloo), or whitened
     over the batch (reinforce++)."""
@@ -108,6 +107,15 @@ class RolloutConfig:
                      max_tokens_per_micro_batch=optional(COUNT),
                      temperature=number_in(0, low_open=True), top_p=number_in(0, 1, low_open=True),
                      kl_coef=number_in(0), correction_low=number_in(0, 1), correction_high=number_in(1))
+
+    def step_options(self, **more) -> StepOptions:
+        """The update's `train.StepOptions`: this config's micro-batch fields, and `more` (loss_fn, scheduler)."""
+        return StepOptions(**{"micro_batch_size": self.micro_batch_size, "packed": self.packed,
+                              "max_tokens_per_micro_batch": self.max_tokens_per_micro_batch, **more})
+
+    def scoring_options(self) -> StepOptions:
+        """The no-grad passes' options (log-probs, values): the update's rows and packing, their own token budget."""
+        return self.step_options(max_tokens_per_micro_batch=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,21 +300,18 @@ def checked_seq_len(seq_len_tokens: int | None, prompts: list[tuple[str, str]], 
 
 
 @torch.no_grad()
-@checked_args(micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
-def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                   packed: bool | None = None) -> torch.Tensor:
+@takes_options
+def token_logprobs(chunks, batch: Batch, *, options: StepOptions) -> torch.Tensor:
     """log p(label) per position [n, seq] for the whole batch: each data-parallel rank computes
     its slice, then the slices are summed over the data-parallel group (mini-batches later
-    re-slice the batch, so every rank needs every row). Packed or padded as `train.forward_backward`
-    decides (`packing.token_logprobs`: 0 after each sequence's last loss token)."""
+    re-slice the batch, so every rank needs every row). Packed or padded as `options` (`train.StepOptions`, or its
+    fields as keywords) say (`packing.token_logprobs`: 0 after each sequence's last loss token)."""
     from megatron.core import parallel_state as ps
 
     from ..train import packing
-    budget = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
-                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed, forward_only=True)
-    if budget is not None:
+    if (budget := packing.budget(chunks, batch, options=options, forward_only=True)) is not None:
         return packing.token_logprobs(chunks, batch, max_tokens_per_micro_batch=budget)
-    device = runtime.current().device
+    device, micro_batch_size = runtime.current().device, options.micro_batch_size
     local = data_parallel_slice(batch)
     out = torch.zeros(batch.tokens.shape)
     start = ps.get_data_parallel_rank() * local.num_sequences
@@ -324,29 +329,28 @@ def token_logprobs(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_pe
     return out.cpu()
 
 
-@checked_args(seq_len_tokens=COUNT, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
+@takes_options
+@checked_args(seq_len_tokens=COUNT)
 def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, ref_chunks, seq_len_tokens: int,
-                   pad_id: int, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                   packed: bool | None = None, old: bool = True) -> Batch:
-    """`rollout_batch` plus old log-probs (the current model, before the update) and reference
-    log-probs (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step); packed or padded
-    forwards as `token_logprobs` says. `old=False`: neither is made here (the update's forward gives pi_old,
-    `rl.on_policy`) but the reference model's, and the rollout's own log-probs ride along as "rollout_logprobs"."""
+                   pad_id: int, options: StepOptions, old: bool = True) -> Batch:
+    """`rollout_batch` plus old log-probs (the current model, before the update) and reference log-probs
+    (`ref_chunks`; None: a copy of old, so the KL term is 0 at the first step), as `token_logprobs` says with
+    `options`. `old=False`: neither is made here (the update's forward gives pi_old, `rl.on_policy`) but the
+    reference model's, and the rollout's own log-probs ride along as "rollout_logprobs"."""
     n = rollouts.group_size
     batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
                           rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id,
                           model_mask=rollouts.model_mask)
-    how = dict(micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
     if not old:
         del batch.extras["old_logprobs"], batch.extras["ref_logprobs"]
         if rollouts.logprobs is not None:
             batch.extras["rollout_logprobs"] = rollout_logprobs_like(rollouts.logprobs, batch.loss_mask)
         if ref_chunks is not None:
-            batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, **how)
+            batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, options=options)
         return batch
-    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, **how)
+    batch.extras["old_logprobs"] = token_logprobs(chunks, batch, options=options)
     if ref_chunks is not None:
-        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, **how)
+        batch.extras["ref_logprobs"] = token_logprobs(ref_chunks, batch, options=options)
     else:
         batch.extras["ref_logprobs"] = batch.extras["old_logprobs"].clone()
     return batch
@@ -372,16 +376,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, *, level: LossLevel) 
     raise bad_value("level", level, "'token' | 'sequence'")
 
 
-@checked_args(epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
-def update(*, chunks, optimizer, batch: Batch, loss_fn, epochs: int, num_minibatches: int, micro_batch_size: int,
-           scheduler=None, max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> list[StepResult]:
-    """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices
-    (`train.step` with `loss_fn`, packed or padded micro-batches as it says; each issued before the last is read,
-    `train.run_steps`); `scheduler` steps once per optimizer step."""
+@takes_options
+@checked_args(epochs=COUNT, num_minibatches=COUNT)
+def update(*, chunks, optimizer, batch: Batch, epochs: int, num_minibatches: int,
+           options: StepOptions) -> list[StepResult]:
+    """`epochs` passes over the batch, each `num_minibatches` optimizer steps on consecutive slices (`train.run_steps`
+    with `options`: the algorithm's loss_fn, packed or padded micro-batches, a scheduler stepped once per optimizer
+    step; each step issued before the last is read)."""
     per_mb = batch.num_sequences // num_minibatches
     minibatches = (batch.slice(m * per_mb, (m + 1) * per_mb) for _ in range(epochs) for m in range(num_minibatches))
-    return run_steps(chunks, optimizer, minibatches, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
-                     scheduler=scheduler, max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    return run_steps(chunks, optimizer, minibatches, options=options)
 
 
 # ---- the outer loop --------------------------------------------------------------------------

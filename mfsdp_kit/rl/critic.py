@@ -33,6 +33,7 @@ scalar head is not split over tensor-parallel ranks.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -40,8 +41,8 @@ import torch
 from .. import compat
 from ..distributed import engine
 from ..config import bad_value
-from ..fieldtypes import COUNT, checked_args, optional
 from ..train import Batch
+from ..train.options import StepOptions, takes_options
 from . import core
 from .core import RolloutBatch
 
@@ -97,14 +98,12 @@ def value_batch(rollouts: RolloutBatch, *, seq_len_tokens: int, pad_id: int) -> 
     return Batch(b.tokens, b.labels, b.loss_mask, {})
 
 
-@checked_args(micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
-def values(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-           packed: bool | None = None) -> torch.Tensor:
-    """V [n, seq] of the whole batch on every rank, 0 outside its loss mask: no grad, packed or padded as
-    `core.token_logprobs` (which returns minus the chunks' per-token output, here the values)."""
-    out = core.token_logprobs(chunks, batch, micro_batch_size=micro_batch_size,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
-    return -out * (batch.loss_mask != 0)
+@takes_options
+def values(chunks, batch: Batch, *, options: StepOptions) -> torch.Tensor:
+    """V [n, seq] of the whole batch on every rank, 0 outside its loss mask: no grad, packed or padded as `options`
+    (`train.StepOptions`, or its fields as keywords) say to `core.token_logprobs` (which returns minus the chunks'
+    per-token output, here the values)."""
+    return -core.token_logprobs(chunks, batch, options=options) * (batch.loss_mask != 0)
 
 
 def value_loss(mb: Batch, token_losses: torch.Tensor, *, value_clip: float | None):
@@ -135,16 +134,16 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, loss_mask: t
     return float("nan") if on.sum() == 0 or var == 0 else (1 - (r - v).var(unbiased=False) / var).item()
 
 
+@takes_options
 def update(*, chunks, optimizer, batch: Batch, value_clip: float | None, epochs: int, num_minibatches: int,
-           micro_batch_size: int, scheduler=None, max_tokens_per_micro_batch: int | None = None,
-           packed: bool | None = None) -> dict:
+           options: StepOptions) -> dict:
     """The critic's `epochs` x `num_minibatches` optimizer steps on `batch` (extras "values" and "returns") with
-    `value_loss` (`core.update`). Returns value_loss (mean over the steps), value_clip_frac (mean), critic_update_s."""
+    `value_loss` in place of `options`' loss_fn (`core.update`; `options`: its micro-batches and scheduler, or their
+    fields as keywords). Returns value_loss (mean over the steps), value_clip_frac (mean), critic_update_s."""
     t0 = time.perf_counter()
-    results = core.update(chunks=chunks, optimizer=optimizer, batch=batch,
-                          loss_fn=partial(value_loss, value_clip=value_clip), epochs=epochs,
-                          num_minibatches=num_minibatches, micro_batch_size=micro_batch_size, scheduler=scheduler,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=epochs,
+                          num_minibatches=num_minibatches,
+                          options=replace(options, loss_fn=partial(value_loss, value_clip=value_clip)))
     return dict(value_loss=sum(r.loss for r in results) / len(results),
                 value_clip_frac=sum(r.metrics["value_clip_frac"] for r in results) / len(results),
                 critic_update_s=time.perf_counter() - t0)

@@ -23,7 +23,8 @@ from ..distributed import engine, introspect, keep_gathered, runtime, stop
 from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
-from ..fieldtypes import COUNT, INDEX, checked_args, optional
+from .options import StepOptions, takes_options
+from ..fieldtypes import COUNT, INDEX, checked_args
 
 
 @dataclass
@@ -95,53 +96,45 @@ def _forward_step(loss_fn, data_iterator, model):
     return output, partial(loss_fn, mb)
 
 
-@checked_args(micro_batch_size=COUNT, max_tokens_per_micro_batch=optional(COUNT))
-def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, micro_batch_size: int,
-                     forward_only: bool = False, loss_fn=masked_token_loss, max_tokens_per_micro_batch: int | None = None,
-                     packed: bool | None = None) -> tuple[float, int, dict]:
+@takes_options
+def forward_backward(chunks: list[torch.nn.Module], batch: Batch, *, options: StepOptions,
+                     forward_only: bool = False) -> tuple[float, int, dict]:
     """Run megatron's schedule on this rank's slice.
 
-    Returns (global per-token mean loss, global token count, {logged name: per-token mean}).
-    `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract. Packed (`packing`; `packed`
-    None: where the model can) the micro-batches hold at most `max_tokens_per_micro_batch` tokens (None: what the
-    device's memory holds, `packing.budget`; on CPU `micro_batch_size` rows' worth); padded, `micro_batch_size` rows
-    each."""
-    means, tokens = _read_logged(*_forward_backward(chunks, batch, micro_batch_size=micro_batch_size,
-                                                    forward_only=forward_only, loss_fn=loss_fn,
-                                                    max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                                                    packed=packed))
+    Returns (global per-token mean loss, global token count, {logged name: per-token mean}). `options`
+    (`StepOptions`, or its fields as keywords) cuts the micro-batches and scores them: packed (`packing`; `packed`
+    None: where the model can) they hold at most `max_tokens_per_micro_batch` tokens (None: what the device's memory
+    holds, `packing.budget`; on CPU `micro_batch_size` rows' worth); padded, `micro_batch_size` rows each;
+    `loss_fn(micro_batch, token_losses)` has `masked_token_loss`'s contract."""
+    means, tokens = _read_logged(*_forward_backward(chunks, batch, options=options, forward_only=forward_only))
     return means.pop("lm loss"), tokens, means
 
 
-def local_micro_batches(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-                        packed: bool | None = None, forward_only: bool = False) -> list:
+@takes_options
+def local_micro_batches(chunks, batch: Batch, *, options: StepOptions, forward_only: bool = False) -> list:
     """This rank's micro-batches on its device: packed (`packing.rank_micro_batches`) or padded rows."""
     device = runtime.current().device
-    tokens = packing.budget(chunks, batch, micro_batch_size=micro_batch_size,
-                            max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
-                            forward_only=forward_only)
+    tokens = packing.budget(chunks, batch, options=options, forward_only=forward_only)
     if tokens is None:
-        return micro_batches(data_parallel_slice(batch).to(device), micro_batch_size)
+        return micro_batches(data_parallel_slice(batch).to(device), options.micro_batch_size)
     return [mb.to(device) for mb in packing.rank_micro_batches(batch, max_tokens_per_micro_batch=tokens)]
 
 
-def _forward_backward(chunks, batch: Batch, *, micro_batch_size: int, forward_only: bool = False,
-                      loss_fn=masked_token_loss, max_tokens_per_micro_batch: int | None = None,
-                      packed: bool | None = None) -> tuple[list[str], torch.Tensor]:
+def _forward_backward(chunks, batch: Batch, *, options: StepOptions,
+                      forward_only: bool = False) -> tuple[list[str], torch.Tensor]:
     """`forward_backward` up to its numbers, which stay on the device: (logged names, [names, 2] float64
     sums and counts over micro-batches and data-parallel ranks)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     rt = runtime.current()
-    mbs = local_micro_batches(chunks, batch, micro_batch_size=micro_batch_size,
-                              max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed,
-                              forward_only=forward_only)
+    mbs = local_micro_batches(chunks, batch, options=options, forward_only=forward_only)
     # measured: the first packed training call's peak bytes per token, which the next call's budget comes from
-    largest = packing.largest_packed(mbs) if max_tokens_per_micro_batch is None else None
+    largest = packing.largest_packed(mbs) if options.max_tokens_per_micro_batch is None else None
     measured = token_budget.measuring(chunks, largest=largest, forward_only=forward_only)
+    loss_fn = options.loss_fn or masked_token_loss
     with keep_gathered.held(chunks), measured:   # held: a no-op unless built with fsdp_keep_gathered
         logged = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
-            num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=micro_batch_size,
+            num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=options.micro_batch_size,
             forward_only=forward_only)
         engine.settle_param_gathers(chunks)
     return _reduce_logged(logged, rt.device)
@@ -198,14 +191,15 @@ class PendingStep:
                           step_time_s=time.perf_counter() - self.start_s, skipped=not self.ok, metrics=means)
 
 
-@checked_args(micro_batch_size=COUNT, step_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))
-def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-               scheduler=None, step_index: int = 0, loss_fn=masked_token_loss,
-               max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> PendingStep:
-    """Issue one optimizer step (zero grads, forward/backward, finalize, step) without reading anything on the
-    host: in bf16 on GPUs nothing in it waits for the GPU (`engine.finalize_grads`, `compat.patches.grad_norm`, pinned
-    batch copies). So a loop that starts step i+1 before it reads step i (`.result()`) keeps the GPU fed
-    across the step boundary, where the first forward's host work would otherwise leave it idle."""
+@takes_options
+@checked_args(step_index=INDEX)
+def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, options: StepOptions,
+               step_index: int = 0) -> PendingStep:
+    """Issue one optimizer step (zero grads, forward/backward, finalize, step; `options` as `forward_backward`
+    says, its scheduler stepped) without reading anything on the host: in bf16 on GPUs nothing in it waits for the
+    GPU (`engine.finalize_grads`, `compat.patches.grad_norm`, pinned batch copies). So a loop that starts step i+1
+    before it reads step i (`.result()`) keeps the GPU fed across the step boundary, where the first forward's host
+    work would otherwise leave it idle."""
     start = time.perf_counter()
     check_batch(batch, step_index=step_index)
     for chunk in chunks:
@@ -215,39 +209,36 @@ def start_step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_
     # fp16's loss scale) point at whichever was built last, so each step points them at its own model and optimizer
     engine.attach_schedule_hooks(chunks)
     engine.scale_loss_by(chunks, optimizer)
-    names, totals = _forward_backward(chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn,
-                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+    names, totals = _forward_backward(chunks, batch, options=options)
     floor = introspect.loss_scale_at_floor(optimizer)   # fp16 only (it syncs, as fp16's step does): bf16 reads nothing
     ok, grad_norm, _ = optimizer.step()
     if ok:   # a Python bool (megatron reads fp16's found-inf on the host; bf16 always steps)
         token_budget.optimizer_stepped(chunks)
     engine.settle_param_gathers(chunks)  # the step starts the next forward's all-gathers
-    if scheduler is not None and ok:   # a skipped step takes no share of the warm-up (as megatron.training does)
-        scheduler.step(increment=1)
+    if options.scheduler is not None and ok:   # a skipped step takes no share of the warm-up (as megatron.training)
+        options.scheduler.step(increment=1)
     return PendingStep(step_index=step_index, names=names, totals=totals, grad_norm=grad_norm, ok=ok,
                        lr=optimizer.param_groups[0]["lr"], start_s=start,
                        stuck=not ok and floor)
 
 
-@checked_args(micro_batch_size=COUNT, step_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))
-def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, micro_batch_size: int,
-         scheduler=None, step_index: int = 0, loss_fn=masked_token_loss, watch: HealthWatch | None = None,
-         max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> StepResult:
+@takes_options
+@checked_args(step_index=INDEX)
+def step(chunks: list[torch.nn.Module], optimizer, batch: Batch, *, options: StepOptions, step_index: int = 0,
+         watch: HealthWatch | None = None) -> StepResult:
     """One optimizer step over a global batch: zero grads, forward/backward, finalize, step; its numbers read.
-    `watch` (`HealthWatch.of(chunks)`, kept across steps) warns when the run stops learning. Packed or padded
-    micro-batches: `forward_backward`."""
-    result = start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
-                        step_index=step_index, loss_fn=loss_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                        packed=packed).result()
+    `watch` (`HealthWatch.of(chunks)`, kept across steps) warns when the run stops learning. `options`
+    (`StepOptions`, or its fields as keywords): micro-batches, loss and scheduler, as `forward_backward` says."""
+    result = start_step(chunks, optimizer, batch, options=options, step_index=step_index).result()
     if watch is not None:
         watch(step_index, result)
     return result
 
 
-@checked_args(micro_batch_size=COUNT, start_index=INDEX, max_tokens_per_micro_batch=optional(COUNT))
-def run_steps(chunks: list[torch.nn.Module], optimizer, batches: Iterable[Batch], *, micro_batch_size: int,
-              scheduler=None, start_index: int = 0, loss_fn=masked_token_loss,
-              max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> list[StepResult]:
+@takes_options
+@checked_args(start_index=INDEX)
+def run_steps(chunks: list[torch.nn.Module], optimizer, batches: Iterable[Batch], *, options: StepOptions,
+              start_index: int = 0) -> list[StepResult]:
     """One `step` per batch, each issued (`start_step`) before the previous one's numbers are read: the host work
     that opens a step (its micro-batches, the first forward's launches) runs while the GPU still works on the
     step before, instead of after a sync that left the GPU idle. The same updates and numbers as `step` in a
@@ -255,9 +246,7 @@ def run_steps(chunks: list[torch.nn.Module], optimizer, batches: Iterable[Batch]
     already queued). A non-finite step raises when read, one step later (`PendingStep.result`)."""
     results, pending = [], None
     for i, batch in enumerate(batches, start=start_index):
-        issued = start_step(chunks, optimizer, batch, micro_batch_size=micro_batch_size, scheduler=scheduler,
-                            step_index=i, loss_fn=loss_fn, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                            packed=packed)
+        issued = start_step(chunks, optimizer, batch, options=options, step_index=i)
         if pending is not None:
             results.append(pending.result())
         pending = issued
@@ -359,15 +348,16 @@ class History:
         self.memory_bytes.append(torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)
 
 
-@checked_args(steps=COUNT, micro_batch_size=COUNT, start_step=INDEX, max_tokens_per_micro_batch=optional(COUNT))
-def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_batch_size: int,
-        scheduler=None, start_step: int = 0, on_step=None, progress: bool = True,
-        max_tokens_per_micro_batch: int | None = None, packed: bool | None = None) -> History:
-    """Run `steps` optimizer steps over the iterator `batches`; returns the per-step History.
+@takes_options
+@checked_args(steps=COUNT, start_step=INDEX)
+def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, options: StepOptions, start_step: int = 0,
+        on_step=None, progress: bool = True) -> History:
+    """Run `steps` optimizer steps over the iterator `batches`, each a `step` with `options` (`StepOptions`, or its
+    fields as keywords: `fit(..., micro_batch_size=4, scheduler=sched)`); returns the per-step History.
 
-    Progress shows as a tqdm bar on rank 0 in scripts, and as the cluster widget when running
-    on ipyparallel engines (`cluster.report`). `on_step(step, result)` runs after every step
-    (e.g. to checkpoint); micro-batches packed or padded as `forward_backward` says; a non-finite loss raises NonFiniteLossError naming the step, and a run that
+    Progress shows as a tqdm bar on rank 0 in scripts, and is reported to whoever listens (`distributed.progress`:
+    the cluster widget on ipyparallel engines). `on_step(step, result)` runs after every step (e.g. to checkpoint,
+    or draw a live panel); a non-finite loss raises NonFiniteLossError naming the step, and a run that
     stops learning (`HealthWatch`) warns once per episode, naming the step.
     On a notebook engine, Stop ends the run between two steps, the same one on every rank (`distributed.stop`):
     the History so far is returned with `stopped_at` set, and `fit(..., start_step=stopped_at, steps=the rest)`
@@ -387,9 +377,7 @@ def fit(chunks: list[torch.nn.Module], optimizer, batches, *, steps: int, micro_
                 history.stopped_at = i
                 stop.record(what="train.fit", step=i, total=end, resume=f"fit(..., start_step={i}, steps={end - i})")
                 break
-            result = step(chunks, optimizer, next(batches), micro_batch_size=micro_batch_size,
-                          scheduler=scheduler, step_index=i, watch=watch,
-                          max_tokens_per_micro_batch=max_tokens_per_micro_batch, packed=packed)
+            result = step(chunks, optimizer, next(batches), options=options, step_index=i, watch=watch)
             history.append(result)
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{result.lr:.2e}")

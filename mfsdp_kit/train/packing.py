@@ -31,6 +31,7 @@ import torch
 from ..distributed import runtime
 from . import token_budget
 from .data import Batch
+from .options import StepOptions, takes_options
 from ..fieldtypes import bad_value, is_int
 
 
@@ -187,28 +188,28 @@ def can_pack(chunks) -> bool:
     return bool(cores) and all(isinstance(m, SDPAttention) for m in cores)
 
 
-def budget(chunks, batch: Batch, *, micro_batch_size: int, max_tokens_per_micro_batch: int | None = None,
-           packed: bool | None = None, forward_only: bool = False) -> int | None:
-    """The token budget of a packed call, or None for the padded path.
+@takes_options
+def budget(chunks, batch: Batch, *, options: StepOptions, forward_only: bool = False) -> int | None:
+    """The token budget of a packed call with `options` (`StepOptions`, or its fields as keywords), or None for the
+    padded path.
 
     packed None: packed where the model can (`can_pack`; where it cannot, `padded_note` says why once), else
     padded; True: packed or an error; False: padded. The default budget comes from the device's memory
     (`token_budget.memory_budget`: what the activations of a training or of a no-grad micro-batch may take), at
     least the batch's row length; on CPU it is `micro_batch_size` rows of the batch's length."""
-    if packed not in (None, True, False):
-        raise bad_value("packed", packed, "None (where the model can) | True | False")
-    if packed is False:
+    if options.packed is False:
         return None
     if not can_pack(chunks):
-        if packed or max_tokens_per_micro_batch is not None:
+        if options.packed or options.max_tokens_per_micro_batch is not None:
             raise bad_value("packed", True, "False, or a model with attention_backend='sdpa' and "
                             "pipeline_model_parallel_size=1 (packed rows need the kit's SDPA attention)")
         padded_note(chunks)
         return None
-    if max_tokens_per_micro_batch is not None:
-        return max_tokens_per_micro_batch
+    if options.max_tokens_per_micro_batch is not None:
+        return options.max_tokens_per_micro_batch
     tokens = token_budget.memory_budget(chunks, forward_only=forward_only)
-    return micro_batch_size * batch.tokens.shape[1] if tokens is None else max(tokens, batch.tokens.shape[1])
+    seq = batch.tokens.shape[1]
+    return options.micro_batch_size * seq if tokens is None else max(tokens, seq)
 
 
 def padded_note(chunks) -> None:

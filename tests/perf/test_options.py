@@ -8,6 +8,7 @@ from mfsdp_kit.config import EngineConfig, OptimConfig
 from mfsdp_kit.fieldtypes import field_docs
 from mfsdp_kit.perf import options
 from mfsdp_kit.rl import core, dapo, grpo
+from mfsdp_kit.train import StepOptions
 
 
 def parser(**kw) -> argparse.ArgumentParser:
@@ -42,7 +43,8 @@ MEASURED = re.compile(r"[+-]?\d+(\.\d+)?\s?(ms|GB/s|GiB|MiB|tokens/s|x faster)\b
 """What a measured number looks like in prose: a time, a bandwidth, a memory delta, a speed-up."""
 
 
-@pytest.mark.parametrize("cls", [EngineConfig, OptimConfig, core.RolloutConfig, grpo.GRPOConfig, dapo.DAPOConfig])
+@pytest.mark.parametrize("cls", [EngineConfig, OptimConfig, core.RolloutConfig, grpo.GRPOConfig, dapo.DAPOConfig,
+                                 StepOptions])
 def test_config_docstrings_say_what_an_option_does_not_what_it_measured(cls):
     """Numbers go stale in docstrings: they live in docs/benchmarks.md, which the docstring links."""
     found = {name: m.group(0) for name, doc in field_docs(cls).items() if (m := MEASURED.search(doc))}
@@ -56,3 +58,17 @@ def test_an_optional_bool_field_takes_true_false_none():
     assert options.build(core.RolloutConfig, parser.parse_args([]), prefix="").packed is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--packed", "maybe"])
+
+
+def test_step_options_take_a_required_field_with_a_default_and_skip_what_no_command_line_spells():
+    p = argparse.ArgumentParser()
+    options.add_options(p, StepOptions, prefix="", defaults=dict(micro_batch_size=4))
+    flags = set(vars(p.parse_args([])))
+    assert {"micro_batch_size", "max_tokens_per_micro_batch", "packed"} <= flags
+    assert not {"loss_fn", "scheduler"} & flags   # a function and a scheduler: the script passes them to build
+    sched = type("Sched", (), {"step": lambda self, increment: None})()
+    built = options.build(StepOptions, p.parse_args(["--packed", "false"]), prefix="", scheduler=sched)
+    assert built == StepOptions(micro_batch_size=4, packed=False, scheduler=sched)
+    bare = argparse.ArgumentParser()
+    options.add_options(bare, StepOptions, prefix="")   # no default for a required field: no option
+    assert "micro_batch_size" not in vars(bare.parse_args([]))

@@ -141,3 +141,11 @@ def test_rl_refuses_pipeline_parallelism_before_any_work():
     from tests.dist import launch
     r = launch.run("scenarios_rl:refuses_pipeline_parallel", nproc=2)
     assert r["error"] and "pipeline_model_parallel_size=2 is not allowed" in r["error"], r
+
+
+def test_an_rl_config_hands_its_micro_batch_fields_to_train_step_options():
+    from mfsdp_kit.train import StepOptions, masked_token_loss
+    cfg = core.RolloutConfig(micro_batch_size=4, max_tokens_per_micro_batch=512, packed=True)
+    assert cfg.step_options(loss_fn=masked_token_loss) == StepOptions(
+        micro_batch_size=4, max_tokens_per_micro_batch=512, packed=True, loss_fn=masked_token_loss)
+    assert cfg.scoring_options() == StepOptions(micro_batch_size=4, packed=True)   # their own token budget
