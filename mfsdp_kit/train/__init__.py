@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import engine, introspect, keep_gathered, runtime, stop
+from ..models import router_replay
 from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
@@ -88,7 +89,11 @@ def masked_token_loss(mb: Batch, token_losses: torch.Tensor):
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
-    if isinstance(mb, packing.PackedMicroBatch):
+    packed = isinstance(mb, packing.PackedMicroBatch)
+    routes = (mb.rows if packed else mb).extras.get("routes")   # MoE router replay (models.router_replay)
+    if routes is not None:
+        router_replay.set_routes([model], mb.packed(routes) if packed else routes)
+    if packed:
         return mb.forward(model), packing.loss_func(loss_fn, mb)
     seq = mb.tokens.shape[1]
     position_ids = torch.arange(seq, device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
@@ -132,10 +137,14 @@ def _forward_backward(chunks, batch: Batch, *, options: StepOptions,
     measured = token_budget.measuring(chunks, largest=largest, forward_only=forward_only)
     loss_fn = options.loss_fn or masked_token_loss
     with keep_gathered.held(chunks), measured:   # held: a no-op unless built with fsdp_keep_gathered
-        logged = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
-            num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=options.micro_batch_size,
-            forward_only=forward_only)
+        try:
+            logged = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
+                num_microbatches=len(mbs), seq_length=batch.tokens.shape[1],
+                micro_batch_size=options.micro_batch_size, forward_only=forward_only)
+        finally:
+            if "routes" in batch.extras:
+                router_replay.clear(chunks)
         engine.settle_param_gathers(chunks)
     return _reduce_logged(logged, rt.device)
 

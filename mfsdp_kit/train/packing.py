@@ -135,6 +135,11 @@ class PackedMicroBatch:
         flat = per_token.new_zeros(n * seq).index_copy(0, self.flat_index(), per_token.reshape(-1))
         return flat.view(n, seq)
 
+    def packed(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[n, seq, ...] in the padded rows' layout -> [1, T, ...] in this packed row's (`unpack`'s inverse)."""
+        n, seq = self.rows.tokens.shape
+        return per_token.reshape(n * seq, *per_token.shape[2:])[self.flat_index()].unsqueeze(0)
+
     def forward(self, model):
         """The model's per-token losses [1, T] on this row."""
         return model(self.tokens, self.position_ids, None, labels=self.labels, packed_seq_params=self.params())

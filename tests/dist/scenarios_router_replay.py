@@ -3,21 +3,24 @@ EP 2 under Megatron-FSDP.
 
 Per layout: the routes a forward chose, recorded; replaying them gives the same logits bit for bit; replaying other
 routes (every expert index shifted by one) makes each router dispatch exactly those experts (read from the routing
-map megatron's router returns) and changes the logits; and three training steps that replay, at each step, the routes
-the current weights choose give the losses and grad norms of three plain steps bit for bit (the load-balancing loss
-included: it reads the router's own scores either way).
+map megatron's router returns) and changes the logits; and three training steps whose batches carry the routes the
+current weights choose (`extras["routes"]`, replayed per micro-batch by `train.step`, padded and packed) give the
+losses and grad norms of three plain steps bit for bit (the load-balancing loss included: it reads the router's own
+scores either way).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from mfsdp_kit.config import EngineConfig
 from mfsdp_kit.distributed import engine, runtime
 from mfsdp_kit.models import hf as hf_models, router_replay
-from mfsdp_kit.train import data_parallel_slice, step
+from mfsdp_kit.train import step
 from mfsdp_kit.train.data import Batch
 from mfsdp_kit.train.generate import logits
-from scenarios_moe import LAYOUTS, MICRO, OCFG, _batches, _source  # noqa: E402  (tests/dist is on the path)
+from scenarios_moe import LAYOUTS, OCFG, _batches, _source  # noqa: E402  (tests/dist is on the path)
 
 
 def _dispatched(chunks, tokens) -> list[torch.Tensor]:
@@ -48,7 +51,10 @@ def _as_maps(routes: torch.Tensor, experts: int) -> list[torch.Tensor]:
     return maps
 
 
-def _train(model, cfg, *, replay: bool) -> dict:
+def _train(model, cfg, *, replay: bool, packed: bool, shift: int = 0) -> dict:
+    """Three steps of one-row micro-batches (two per rank), packed or padded; `replay`: each step's batch carries the
+    routes the current weights choose (`extras["routes"]`, which `train.step` replays per micro-batch), each expert
+    index moved `shift` places."""
     opt = engine.build_optimizer(model.chunks, OCFG, cfg)
     sched = engine.build_scheduler(opt, OCFG)
     losses, norms = [], []
@@ -57,11 +63,9 @@ def _train(model, cfg, *, replay: bool) -> dict:
             with router_replay.recording(model.chunks) as rec:
                 logits(model.chunks, b.tokens)
             routes = rec.routes(batch=b.tokens.shape[0], seq=b.tokens.shape[1])
-            local = data_parallel_slice(Batch(b.tokens, b.labels, b.loss_mask, {"routes": routes}))
-            assert local.tokens.shape[0] == MICRO      # one micro-batch per rank: one set of routes per forward
-            router_replay.set_routes(model.chunks, local.extras["routes"])
-        r = step(model.chunks, opt, b, micro_batch_size=MICRO, scheduler=sched, step_index=i)
-        router_replay.clear(model.chunks)
+            experts = engine.unwrap_model(model.chunks[0]).config.num_moe_experts
+            b = Batch(b.tokens, b.labels, b.loss_mask, {"routes": (routes + shift) % experts})
+        r = step(model.chunks, opt, b, micro_batch_size=1, packed=packed, scheduler=sched, step_index=i)
         losses.append(r.loss)
         norms.append(r.grad_norm)
     return dict(losses=losses, grad_norms=norms)
@@ -93,8 +97,11 @@ def _layout(src: str, *, ep: int, fsdp: bool) -> dict:
                dispatched_layers=len(dispatched), other_maxdiff=(moved - plain).abs().max().item(),
                flips_other=router_replay.flips(routes, other), flips_self=router_replay.flips(routes, routes))
     engine.release(model.chunks)
-    out["plain"] = _train(hf_models.load(src, cfg), cfg, replay=False)
-    out["replayed"] = _train(hf_models.load(src, cfg), cfg, replay=True)
+    sdpa = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend="sdpa"))
+    for name, c, packed in (("padded", cfg, False), ("packed", sdpa, True)):   # packed rows need the kit's SDPA
+        out[f"plain_{name}"] = _train(hf_models.load(src, c), c, replay=False, packed=packed)
+        out[f"replayed_{name}"] = _train(hf_models.load(src, c), c, replay=True, packed=packed)
+        out[f"shifted_{name}"] = _train(hf_models.load(src, c), c, replay=True, packed=packed, shift=1)
     runtime.shutdown()
     return out
 
