@@ -3,7 +3,7 @@ the architectures it refuses by name (`refused.py`). This package is the only pl
 
     ARCHS                       architecture -> ArchSpec, every family module's SPEC
     spec_for(model | config)    the spec of an HF model, config or config.json dict (None: not a registered family)
-    register(spec)              one more family, at run time (a family module of this folder registers itself)
+    register(spec)              one more family at run time (each family module here is registered on import)
     VERIFIED, REFUSED, SUPPORTED, ARCH_CONFIGS    views of the registry the loader, the rollout and the tests read
 
 Tiny models of any of them, written by `transformers` itself (the kit never saw them): `models.tiny` writes the kit's
