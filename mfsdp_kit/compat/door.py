@@ -55,6 +55,8 @@ FEATURES: dict[str, Feature] = {
                       "megatron.bridge imported without TE / triton, its conversion fixes applied; returns it"),
     "moe_without_te": Feature(f"{_P}.bridge:_define_moe_te_names", "process",
                               "moe_utils' TE kernel names defined as None"),
+    "bridge_mappings": Feature(f"{_P}.bridge:_add_mappings", "process",
+                               "architecture=, mappings=: weight mappings one architecture's bridge lacks"),
     "experts": Feature(f"{_P}.experts:_enable", "process", "SequentialMLP expert numbers under EP (the bridge)"),
     "peft": Feature(f"{_P}.peft:_enable", "process", "the bridge's LoRA told that TE is absent"),
     "fsdp_frozen": Feature(f"{_P}.fsdp_frozen:_enable", "process", "Megatron-FSDP wraps frozen params"),

@@ -13,10 +13,10 @@ holds one full unsharded copy of its TP slice while loading.
 
 Megatron's settings come from `transformer_settings.engine_settings`, as the GPT path's do: without Transformer
 Engine, what the bridge's providers switch on but only TE has is switched off there (FUSIONS_OFF, MOE_TE_ONLY),
-and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF);
-architecture-specific attention modules are kept on the local spec (OLMoE), a vocabulary TP does
-not divide is padded (`models.vocab`), and `load(..., verify=True)` compares the result with
-transformers' logits (`models.verify`).
+and so is the native fused cross-entropy (NATIVE_CE_FUSION_OFF); what an architecture's bridge lacks comes from
+its spec (`models.archs`: weight mappings, an attention module of its own kept on the local spec), a vocabulary TP
+does not divide is padded (`models.vocab`), and `load(..., verify=True)` compares the result with transformers'
+logits (`models.verify`).
 
 With `EngineConfig.lora`, `load` adds the adapters before the wrap (`engine.add_adapters`) and keeps the folder's
 `base_reference` on the chunks (`keep_base`), so a checkpoint of the adapters names its base. A folder that does not
@@ -37,7 +37,7 @@ from ..distributed import engine
 from ..compat.access import bridge_model
 from ..config import ConfigError, EngineConfig
 from ..distributed.introspect import torch_dtype
-from . import support, transformer_settings, vocab
+from . import archs, support, transformer_settings, vocab
 
 
 class CheckpointError(RuntimeError):
@@ -191,18 +191,19 @@ def check_tensors(hf_path, *, strict: bool = True) -> None:
                               "The folder's config.json does not describe these weights (or they were saved transposed)")
 
 
-def _layer_spec(cfg: EngineConfig, bridge_spec, hf_config: dict):
+def _layer_spec(cfg: EngineConfig, bridge_spec, hf_config: dict, spec: archs.ArchSpec | None):
     """The layer spec function: the bridge's own where TE is installed, else local (+ SDPA core
     attention if asked) with the architecture's own attention module where its bridge has one
-    (OLMoE's QK norm over all heads: `olmoe_provider.OLMoESelfAttention`)."""
+    (`Bridge.local_attention` of its spec: OLMoE's QK norm over all heads)."""
     local_layer_spec, transformer_engine_layer_spec = bridge_model.layer_specs()
     from megatron.core.extensions.transformer_engine import HAVE_TE
     if HAVE_TE:
         return transformer_engine_layer_spec if bridge_spec is None else bridge_spec
-    attention = bridge_model.local_attention_module(bridge_spec)
+    keeps = spec is not None and spec.bridge.local_attention
+    attention = bridge_model.local_attention_module(bridge_spec) if keeps else None
     backend = support.attention_backend(cfg, hf_config)
 
-    def spec(config):
+    def layer_spec(config):
         s = local_layer_spec(config)
         if attention is not None:
             s.submodules.self_attention.module = attention
@@ -210,7 +211,14 @@ def _layer_spec(cfg: EngineConfig, bridge_spec, hf_config: dict):
             from .flex import core_attention
             s.submodules.self_attention.submodules.core_attention = core_attention(backend)
         return s
-    return spec
+    return layer_spec
+
+
+def fix_bridge(spec: archs.ArchSpec) -> None:
+    """What the architecture's bridge lacks without TE (its spec's `Bridge.mappings`), added through compat."""
+    compat.apply("bridge")
+    if spec.bridge.mappings:
+        compat.apply("bridge_mappings", architecture=spec.architecture, mappings=spec.bridge.mappings)
 
 
 def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
@@ -220,9 +228,12 @@ def provider(hf_path, cfg: EngineConfig, *, trust_remote_code: bool = False):
     from megatron.core.extensions.transformer_engine import HAVE_TE
     bridge = AutoBridge.from_hf_pretrained(str(hf_path), torch_dtype=torch_dtype(cfg.dtype),
                                            trust_remote_code=trust_remote_code)
+    spec = archs.spec_for(bridge.hf_pretrained.config)
+    if spec is not None:
+        fix_bridge(spec)
     p = bridge.to_megatron_provider(load_weights=False)
     p.transformer_layer_spec = _layer_spec(cfg, getattr(p, "transformer_layer_spec", None),
-                                           bridge.hf_pretrained.config.to_dict())
+                                           bridge.hf_pretrained.config.to_dict(), spec)
     settings = transformer_settings.engine_settings(
         cfg, te_spec=HAVE_TE, moe=bool(getattr(p, "num_moe_experts", None)),
         cpu_initialization=not torch.cuda.is_available())

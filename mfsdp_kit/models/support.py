@@ -9,10 +9,12 @@ waited for the load. `check_config` answers first, from config.json only, with a
 naming the architecture or field, its value, and why:
 
 - REFUSED: architectures that cannot run in this install (no Transformer Engine, CPU/GPU torch only)
-  or that the kit has not verified to convert exactly; the reason says what is missing.
+  or that the kit has not verified to convert exactly; the reason says what is missing (`models.archs.refused`).
 - per-field rules for the architectures that work (VERIFIED): every field that changes the model
   and that the bridge does not map exactly (rope scaling variants and their parameters, sliding
-  windows, soft-capping, MoE routing variants, biases the bridge has no mapping for).
+  windows, soft-capping, MoE routing variants, biases the bridge has no mapping for). The rules every family
+  shares are here; what one family's bridge maps besides (a rope scaling type, a sliding window, q/k/v biases)
+  and its own rules (MoE routing, tensor parallelism) are fields of its spec (`models.archs.spec.ArchSpec`).
 """
 from __future__ import annotations
 
@@ -22,53 +24,12 @@ import os
 import torch
 
 from ..config import ConfigError, EngineConfig, bad_value
+from . import archs
+from .archs.llama import LLAMA3_ROPE_DEFAULTS  # noqa: F401 (importable here as before)
+from .archs.spec import ArchSpec, refuse
 
-VERIFIED = ("LlamaForCausalLM", "MistralForCausalLM", "OlmoeForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-            "Qwen3MoeForCausalLM")
-"""Architectures whose tiny transformers-made models match HF logits through load -> wrap -> export
-(tests/models/test_archs.py). Real checkpoints of these families also pass the field rules below."""
-
-_NO_TE = "this install has no Transformer Engine"
-_VL = ("a vision-language model: the kit builds megatron's GPTModel (text tokens in, logits out) and "
-       "its data and generation paths carry no images")
-_UNVERIFIED = ("not verified to reproduce HF logits on megatron's local (no-TE) spec; the kit refuses it rather "
-               "than risk training a silently different model")
-
-REFUSED: dict[str, str] = {
-    "GemmaForCausalLM": f"RMSNorm with zero-centered gamma (x * (1 + w), layernorm_zero_centered_gamma) is "
-                        f"implemented only by TE's norms, and {_NO_TE} (megatron's torch norm asserts)",
-    "Gemma2ForCausalLM": "zero-centered-gamma RMSNorm, attention-logit soft-capping and alternating sliding "
-                         "windows come from the bridge's Gemma2 layer spec, built on TE modules, and "
-                         f"{_NO_TE}",
-    "Gemma3ForCausalLM": "zero-centered-gamma RMSNorm, per-layer local/global RoPE and sliding windows come from "
-                         f"the bridge's Gemma3 layer spec, built on TE modules, and {_NO_TE}",
-    "NemotronForCausalLM": "LayerNorm with zero-centered gamma (layernorm1p) is implemented only by TE's norms, "
-                           f"and {_NO_TE}",
-    "NemotronHForCausalLM": "hybrid Mamba layers need the mamba_ssm and causal_conv1d kernels (and triton), "
-                            "not installed here",
-    "Qwen3NextForCausalLM": "gated DeltaNet linear attention needs the flash-linear-attention (fla) triton kernels "
-                            "and TE, not installed here",
-    "GptOssForCausalLM": "attention sinks (softmax_type='learnable') and YaRN-scaled sliding windows: megatron's "
-                         "local attention and the kit's SDPA attention implement neither exactly without TE",
-    "DeepseekV2ForCausalLM": f"multi-latent attention (MLA) with MoE: {_UNVERIFIED}",
-    "DeepseekV3ForCausalLM": f"multi-latent attention (MLA), MoE with grouped routing and MTP: {_UNVERIFIED}",
-    "Glm4MoeForCausalLM": f"MoE with shared experts, grouped routing and dense first layers: {_UNVERIFIED}",
-    "DeciLMForCausalLM": "Llama-Nemotron's heterogeneous blocks need the model's remote code "
-                         "(trust_remote_code) and a per-layer spec: " + _UNVERIFIED,
-    "Gemma3ForConditionalGeneration": _VL,
-    "Glm4vMoeForConditionalGeneration": _VL,
-    "Mistral3ForConditionalGeneration": _VL,
-    "NemotronH_Nano_VL_V2": _VL,
-    "Qwen2_5_VLForConditionalGeneration": _VL,
-    "Qwen3VLForConditionalGeneration": _VL,
-    "Qwen3VLMoeForConditionalGeneration": _VL,
-}
-"""Architecture -> why this install refuses it (what it would need)."""
-
-LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-"""The llama3 rope-scaling parameters megatron applies: RotaryEmbedding passes only `factor` to
-`_apply_scaling` (megatron/core/models/common/embeddings/rotary_pos_embedding.py:83-98), whose
-other parameters keep these defaults; the Llama bridge maps only `factor`."""
+VERIFIED, REFUSED = archs.VERIFIED, archs.REFUSED
+"""`models.archs`' views, importable here as before: the architectures that work, and those refused with the reason."""
 
 ACTIVATIONS = ("silu", "gelu", "relu", "relu2", "tanh", "gelu_pytorch_tanh")
 """hidden_act values the bridge maps (model_bridge.py ACTIVATION_MAPPING); others raise inside the bridge."""
@@ -76,19 +37,22 @@ ACTIVATIONS = ("silu", "gelu", "relu", "relu2", "tanh", "gelu_pytorch_tanh")
 
 def check_config(config: dict, cfg: EngineConfig | None = None) -> str:
     """Raise ConfigError unless this install reproduces the config.json `config` exactly; return
-    the architecture the bridge will use."""
-    arch = next(a for a in config.get("architectures") or [] if a in VERIFIED or a in REFUSED) \
-        if any(a in VERIFIED or a in REFUSED for a in config.get("architectures") or []) else None
+    the architecture the bridge will use. The rules every family shares are here; what one family's bridge maps
+    besides, or refuses besides, is its spec's (`models.archs`)."""
+    arch = next((a for a in config.get("architectures") or [] if a in archs.ARCHS or a in archs.REFUSED), None)
     if arch is None:
-        raise bad_value("architectures", config.get("architectures"), ", ".join(VERIFIED))
-    if arch in REFUSED:
+        raise bad_value("architectures", config.get("architectures"), ", ".join(archs.VERIFIED))
+    if arch in archs.REFUSED:
         raise ConfigError(f"architectures=[{arch!r}] is listed by Megatron-Bridge 0.3.1 but refused here: "
-                          f"{REFUSED[arch]}. Working architectures: {', '.join(VERIFIED)}")
+                          f"{archs.REFUSED[arch]}. Working architectures: {', '.join(archs.VERIFIED)}")
+    spec = archs.ARCHS[arch]
     check_sizes(config)
-    for check in (_rope, _sliding_window, _softcapping, _activation, _biases, _moe):
-        check(arch, config, cfg)
+    for check in (_rope, _sliding_window, _softcapping, _activation, _biases):
+        check(spec, config, cfg)
+    if spec.check is not None:
+        spec.check(config)
     if cfg is not None:
-        _parallel(arch, config, cfg)
+        _parallel(spec, config, cfg)
     return arch
 
 
@@ -144,30 +108,25 @@ def check_sizes(config: dict) -> None:
                           f"{LARGEST_PUBLISHED[field]}). Check config.json's {field}")
 
 
-def _refuse(arch: str, field: str, value, allowed: str, reason: str) -> ConfigError:
-    return ConfigError(f"{arch}: {field}={value!r} is not allowed; allowed: {allowed}. {reason}")
-
-
-def _rope(arch: str, config: dict, cfg) -> None:
+def _rope(spec: ArchSpec, config: dict, cfg) -> None:
     scaling = config.get("rope_scaling")
     if not scaling:
         return
-    kind = scaling.get("rope_type") or scaling.get("type")
+    kind, arch = scaling.get("rope_type") or scaling.get("type"), spec.architecture
     if kind in (None, "default"):
         return
-    if arch == "LlamaForCausalLM" and kind == "llama3":
-        for key, megatron_value in LLAMA3_ROPE_DEFAULTS.items():
+    if kind in spec.rope_scaling:
+        for key, megatron_value in spec.rope_scaling[kind].items():
             if key in scaling and float(scaling[key]) != float(megatron_value):
-                raise _refuse(arch, f"rope_scaling.{key}", scaling[key], repr(megatron_value),
-                              "megatron's llama3 RoPE scaling fixes it (rotary_pos_embedding.py:92-98) and the bridge "
-                              "maps only rope_scaling.factor: the frequencies, and so every logit, would differ "
-                              "from HF's")
+                raise refuse(arch, f"rope_scaling.{key}", scaling[key], repr(megatron_value),
+                             f"megatron's {kind} RoPE scaling fixes it (rotary_pos_embedding.py:92-98) and the bridge "
+                             "maps only rope_scaling.factor: the frequencies, and so every logit, would differ "
+                             "from HF's")
         return
-    allowed = "null or 'default'" + (", or 'llama3' with megatron's fixed parameters" if arch == "LlamaForCausalLM"
-                                     else "")
-    raise _refuse(arch, "rope_scaling.rope_type", kind, allowed,
-                  f"the {arch} bridge does not map {kind!r} RoPE scaling onto megatron (it is dropped or only "
-                  "partly mapped): the model would use different position frequencies than HF")
+    allowed = "null or 'default'" + "".join(f", or {k!r} with megatron's fixed parameters" for k in spec.rope_scaling)
+    raise refuse(arch, "rope_scaling.rope_type", kind, allowed,
+                 f"the {arch} bridge does not map {kind!r} RoPE scaling onto megatron (it is dropped or only "
+                 "partly mapped): the model would use different position frequencies than HF")
 
 
 def active_window(config: dict) -> int | None:
@@ -224,19 +183,19 @@ def triton_available(device: torch.device | str | None = None) -> bool:
                            triton_installed=importlib.util.find_spec("triton") is not None)
 
 
-def _sliding_window(arch: str, config: dict, cfg) -> None:
-    window = active_window(config)
+def _sliding_window(spec: ArchSpec, config: dict, cfg) -> None:
+    window, arch = active_window(config), spec.architecture
     if window is None:
         return
-    if arch != "MistralForCausalLM":
-        raise _refuse(arch, "sliding_window", window, "null (or >= max_position_embeddings, or use_sliding_window="
-                      "false): if your sequences never exceed the window, set sliding_window to null in config.json",
-                      f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
-                      "sequence where HF attends over the last sliding_window tokens")
+    if not spec.sliding_window:
+        raise refuse(arch, "sliding_window", window, "null (or >= max_position_embeddings, or use_sliding_window="
+                     "false): if your sequences never exceed the window, set sliding_window to null in config.json",
+                     f"the {arch} bridge does not map sliding windows: megatron would attend over the full "
+                     "sequence where HF attends over the last sliding_window tokens")
     if cfg is not None and attention_backend(cfg, config) != "local":
-        raise _refuse(arch, "sliding_window", window, f"null with kernels.attention_backend="
-                      f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local' or 'auto')",
-                      "the kit's SDPA attention has no sliding-window mask")
+        raise refuse(arch, "sliding_window", window, f"null with kernels.attention_backend="
+                     f"{cfg.kernels.attention_backend!r} (the window works with attention_backend='local' or 'auto')",
+                     "the kit's SDPA attention has no sliding-window mask")
 
 
 def megatron_window(config: dict, bridge_window):
@@ -256,58 +215,34 @@ def megatron_window(config: dict, bridge_window):
     return (window - 1, 0)
 
 
-def _softcapping(arch: str, config: dict, cfg) -> None:
+def _softcapping(spec: ArchSpec, config: dict, cfg) -> None:
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(field) is not None:
-            raise _refuse(arch, field, config[field], "null",
-                          f"the {arch} bridge and megatron's GPT layers have no logit soft-capping")
+            raise refuse(spec.architecture, field, config[field], "null",
+                         f"the {spec.architecture} bridge and megatron's GPT layers have no logit soft-capping")
 
 
-def _activation(arch: str, config: dict, cfg) -> None:
+def _activation(spec: ArchSpec, config: dict, cfg) -> None:
     act = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     if act not in ACTIVATIONS:
-        raise _refuse(arch, "hidden_act", act, " | ".join(ACTIVATIONS), "the bridge maps only these activations")
+        raise refuse(spec.architecture, "hidden_act", act, " | ".join(ACTIVATIONS),
+                     "the bridge maps only these activations")
 
 
-def _biases(arch: str, config: dict, cfg) -> None:
+def _biases(spec: ArchSpec, config: dict, cfg) -> None:
+    arch = spec.architecture
     if config.get("mlp_bias"):
-        raise _refuse(arch, "mlp_bias", True, "false", "the bridge maps mlp_bias onto megatron's add_bias_linear, "
-                      "which also adds attention-output biases HF does not have: not an exact conversion")
-    if config.get("attention_bias") and arch != "Qwen2ForCausalLM":
-        raise _refuse(arch, "attention_bias", True, "false",
-                      f"{arch} with attention_bias also has an o_proj bias, which the bridge does not map "
-                      "(it maps only the q/k/v biases)")
+        raise refuse(arch, "mlp_bias", True, "false", "the bridge maps mlp_bias onto megatron's add_bias_linear, "
+                     "which also adds attention-output biases HF does not have: not an exact conversion")
+    if config.get("attention_bias") and not spec.attention_bias:
+        raise refuse(arch, "attention_bias", True, "false",
+                     f"{arch} with attention_bias also has an o_proj bias, which the bridge does not map "
+                     "(it maps only the q/k/v biases)")
 
 
-def _moe(arch: str, config: dict, cfg) -> None:
-    if arch == "Qwen3MoeForCausalLM":
-        if config.get("mlp_only_layers"):
-            raise _refuse(arch, "mlp_only_layers", config["mlp_only_layers"], "[]",
-                          "the bridge builds an MoE block in every layer")
-        if config.get("decoder_sparse_step", 1) != 1:
-            raise _refuse(arch, "decoder_sparse_step", config["decoder_sparse_step"], "1",
-                          "the bridge builds an MoE block in every layer")
-        if config.get("norm_topk_prob") is False:
-            raise _refuse(arch, "norm_topk_prob", False, "true",
-                          "the bridge routes with softmax over the top-k logits (moe_router_pre_softmax=False), "
-                          "which renormalises the top-k probabilities")
-    if arch == "OlmoeForCausalLM":
-        if config.get("norm_topk_prob"):
-            raise _refuse(arch, "norm_topk_prob", True, "false",
-                          "the bridge routes with softmax before top-k (moe_router_pre_softmax=True), "
-                          "without renormalising")
-        if config.get("clip_qkv") is not None:
-            raise _refuse(arch, "clip_qkv", config["clip_qkv"], "null", "megatron's attention does not clip q/k/v")
-        heads = config.get("num_attention_heads")
-        kv = config.get("num_key_value_heads", heads)
-        if kv != heads:
-            raise _refuse(arch, "num_key_value_heads", kv, f"{heads} (= num_attention_heads)",
-                          "the bridge's OLMoE attention normalises K over num_attention_heads heads")
-
-
-def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
-    par = cfg.parallelism
-    ep = par.expert_model_parallel_size
+def _parallel(spec: ArchSpec, config: dict, cfg: EngineConfig) -> None:
+    par, arch = cfg.parallelism, spec.architecture
+    ep, tp = par.expert_model_parallel_size, par.tensor_model_parallel_size
     experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
     if ep != 1 and not experts:
         raise bad_value("parallelism.expert_model_parallel_size", ep, f"1 for {arch}: it has no MoE layers whose "
@@ -315,14 +250,12 @@ def _parallel(arch: str, config: dict, cfg: EngineConfig) -> None:
     if ep != 1 and experts % ep:
         raise bad_value("parallelism.expert_model_parallel_size", ep, f"a divisor of the model's num_experts={experts} "
                         "(each expert-parallel rank holds num_experts / expert_model_parallel_size experts)")
-    if experts and arch != "OlmoeForCausalLM" and par.tensor_model_parallel_size != 1:
-        raise bad_value("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size,
+    if spec.no_tensor_parallel is not None and tp != 1:
+        raise bad_value("parallelism.tensor_model_parallel_size", tp, f"1 for {arch}: {spec.no_tensor_parallel}")
+    if experts and tp != 1:
+        raise bad_value("parallelism.tensor_model_parallel_size", tp,
                         f"1 for {arch} (MoE): megatron-core 0.16.1 requires sequence parallelism with MoE and "
                         "TP > 1 (transformer_config.py:__post_init__), which the kit's model path does not enable: "
                         "it splits every forward's sequence over the TP ranks (tensor_parallel/mappings.py:70 needs "
                         "a length divisible by TP), which greedy decoding (one token longer per step) and the data "
                         "path do not guarantee. Use expert_model_parallel_size to split the experts instead")
-    if arch == "OlmoeForCausalLM" and par.tensor_model_parallel_size != 1:
-        raise bad_value("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size,
-                        "1 for OlmoeForCausalLM: its QK norm spans all heads and the bridge's OLMoE attention "
-                        "normalises only the heads of its own tensor-parallel rank")

@@ -19,8 +19,10 @@ import torch
 
 from .. import folders
 from ..config import bad_value
+from . import archs
 
 ARCHS = ("qwen2", "llama")
+"""The model types (`models.archs` families) the kit's own tiny model is written as."""
 
 SIZES: dict[str, dict[str, int]] = {
     # xs: trains in seconds on 2 CPU cores. ~0.1 M params.
@@ -109,16 +111,16 @@ def hf_config(*, arch: str = "qwen2", size: str = "xs", positions: int = MAX_POS
     _check("size", size, tuple(SIZES))
     if not (isinstance(positions, int) and positions > 0):
         raise bad_value("positions", positions, "a positive integer (tokens)")
-    from transformers import LlamaConfig, Qwen2Config
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    import transformers
+    cls = getattr(transformers, archs.spec_for(arch).config_class)
     return cls(**SIZES[size], vocab_size=len(vocab()), max_position_embeddings=positions,
                tie_word_embeddings=False, torch_dtype="float32", rms_norm_eps=1e-6,
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def _model_class(arch: str):
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
-    return {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[arch]
+    import transformers
+    return getattr(transformers, archs.spec_for(arch).architecture)
 
 
 def param_count(size: str, *, arch: str = "qwen2") -> int:

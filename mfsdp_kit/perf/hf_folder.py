@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import runtime
+from ..models import archs
 
 SHAPES = {
     # Qwen/Qwen2.5-7B's config.json: 7.62 B params (q/k/v biases, untied 152064-token embeddings)
@@ -80,11 +81,11 @@ def remove_for_world(path: Path, *, keep: bool) -> None:
 
 def hf_config(shape: str):
     """The transformers config of `shape` (a key of SHAPES), bf16, with its architecture named."""
-    from transformers import LlamaConfig, Qwen2Config
-    arch, fields = SHAPES[shape]
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
-    config = cls(**fields, torch_dtype="bfloat16")
-    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    import transformers
+    model_type, fields = SHAPES[shape]
+    spec = archs.spec_for(model_type)
+    config = getattr(transformers, spec.config_class)(**fields, torch_dtype="bfloat16")
+    config.architectures = [spec.architecture]
     return config
 
 

@@ -148,7 +148,8 @@ def render(rows: list[dict]) -> str:
               "(tests/models/test_window.py: 3.5e-7 at window 8 over 16 tokens, TP 2).",
               "", "Field-level refusals for the architectures that work (rope scaling variants, sliding windows, "
               "soft-capping, MoE routing variants, unmapped biases, expert parallelism on a dense model or not dividing "
-              "the experts) are listed in `mfsdp_kit/models/support.py` and tested in tests/models/test_support.py. "
+              "the experts) are listed in `mfsdp_kit/models/support.py` (the rules every family shares) and in each "
+              "family's spec (`mfsdp_kit/models/archs/`), and tested in tests/models/test_support.py. "
               "Qwen3-MoE and OLMoE at expert-parallel size 1 and 2, under Megatron-FSDP and DDP (logits, export, "
               "training parity, checkpoint round trip), are tested in tests/models/test_moe.py.", "",
               "On GPUs: `SECTIONS=archs bash scripts/gpu_check.sh` runs the architectures that work through the same "

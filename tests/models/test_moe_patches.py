@@ -3,15 +3,18 @@ registered and still needed; when upstream fixes one, its test fails and the pat
 from mfsdp_kit import compat
 from mfsdp_kit.compat.patches import bridge
 from mfsdp_kit.compat import registry
+from mfsdp_kit.models import archs, hf as hf_models
 
 
 def test_moe_patches_are_registered_and_still_needed():
-    compat.apply("bridge")
+    olmoe = archs.ARCHS["OlmoeForCausalLM"]
+    hf_models.fix_bridge(olmoe)   # what loading an OLMoE folder applies: its spec's bridge mappings
     targets = {p.target: p for p in registry.ACTIVE}
     for target in ("megatron.bridge.models.olmoe.olmoe_bridge:OlMoEBridge.mapping_registry",
                    "megatron.bridge.models.conversion.param_mapping:MegatronParamMapping.gather_from_ep_ranks"):
         assert targets[target].still_needed(), target
-    assert bridge.olmoe_mapping_still_needed()
+    assert bridge.mappings_still_needed(olmoe.architecture,
+                                        tuple(kwargs["megatron_param"] for _, kwargs in olmoe.bridge.mappings))
 
 
 def test_moe_utils_names_defined_without_te():

@@ -8,6 +8,7 @@ docs/design.md), beside `compat.patches.bridge` (what makes the bridge import an
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 
@@ -42,11 +43,24 @@ def layer_specs() -> tuple[Callable, Callable]:
     return local_layer_spec, transformer_engine_layer_spec
 
 
-def local_attention_module(bridge_spec):
-    """The self-attention class an architecture's bridge spec puts in place of megatron's (or None): OLMoE's
-    QK norm over all heads (`olmoe_provider.OLMoESelfAttention`)."""
-    from megatron.bridge.models.olmoe.olmoe_provider import OLMoESelfAttention, olmoe_layer_spec
-    return OLMoESelfAttention if bridge_spec is olmoe_layer_spec else None
+def bridge_class(architecture: str) -> type:
+    """The `MegatronModelBridge` subclass Megatron-Bridge registered for an HF architecture (its class name)."""
+    import transformers
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+    return type(get_model_bridge(getattr(transformers, architecture)))
+
+
+def local_attention_module(bridge_spec) -> type:
+    """The self-attention class an architecture's bridge layer spec (a function of its provider module) puts in
+    place of megatron's: the one `SelfAttention` subclass that module defines (OLMoE's QK norm over all heads,
+    `olmoe_provider.OLMoESelfAttention`). For the families whose spec says it has one (`Bridge.local_attention`)."""
+    from megatron.core.transformer.attention import SelfAttention
+    module = sys.modules[bridge_spec.__module__]
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, SelfAttention)
+             and c.__module__ == module.__name__]
+    if len(found) != 1:
+        raise LookupError(f"{module.__name__} defines {len(found)} SelfAttention classes, not one: {found}")
+    return found[0]
 
 
 def lora_class() -> type:

@@ -9,11 +9,8 @@
 2. MoE without TE. `megatron/core/transformer/moe/moe_utils.py:24-38` imports TE's MoE kernels
    in a try block whose `except ImportError` leaves `te_general_gemm` (and the fused_* names)
    undefined, and :1192 then tests `te_general_gemm is not None`: a NameError in every router
-   forward. The names are defined as None, which is what the code tests for. And the OLMoE
-   bridge (`models/olmoe/olmoe_bridge.py:98-147`) maps only TE's grouped experts
-   (`mlp.experts.linear_fc1.weight<i>`); the SequentialMLP names of the local spec
-   (`mlp.experts.local_experts.<i>.linear_fc1.weight`) get the mappings the Qwen3-MoE bridge has.
-   Their expert numbering under expert parallelism is `compat.patches.experts`.
+   forward. The names are defined as None, which is what the code tests for.
+   Expert numbering of the SequentialMLP names under expert parallelism is `compat.patches.experts`.
 3. TP scatter. `models/conversion/param_mapping.py:502` scatters non-contiguous TP splits
    (row-parallel weights split along dim 1); gloo's scatter mishandles them (logits were off
    by 0.56 at TP=2). The splits are made contiguous first.
@@ -22,17 +19,24 @@
    export has one; the kit passes False). On a notebook engine rich draws an ipywidgets Output that
    never updates: a bar left at "0% (0/17) Qwen2Bridge" and empty `[output:N]` blocks under every
    %px cell that loads a model. The load runs with show_progress=False.
+5. Mappings a bridge lacks (`compat.apply("bridge_mappings", architecture=, mappings=)`): some bridges map only TE's
+   module names (OLMoE's maps only TE's grouped experts, `mlp.experts.linear_fc1.weight<i>`, not the local spec's
+   SequentialMLP `mlp.experts.local_experts.<i>.linear_fc1.weight`). Which mappings an architecture lacks is the
+   caller's to say (the kit's `models.archs` spec of the family, `Bridge.mappings`); this module adds them to that
+   architecture's bridge class, once a process, with a registry row whose canary fails when upstream maps them.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.machinery
 import importlib.util
+import functools
 import inspect
 import sys
 import types
 
 from .. import registry
+from ..access import bridge_model
 
 PLACEHOLDER = "__mfsdp_kit_placeholder__"
 
@@ -129,7 +133,6 @@ MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "f
 def _moe_without_te() -> None:
     from ..door import apply
     apply("moe_without_te")
-    _patch_olmoe_sequential_experts()
     apply("experts")   # SequentialMLP expert names at any expert-parallel size
 
 
@@ -154,36 +157,42 @@ def moe_names_still_undefined() -> bool:
     return "te_general_gemm" not in branch
 
 
-def _patch_olmoe_sequential_experts() -> None:
+def _add_mappings(*, architecture: str, mappings: tuple[tuple[str, dict], ...]) -> bool:
+    """compat.apply("bridge_mappings", architecture=, mappings=): the bridge class Megatron-Bridge registered for
+    `architecture` (an HF class name) maps `mappings` too, each (mapping class name in the bridge's param_mapping
+    module, its keyword arguments), made afresh at every `mapping_registry()` as the bridge makes its own. Once a
+    class; returns whether it changed it."""
+    from ..door import apply
+    apply("bridge")   # megatron.bridge imported the kit's way first
     from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.conversion.param_mapping import AutoMapping, GatedMLPMapping
-    from megatron.bridge.models.olmoe.olmoe_bridge import OlMoEBridge
-    original = OlMoEBridge.mapping_registry
+    pm = bridge_model.param_mapping()
+    cls = bridge_model.bridge_class(architecture)
+    original = cls.mapping_registry
     if hasattr(original, "__wrapped__"):
-        return
+        return False
 
     def mapping_registry(self):
-        mappings = list(original(self).mappings) + [
-            GatedMLPMapping(megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight",
-                            gate="model.layers.*.mlp.experts.*.gate_proj.weight",
-                            up="model.layers.*.mlp.experts.*.up_proj.weight"),
-            AutoMapping(megatron_param="decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-                        hf_param="model.layers.*.mlp.experts.*.down_proj.weight")]
-        return MegatronMappingRegistry(*mappings)
+        added = [getattr(pm, kind)(**kwargs) for kind, kwargs in mappings]
+        return MegatronMappingRegistry(*original(self).mappings, *added)
 
     mapping_registry.__wrapped__ = original
-    OlMoEBridge.mapping_registry = mapping_registry
+    cls.mapping_registry = mapping_registry
+    lines, first = inspect.getsourcelines(original)
+    names = tuple(kwargs["megatron_param"] for _, kwargs in mappings)
     registry.record(registry.Patch(
-        target="megatron.bridge.models.olmoe.olmoe_bridge:OlMoEBridge.mapping_registry",
-        upstream="megatron/bridge/models/olmoe/olmoe_bridge.py:98-147 (no SequentialMLP expert mappings)",
-        package="megatron-bridge", needed_if=olmoe_mapping_still_needed))
+        target=f"{cls.__module__}:{cls.__qualname__}.mapping_registry",
+        upstream=f"{cls.__module__.replace('.', '/')}.py:{first}-{first + len(lines) - 1} (no mapping of "
+                 f"{', '.join(names)})",
+        package="megatron-bridge", needed_if=functools.partial(mappings_still_needed, architecture, names)))
+    return True
 
 
-def olmoe_mapping_still_needed() -> bool:
-    """True while the OLMoE bridge maps only TE's grouped expert weights."""
-    from megatron.bridge.models.olmoe.olmoe_bridge import OlMoEBridge
-    fn = OlMoEBridge.mapping_registry
-    return "local_experts" not in inspect.getsource(getattr(fn, "__wrapped__", fn))
+def mappings_still_needed(architecture: str, megatron_params: tuple[str, ...]) -> bool:
+    """True while the bridge of `architecture` maps none of `megatron_params` itself (its own mapping_registry's
+    source names none of them)."""
+    fn = bridge_model.bridge_class(architecture).mapping_registry
+    source = inspect.getsource(getattr(fn, "__wrapped__", fn))
+    return not any(name in source for name in megatron_params)
 
 
 BRIDGE_CPU_MODULES = {

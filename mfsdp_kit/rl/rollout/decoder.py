@@ -1,5 +1,8 @@
 """The decoder of the architectures the kit's own rollout loop runs, computed from a slot KV cache.
 
+Which architectures, and how each one's layer differs (q/k norms, a routed MoE MLP), is their spec's
+(`models.archs`, `ArchSpec.decoder`): this module names none and asks `hooks(hf_model)`.
+
 The naive way (HF `forward` with a `DynamicCache`) launches ~25 kernels per layer from Python at every token
 and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the weights are the HF model's own, regrouped once in place (`fuse_projections`): q/k/v of a layer
@@ -9,8 +12,8 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the cache is one K and one V tensor per layer, [rows, kv_heads, slots, head_dim]; row r holds one
     sequence from slot 0, so rows of different lengths share a step (continuous batching, `continuous.py`);
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
-  - a sliding-window layer (Mistral; Qwen2's layers past `max_window_layers`) attends to the last `window` slots
-    only (`layer_windows`), in prefill and decode alike;
+  - a sliding-window layer (`layer_windows`, from the config: every layer, or those `layer_types` names) attends to
+    the last `window` slots only, in prefill and decode alike;
   - decode attention is one SDPA per layer in the grouped-query layout (`enable_gqa`: no `repeat_kv` copy) with one
     additive mask per step, [b, 1, 1, slots]: on a GPU cuDNN's kernel, which reads every row up to the slot bucket,
     each KV head once per query head, and builds a plan per (batch, slots) shape. Tried and slower than cuDNN: a
@@ -27,7 +30,8 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
 Every function computes the HF model's own function: tests/rl/test_continuous.py compares greedy tokens
-with `generate` for every architecture in SUPPORTED, written by transformers itself.
+with `generate` for every architecture in SUPPORTED (those whose spec has decoder hooks), written by transformers
+itself.
 """
 from __future__ import annotations
 
@@ -35,25 +39,30 @@ import torch
 import torch.nn.functional as F
 
 from ...config import ConfigError
+from ...models import archs
+from ...models.archs import SUPPORTED  # noqa: F401 (importable here as before)
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-"""Architectures whose decoder layer this module reproduces: pre-norm attention with q/k/v/o projections
-(optional biases, optional q/k norms) and RoPE from the model's rotary module, then the layer's MLP."""
+
+def hooks(hf_model) -> archs.Decoder:
+    """How this decoder computes `hf_model`'s layers (its architecture's `ArchSpec.decoder`: pre-norm attention
+    with q/k/v/o projections, optional biases and q/k norms, RoPE from the model's rotary module, then the MLP);
+    a ConfigError naming what it cannot run."""
+    spec = archs.spec_for(hf_model)
+    if spec is None or spec.decoder is None:
+        raise ConfigError(f"the kit's rollout loop does not run {type(hf_model).__name__}; allowed: "
+                          f"{', '.join(archs.SUPPORTED)} (HFRollout runs any causal LM)")
+    return spec.decoder
 
 
 def check_model(hf_model) -> None:
     """ConfigError naming what this decoder cannot run, before anything is allocated."""
-    arch = type(hf_model).__name__
-    if arch not in SUPPORTED:
-        raise ConfigError(f"the kit's rollout loop does not run {arch}; allowed: {', '.join(SUPPORTED)} "
-                          "(HFRollout runs any causal LM)")
+    hooks(hf_model)
 
 
 def layer_windows(hf_model) -> list[int | None]:
     """Per layer, the sliding window HF attends with (a query at q sees keys q - w < k <= q), or None for full
-    attention: Mistral's `sliding_window` on every layer; where the config lists `layer_types`, only on its
-    "sliding_attention" layers; none when `use_sliding_window` is false (Qwen2's default)."""
+    attention: the config's `sliding_window` on every layer; where the config lists `layer_types`, only on its
+    "sliding_attention" layers; none when `use_sliding_window` is false (a default of some families)."""
     c = hf_model.config
     window = getattr(c, "sliding_window", None)
     if window is None or not getattr(c, "use_sliding_window", True):
@@ -63,7 +72,8 @@ def layer_windows(hf_model) -> list[int | None]:
 
 
 def is_moe(hf_model) -> bool:
-    return type(hf_model).__name__ in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+    """Whether the model's MLP routes tokens to experts (`Decoder.moe`): no CUDA graph captures its step."""
+    return hooks(hf_model).moe
 
 
 # ---- the weights -----------------------------------------------------------------------------
@@ -73,10 +83,10 @@ def fuse_projections(hf_model) -> bool:
     whether any group was (re)made: a Parameter re-pointed since (`load_state_dict(assign=True)`, an assignment)
     is no longer a view of its group, so the group is made again from the modules' current tensors, and CUDA graphs
     captured on the old group must be dropped."""
-    made = False
+    made, dense = False, not hooks(hf_model).moe
     for layer in hf_model.model.layers:
         made |= _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv")
-        if hasattr(layer.mlp, "gate_proj") and hasattr(layer.mlp, "up_proj"):
+        if dense:
             made |= _fuse(layer.mlp, ("gate_proj", "up_proj"), "gate_up")
     return made
 
@@ -109,20 +119,20 @@ def _views_of(parts: list[torch.Tensor], fused: torch.Tensor) -> bool:
     return offset == fused.numel()
 
 
-def projections(layer, h: torch.Tensor, *, head_dim: int, clip_qkv: float | None):
-    """q [..., heads, D], k and v [..., kv_heads, D] of `h` [..., hidden], q/k norms applied."""
+def projections(layer, h: torch.Tensor, *, head_dim: int, clip_qkv: float | None, qk_norm: str | None):
+    """q [..., heads, D], k and v [..., kv_heads, D] of `h` [..., hidden], q/k norms applied where `qk_norm`
+    (`Decoder.qk_norm`) says, and clamped to +-`clip_qkv` (config.clip_qkv; None: not clamped)."""
     attn = layer.self_attn
     lead = h.shape[:-1]
     sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
     q, k, v = F.linear(h, attn.kit_qkv_weight, getattr(attn, "kit_qkv_bias", None)).split(sizes, -1)
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if q_norm is not None and q_norm.weight.numel() != head_dim:   # OLMoE: over all heads at once
-        q, k = rms(q_norm, q), rms(k_norm, k)
-    if clip_qkv is not None:   # OLMoE's optional clamp
+    if qk_norm == "heads":   # over all heads at once
+        q, k = rms(attn.q_norm, q), rms(attn.k_norm, k)
+    if clip_qkv is not None:
         q, k, v = (t.clamp(-clip_qkv, clip_qkv) for t in (q, k, v))
     q, k, v = (t.reshape(*lead, -1, head_dim) for t in (q, k, v))
-    if q_norm is not None and q_norm.weight.numel() == head_dim:   # Qwen3: per head
-        q, k = rms(q_norm, q), rms(k_norm, k)
+    if qk_norm == "head":   # per head
+        q, k = rms(attn.q_norm, q), rms(attn.k_norm, k)
     return q, k, v
 
 
@@ -272,7 +282,7 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
     `rows` [k], slots 0..L-1 (a slot past a row's length holds junk that no step reads: `decode` masks it).
     Returns the logits of each prompt's last token [k, vocab]."""
     k_rows, L = ids.shape
-    m = hf_model.model
+    m, qk_norm = hf_model.model, hooks(hf_model).qk_norm
     x = m.embed_tokens(ids)
     cos, sin = (t[:L][None, :, None, :] for t in rope)
     keys = torch.arange(L, device=ids.device)
@@ -281,7 +291,7 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
     windowed = {w: mask & (keys[None, :] > keys[:, None] - w)[None, None] for w in set(windows) if w is not None}
     for layer, (k_cache, v_cache), window in zip(m.layers, cache, windows):
         h = rms(layer.input_layernorm, x)
-        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
+        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv, qk_norm=qk_norm)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k_cache[rows, :, :L], v_cache[rows, :, :L] = k, v
@@ -299,7 +309,7 @@ def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
     output after the row's prompt and completion so far: nothing before `starts` is recomputed). Only real tokens
     are written. Returns the logits of each row's last new token [k, vocab]."""
     k_rows, L = ids.shape
-    m = hf_model.model
+    m, qk_norm = hf_model.model, hooks(hf_model).qk_norm
     last = rope[0].shape[0] - 1   # a pad token's slot may lie past the cache: clamped, it is never written
     pos = (starts[:, None] + torch.arange(L, device=ids.device)).clamp(max=last)   # [k, L] the tokens' slots
     real = torch.arange(L, device=ids.device)[None] < lengths[:, None]
@@ -312,7 +322,7 @@ def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
     x = m.embed_tokens(ids)
     for layer, (k_cache, v_cache), window in zip(m.layers, cache, windows):
         h = rms(layer.input_layernorm, x)
-        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
+        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv, qk_norm=qk_norm)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_cache[where_rows, :, where_slots], v_cache[where_rows, :, where_slots] = k[real], v[real]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows, :, :seen], v_cache[rows, :, :seen],
@@ -330,7 +340,7 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
     `slots` (every row's pos < slots), or to the last `windows[i]` of them in a sliding-window layer i. Returns the
     final norm's output [b, hidden]: `hf_model.lm_head` of it is the logits, computed outside a CUDA graph so no
     graph keeps a [b, vocab] output of its own."""
-    m = hf_model.model
+    m, qk_norm = hf_model.model, hooks(hf_model).qk_norm
     b = tok.shape[0]
     k0 = cache[0][0]
     kv_heads, all_slots = k0.shape[1], k0.shape[2]
@@ -343,7 +353,7 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
     x = m.embed_tokens(tok)
     h = rms(m.layers[0].input_layernorm, x)
     for i, (layer, (k_cache, v_cache), window) in enumerate(zip(m.layers, cache, windows)):
-        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv)
+        q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv, qk_norm=qk_norm)
         out = glue.rope_attend(q, k, v, cos, sin, k_cache, v_cache, pos, where, biases.get(window), slots=slots,
                                window=window, scale=_scale(layer, head_dim))
         x, h = glue.add_rms(x, layer.self_attn.o_proj(out), layer.post_attention_layernorm)
