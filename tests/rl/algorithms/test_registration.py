@@ -1,11 +1,13 @@
-"""rl.algorithms.registration: every algorithm of the kit registered once, a config found by its class (or its
-nearest registered base), an unregistered one and a taken name refused, PPO without a critic named."""
-from dataclasses import dataclass
+"""rl.algorithms.registration: every algorithm of the kit registered once with a documented config, a config found
+by its class (or its nearest registered base), an unregistered one and a taken name refused, PPO without a critic
+named."""
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
 
 from mfsdp_kit.config import ConfigError
+from mfsdp_kit.fieldtypes import field_docs
 from mfsdp_kit.rl import core, loop
 from mfsdp_kit.rl.algorithms import (DAPO, GRPO, PPO, REGISTRY, REINFORCE_PP, RLOO, Algorithm, DAPOConfig, GRPOConfig,
                                      PPOConfig, ReinforcePPConfig, RLOOConfig, of, register)
@@ -17,6 +19,13 @@ def test_each_algorithm_of_the_kit_is_registered_by_its_config():
     assert {a.name for a in pairs} <= REGISTRY.keys()
     for algorithm, config in pairs.items():
         assert algorithm.config is config and of(config()) is algorithm and REGISTRY[algorithm.name] is algorithm
+
+
+def test_every_registered_config_documents_each_field():
+    """A config's fields are the algorithm's bench and CLI options (`perf.options`): each says what it does."""
+    undocumented = {a.name: sorted({f.name for f in fields(a.config)} - field_docs(a.config).keys())
+                    for a in REGISTRY.values()}
+    assert not any(undocumented.values()), undocumented
 
 
 def test_a_subclass_is_its_nearest_registered_base_and_a_bare_config_is_refused():
