@@ -13,7 +13,7 @@ rarely samples its stop id, so completions run to --max-new-tokens: the worst ca
 The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrained, so its responses run long
 (written with 1024 positions for that), 64 prompts x 8 samples of the 3-digit arithmetic
 task, up to 512 new tokens at T 1. Each iteration is split into sync (weights into the rollout model), rollout,
-logprob (old log-probs) and update seconds (`GRPOHistory`), with the mean response length and the
+logprob (old log-probs) and update seconds (`rl.loop.History`), with the mean response length and the
 train-inference log-prob mismatch, and the seconds torch.compile took in each iteration (`compile_s`) and what the kit's
 Triton kernels compiled in it (`triton_compiles`: seconds, kernels, disk-cache loads), and the token budgets and the
 allocator's retries after it (`memory`). Prints a table
@@ -73,17 +73,17 @@ def model_folder(size: str, *, positions: int) -> str:
     return src
 
 
-def split_table(name: str, result: dict, gcfg, *, params: int, hw: floors.Hardware, lora: bool = False) -> list[dict]:
+def split_table(name: str, result: dict, cfg, *, params: int, hw: floors.Hardware, lora: bool = False) -> list[dict]:
     """Print one backend's per-iteration split with each pass's floor on `hw` (`perf.floors`) and its MFU on real
     tokens (with `lora`, the update's floor at 4N FLOPs a token: the frozen base needs no weight gradients); returns
     the rows (seconds, floors, MFU) for the JSON."""
     rows = []
-    print(f"\n{name}: {gcfg.prompts_per_iteration} prompts x {gcfg.samples_per_prompt} samples, "
-          f"<= {gcfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor ({hw.name}) / MFU beside each "
+    print(f"\n{name}: {cfg.prompts_per_iteration} prompts x {cfg.samples_per_prompt} samples, "
+          f"<= {cfg.max_new_tokens} new tokens, {params / 1e9:.2f} B params; floor ({hw.name}) / MFU beside each "
           f"pass (MFU: model FLOPs of real tokens / 989 TFLOP/s)")
     print(f"{'it':>3} " + " ".join(f"{k[:-2]:>17}" for k in SPLIT) + f" {'total s':>8} {'resp tok':>8} "
           f"{'|dlogp| mean':>12} {'tail s':>7}")
-    samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
+    samples = cfg.prompts_per_iteration * cfg.samples_per_prompt
     engines = [result["engine"][i] if i < len(result["engine"]) else {} for i in range(len(result["rollout_s"]))]
     steps = [e.get("steps", longest) for e, longest in zip(engines, result["response_tokens_max"])]
     per_iteration = floors.rl_iterations(SimpleNamespace(**result), params=params, hw=hw, samples=samples,
@@ -202,7 +202,7 @@ def main() -> None:
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-6), cfg)
     pool = data.ArithmeticTask(digits=3).rl_prompts(1000)
     hw = floors.hardware() or floors.HARDWARE["H200"]   # elsewhere (a CPU run): an H200's floors, so named
-    gcfg = options.build(grpo.GRPOConfig, args, prefix="")
+    grpo_cfg = options.build(grpo.GRPOConfig, args, prefix="")
     results = {}
     triton = compile_time.TritonCompiles().listen()   # the kit's Triton kernels' compiles, per iteration
     for name in args.backends.split(","):
@@ -226,13 +226,13 @@ def main() -> None:
                 if on_iteration is not None:
                     on_iteration(i, m)
             return grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout,
-                            prompt_pool=pool, reward_fn=data.verify, gcfg=gcfg, iterations=args.iterations,
+                            prompt_pool=pool, reward_fn=data.verify, cfg=grpo_cfg, iterations=args.iterations,
                             progress=False, on_iteration=record)
         history, phases = profiled(run, iterations=args.iterations) if args.profile and gpu else (run(None), None)
         results[name] = dict(vars(history), engine=engine_stats, compile_s=compile_s, triton_compiles=triton_compiles,
                              memory=memory, rollout_setup_s=setup_s, phases=phases)
         if rt.rank == 0:
-            results[name]["table"] = split_table(name, results[name], gcfg, params=params, hw=hw,
+            results[name]["table"] = split_table(name, results[name], grpo_cfg, params=params, hw=hw,
                                                   lora=bool(args.lora_rank))
             if gpu:   # the floors are an H200's
                 plots.iteration_time(history, Path(args.out).with_name(f"grpo_iteration_{name}.png"),

@@ -198,8 +198,8 @@ def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
     from transformers import AutoModelForCausalLM
     rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(args.dtype)).to(rt.device), tok)
     per_rank = args.grpo_prompts_per_iteration * args.grpo_samples_per_prompt // args.grpo_num_minibatches // rt.dp_size  # sequences/rank/update
-    gcfg = options.build(grpo.GRPOConfig, args, prefix="grpo", max_new_tokens=args.rl_digits + 3,
-                         micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank))
+    grpo_cfg = options.build(grpo.GRPOConfig, args, prefix="grpo", max_new_tokens=args.rl_digits + 3,
+                             micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank))
     opt, sched = grpo_optimizer(args, cfg, model, tok)
     ref = None
     if args.grpo_kl_coef:
@@ -212,7 +212,7 @@ def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
         sampled = None
         if args.grpo_eval_samples:
             sampled = sampled_accuracy(rollout, model, args.held2, samples=args.grpo_eval_samples,
-                                       temperature=args.grpo_temperature, max_new_tokens=gcfg.max_new_tokens,
+                                       temperature=args.grpo_temperature, max_new_tokens=grpo_cfg.max_new_tokens,
                                        seed=10_000_019 * (it + 1))
         if rt.rank == 0:
             print(f"\n  held-out after {it} iterations: greedy {greedy:.3f}"
@@ -228,7 +228,7 @@ def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
     t0 = time.perf_counter()
     pool = args.task2.rl_prompts(4000 if args.rl_digits >= 2 else 90)
     hist = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
-                    reward_fn=data.REWARDS[args.grpo_reward], gcfg=gcfg, iterations=args.grpo_iterations,
+                    reward_fn=data.REWARDS[args.grpo_reward], cfg=grpo_cfg, iterations=args.grpo_iterations,
                     seq_len_tokens=args.seq, ref_chunks=ref, on_iteration=on_iteration, scheduler=sched)
     seconds = time.perf_counter() - t0
     curve.append(heldout(args.grpo_iterations))

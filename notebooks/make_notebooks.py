@@ -613,7 +613,7 @@ GRPO = [
     md("""
 # 05 · GRPO: reinforcement learning from synced Megatron-FSDP weights
 
-Each iteration (`rl.grpo.iteration`): sync the training weights into the HF rollout model on every
+Each iteration (`rl.loop.iteration`): sync the training weights into the HF rollout model on every
 rank; sample several completions per prompt; score them with a verifiable reward
 (`data.verify`: exact match); turn rewards into advantages within each prompt's group
 ((r - mean) / std); update the policy with the clipped-ratio loss plus a KL penalty to a frozen
@@ -656,9 +656,9 @@ ref = load(ref_dir, cfg, wrap=False).chunks
 rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device), tok)
 backend = type(rollout).__name__
 packed = packing.can_pack(model.chunks)   # the update's micro-batches run packed (no padding computed)
-gcfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
-                       ppo_epochs=2, num_minibatches=2, micro_batch_size=8)
-samples = gcfg.prompts_per_iteration * gcfg.samples_per_prompt
+grpo_cfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
+                           ppo_epochs=2, num_minibatches=2, micro_batch_size=8)
+samples = grpo_cfg.prompts_per_iteration * grpo_cfg.samples_per_prompt
 n_params = sum(p.numel() for n, p in rollout.model.named_parameters() if "embed" not in n)   # in a matmul
 rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
 '''),
@@ -666,7 +666,7 @@ rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
     code('''
 _, progress = cluster.run_with_progress(handle, """
 history = grpo.fit(chunks=model.chunks, optimizer=rl_opt, bridge=model.bridge, rollout=rollout,
-                   prompt_pool=task.rl_prompts(80), reward_fn=data.verify, gcfg=gcfg, iterations=8,
+                   prompt_pool=task.rl_prompts(80), reward_fn=data.verify, cfg=grpo_cfg, iterations=8,
                    ref_chunks=ref, progress=False)   # seq_len_tokens: what the longest prompt + 4 new tokens need
 """)
 '''),
@@ -730,6 +730,10 @@ assert all(d <= 1e-4 * s for d, s in zip(diffs, scales)), (diffs, scales)
     md("""
 ## Beyond GRPO, on the same rollouts
 
+Every algorithm is a registration in `rl.algorithms` (its config, its loss, and where it has them its sampling
+filter and advantage estimator) run by the one loop (`rl.loop.fit`): DAPO, RLOO and REINFORCE++ are `grpo.fit`
+given their config (`DAPOConfig`, `RLOOConfig`, `ReinforcePPConfig`); PPO adds a critic.
+
 **PPO with a learned critic** (`rl.ppo`): the value model is the policy's architecture with a scalar head
 (`rl.critic.value_model`), sharded by Megatron-FSDP like the policy, with its own optimizer; GAE turns each
 completion's reward (on its last token) and the critic's per-token values into per-token advantages. Here with
@@ -744,11 +748,11 @@ something to fit.
 from mfsdp_kit.rl import critic, ppo
 value = critic.value_model(load(src, cfg, wrap=False).chunks, cfg)   # the base trunk, a zero head: V = 0 at first
 value_opt = engine.build_optimizer(value, OptimConfig(lr=nbm.lr(1e-3)), cfg)
-pcfg = ppo.PPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, micro_batch_size=8,
-                     rollout_correction="token-truncate")
+ppo_cfg = ppo.PPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, micro_batch_size=8,
+                        rollout_correction="token-truncate")
 ppo_history = ppo.fit(chunks=model.chunks, optimizer=rl_opt, critic_chunks=value, critic_optimizer=value_opt,
                       bridge=model.bridge, rollout=rollout, prompt_pool=task.rl_prompts(80),
-                      reward_fn=data.digit_match, pcfg=pcfg, iterations=6, progress=False)
+                      reward_fn=data.digit_match, cfg=ppo_cfg, iterations=6, progress=False)
 '''),
     code('''
 ppo_history = handle.view["ppo_history"][0]
@@ -1090,8 +1094,8 @@ def evaluate():   # greedy on held-out sums: (accuracy, call rate)
 
 before = evaluate()
 print(f"rank {rank} held-out greedy before GRPO: accuracy {before[0]:.2f}, call rate {before[1]:.2f}")
-gcfg = grpo.GRPOConfig(prompts_per_iteration=prompts_per_iteration, samples_per_prompt=8, max_new_tokens=24,
-                       ppo_epochs=2, num_minibatches=2, micro_batch_size=16)
+grpo_cfg = grpo.GRPOConfig(prompts_per_iteration=prompts_per_iteration, samples_per_prompt=8, max_new_tokens=24,
+                           ppo_epochs=2, num_minibatches=2, micro_batch_size=16)
 rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
 '''),
     md("Run the iterations with per-rank progress (reward, KL):"),
@@ -1099,7 +1103,7 @@ rl_opt = engine.build_optimizer(model.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
 _, progress = cluster.run_with_progress(handle, """
 history = grpo.fit(chunks=model.chunks, optimizer=rl_opt, bridge=model.bridge, rollout=rollout,
                    prompt_pool=[(task.prompt(*p), task.answer(*p)) for p in problems[:400]], reward_fn=reward,
-                   gcfg=gcfg, iterations=iterations, progress=False)
+                   cfg=grpo_cfg, iterations=iterations, progress=False)
 after = evaluate()
 engine_stats = dict(rollout.stats)
 """)

@@ -20,10 +20,10 @@ from mfsdp_kit.perf import release  # noqa: E402
 def draw_grpo(folder: Path, out: Path) -> None:
     """The split of every iteration of the release run beside its floors (`plots.iteration_time`)."""
     from mfsdp_kit.notebook import plots
-    from mfsdp_kit.rl.grpo import GRPOHistory
+    from mfsdp_kit.rl.loop import History
     d = json.loads((folder / "grpo_iteration.json").read_text())
     h = release.grpo_history(d)
-    history = GRPOHistory(**{f.name: h[f.name] for f in fields(GRPOHistory) if f.name in h})
+    history = History(**{f.name: h[f.name] for f in fields(History) if f.name in h})
     plots.iteration_time(history, out, floors=[row["floors"] for row in h["table"]],
                          title=f"GRPO iteration, tiny {d['args']['size']}, 1 H200 ({release.provenance(d)['commit']})")
 

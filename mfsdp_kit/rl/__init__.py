@@ -1,6 +1,8 @@
 """Reinforcement learning on the kit's chunks.
 
-`core` holds what every policy-gradient algorithm shares (collect, group advantages, log-probs,
-the update loop, the loss reduction); `grpo`, `dapo` and `ppo` (with `critic`, its value model) compose it;
-`rollout` holds the `RolloutBackend` Protocol and the HF backend. A new algorithm is a module next to `dapo`.
+`core` holds what every policy-gradient algorithm shares (collect, advantages, log-probs, the update, the loss
+reduction); `algorithms` holds each algorithm as a registration (its config, its loss, and where it has them its
+filter and advantage estimator: GRPO, DAPO, RLOO, REINFORCE++, PPO with `critic`, its value model); `loop` runs any of
+them (the one `iteration` and `fit`, one `History`); `grpo`, `dapo` and `ppo` are their notebook spellings;
+`rollout` holds the `RolloutBackend` Protocol and the backends. A new algorithm is a module in `algorithms/`.
 """

@@ -58,19 +58,19 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     if out.exists():
         raise FileExistsError(f"--out {out} exists: name a new folder")
-    gcfg = options.build(grpo.GRPOConfig, args, prefix="")
+    cfg = options.build(grpo.GRPOConfig, args, prefix="")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     problems = load_problems(args.data, tokenizer, prompt_field=args.prompt_field, answer_field=args.answer_field,
                              limit=args.limit)   # a bad file stops here, before any rank loads a weight
     gpu = torch.cuda.is_available()
-    cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32")
-    rt = runtime.init(cfg)
-    model = load(args.model, cfg)
-    optimizer = engine.build_optimizer(model.chunks, OptimConfig(lr=args.lr), cfg)
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype(cfg.dtype)).to(rt.device)
+    engine_cfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="bf16" if gpu else "fp32")
+    rt = runtime.init(engine_cfg)
+    model = load(args.model, engine_cfg)
+    optimizer = engine.build_optimizer(model.chunks, OptimConfig(lr=args.lr), engine_cfg)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch_dtype(engine_cfg.dtype)).to(rt.device)
     history = grpo.fit(chunks=model.chunks, optimizer=optimizer, bridge=model.bridge,
                        rollout=grpo.Rollout(hf, tokenizer), prompt_pool=problems,
-                       reward_fn=rewards.gold_reward(problems, grade=REWARDS[args.reward]), gcfg=gcfg,
+                       reward_fn=rewards.gold_reward(problems, grade=REWARDS[args.reward]), cfg=cfg,
                        iterations=args.iterations, progress=rt.rank == 0)
     sync.save_hf(model.chunks, model.bridge, out / "hf")   # weights, config and the folder's tokenizer
     metrics = vars(history)

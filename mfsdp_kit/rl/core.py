@@ -1,6 +1,6 @@
 """The algorithm-independent pieces of policy-gradient RL on the kit's chunks.
 
-An RL algorithm here is a composition of five functions, called in the open by its `iteration`:
+Every RL algorithm here composes five functions, called in the open by the one `rl.loop.iteration`:
 
     collect          sync weights into the rollout backend, sample n completions per prompt on each
                      data-parallel rank, score them -> a `RolloutBatch` (the same on every rank)
@@ -17,9 +17,9 @@ counts the loss_fn returns over micro-batches and data-parallel ranks (`train.py
 return (sum_i mean_t l_it, number of sequences) and it is the mean of per-sequence means,
     L = (1/G) sum_i (1/|o_i|) sum_t l_it,
 which is the GRPO paper's; a long completion then weighs as much as a short one in total, so
-each of its tokens weighs less. The kit's GRPO has always used the token level (see `rl.grpo`).
+each of its tokens weighs less. The kit's GRPO has always used the token level (`rl.algorithms.grpo`).
 
-`rl.grpo` adds its loss and config; `rl.dapo` adds dynamic sampling and clip-higher.
+Each algorithm (`rl.algorithms`) adds its config, its loss and, where it has them, its filter and estimator.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ from .rollout.tools import joined_masks
 # ---- rewards ---------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """The knobs every policy-gradient method here shares: sampling, the update loop, offload.
-    `grpo.GRPOConfig` and `dapo.DAPOConfig` add their loss's own."""
+    """The knobs every policy-gradient method here shares: sampling, the update loop, offload. Each algorithm's
+    config adds its own (`rl.algorithms`: GRPOConfig, DAPOConfig, RLOOConfig, ReinforcePPConfig, PPOConfig)."""
 
     prompts_per_iteration: int = 8
     """Distinct prompts (groups) per iteration (a multiple of the data-parallel size)."""
@@ -85,7 +85,7 @@ class RolloutConfig:
     """Pack the log-prob and update passes: None where the model can (`packing.can_pack`), True, False."""
     advantage_estimator: Estimator = "grpo"
     """How rewards become advantages (`rl.advantages`): within each group (grpo), leave-one-out (rloo), or whitened
-    over the batch (reinforce++)."""
+    over the batch (reinforce++); RLOOConfig and ReinforcePPConfig fix theirs, PPO's GAE does not read it."""
     rollout_correction: Mode = "none"
     """Importance weights pi_old / q for the train-inference mismatch (`rl.correction`): "token-truncate",
     "token-mask", "sequence-truncate", "sequence-mask", or "none"."""

@@ -33,8 +33,9 @@ scalar head is not split over tensor-parallel ranks.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -45,6 +46,20 @@ from ..train import Batch
 from ..train.options import StepOptions, takes_options
 from . import core
 from .core import RolloutBatch
+
+
+@dataclass(kw_only=True)
+class Critic:
+    """A value model and its own training state: what PPO's advantage estimator reads and trains
+    (`rl.algorithms.ppo`; `loop.Models.critic`)."""
+
+    chunks: list
+    """The value model (`value_model`)."""
+    optimizer: Any
+    """Its optimizer, apart from the policy's (`engine.build_optimizer(chunks, ocfg, cfg)`)."""
+    scheduler: Any = None
+    """Steps once per critic optimizer step (None: none)."""
+
 
 class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1], in the output layer's call convention (`weight`, the tied embedding,

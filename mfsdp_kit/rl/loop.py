@@ -1,40 +1,150 @@
-"""What GRPO and DAPO share after sampling, and their outer loop: each algorithm keeps only its loss and how it
-picks the groups it trains on (`grpo.iteration`, `dapo.iteration`).
+"""The one RL loop: every algorithm's `iteration` and `fit`, reading the registration of the config it is given
+(`rl.algorithms`: its filter, its advantage estimator, its loss).
 
-    policy_update   advantages -> training batch with old / reference log-probs (timed: logprob_s; pi_old from the
-                    update's own forward when it is one optimizer step, `rl.on_policy`) -> update (update_s),
-                    all scored at the sampling temperature (`scoring.scored_at`), plus the train-inference
-                    mismatch of the rollout's log-probs (`scoring.mismatch`)
+    iteration       sample (the algorithm's filter: `Sampled`) -> advantages (its estimator: `Estimate`) ->
+                    `policy_update` with its loss -> what the estimator runs after (PPO: the critic's update)
+    policy_update   the training batch with old / reference log-probs (timed: logprob_s; pi_old from the update's own
+                    forward when it is one optimizer step, `rl.on_policy`) -> update (update_s), all scored at the
+                    sampling temperature (`scoring.scored_at`), plus the train-inference mismatch of the rollout's
+                    log-probs (`scoring.mismatch`)
     fit             prompts drawn from a pool each iteration (`core.PromptDraw`), the training length checked
-                    before any rollout, metrics into a history (`run_iterations`)
+                    before any rollout, metrics into a `History` (`run_iterations`)
 """
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
-from ..fieldtypes import COUNT, checked_args
+from ..fieldtypes import COUNT, checked_args, optional
 from ..perf.timeline import phase
-from . import advantages, core, correction, on_policy
+from ..train import chat
+from . import core, correction, on_policy
+from .algorithms import registration
+from .algorithms.registration import Models  # noqa: F401 (the loop's public name: what fit trains)
 from .core import RolloutBatch, RolloutConfig
 from .scoring import mismatch, scored_at
 
 
+@dataclass
+class History:
+    """Per-iteration metrics of any algorithm; a field the algorithm does not report stays empty."""
+
+    reward: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    response_tokens: list[float] = field(default_factory=list)
+    """Mean completion length, tokens."""
+    response_tokens_max: list[int] = field(default_factory=list)
+    """The longest completion, tokens (a lower bound on the rollout's sequential decode steps)."""
+    prompt_tokens: list[float] = field(default_factory=list)
+    """Mean prompt length per completion, tokens."""
+    tool_call_rate: list[float] = field(default_factory=list)
+    """Share of the completions that hold a tool's output (0 without tools: `rollout.tools`)."""
+    kl: list[float] = field(default_factory=list)
+    clip_frac: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    logprob_diff_mean: list[float] = field(default_factory=list)
+    """Train-inference mismatch: mean |logp_rollout - logp_trainer| over the sampled tokens (`rl.scoring`)."""
+    logprob_diff_max: list[float] = field(default_factory=list)
+    sync_s: list[float] = field(default_factory=list)
+    sync_bytes: list[int] = field(default_factory=list)
+    rollout_s: list[float] = field(default_factory=list)
+    logprob_s: list[float] = field(default_factory=list)
+    """Old and reference log-prob forwards."""
+    logprob_passes: list[int] = field(default_factory=list)
+    """Forward passes over the batch before the update: the old policy's (none when the update's own forward
+    gives pi_old, `rl.on_policy`) and the reference model's."""
+    update_s: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)
+    """logprob_s + update_s."""
+    is_weight_mean: list[float] = field(default_factory=list)
+    """Rollout correction (`rl.correction`; NaN without one): the weights pi_old / q before truncation, mean."""
+    is_weight_max: list[float] = field(default_factory=list)
+    is_changed_frac: list[float] = field(default_factory=list)
+    """Share of the sampled tokens truncated or masked."""
+    rollout_kl: list[float] = field(default_factory=list)
+    """k3 estimate of KL(rollout || trainer) over the sampled tokens."""
+    ppl_ratio: list[float] = field(default_factory=list)
+    """Perplexity of the sampled tokens under the trainer over the rollout's."""
+    groups_sampled: list[int] = field(default_factory=list)
+    """DAPO's filter: groups sampled over its rounds (reward and accuracy are over all of them)."""
+    groups_kept: list[int] = field(default_factory=list)
+    """Groups in the update (0: no update that iteration; kl, clip_frac, entropy are NaN)."""
+    sampling_rounds: list[int] = field(default_factory=list)
+    value_loss: list[float] = field(default_factory=list)
+    """PPO's critic: the clipped value loss, mean over the iteration's critic steps."""
+    value_clip_frac: list[float] = field(default_factory=list)
+    """Share of the critic's tokens whose new value left the clip range (mean over its steps)."""
+    explained_variance: list[float] = field(default_factory=list)
+    """1 - Var(R - V) / Var(R) of the values the advantages came from (before this iteration's critic update)."""
+    value_mean: list[float] = field(default_factory=list)
+    """Mean V over the completion tokens."""
+    advantage_abs_mean: list[float] = field(default_factory=list)
+    """Mean |A| over the completion tokens, before whitening."""
+    critic_s: list[float] = field(default_factory=list)
+    """The critic's forward (values) and update."""
+
+
+NO_UPDATE = dict(logprob_s=0.0, update_s=0.0, train_s=0.0, logprob_passes=0, kl=math.nan, clip_frac=math.nan,
+                 entropy=math.nan, loss=math.nan, logprob_diff_mean=math.nan, logprob_diff_max=math.nan,
+                 **dict.fromkeys(correction.KEYS, math.nan))
+"""What an iteration whose filter kept no group reports of the update it did not make."""
+
+
+def iteration(*, models: Models, cfg: RolloutConfig, draw: Callable[[int], list], reward_fn, seq_len_tokens: int,
+              index: int = 0) -> dict:
+    """One iteration of the algorithm `cfg` registers (module docstring): prompts from `draw(k)` (k prompts, the
+    same on every rank), scored by `reward_fn` (a callable or a `core.Reward`, which says what counts as solved:
+    `accuracy`); `index` seeds its rollouts. Returns the iteration's metrics (`History`'s names, and the last
+    step's loss)."""
+    algorithm = registration.of(cfg)
+    sampled = algorithm.sample(models, cfg, draw=draw, reward=core.as_reward(reward_fn), index=index)
+    metrics = dict(**sampled.everything.stats, **core.rollout_metrics(sampled.everything), **sampled.metrics)
+    if sampled.kept.num_groups == 0:
+        return dict(metrics, **NO_UPDATE)
+    pad_id = chat.pad_id(models.rollout.tokenizer)
+    estimate = algorithm.advantages(sampled.kept, cfg, models=models, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
+    policy = policy_update(sampled.kept, advantages=estimate.advantages, chunks=models.chunks,
+                           optimizer=models.optimizer, cfg=cfg, loss_fn=algorithm.loss(cfg),
+                           seq_len_tokens=seq_len_tokens, pad_id=pad_id, ref_chunks=models.ref_chunks,
+                           scheduler=models.scheduler)
+    after = estimate.after_update() if estimate.after_update is not None else {}
+    return dict(metrics, **estimate.metrics, **policy, **after)
+
+
+@checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
+def fit(*, models: Models, cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], reward_fn, iterations: int,
+        seq_len_tokens: int | None = None, progress: bool = True, on_iteration=None) -> History:
+    """`iterations` of `iteration`, each drawing its prompts from `prompt_pool` [(prompt, answer)] (deterministic
+    from `cfg.seed`, `core.PromptDraw`).
+
+    `seq_len_tokens` (the training sequences' length): None = what the longest prompt of the pool plus
+    `max_new_tokens` needs (`core.seq_len_needed`); a shorter value is refused before any rollout.
+    `on_iteration(iteration, metrics)` runs on every rank after each iteration (e.g. a held-out evaluation every k
+    iterations; it may run collectives, as all ranks call it). A fresh Adam without warm-up takes sign-like steps of
+    the full lr at first, which on CPU at lr 3e-5 cost a small SFT'd model ~5 held-out points in 15 steps even on
+    gold SFT data: give `models.scheduler` a warm-up."""
+    algorithm = registration.of(cfg)   # a config no algorithm registers: refused before any work
+    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, models.rollout.tokenizer,
+                                          max_new_tokens=cfg.max_new_tokens)
+    draw = core.PromptDraw(prompt_pool, seed=cfg.seed)
+    return run_iterations(iteration=lambda it: iteration(models=models, cfg=cfg, draw=draw, reward_fn=reward_fn,
+                                                         seq_len_tokens=seq_len_tokens, index=it),
+                          iterations=iterations, history=History(), desc=algorithm.name, progress=progress,
+                          on_iteration=on_iteration)
+
+
 def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, loss_fn, seq_len_tokens: int,
-                  pad_id: int, ref_chunks=None, scheduler=None, min_advantage: float | None = None,
-                  precomputed_advantages=None) -> dict:
-    """Advantages of `kept` (`cfg.advantage_estimator`, or `precomputed_advantages`: [n], or [n, seq] in the training
-    batch's layout such as PPO's GAE; raised to `min_advantage` if given), its training batch and
-    log-probs, weighted by `cfg.rollout_correction` (`rl.correction`), and `cfg`'s epochs x minibatches of
-    optimizer steps with `loss_fn`.
+                  pad_id: int, ref_chunks=None, scheduler=None, advantages=None) -> dict:
+    """`kept`'s training batch with `advantages` ([n], or [n, seq] in the training batch's layout such as PPO's GAE;
+    None: `cfg.advantage_estimator`'s, `registration.critic_free`) and its log-probs, weighted by
+    `cfg.rollout_correction` (`rl.correction`), then `cfg`'s epochs x minibatches of optimizer steps with `loss_fn`.
     pi_old comes from the update's own forward when it is one optimizer step (`rl.on_policy`), else from a
     separate pass first (logprob_s; with a reference model, its pass is there too).
     Returns logprob_s, update_s, train_s (their sum), logprob_passes, logprob_diff_mean/max, the correction's
     diagnostics and the last step's loss, kl, clip_frac and entropy."""
-    adv = (advantages.estimate(kept.rewards, group_size=cfg.samples_per_prompt, estimator=cfg.advantage_estimator)
-           if precomputed_advantages is None else precomputed_advantages)
-    if min_advantage is not None:
-        adv = adv.clamp(min=min_advantage)
+    adv = registration.critic_free(kept, cfg).advantages if advantages is None else advantages
     models = list(chunks) + list(ref_chunks or [])
     in_loss = on_policy.applies(cfg)
     correction.needed(cfg.rollout_correction, kept.logprobs)   # refused before any forward
@@ -42,8 +152,7 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
         t0 = time.perf_counter()
         with phase("logprobs"):
             batch = core.training_batch(kept, adv, chunks=chunks, ref_chunks=ref_chunks, seq_len_tokens=seq_len_tokens,
-                                        pad_id=pad_id, micro_batch_size=cfg.micro_batch_size, packed=cfg.packed,
-                                        old=not in_loss)
+                                        pad_id=pad_id, options=cfg.scoring_options(), old=not in_loss)
         if in_loss:   # pi_old, the mismatch and the correction from the update's own forward (rl.on_policy)
             loss_fn = on_policy.OnPolicyLoss(loss_fn, mode=cfg.rollout_correction, low=cfg.correction_low,
                                              high=cfg.correction_high)
@@ -54,9 +163,8 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
         t1 = time.perf_counter()
         with phase("update"):
             results = core.update(chunks=chunks, optimizer=optimizer, batch=batch, epochs=cfg.ppo_epochs,
-                                  num_minibatches=cfg.num_minibatches, micro_batch_size=cfg.micro_batch_size,
-                                  scheduler=scheduler, loss_fn=loss_fn, packed=cfg.packed,
-                                  max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+                                  num_minibatches=cfg.num_minibatches,
+                                  options=cfg.step_options(loss_fn=loss_fn, scheduler=scheduler))
     t2 = time.perf_counter()
     if in_loss:
         from megatron.core import parallel_state as ps
@@ -68,22 +176,10 @@ def policy_update(kept: RolloutBatch, *, chunks, optimizer, cfg: RolloutConfig, 
                 **core.update_metrics(results))
 
 
-def fit(*, iteration: Callable[..., dict], cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], tokenizer,
-        iterations: int, seq_len_tokens: int | None, history, desc: str, progress: bool = True, on_iteration=None):
-    """`iterations` calls of `iteration(index=, draw=, seq_len_tokens=)`, where `draw(k)` gives k prompts of
-    `prompt_pool` (deterministic from `cfg.seed`) and `seq_len_tokens` is checked (None: what the longest prompt
-    plus `max_new_tokens` needs) before any rollout."""
-    seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, tokenizer, max_new_tokens=cfg.max_new_tokens)
-    draw = core.PromptDraw(prompt_pool, seed=cfg.seed)
-    return run_iterations(iteration=lambda it: iteration(index=it, draw=draw, seq_len_tokens=seq_len_tokens),
-                          iterations=iterations, history=history, desc=desc, progress=progress,
-                          on_iteration=on_iteration)
-
-
 @checked_args(iterations=COUNT)
 def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history, desc: str, progress: bool = True,
                    on_iteration=None):
-    """Call `iteration(i)` for i < iterations; append each metric named by a `history` field to it;
+    """Call `iteration(i)` for i < iterations; append each metric that names a `history` field to it;
     tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each. On a notebook
     engine Stop ends the loop between two iterations (an iteration under way, its rollout included, finishes
     first), the same one on every rank (`distributed.stop`); the history so far is returned."""
@@ -99,7 +195,8 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
                 break
             m = iteration(it)
             for key in vars(history):
-                getattr(history, key).append(m[key])
+                if key in m:
+                    getattr(history, key).append(m[key])
             bar.set_postfix(reward=f"{m['reward']:.3f}", kl=f"{m['kl']:.4f}")
             report(step=it + 1, total=iterations, reward=m["reward"], kl=m["kl"])
             if on_iteration is not None:
