@@ -203,7 +203,7 @@ class Glue:
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
         if mode == "triton":   # imported here: Triton loads only for the engines that use it
-            from . import attention, elementwise
+            from .kernels import attention, elementwise
             self._rope_store, self._add_rms = elementwise.rope_store, elementwise.add_rms
             self._silu_gated, self._decode_attention = elementwise.gated, attention.decode_attention
 

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ...models.triton_launch import launch
+from ....models.triton_launch import launch
 
 try:
     import triton

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ...config import bad_value
-from ...models.triton_launch import launch
+from ....config import bad_value
+from ....models.triton_launch import launch
 from .attention import triton
 
 if triton is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models.triton_launch import launch
+from ....models.triton_launch import launch
 from .attention import triton
 
 if triton is not None:
