@@ -11,3 +11,15 @@ its twin named in its docstring and a test in tests/rl/rollout/kernels/ against 
 step's glue) or `sampling.Sampler` (the draw) picks it. Nothing here holds state across calls: that is
 `model_runner.ModelRunner`'s. Triton is imported by these modules only, so it loads only for the engines that use it.
 """
+from __future__ import annotations
+
+import warnings
+
+from ....config.flat import REMOVED_IN
+
+
+def moved(name: str) -> None:
+    """Warn (once per process: a module runs once) that `mfsdp_kit.rl.rollout.<name>` is now
+    `mfsdp_kit.rl.rollout.kernels.<name>`; the old module path imports until mfsdp_kit `REMOVED_IN`."""
+    warnings.warn(f"mfsdp_kit.rl.rollout.{name} is deprecated: import mfsdp_kit.rl.rollout.kernels.{name} instead; "
+                  f"the old path is removed in mfsdp_kit {REMOVED_IN}", DeprecationWarning, stacklevel=2)
