@@ -1,5 +1,5 @@
 """Decode attention, one query a row: SDPA over the masked slot bucket (cuDNN's kernel for grouped heads on a GPU)
-against the kit's Triton kernels (`rl.rollout.attention`), per (rows, slot bucket), beside the floor.
+against the kit's Triton kernels (`rl.rollout.kernels.attention`), per (rows, slot bucket), beside the floor.
 
     python bench/decode_attention.py --out runs/bench/decode_attention.json   # 1 GPU
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from mfsdp_kit.perf import floors
 from mfsdp_kit.perf.report import write_json
-from mfsdp_kit.rl.rollout.attention import decode_attention
+from mfsdp_kit.rl.rollout.kernels.attention import decode_attention
 from mfsdp_kit.rl.rollout.decoder import masks
 
 

@@ -152,7 +152,7 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
     so each kernel is seen) under torch.profiler, kernels summed over the call and divided by its decode steps;
     beside it the captured step alone (graph replays at one slot bucket) and `pick` alone, in ms."""
     from torch.profiler import ProfilerActivity, profile
-    from mfsdp_kit.rl.rollout.sampling import pick
+    from mfsdp_kit.rl.rollout.kernels.sampling import pick
     rows = torch.randint(0, vocab - 1, (batch, prompt_tokens), generator=torch.Generator().manual_seed(3)).tolist()
     kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(cuda_graphs=False, keep_cache=True))
     kit.generate(rows, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)   # compiles, the cache
@@ -188,13 +188,13 @@ def profile_decode(model, vocab: int, *, batch: int, prompt_tokens: int, new_tok
 
 @torch.no_grad()   # as the engine runs: with grad on, the glue recompiles and runs autograd's wrappers
 def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
-    """What making a cache's graphs costs (`runner.Runner.cache_for`: every bucket of `runner.buckets`), at `rows` x
-    `slots` twice (the first with the glue's compile), then one bucket's parts: its eager step's host time (the
-    launches) and device time, one capture, and cProfile's top functions of that capture."""
+    """What making a cache's graphs costs (`model_runner.ModelRunner.cache_for`: every bucket of
+    `model_runner.buckets`), at `rows` x `slots` twice (the first with the glue's compile), then one bucket's parts: its
+    eager step's host time (the launches) and device time, one capture, and cProfile's top functions of that capture."""
     import cProfile
     import io
     import pstats
-    from mfsdp_kit.rl.rollout.runner import captured
+    from mfsdp_kit.rl.rollout.model_runner import captured
     kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True))
     r = kit.runner
 

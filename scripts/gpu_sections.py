@@ -132,7 +132,7 @@ SECTIONS = {
     "gpu_tests_gpu": [Row(name="gpu_tests_gpu", script="-m pytest", launch="python",
                           args="-q -p no:cacheprovider tests/train/test_train.py tests/notebook/test_gpus.py tests/distributed/test_grad_upcast.py "
                                "tests/notebook/test_cluster.py tests/distributed/test_keep_gathered.py tests/models/test_varlen.py "
-                               "tests/rl/test_continuous.py tests/rl/test_runner.py tests/distributed/test_runtime.py "
+                               "tests/rl/rollout/test_engine.py tests/rl/rollout/test_model_runner.py tests/distributed/test_runtime.py "
                                "tests/train/test_token_budget.py tests/distributed/test_engine.py tests/notebook/test_kernel_stop.py "
                                "-k 'on_a_gpu or gpus or cpu_engines or kernel_that_started_them or barrier or stop_during_fit'")],
     # every architecture that works on CPU (docs/architectures.md), written by transformers, on the GPUs: TP 1 (and 2
@@ -318,7 +318,7 @@ SECTIONS.update({
     "rollout_profile": [Row(name="rollout_profile", script="bench/rollout.py", launch="python", writes="rollout_profile.json",
                             args="--shape qwen2-1.8b --batches 256 --variants compiled --hf-new-tokens 2 "
                                  "--agreement-rows 0 --profile-batch 256")],
-    # what making a cache's graphs up front costs (`runner.Runner.cache_for`, 81 graphs at 512 x 576) and one capture's parts
+    # what making a cache's graphs up front costs (`model_runner.ModelRunner.cache_for`, 81 graphs at 512 x 576) and one capture's parts
     "rollout_capture": [Row(name="rollout_capture", script="bench/rollout.py", launch="python",
                             writes="rollout_capture.json",
                             args="--shape qwen2-1.8b --batches 2 --new-tokens 8 --variants compiled --hf-new-tokens 2 "
@@ -327,8 +327,9 @@ SECTIONS.update({
     # attention alone against cuDNN's SDPA per rows x bucket, then GRPO iterations with them and with the torch path
     "decode_kernels": [
         Row(name="decode_kernels_tests", script="-m pytest", launch="python",
-            args="-q -p no:cacheprovider tests/rl/test_attention.py tests/rl/test_elementwise.py tests/rl/test_runner.py "
-                 "tests/rl/test_draw.py -k 'gpu or kernels or rope or add_rms or splits or draw'"),
+            args="-q -p no:cacheprovider tests/rl/rollout/kernels/test_attention.py tests/rl/rollout/kernels/test_elementwise.py "
+                 "tests/rl/rollout/test_model_runner.py tests/rl/rollout/kernels/test_draw.py "
+                 "-k 'gpu or kernels or rope or add_rms or splits or draw'"),
         Row(name="decode_attention", script="bench/decode_attention.py", launch="python", writes="decode_attention.json"),
         Row(name="grpo_iteration_triton", script="bench/grpo_iteration.py", writes="grpo_iteration_triton.json",
             args="--size l --iterations 3 --profile --backends continuous_triton,continuous_torch")],

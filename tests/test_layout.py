@@ -263,6 +263,26 @@ def test_perf_sits_above_the_runtime():
     assert top_level_kit_imports(f"{PERF}.trainers") - PERF_LIGHT_IMPORTS  # the scan sees module-level imports
 
 
+ROLLOUT = f"{PACKAGE}.rl.rollout"
+ROLLOUT_KERNELS = f"{ROLLOUT}.kernels"
+
+
+def test_the_rollout_engines_roles_keep_apart():
+    """docs/design.md, "The rollout engine": the scheduler is host policy (of the engine it imports only `tools`, no
+    model, kernel or device module); the kernels import nothing of the engine (state lives in the model runner); and
+    the engine and the HF backend share `backend`, neither built on the other (no base class in engine.py or hf.py)."""
+    graph = import_graph()
+    engine = {m for m in graph if m.startswith(ROLLOUT + ".") and not m.startswith(ROLLOUT_KERNELS)}
+    assert graph[f"{ROLLOUT}.scheduler"] & engine == {f"{ROLLOUT}.tools"}, graph[f"{ROLLOUT}.scheduler"]
+    assert not graph[f"{ROLLOUT}.scheduler"] & {m for m in graph if m.startswith(ROLLOUT_KERNELS)}
+    kernels = {m: graph[m] & engine for m in graph if m.startswith(ROLLOUT_KERNELS + ".")}
+    assert len(kernels) >= 4 and not any(kernels.values()), f"kernels importing the engine's modules: {kernels}"
+    for module in ("engine", "hf"):
+        tree = ast.parse(kit_modules()[f"{ROLLOUT}.{module}"].read_text())
+        based = {n.name: [ast.unparse(b) for b in n.bases] for n in tree.body if isinstance(n, ast.ClassDef) and n.bases}
+        assert not based, f"{module}: classes built on others (compose them instead): {based}"
+
+
 DOOR = f"{PACKAGE}.compat"
 """The one door into megatron-core's and Megatron-Bridge's internals (docs/design.md, "The door"): only modules
 of this package import Megatron-FSDP's source package or the bridge's submodules, name them in strings, or touch

@@ -162,7 +162,7 @@ def on_gpu() -> bool:
 
 
 TRITON_MIN_CAPABILITY = (8, 0)
-"""The oldest NVIDIA GPU the kit's Triton kernels are for (`models.triton_fusions`, `rl.rollout.attention` /
+"""The oldest NVIDIA GPU the kit's Triton kernels are for (`models.triton_fusions`, `rl.rollout.kernels.attention` /
 `elementwise`, which the "auto" kernel choices take on such a GPU): bf16 loads, stores and dots need sm80
 (Ampere); they were measured on sm90 (docs/benchmarks.md, "The Triton kernels by default"). Older GPUs, and ROCm
 builds, keep the torch path."""

@@ -7,7 +7,7 @@ for the kernel's C launcher, which Triton builds per signature with the system's
 engine's first cache met ~8 such kernels one by one, in the eager warm-ups before its graph captures (on a fresh
 machine, seconds of Triton's own stage times, launchers apart: docs/benchmarks.md, "The Triton kernels by default").
 ptxas and the C compiler run as subprocesses and Triton's passes release the GIL in part: on this kit's 2-core CI
-machine 4 kernels compiled in 0.66 s on a pool against 0.97 s one after another. So `Runner.cache_for` first runs
+machine 4 kernels compiled in 0.66 s on a pool against 0.97 s one after another. So `ModelRunner.cache_for` first runs
 each decode step inside `ahead()`, which records the launches instead of running them, and `compile_all` compiles and
 loads what it recorded on one thread per CPU core; the warm-ups and captures then find every kernel ready.
 

@@ -3,7 +3,7 @@
 Two compilers run in a kit process on a GPU:
   - torch.compile (the decode glue and the fused RoPE/SwiGLU with `kernels="torch"`): dynamo keeps its own count,
     which includes inductor and the Triton kernels it compiles;
-  - Triton, for the kit's own kernels (`rl.rollout.attention` / `elementwise`, `models.triton_fusions`), compiled in
+  - Triton, for the kit's own kernels (`rl.rollout.kernels`, `models.triton_fusions`), compiled in
     this process at their first launch. Triton tells a listener (`triton.knobs.compilation.listener`, Triton >= 3.4)
     each compile's stage times, and each load from its disk cache. Inductor compiles some of its kernels in this
     process too (on 1 H100, 6 in the torch path's first GRPO iteration): the listener hears those as well, so they

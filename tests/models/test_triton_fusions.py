@@ -1,8 +1,8 @@
 """models.triton_fusions (`kernels.fusion_kernels="triton"`): RoPE and SwiGLU, forward and backward, equal megatron's
 unfused functions on q and on k (a strided slice of a fused qkv output, as megatron passes it), padded and packed,
 with a partial rotary width, and a whole GPT's loss and grads equal the unfused ones. On a GPU, or on CPU in Triton's
-interpreter (TRITON_INTERPRET=1, fp32; tests/rl/test_attention.py says how to run it). The config checks run
-everywhere."""
+interpreter (TRITON_INTERPRET=1, fp32; tests/rl/rollout/kernels/test_attention.py says how to run it). The config
+checks run everywhere."""
 import re
 
 import pytest

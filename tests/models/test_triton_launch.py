@@ -1,7 +1,7 @@
 """models.triton_launch: inside `ahead()` a kit kernel's launch is recorded, not run; `compile_all` then compiles
 it, so its real launch compiles and loads nothing (a GPU); one compile per specialisation; `compile_soon` compiles
-once in the background. The recording runs on CPU
-in Triton's interpreter (TRITON_INTERPRET=1; tests/rl/test_attention.py says how), the compile on a GPU."""
+once in the background. The recording runs on CPU in Triton's interpreter (TRITON_INTERPRET=1;
+tests/rl/rollout/kernels/test_attention.py says how), the compile on a GPU."""
 import pytest
 import torch
 
@@ -25,7 +25,7 @@ def _add_rms_inputs(hidden: int, dtype=torch.float32):
 def test_ahead_records_launches_and_runs_none():
     """The cache write of `rope_store` (a kernel that writes a tensor the caller owns, as the fused attention does):
     recorded inside `ahead()`, the cache stays zero; outside, it is written."""
-    from mfsdp_kit.rl.rollout import elementwise
+    from mfsdp_kit.rl.rollout.kernels import elementwise
     b, kv_heads, dim, slots = 2, 2, 16, 4
     q, k, v = (torch.randn(b, h, dim, device=DEVICE) for h in (4, kv_heads, kv_heads))
     cos, sin = torch.ones(b, 1, dim, device=DEVICE), torch.zeros(b, 1, dim, device=DEVICE)
@@ -61,7 +61,7 @@ def test_specialisation_merges_what_triton_does_not_look_at():
 
 @kernels_run
 def test_compile_all_in_the_interpreter_compiles_nothing():
-    from mfsdp_kit.rl.rollout import elementwise
+    from mfsdp_kit.rl.rollout.kernels import elementwise
     with triton_launch.ahead() as launches:
         elementwise.add_rms(*_add_rms_inputs(64), 1e-6)
     if DEVICE == "cpu":

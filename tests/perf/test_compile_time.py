@@ -41,7 +41,7 @@ def test_triton_compiles_then_cache_hits(tmp_path, monkeypatch):
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     got = counts.read()   # a kernel of the tests, not the kit's: counted apart, its cache load not at all
     assert got["other_kernels"] == 1 and got["other_seconds"] > 0 and got["kernels"] == got["cache_hits"] == 0, got
-    double.module = "mfsdp_kit.rl.rollout.attention"   # now as if it were one of the kit's
+    double.module = "mfsdp_kit.rl.rollout.kernels.attention"   # now as if it were one of the kit's
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "empty"))
     for _ in range(2):
         triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -63,7 +63,7 @@ class Decoder:
 @dataclass(frozen=True, kw_only=True)
 class ArchSpec:
     """One HF model family the kit reproduces exactly (load -> wrap -> export, logits and greedy tokens equal to
-    transformers': tests/models, tests/rl/test_continuous.py), and what it takes to."""
+    transformers': tests/models, tests/rl/rollout/test_engine.py), and what it takes to."""
 
     architecture: str
     """The HF model class, as config.json's `architectures` lists it (e.g. "LlamaForCausalLM")."""

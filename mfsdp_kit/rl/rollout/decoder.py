@@ -29,7 +29,7 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
-Every function computes the HF model's own function: tests/rl/test_continuous.py compares greedy tokens
+Every function computes the HF model's own function: tests/rl/rollout/test_engine.py compares greedy tokens
 with `generate` for every architecture in SUPPORTED (those whose spec has decoder hooks), written by transformers
 itself.
 """
@@ -213,7 +213,7 @@ class Glue:
         wrap = (lambda f: torch.compile(f, fullgraph=True)) if mode == "compiled" else (lambda f: f)
         self._rope_store, self._gated, self._add_rms = wrap(rope_store), wrap(gated), wrap(add_rms)
         if mode == "triton":   # imported here: Triton loads only for the engines that use it
-            from . import attention, elementwise
+            from .kernels import attention, elementwise
             self._rope_store, self._add_rms = elementwise.rope_store, elementwise.add_rms
             self._silu_gated, self._decode_attention = elementwise.gated, attention.decode_attention
 

@@ -1,33 +1,14 @@
-"""The `transformers` rollout backend: an HF model per rank, refreshed in place from the chunks.
-
-Refresh = `engine.synchronize_fsdp_params` (sharded view: wait for in-flight all-gathers, show
-the optimized DTensor shards) -> `sync.load_into` (export every HF tensor, copy it in) ->
-`engine.restore_fsdp_params` (compute view, ready for the next forward). The two engine halves,
-not `engine.params_view(chunks, "sharded")`: that context manager puts back the view each chunk
-showed before, which right after `engine.build_optimizer` is the sharded one; the rollout path has
-always left the compute view installed (and `offload.offload` records the chunks that showed it,
-to put it back at `reload`), so the halves keep the behaviour exactly.
+"""The `transformers` rollout backend: an HF model per rank, refreshed in place from the chunks (`backend.refresh`),
+sampled by `generate`: any causal LM, the reference the kit's engine (`engine.ContinuousRollout`) is tested against.
 """
 from __future__ import annotations
 
 import torch
 
 from ...train import chat
-from ...weights import sync
-from ...distributed import engine
 from ...train.generate import cut_at_stop
-
-
-class Completions(list):
-    """What `RolloutBackend.sample` returns: a list of completions (token ids, cut after the first stop id) and
-    `logprobs`, each sampled token's log-prob at the sampling temperature (None if the backend does not score);
-    with tools, `model_mask` per completion (1: a token the model sampled, 0: a tool's) and log-probs of the
-    model's tokens only (None: every token is the model's)."""
-
-    def __init__(self, tokens=(), *, logprobs: list[list[float]] | None = None,
-                 model_mask: list[list[int]] | None = None):
-        super().__init__(tokens)
-        self.logprobs, self.model_mask = logprobs, model_mask
+from . import backend
+from .backend import Completions
 
 
 class HFRollout:
@@ -37,12 +18,9 @@ class HFRollout:
         self.model, self.tokenizer = hf_model.eval(), tokenizer
 
     def refresh(self, chunks, bridge) -> dict:
-        """Copy the current training weights in (every chunk); returns {"seconds", "bytes", "tensors", ...}."""
-        engine.synchronize_fsdp_params(chunks)
-        try:
-            return sync.load_into(self.model, chunks, bridge)
-        finally:
-            engine.restore_fsdp_params(chunks)
+        """Copy the current training weights in (every chunk: `backend.refresh`); returns {"seconds", "bytes",
+        "tensors", ...}."""
+        return backend.refresh(self.model, chunks, bridge)
 
     @torch.no_grad()
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,

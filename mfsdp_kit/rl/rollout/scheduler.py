@@ -1,7 +1,9 @@
-"""One `ContinuousRollout.generate` call's scheduling policy, on the host alone: which sequence each cache row serves,
-what each sequence has sampled, where it stops, and (with tools) which sequences wait on a tool. It imports no model
-code and launches nothing, so the policy is tested without a model (tests/rl/test_scheduler.py, against a naive
-reference); `run.Run` carries its decisions out on the device, as nano-vllm's ModelRunner does its Scheduler's.
+"""The rollout engine's scheduler (nano-vllm's `Scheduler`): one `ContinuousRollout.generate` call's policy, on the host
+alone: which sequence each cache row serves, which rows the next decode steps run and which slots they read, which
+prompts one prefill takes, what each sequence has sampled, where it stops, and (with tools) which sequences wait on a
+tool. It imports no model code and launches nothing, so the policy is tested without a model
+(tests/rl/rollout/test_scheduler.py, against a naive reference); `model_runner.ModelRunner` carries its decisions out
+on the device, and `engine.step` joins the two, one check point at a time.
 
 A sequence's life: admitted (its prompt prefilled into a free cache row, `admit`), decoded `check_every` steps at a
 time (`next_chunk`), cut at its first stop id or at `max_new_tokens` (`record`), its cache row then refilled from the
@@ -25,8 +27,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .schedule import batch_bucket, bucketed, prefill_groups
 from .tools import ToolConfig, find_call
+
+
+def bucketed(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`."""
+    return -(-n // bucket) * bucket
+
+
+def batch_bucket(n: int, *, rows: int, least: int = 2, per_doubling: int = 2) -> int:
+    """The decode batch for `n` live rows: the smallest bucket >= n, at least `least` (`DecodeConfig.min_batch`) and 2
+    (a batch of 1 would compile glue of its own), at most `rows`. Buckets are the powers of two, and with
+    `per_doubling` 2 (`DecodeConfig.buckets_per_doubling`) also 3/4 of each (..., 48, 64, 96, 128, 192, 256, 384,
+    512): a bucket then idles at most a third of its rows, not half."""
+    n = max(n, least, 2)
+    bucket = 1 << (n - 1).bit_length()
+    if per_doubling == 2 and bucket >= 4 and bucket * 3 // 4 >= n:
+        bucket = bucket * 3 // 4
+    return min(rows, bucket)
+
+
+def prefill_groups(lengths: list[int], *, budget_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` (prompt tokens) in prefill groups: shortest first, each group's padded batch
+    (its rows x its longest prompt) at most `budget_tokens`; a prompt longer than the budget is a group alone.
+    Sorting keeps the padding small: the naive batch of every free row pads all of them to the longest prompt."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass(kw_only=True, eq=False)
@@ -67,9 +98,18 @@ class Chunk:
     idle: list[int]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Move:
+    """A compaction (`Scheduler.compact`): cache rows `rows` (ascending) copied to rows 0..len(rows)-1, where the
+    scheduler has placed their sequences, their first `slots` slots only (no step has read past the longest of them)."""
+
+    rows: list[int]
+    slots: int
+
+
 class Scheduler:
-    """The sequences of one call over `rows` cache rows of `slots` slots (module docstring). The runner asks it what to
-    launch (`admit`, `resume`, `compact`, `next_chunk`) and hands back what the launches sampled (`record`,
+    """The sequences of one call over `rows` cache rows of `slots` slots (module docstring). The engine asks it what to
+    launch (`resume`, `admit`, `compact`, `next_chunk`) and hands back what the launches sampled (`record`,
     `decoded`); `results()` gives per input row (tokens, log-probs of the model's tokens, model mask)."""
 
     def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
@@ -92,7 +132,7 @@ class Scheduler:
 
     # ---- what runs next ---------------------------------------------------------------------------
     def bucket(self, live: int) -> int:
-        """The batch bucket for `live` rows of this call's cache (`schedule.batch_bucket`, at least `min_batch`)."""
+        """The batch bucket for `live` rows of this call's cache (`batch_bucket`, at least `min_batch`)."""
         return batch_bucket(live, rows=len(self.cache), least=self.min_batch, per_doubling=self.per_doubling)
 
     def busy(self) -> bool:
@@ -105,8 +145,8 @@ class Scheduler:
 
     def admit(self) -> list[list[Sequence]]:
         """Queued sequences placed in the free rows (left-aligned from slot 0), in prefill groups of similar length
-        under the prefill token budget (`prefill_groups`); the runner prefills each group and `record`s its first
-        tokens."""
+        under the prefill token budget (`prefill_groups`); the runner prefills each group, and its first
+        tokens come back through `record`."""
         free = [r for r, s in enumerate(self.cache) if s is None][:len(self.queue)]
         if not free:
             return []
@@ -117,10 +157,10 @@ class Scheduler:
         groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens)
         return [[take[j] for j in group] for group in groups]
 
-    def compact(self) -> list[int] | None:
+    def compact(self) -> Move | None:
         """With the queue empty, no sequence waiting and the live rows' bucket smaller than the batch: the live rows
-        move to the front and the batch shrinks to their bucket. Returns the rows, ascending, whose cache the runner
-        copies to rows 0..n-1 (None: nothing moves)."""
+        move to the front and the batch shrinks to their bucket. Returns the copy the runner makes (None: nothing
+        moves)."""
         live = self.live()
         if self.queue or not live or any(s.waiting for s in self.cache if s):
             return None
@@ -134,7 +174,7 @@ class Scheduler:
         self.cache = moved + [None] * (len(self.cache) - len(live))
         for r, s in enumerate(moved):
             s.row = r
-        return live
+        return Move(rows=live, slots=max(s.length for s in moved))
 
     def next_chunk(self) -> Chunk | None:
         """Up to `check_every` decode steps of the batch (fewer when every live sequence has less room left), each
@@ -218,8 +258,8 @@ class Scheduler:
     def resume(self) -> list[tuple[Sequence, list[int], int]]:
         """Wait for every paused sequence's tool and append its output (cut to the tool's `max_output_tokens` and
         the room left) as tool tokens; a sequence left without room ends. Returns, per sequence to extend, (it,
-        [last token] + output, the slot of its last token): the runner prefills them in one `decoder.extend` and
-        `record`s the tokens sampled after them."""
+        [last token] + output, the slot of its last token): the runner prefills them in one `decoder.extend`, and the
+        tokens sampled after them come back through `record`."""
         out = []
         for s in [s for s in self.cache if s is not None and s.waiting is not None]:
             tool, future, since = s.waiting

@@ -4,10 +4,10 @@ A row calls a tool by writing its call and the tool's `stop` string (`<calc>1234
 (a chat client around a server, or `generate` in a Python loop) ends the sequence at the stop, runs the tool, appends
 its output to the text and sends prompt + everything so far back as a new prompt: each turn prefills the whole
 sequence again, so a row of t turns computes its prompt t times, and the batch waits for the slowest row's tool.
-The kit's engine (`scheduler.Scheduler`, `run.Run`) instead pauses the row at the host's check point, runs the
-tool while the row takes no part in the decode steps, then prefills only the tool's output into the row's own KV
-cache (`decoder.extend`: the output attends to the cached prefix) and resumes decoding: nothing before the output
-is recomputed.
+The kit's engine (`scheduler.Scheduler`, `model_runner.ModelRunner`) instead pauses the row at the host's check
+point, runs the tool while the row takes no part in the decode steps, then prefills only the tool's output into the
+row's own KV cache (`decoder.extend`: the output attends to the cached prefix) and resumes decoding: nothing before
+the output is recomputed.
 
 What the trainer sees: the completion is every token (the model's and the tools'), `model_mask` marks the model's
 own with 1, and only those carry log-probs and sit in the loss (`rl.core.rollout_batch`): a tool's output is

@@ -44,7 +44,7 @@ def test_the_views_are_the_registry():
 
 
 def test_every_family_runs_in_the_rollout_engine():
-    """Each family's decoder hooks are tested against HF `generate` (tests/rl/test_continuous.py runs SUPPORTED)."""
+    """Each family's decoder hooks are tested against HF `generate` (tests/rl/rollout/test_engine.py runs SUPPORTED)."""
     assert archs.SUPPORTED == archs.VERIFIED
 
 

@@ -1,14 +1,15 @@
-"""rl.rollout.draw: the one-kernel draw samples `sampling.pick`'s law at top_p 1 (softmax(logits / T)) and returns
-each token's log-prob at T; at T 0 the first argmax, scored at T 1; its draws are a function of (seed, step, row).
-On a GPU (fp32 and bf16 logits), or on CPU in Triton's interpreter (tests/rl/test_attention.py says how)."""
+"""rl.rollout.kernels.draw: the one-kernel draw samples `sampling.pick`'s law at top_p 1 (softmax(logits / T)) and
+returns each token's log-prob at T; at T 0 the first argmax, scored at T 1; its draws are a function of (seed, step,
+row). On a GPU (fp32 and bf16 logits), or on CPU in Triton's interpreter (tests/rl/rollout/kernels/test_attention.py
+says how)."""
 import os
 
 import pytest
 import torch
 
 from mfsdp_kit.config import ConfigError
-from mfsdp_kit.rl.rollout.attention import triton
-from tests.rl.test_sampling import assert_draws_follow
+from mfsdp_kit.rl.rollout.kernels.attention import triton
+from tests.rl.rollout.kernels.test_sampling import assert_draws_follow
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
@@ -17,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 
 
 def draw(*args, **kwargs):
-    from mfsdp_kit.rl.rollout.draw import draw as kernel   # imports Triton: after the skip
+    from mfsdp_kit.rl.rollout.kernels.draw import draw as kernel   # imports Triton: after the skip
     return kernel(*args, **kwargs)
 
 
@@ -94,7 +95,7 @@ def test_a_row_split_over_programs_draws_the_unsplit_tokens_and_scores_them_alik
 
 
 def test_a_row_is_split_only_when_the_rows_leave_sms_idle():
-    from mfsdp_kit.rl.rollout.draw import default_splits
+    from mfsdp_kit.rl.rollout.kernels.draw import default_splits
     assert default_splits(4, torch.device("cpu")) == 1
     if DEVICE == "cuda":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -125,13 +126,13 @@ def test_the_kernel_refuses_a_counter_it_cannot_hold():
         draw(torch.zeros(2, 8, device=DEVICE), temperature=1.0, seed=0, step=0, splits=0)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU: tests/rl/test_continuous.py's kernel sampler test")
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU: tests/rl/rollout/test_engine.py's kernel sampler test")
 def test_the_engine_draws_through_the_kernel_and_scores_its_samples_as_the_model(tmp_path, monkeypatch):
     """The engine's prefills and decode steps drawing through the kernel (`Sampler(kernel=True)`; forced here, where
     the Triton decode kernels do not run, as `DecodeConfig.sampler="triton"` asks on a GPU), fp32: greedy tokens equal
     transformers' `generate`; sampled at T 0.8, each log-prob is the model's teacher-forced log softmax(logits / T), and
     the same seed draws the same tokens, others than the torch sampler's."""
-    from tests.rl.test_continuous import ROWS, SMALL, hf_greedy, load
+    from tests.rl.rollout.test_engine import ROWS, SMALL, hf_greedy, load
     from mfsdp_kit.rl.rollout import ContinuousRollout
     model, tok = load("Qwen2ForCausalLM", tmp_path)
     kit = ContinuousRollout(model, tok, config=SMALL)

@@ -1,11 +1,17 @@
-"""The kit's rollout engine: continuous batching over a slot KV cache, one CUDA graph per batch and slot bucket.
+"""The kit's rollout engine (nano-vllm's `LLMEngine`): continuous batching over a slot KV cache, one CUDA graph per
+batch and slot bucket. Three roles, one verb each:
+
+    scheduler.Scheduler       host only: which sequences run, where each stops (admit, resume, compact, next_chunk)
+    model_runner.ModelRunner  device: weights, KV cache, graphs; launches what the scheduler decided (prefill, decode)
+    ContinuousRollout         the public face (`sample`, `generate`, `refresh`, `release`, `stats`) and `step`,
+                              one check point of the loop that joins the two
 
 The naive loop (HF `generate`, as `HFRollout` calls it) pads every prompt of a call into one batch, grows a
 dynamic cache and launches every kernel of every step from Python: a step costs the same whatever the batch
 (docs/benchmarks.md, rollout), and a batch runs until its longest row ends, however many rows have stopped. Here:
-  - the KV cache holds `rows` sequences of `slots` slots (`decoder.py`); rows are sized from the device's free
+  - the KV cache holds `rows` sequences of `slots` slots (`kv_cache.py`); rows are sized from the device's free
     memory (`DecodeConfig.cache_memory_fraction`, vLLM's gpu_memory_utilization) less the call's measured transient
-    peak (a probe prefill and sampling, nano-vllm's warm-up: `Runner.transient_bytes`), and the cache is kept
+    peak (a probe prefill and sampling, nano-vllm's warm-up: `kv_cache.Sizer`), and the cache is kept
     between calls (`keep_cache`; the training passes' token budget counts it) or freed after each;
   - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
     `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
@@ -15,16 +21,13 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
     costs what its live rows cost;
   - a decode step reads the cache up to the next `slot_bucket` past the longest live row, and runs as one
     CUDA graph per (batch bucket, slot bucket) on a GPU (all graphs share one memory pool, all captured when the
-    cache is made: `runner.Runner`); elsewhere, or for MoE models (their routing syncs the host), it runs
+    cache is made: `model_runner.ModelRunner`); elsewhere, or for MoE models (their routing syncs the host), it runs
     eagerly: the same code, so CPU tests cover it;
-  - sampling (temperature, top-p, `sampling.pick`) runs on the device from one seeded generator, and each
+  - sampling (temperature, top-p, `kernels.sampling.pick`) runs on the device from one seeded generator, and each
     sampled token's log-prob at the sampling temperature comes back with it (the train-inference mismatch).
   - with tools (`tools.ToolConfig`), a row that writes a tool's stop string pauses at the check point, its tool
     runs, and its output is prefilled into the row's own cache slots (`decoder.extend`) before it resumes: the
-    naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`scheduler.py`, `run.py`).
-The policy of one call (sequences, queue, compaction, stops, tool pauses) is `scheduler.Scheduler`, on the host
-alone; its device work (prefills, extends, row copies, the decode steps) is `run.Run`, over the state that
-`runner.Runner` keeps across calls (cache, static buffers, graphs).
+    naive multi-turn loop re-prefills prompt + every earlier turn as a new prompt each turn (`scheduler.py`).
 """
 from __future__ import annotations
 
@@ -34,16 +37,15 @@ from typing import Literal
 
 import torch
 
-from ...train import chat
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
-from .decoder import check_model, fuse_projections, layer_windows
-from .hf import Completions, HFRollout
-from .run import Run
-from .runner import Runner
-from .sampling import Sampler
-from .scheduler import Scheduler
-from .schedule import bucketed
+from ...train import chat
+from . import backend
+from .backend import Completions
+from .kernels.sampling import Sampler
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, bucketed
+from .timing import CallTimer
 from .tools import ToolConfig
 
 
@@ -56,7 +58,7 @@ class DecodeConfig:
     cache_memory_fraction: float = 0.5
     """Share of the device's free memory (when the cache is made; blocks torch's allocator holds unused count as
     free) a call may take (GPUs only): its KV cache plus its measured transient peak (the largest prefill under
-    `prefill_tokens`, a decode step's sampling at the call's rows, a compaction's copies: `Runner.transient_bytes`).
+    `prefill_tokens`, a decode step's sampling at the call's rows, a compaction's copies: `Sizer.transient_bytes`).
     Rows are the fewest of `max_batch_size`, the sequences of the call, and what fits."""
     check_every: int = 16
     """Decode steps between the host's reads of the sampled tokens (its only sync): stopped rows are refilled
@@ -69,7 +71,7 @@ class DecodeConfig:
     54 graphs instead of 81). Eager steps (a CPU, MoE models) keep buckets down to 2:
     there a step costs what its rows cost."""
     buckets_per_doubling: Literal[1, 2] = 2
-    """Decode batch buckets per doubling of the live rows (`schedule.batch_bucket`): 2 (the default) adds 3/4 of each
+    """Decode batch buckets per doubling of the live rows (`scheduler.batch_bucket`): 2 (the default) adds 3/4 of each
     power of two (16, 24, 32, 48, ..., 384, 512 rows: 11 graphs at 512 rows and `min_batch` 16), so a step idles at
     most a third of its rows as sequences end; 1: the powers of two (6 graphs), up to half idle. A step at 512 rows
     costs about 1.4x one at 256 (1 H100, 1.7 B: 4.9 against 3.5 ms), so idle rows there are time."""
@@ -86,22 +88,23 @@ class DecodeConfig:
     """The decode step's attention and elementwise work on a GPU: "auto" ("triton" with `graph_mode="capture"` on a GPU
     that runs the kernels: `models.support.triton_available`, NVIDIA sm80+ with Triton; else "torch") | "torch" (SDPA
     over the masked slot bucket, cuDNN's kernel there, and the elementwise work through `compile_glue`; one CUDA graph
-    per batch and slot bucket) | "triton" (the kit's Triton kernels, `attention.py` and `elementwise.py`: a row reads
-    its own keys, once per KV head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile).
+    per batch and slot bucket) | "triton" (the kit's Triton kernels, `kernels.attention` and `.elementwise`: a row
+    reads its own keys, once per KV head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile).
     Measured on 1 H100 at 1.7 B, 512 rows: a fresh machine's first GRPO rollout 5.9 s against 16.9 s with "torch", later
     ones 1.83-1.84 against 2.06-2.12 s (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops
     run eagerly either way. "triton" needs `graph_mode="capture"`."""
     compile_ahead: bool = True
     """With the Triton kernels: compile every kernel a new cache's steps launch at once, on a thread per CPU core,
-    before the graphs are captured (`Runner.compile_kernels`, `models.triton_launch`). False: each compiles at its
+    before the graphs are captured (`ModelRunner.compile_kernels`, `models.triton_launch`). False: each compiles at its
     first launch, one after another (for comparison)."""
     compile_glue: bool = True
     """Where the glue is torch ops on a GPU (`kernels="torch"`, or a GPU the Triton kernels do not run on):
     `torch.compile` them (`decoder.Glue`)."""
     sampler: Literal["torch", "triton"] = "torch"
     """A decode step's draw where the Triton kernels run (`kernels`): "torch" (`sampling.pick`: about ten torch ops
-    over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`: one kernel reads each row's logits once; Philox
-    draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes "torch"'s sort).
+    over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`, in `kernels/`: one kernel reads each row's logits
+    once; Philox draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes
+    "torch"'s sort).
     Elsewhere "torch". On 1 H100 at a 152k vocabulary: -13 % a decode step at 256 rows, +8 % at 32 (a program a row
     left most SMs idle; since then fewer rows than SMs split each row over programs, not yet timed), so "torch" stays
     the default (docs/benchmarks.md)."""
@@ -134,33 +137,31 @@ class DecodeConfig:
                             '(it is a mode of the Triton attention kernel)')
 
 
-class ContinuousRollout(HFRollout):
-    """`HFRollout`'s model and refresh (its q/k/v and gate/up regrouped in place: `decoder.fuse_projections`),
-    sampled by continuous batching (module docstring)."""
+class ContinuousRollout:
+    """The kit's engine (module docstring): an HF model on this rank, refreshed in place as `HFRollout`'s is
+    (`backend.refresh`), sampled by continuous batching through its `runner` (which regroups the model's q/k/v and
+    gate/up in place: `decoder.fuse_projections`)."""
 
     def __init__(self, hf_model, tokenizer, *, config: DecodeConfig | None = None, tools: ToolConfig | None = None):
-        super().__init__(hf_model, tokenizer)
+        self.model, self.tokenizer = hf_model.eval(), tokenizer
         self.config = config or DecodeConfig()
         self.tools = tools
-        """Tools every row may call (`tools.ToolConfig`; `scheduler.py` pauses and resumes a row, `run.py` prefills
+        """Tools every row may call (`tools.ToolConfig`; the scheduler pauses and resumes a row, the runner prefills
         the tool's output)."""
-        fuse_projections(hf_model)
-        c = hf_model.config
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        self.clip_qkv = getattr(c, "clip_qkv", None)
-        self.windows = layer_windows(hf_model)
-        self.runner = Runner(hf_model, config=self.config, head_dim=self.head_dim, clip_qkv=self.clip_qkv,
-                             windows=self.windows)
-        """The device state across calls: KV cache, static buffers, the decode steps' graphs (`runner.py`)."""
-        self._sizing: dict = {}
-        """The last sizing's free bytes, measured peak and row bytes (`fitting_rows`; empty when none was made)."""
+        self.runner = ModelRunner(self.model, config=self.config)
+        """The device state across calls: weights' view, KV cache, the decode steps' graphs (`model_runner.py`)."""
         self.stats: dict = {}
         """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
         GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
         of a new cache's graphs, in the call that makes it), kernels_s (of capture_s: the Triton kernels compiled
-        ahead of the graphs, `Runner.compile_kernels`), seconds, tokens
-        (the model's), tokens_per_s; with tools: tool_calls, tool_tokens, tool_s (in the tools), tool_wait_s (rows
-        paused, summed over rows), extend_s (their outputs prefilled)."""
+        ahead of the graphs, `ModelRunner.compile_kernels`), seconds, tokens
+        (the model's), tokens_per_s, by_batch (`timing.CallTimer.by_batch`); with tools: tool_calls, tool_tokens,
+        tool_s (in the tools), tool_wait_s (rows paused, summed over rows), extend_s (their outputs prefilled)."""
+
+    def refresh(self, chunks, bridge) -> dict:
+        """Copy the current training weights in (every chunk: `backend.refresh`); returns {"seconds", "bytes",
+        "tensors", ...}."""
+        return backend.refresh(self.model, chunks, bridge)
 
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
                seed: int) -> Completions:
@@ -186,82 +187,68 @@ class ContinuousRollout(HFRollout):
                        seed: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """`generate` and each completion's model mask: 1 per token the model sampled, 0 per token a tool wrote
         (`max_new_tokens` counts both, so the training sequence length does not change with tools)."""
-        cfg = self.config
-        if fuse_projections(self.model):   # a weight re-pointed since the last call: its graphs read the old one
-            self.release()
+        cfg, runner = self.config, self.runner
+        runner.check_weights()
         longest = max(map(len, rows))
-        check_model(self.model)
         slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
-        t0, made = time.perf_counter(), self.runner.made
-        captured_s, kernels_s = self.runner.capture_s, self.runner.kernels_s
-        fitted = self.rows_for(len(rows), slots=slots, longest=longest)
-        state = self.runner.cache_for(fitted, slots, transient_bytes=self._sizing.get("transient", 0))
+        t0, made = time.perf_counter(), runner.made
+        captured_s, kernels_s = runner.capture_s, runner.kernels_s
+        state = runner.prepare(len(rows), slots=slots, longest=longest)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0,
                           transient_bytes=state.transient_bytes)
         scheduler = Scheduler(rows, rows=state.shape[0], slots=state.shape[1], max_new_tokens=max_new_tokens,
                               stops=set(chat.stop_ids(self.tokenizer)), check_every=cfg.check_every,
-                              slot_bucket=cfg.slot_bucket, min_batch=self.runner.min_batch(),
+                              slot_bucket=cfg.slot_bucket, min_batch=runner.min_batch(),
                               buckets_per_doubling=cfg.buckets_per_doubling,
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats)
-        run = Run(self, state, scheduler, sample=Sampler(temperature=temperature, top_p=top_p, seed=seed,
-                                                         device=state.tok.device, kernel=self.runner.kernel_draws()))
+        sample = Sampler(temperature=temperature, top_p=top_p, seed=seed, device=state.tok.device,
+                         kernel=runner.kernel_draws())
+        timer = CallTimer(state.tok.device, self.stats)
         try:
-            return run.loop()
+            return loop(scheduler, runner, sample, timer)
         finally:
-            self.stats["capture_s"] = self.runner.capture_s - captured_s
-            self.stats["kernels_s"] = self.runner.kernels_s - kernels_s
-            self.stats["graphs"] = self.runner.made - made
-            self.stats["by_batch"] = run.timer.by_batch()
+            self.stats["capture_s"] = runner.capture_s - captured_s
+            self.stats["kernels_s"] = runner.kernels_s - kernels_s
+            self.stats["graphs"] = runner.made - made
+            self.stats["by_batch"] = timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
             self.stats["tokens"] = sum(map(sum, scheduler.results()[2]))
             self.stats["tokens_per_s"] = self.stats["tokens"] / self.stats["seconds"]
             if not cfg.keep_cache:
                 self.release()
 
-    def rows_for(self, sequences: int, *, slots: int, longest: int) -> int:
-        """`fitting_rows`, agreed by the model-parallel peers (their minimum): the ranks of one replica sample the
-        same prompts with the same seed, and draw the same tokens only with the same rows (every peer calls it).
-        Where not one row fits on some peer, every peer raises (none is left waiting in the agreement)."""
-        rows = self.fitting_rows(sequences, slots=slots, longest=longest)
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        if dist.is_initialized() and ps.model_parallel_is_initialized():
-            group = ps.get_model_parallel_group()
-            if dist.get_world_size(group) > 1:
-                agreed = torch.tensor([rows], device=self.model.device if dist.get_backend(group) == "nccl" else "cpu")
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-                rows = int(agreed.item())
-        if rows < 1:
-            s = self._sizing
-            here = (f" (here: {s['free'] / 2**30:.1f} GiB free, a row {s['row'] / 2**20:.0f} MiB, the peak "
-                    f"{s['transient'] / 2**30:.2f} GiB)" if s else "")
-            raise bad_value("cache_memory_fraction", self.config.cache_memory_fraction,
-                            f"a share of the free memory that holds one row of {slots} slots beside the call's "
-                            f"measured peak (the largest prefill under `prefill_tokens` {self.config.prefill_tokens}, "
-                            f"a decode step's sampling or a compaction's copies) on every model-parallel rank{here}")
-        return rows
-
-    def fitting_rows(self, sequences: int, *, slots: int, longest: int) -> int:
-        """Cache rows for a call whose prompts are at most `longest` tokens: the fewest of the sequences,
-        `max_batch_size` and what fits in `cache_memory_fraction` of the free device memory beside the call's
-        measured transient peak (`Runner.transient_bytes`); 0 when not one row does (`rows_for` raises). A kept
-        cache too small for the call is freed first: its bytes count as free, and the probe may use them."""
-        want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
-        kept, self._sizing = self.runner.cache, {}
-        if kept is not None and kept.shape[0] >= want and kept.shape[1] >= slots:
-            return kept.shape[0]   # the kept cache holds the call: its graphs replay
-        device = self.model.device
-        if device.type != "cuda":
-            return want
-        self.release()
-        transient = self.runner.transient_bytes(rows=want, slots=slots, longest=longest)
-        # the driver's free memory and the blocks torch's allocator holds unused (the freed cache's among them)
-        free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-                - torch.cuda.memory_allocated(device))
-        self._sizing = dict(free=free, transient=transient, row=self.runner.row_bytes(slots))
-        return max(0, min(want, int((self.config.cache_memory_fraction * free - transient) // self._sizing["row"])))
-
     def release(self) -> None:
-        """Free the KV cache and its CUDA graphs (`runner.Runner.release`); the next call makes them again."""
+        """Free the KV cache and its CUDA graphs (`ModelRunner.release`); the next call makes them again."""
         self.runner.release()
+
+
+def step(scheduler: Scheduler, runner: ModelRunner, sample: Sampler, timer: CallTimer) -> None:
+    """One check point of a call (nano-vllm's `LLMEngine.step`): the scheduler decides on the host, the runner
+    launches on the device, the scheduler takes back what was sampled. In this order, as each decision reads the
+    tokens of the last: rows back from their tools extended, queued prompts prefilled into free rows, the live rows
+    moved to the front of a smaller batch, then one chunk of decode steps, whose read of its tokens is the only sync."""
+    if resumed := scheduler.resume():
+        with timer.phase("extend_s"):
+            scheduler.record([s for s, _, _ in resumed], *runner.extend(resumed, sample))
+    for group in scheduler.admit():
+        with timer.phase("prefill_s"):
+            scheduler.record(group, *runner.prefill(group, sample))
+    if (move := scheduler.compact()) is not None:
+        runner.move(move)
+    if (chunk := scheduler.next_chunk()) is not None:
+        tokens, logprobs = runner.decode(chunk, sample)
+        timer.chunk(chunk.batch, len(chunk.slots))
+        scheduler.decoded(chunk, tokens, logprobs)
+
+
+def loop(scheduler: Scheduler, runner: ModelRunner, sample: Sampler,
+         timer: CallTimer) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+    """A whole call: `step` while sequences are queued, decoding or waiting on a tool (the tool threads joined
+    however it ends); returns the scheduler's `results()`."""
+    try:
+        while scheduler.busy():
+            step(scheduler, runner, sample, timer)
+    finally:
+        scheduler.close()
+    return scheduler.results()

@@ -14,7 +14,7 @@ from mfsdp_kit.rl.correction import rollout_logprobs_like
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, default_backend
 from mfsdp_kit.rl.rollout.hf import left_padded
 from mfsdp_kit.rl.rollout.tools import CALCULATOR, Tool, ToolConfig, ToolError, calculator, find_call
-from tests.rl.test_scheduler import CharTokenizer
+from tests.rl.rollout.test_scheduler import CharTokenizer
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98],
         [12, 13]]

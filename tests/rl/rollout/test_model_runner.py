@@ -1,4 +1,4 @@
-"""rl.rollout.runner: the bucket set covers every step the scheduler can ask for, a kept cache serves later calls
+"""rl.rollout.model_runner: the bucket set covers every step the scheduler can ask for, a kept cache serves later calls
 with the steps it has, and on a GPU every graph is captured when the cache is made: a second call captures nothing,
 and its tokens equal a fresh engine's; the cache is sized beside a measured transient peak that covers a call."""
 import random
@@ -11,12 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mfsdp_kit.models.archs import write_tiny
-from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, attention
-from mfsdp_kit.rl.rollout.attention import triton
+from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig
+from mfsdp_kit.rl.rollout.kernels import attention
+from mfsdp_kit.rl.rollout.kernels.attention import triton
 from mfsdp_kit.models.support import triton_available
 from mfsdp_kit.perf.compile_time import kit_kernel
-from mfsdp_kit.rl.rollout.runner import buckets, glue_mode
-from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
+from mfsdp_kit.rl.rollout.model_runner import buckets, glue_mode
+from mfsdp_kit.rl.rollout.scheduler import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
 
 ROWS = [[5, 17, 42, 9, 77, 3, 120], [8, 8, 200], [31, 64, 11, 150, 151], [7], [90, 91, 92, 93, 94, 95, 96, 97, 98]]

@@ -1,63 +1,52 @@
-"""The rollout engine's device state across calls (nano-vllm's model runner): the KV cache, the rotary table, each
-row's next token and position (the static buffers every decode step reads), and the decode steps themselves, one per
-batch and slot bucket.
+"""The rollout engine's model runner (nano-vllm's `ModelRunner`): the model on the device and what runs on it. It holds
+across calls the weights' fused view (`decoder.fuse_projections`), the model's constants (`context.ModelConstants`),
+the KV cache with each row's next token and position (`kv_cache.Cache`, sized by `kv_cache.Sizer`) and the decode
+steps, one per batch and slot bucket; in a call it carries out the scheduler's decisions: prefills and extends (a
+tool's output into a paused row's own cache slots) from a `context.Context`, row copies (`scheduler.Move`) and chunks
+of decode steps (`scheduler.Chunk`), each sampled on the device (`kernels.sampling.Sampler`), the tokens handed back
+on the host.
 
-On a GPU the steps are CUDA graphs in one memory pool, all captured when the cache is made (`Runner.cache_for`), for
-the fixed set of buckets a call on that cache can ask for (`buckets`; with the Triton attention kernels one per batch
-bucket, `Runner.step_slots`): a call never captures inside its decode loop, and a kept cache's later calls capture
-nothing. Elsewhere, or for MoE models (their routing syncs the host),
-a step is the same code run eagerly, so CPU tests cover it.
+On a GPU the steps are CUDA graphs in one memory pool, all captured when the cache is made (`ModelRunner.cache_for`),
+for the fixed set of buckets a call on that cache can ask for (`buckets`; with the Triton attention kernels one per
+batch bucket, `ModelRunner.step_slots`): a call never captures inside its decode loop, and a kept cache's later calls
+capture nothing. Elsewhere, or for MoE models (their routing syncs the host), a step is the same code run eagerly, so
+CPU tests cover it.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ...models import triton_launch
 from ...models.support import triton_available
-from .decoder import EAGER, Glue, decode, is_moe, prefill, rope_table
-from .sampling import pick
-from .schedule import batch_bucket
-
-
-@dataclass
-class Cache:
-    """The device state of one cache shape: KV per layer, rotary table, each row's next token and position, steps."""
-
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
-    rope: tuple[torch.Tensor, torch.Tensor]
-    tok: torch.Tensor
-    pos: torch.Tensor
-    steps: dict = field(default_factory=dict)
-    """(batch, slots) -> the step: a graph's replay on a GPU, else the eager decode."""
-    pool: object = None
-    """The graphs' memory pool (made with the first graph)."""
-    transient_bytes: int = 0
-    """The measured peak the rows were sized beside (`Runner.transient_bytes`; 0 off a GPU)."""
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(rows, slots)."""
-        return self.kv[0][0].shape[0], self.kv[0][0].shape[2]
+from .context import Context, ModelConstants
+from .decoder import EAGER, Glue, check_model, decode, extend, fuse_projections, is_moe, prefill, rope_table
+from .kernels.sampling import Sampler
+from .kv_cache import Cache, Sizer, zero_kv
+from .scheduler import Chunk, Move, Sequence, batch_bucket
 
 
 def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2,
             per_doubling: int = 2) -> list[tuple[int, int]]:
     """Every (batch, slots) a decode step on a `rows` x `slots` cache can run: the batch buckets of 1..rows live rows
-    (`schedule.batch_bucket`, at least `min_batch`, `per_doubling` as there) times the multiples of `slot_bucket` up to
+    (`scheduler.batch_bucket`, at least `min_batch`, `per_doubling` as there) times the multiples of `slot_bucket` up to
     `slots`, largest first (the pool's biggest buffers are made first and the smaller graphs reuse them)."""
     batches = sorted({batch_bucket(n, rows=rows, least=min_batch, per_doubling=per_doubling)
                       for n in range(1, rows + 1)}, reverse=True)
     return [(b, s) for b in batches for s in range(slots, 0, -slot_bucket)]
 
 
-class Runner:
-    """The model's decode state and steps (module docstring); `ContinuousRollout` owns one."""
+class ModelRunner:
+    """The model's device state and launches (module docstring); `ContinuousRollout` owns one."""
 
-    def __init__(self, model, *, config, head_dim: int, clip_qkv, windows):
-        self.model, self.config, self.head_dim, self.clip_qkv, self.windows = model, config, head_dim, clip_qkv, windows
+    def __init__(self, model, *, config):
+        self.model, self.config = model, config
+        fuse_projections(model)
+        self.constants = ModelConstants.of(model)
+        """What the launches need of the model beyond its weights, read once."""
+        self.sizer = Sizer(model, self.constants, config)
+        """How many cache rows a call gets (`kv_cache.Sizer`)."""
         self.cache: Cache | None = None
         self.capture_s, self.made = 0.0, 0
         """Seconds spent making steps (graph warm-ups and captures, the glue's compile in the first) and the steps
@@ -66,57 +55,40 @@ class Runner:
         """Of `capture_s`: seconds compiling the Triton kernels ahead of the captures (`compile_kernels`)."""
         self._glue: Glue | None = None
         self._compiled = None
-        self.probes: dict[tuple[int, int, int], int] = {}
-        """(rows, slots, prefill tokens) -> the measured peak of `transient_bytes`: one probe per shape."""
 
-    def transient_bytes(self, *, rows: int, slots: int, longest: int) -> int:
-        """Peak device bytes a call on a `rows` x `slots` cache needs beside the cache, its prompts at most `longest`
-        tokens (a GPU; 0 elsewhere), measured once per shape; the largest of:
-          - a prefill group (`schedule.prefill_groups`: rows x their longest <= `prefill_tokens`, a longer prompt
-            alone): max(prefill_tokens, longest) tokens in rows of the call's longest possible length, run on a
-            scratch cache whose own bytes are not counted (activations, the attention mask, logits);
-          - one decode step's sampling at `rows` rows (logits, the top-p sort, the exponential draws);
-          - a compaction's copies (`run.Run.move`: one layer's K and V of half the rows), by their size.
-        Not counted: the graphs' pool (a decode step's activations, a few MB) and a tool output's `extend`.
-        `ContinuousRollout.fitting_rows` sizes the cache beside it. Resets torch's peak counter, as `perf.peaks`
-        does at its phase boundaries."""
-        p = next(self.model.parameters())
-        if p.device.type != "cuda":
-            return 0
-        tokens = max(self.config.prefill_tokens, longest)
-        if (rows, slots, tokens) not in self.probes:
-            moved = (rows + 1) // 2 * self.row_bytes(slots) // len(self.model.model.layers)
-            self.probes[(rows, slots, tokens)] = max(
-                _peak(p.device, lambda: self._probe_prefill(tokens=tokens, slots=slots)),
-                _peak(p.device, lambda: self._probe_sampling(rows)), moved)
-        return self.probes[(rows, slots, tokens)]
+    @property
+    def probes(self) -> dict[tuple[int, int, int], int]:
+        """(rows, slots, prefill tokens) -> the measured transient peak (`kv_cache.Sizer.transient_bytes`)."""
+        return self.sizer.probes
 
-    @torch.no_grad()
-    def _probe_prefill(self, *, tokens: int, slots: int) -> int:
-        """A prefill of at least `tokens` tokens in rows of min(slots, tokens) into a scratch cache; its bytes."""
-        p = next(self.model.parameters())
-        length = min(slots, tokens)
-        rows = -(-tokens // length)
-        kv = self._zero_kv(rows, length)
-        rope = rope_table(self.model, slots=length, like=kv[0][0])
-        ids = torch.zeros(rows, length, dtype=torch.long, device=p.device)
-        prefill(self.model, ids, torch.full((rows,), length, device=p.device), kv, torch.arange(rows, device=p.device),
-                rope, head_dim=self.head_dim, clip_qkv=self.clip_qkv, windows=self.windows)
-        return sum(t.nbytes for pair in kv for t in pair) + sum(t.nbytes for t in rope)
+    # ---- the cache of a call ----------------------------------------------------------------------
+    def check_weights(self) -> None:
+        """Before a call: the weights' fused view made again where a weight was re-pointed since the last call
+        (`fuse_projections`; the cache goes, as its graphs read the old tensors), and a model the decoder cannot run
+        refused by name before anything is allocated."""
+        if fuse_projections(self.model):
+            self.release()
+        check_model(self.model)
 
-    @torch.no_grad()
-    def _probe_sampling(self, rows: int) -> int:
-        """One decode step's head and top-p sampling at `rows` rows (the sort's worst case: top_p < 1)."""
-        p = next(self.model.parameters())
-        hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=p.dtype, device=p.device)
-        pick(self.model.lm_head(hidden), temperature=1.0, top_p=0.5,
-             generator=torch.Generator(device=p.device).manual_seed(0))
-        return 0
+    def prepare(self, sequences: int, *, slots: int, longest: int) -> Cache:
+        """The cache for a call of `sequences` sequences, prompts at most `longest` tokens, `slots` slots a row: the
+        rows that fit (`fitting_rows`) agreed by the model-parallel peers (`Sizer.agreed`, which raises where not one
+        fits), then `cache_for` them."""
+        rows = self.sizer.agreed(self.fitting_rows(sequences, slots=slots, longest=longest), slots=slots)
+        return self.cache_for(rows, slots, transient_bytes=self.sizer.last.get("transient", 0))
 
-    def row_bytes(self, slots: int) -> int:
-        """Bytes of one cache row: layers x (K + V) x kv_heads x slots x head_dim x element size."""
-        c, p = self.model.config, next(self.model.parameters())
-        return len(self.model.model.layers) * 2 * c.num_key_value_heads * slots * self.head_dim * p.element_size()
+    def fitting_rows(self, sequences: int, *, slots: int, longest: int) -> int:
+        """Cache rows for a call: the fewest of the sequences, `max_batch_size` and what fits beside the call's
+        measured transient peak (`Sizer.rows`); 0 when not one row does. A kept cache too small for the call is
+        freed first: its bytes count as free, and the probe may use them."""
+        want = max(2, min(sequences, self.config.max_batch_size))   # a batch of 1 would compile its own glue
+        kept, self.sizer.last = self.cache, {}
+        if kept is not None and kept.shape[0] >= want and kept.shape[1] >= slots:
+            return kept.shape[0]   # the kept cache holds the call: its graphs replay
+        if self.model.device.type != "cuda":
+            return want
+        self.release()
+        return self.sizer.rows(want, slots=slots, longest=longest)
 
     @torch.no_grad()   # decode is inference: a graph captured with grad on would record autograd's bookkeeping
     def cache_for(self, rows: int, slots: int, *, transient_bytes: int = 0) -> Cache:
@@ -128,7 +100,7 @@ class Runner:
             return self.cache
         self.cache = None
         p = next(self.model.parameters())
-        kv = self._zero_kv(rows, slots)
+        kv = zero_kv(self.model, self.constants, rows, slots)
         idx = torch.zeros(rows, dtype=torch.long, device=p.device)
         self.cache = Cache(kv=kv, rope=rope_table(self.model, slots=slots, like=kv[0][0]), tok=idx, pos=idx.clone(),
                            transient_bytes=transient_bytes)
@@ -152,7 +124,7 @@ class Runner:
             for batch, slots in dict.fromkeys((b, self.step_slots(s)) for b, s in steps):
                 hidden = self.eager(batch, slots)()
             if self.kernel_draws():   # the draw's kernels too, sampling at T > 0: a batch's split picks its merge
-                from .draw import draw
+                from .kernels.draw import draw
                 vocab = self.model.lm_head.weight.shape[0]   # only the logits' shape and dtype count: nothing runs
                 for batch in sorted({b for b, _ in steps}):
                     draw(hidden.new_empty(batch, vocab), temperature=1.0, seed=0, step=0)
@@ -160,25 +132,74 @@ class Runner:
         seconds = time.perf_counter() - t0
         self.kernels_s, self.capture_s = self.kernels_s + seconds, self.capture_s + seconds
 
-    def _zero_kv(self, rows: int, slots: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed K and V per layer, each [rows, kv_heads, slots, head_dim] in the model's dtype and device."""
-        p = next(self.model.parameters())
-        shape = (rows, self.model.config.num_key_value_heads, slots, self.head_dim)
-        return [(torch.zeros(shape, dtype=p.dtype, device=p.device), torch.zeros(shape, dtype=p.dtype, device=p.device))
-                for _ in self.model.model.layers]
-
     def release(self) -> None:
         """Free the KV cache and its steps; the next call makes them again."""
         self.cache = None
 
+    # ---- one call's launches ----------------------------------------------------------------------
+    def prefill(self, group: list[Sequence], sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """One padded prefill of the group's prompts into their cache rows (`run`)."""
+        return self.run(Context.of(rows=[s.row for s in group], tokens=[s.prompt for s in group],
+                                   device=self.cache.tok.device), sample)
+
+    def extend(self, items: list[tuple[Sequence, list[int], int]],
+               sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resumed sequences' [last token] + tool output (`Scheduler.resume`'s items) prefilled from the slot of
+        their last token on, in one `decoder.extend` (`run`)."""
+        return self.run(Context.of(rows=[s.row for s, _, _ in items], tokens=[ids for _, ids, _ in items],
+                                   starts=[start for *_, start in items], device=self.cache.tok.device), sample)
+
+    def run(self, ctx: Context, sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prefill (`ctx.starts` None) or extend: the context's tokens through the model into its cache rows, the
+        token after each row's last one sampled and made the row's next input (token and position). Returns the
+        sampled tokens and their log-probs [k, 1] on the host."""
+        st, kw = self.cache, self.constants.decoder_kwargs()
+        if ctx.starts is None:
+            logits = prefill(self.model, ctx.ids, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
+        else:
+            logits = extend(self.model, ctx.ids, ctx.starts, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
+        tok, logp = sample(logits)
+        st.tok[ctx.rows], st.pos[ctx.rows] = tok, ctx.ends
+        return tok[:, None].cpu(), logp[:, None].cpu()
+
+    def move(self, move: Move) -> None:
+        """Cache rows `move.rows` (KV, next token, position) copied to rows 0..len(rows)-1, from the first row not
+        already in place, their first `move.slots` slots only, at most half the cache's rows at a time
+        (`Sizer.transient_bytes` holds one layer's copy of half the rows). Piece by piece is safe in ascending order:
+        the j-th row moved comes from a row >= j, so a piece writes no row that a later piece reads."""
+        st, rows, held = self.cache, move.rows, move.slots
+        piece = max(1, (st.tok.shape[0] + 1) // 2)
+        first = next((j for j, r in enumerate(rows) if r != j), len(rows))   # rows already in place stay
+        for start in range(first, len(rows), piece):
+            src = torch.tensor(rows[start:start + piece], device=st.tok.device)
+            to = slice(start, start + len(src))
+            for k, v in st.kv:
+                k[to, :, :held], v[to, :, :held] = k[src, :, :held], v[src, :, :held]
+            st.tok[to], st.pos[to] = st.tok[src], st.pos[src]
+
+    def decode(self, chunk: Chunk, sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's decode steps over its first `chunk.batch` rows (`step`), each step's token sampled and made the
+        rows' next input; returns the tokens and log-probs [batch, steps] on the host (the loop's only sync)."""
+        st, b = self.cache, chunk.batch
+        if chunk.idle:   # a free row in the batch decodes junk at slot 0 of its own row until it is refilled
+            st.pos[torch.tensor(chunk.idle, device=st.pos.device)] = 0
+        sampled, head = [], self.model.lm_head
+        for slots in chunk.slots:
+            hidden = self.step(b, slots)()
+            tok, logp = sample(head(hidden))
+            st.tok[:b], st.pos[:b] = tok, st.pos[:b] + 1
+            sampled.append((tok, logp))
+        return torch.stack([t for t, _ in sampled], 1).cpu(), torch.stack([p for _, p in sampled], 1).cpu()
+
+    # ---- the decode steps -------------------------------------------------------------------------
     def min_batch(self) -> int:
         """The smallest batch bucket: `DecodeConfig.min_batch` where steps are graphs, else 2 (an eager step costs
         what its rows cost)."""
         return self.config.min_batch if self.graphs() else 2
 
     def kernel_draws(self) -> bool:
-        """Whether a step's draw is `draw.draw`'s kernel (`DecodeConfig.sampler` "triton" where the Triton kernels
-        run: `glue_mode`), else `sampling.pick`."""
+        """Whether a step's draw is `kernels.draw.draw`'s kernel (`DecodeConfig.sampler` "triton" where the Triton
+        kernels run: `glue_mode`), else `kernels.sampling.pick`."""
         return self.config.sampler == "triton" and self.glue(self.cache.tok.device.type == "cuda").mode == "triton"
 
     def graphs(self) -> bool:
@@ -195,8 +216,8 @@ class Runner:
         glue): what a graph records, and the step itself where there are no graphs."""
         state = self.cache
         tok, pos, glue = state.tok[:batch], state.pos[:batch], self.glue(state.tok.device.type == "cuda")
-        return lambda: decode(self.model, tok, pos, state.kv, state.rope, slots=slots, head_dim=self.head_dim,
-                              clip_qkv=self.clip_qkv, glue=glue, windows=self.windows)
+        return lambda: decode(self.model, tok, pos, state.kv, state.rope, slots=slots, glue=glue,
+                              **self.constants.decoder_kwargs())
 
     def step_slots(self, slots: int) -> int:
         """The slots a step asked for `slots` is made for: all the cache's when the Triton kernels attend (a row reads
@@ -241,9 +262,8 @@ class Runner:
             torch.compiler.cudagraph_mark_step_begin()
             # one graph per batch and slot bucket (at most ~100): dynamo's limit raised for this call only
             with _dynamo.config.patch(recompile_limit=128, accumulated_recompile_limit=1024):
-                return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots,
-                                      head_dim=self.head_dim, clip_qkv=self.clip_qkv, glue=EAGER,
-                                      windows=self.windows)
+                return self._compiled(self.model, tok, pos, state.kv, state.rope, slots=slots, glue=EAGER,
+                                      **self.constants.decoder_kwargs())
         run()   # compiles and records now, not inside the timed loop
         return run
 
@@ -265,17 +285,6 @@ def glue_mode(config: DecodeConfig, device: torch.device) -> str:
     if wants and triton_available(device):
         return "triton"
     return "compiled" if config.compile_glue and device.type == "cuda" else "eager"
-
-
-def _peak(device: torch.device, fn) -> int:
-    """Bytes allocated on `device` at `fn()`'s peak beyond what was allocated before it, less what `fn` returns
-    (the bytes of its own buffers still held at the peak)."""
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    held = fn()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - before - held)
 
 
 def captured(fn, *, pool=None):

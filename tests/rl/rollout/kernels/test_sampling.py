@@ -1,11 +1,11 @@
-"""rl.rollout.sampling.pick samples the law it states (softmax(logits / T) cut to the top-p set) and returns
+"""rl.rollout.kernels.sampling.pick samples the law it states (softmax(logits / T) cut to the top-p set) and returns
 each token's log-prob at T, before the cut."""
 import math
 
 import pytest
 import torch
 
-from mfsdp_kit.rl.rollout.sampling import pick, race, scaled_race
+from mfsdp_kit.rl.rollout.kernels.sampling import pick, race, scaled_race
 
 
 @pytest.mark.parametrize("top_p", [0.9, 1.0])

@@ -1,4 +1,4 @@
-"""rl.rollout.continuous: the engine computes the HF model's function (greedy tokens equal `generate`'s for every
+"""rl.rollout.engine: the engine computes the HF model's function (greedy tokens equal `generate`'s for every
 architecture it allows, written by transformers itself) also while rows are refilled from the queue and moved to a
 smaller batch, returns the log-probs the model gives its samples, and is reproducible. fp32 on CPU."""
 import pytest
@@ -9,7 +9,7 @@ from mfsdp_kit.config import ConfigError
 from mfsdp_kit.train.generate import cut_at_stop
 from mfsdp_kit.models.archs import write_tiny
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, RolloutBackend
-from mfsdp_kit.rl.rollout.schedule import prefill_groups
+from mfsdp_kit.rl.rollout.scheduler import prefill_groups
 from mfsdp_kit.rl.rollout.decoder import SUPPORTED, layer_windows
 from mfsdp_kit.rl.rollout.hf import HFRollout, left_padded
 
@@ -160,7 +160,7 @@ def test_glue_compiles_once_for_forty_call_shapes_on_a_gpu(tmp_path):
     ours = shape_run(folder)
     assert not [k for k in counters["unimplemented"] if "recompile" in str(k).lower()], dict(counters["unimplemented"])
     assert counters["frames"]["ok"] <= 3 * 3, dict(counters["frames"])   # rope_store, gated, add_rms: <= 3 each
-    code = ("import json, sys; from tests.rl.test_continuous import shape_run; "
+    code = ("import json, sys; from tests.rl.rollout.test_engine import shape_run; "
             "print(json.dumps(shape_run(sys.argv[1])))")
     fresh = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True)
     assert json.loads(fresh.stdout.strip().splitlines()[-1]) == ours

@@ -1,14 +1,15 @@
-"""rl.rollout.elementwise: each Triton kernel equals the torch function it replaces (`decoder.rope_store`, `add_rms`,
-`gated`), on strided q/k/v views of a fused q/k/v output as the decoder passes them, in fp32 and bf16, for head sizes
-that are and are not powers of two; and a whole decode step with the kernels equals the torch step. On a GPU, or on
-CPU in Triton's interpreter (fp32 only; tests/rl/test_attention.py says how)."""
+"""rl.rollout.kernels.elementwise: each Triton kernel equals the torch function it replaces (`decoder.rope_store`,
+`add_rms`, `gated`), on strided q/k/v views of a fused q/k/v output as the decoder passes them, in fp32 and bf16, for
+head sizes that are and are not powers of two; and a whole decode step with the kernels equals the torch step. On a
+GPU, or on CPU in Triton's interpreter (fp32 only; tests/rl/rollout/kernels/test_attention.py says how)."""
 import os
 
 import pytest
 import torch
 
-from mfsdp_kit.rl.rollout import decoder, elementwise
-from mfsdp_kit.rl.rollout.attention import triton
+from mfsdp_kit.rl.rollout import decoder
+from mfsdp_kit.rl.rollout.kernels import elementwise
+from mfsdp_kit.rl.rollout.kernels.attention import triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),

@@ -1,17 +1,18 @@
 """rl.rollout.scheduler without a model: on 200 seeded random workloads (prompt lengths, max_new_tokens, cache rows,
-check_every, slot and prefill budgets, stop ids, tools), the engine's own loop (`run.Run.loop`) over a fake device
+check_every, slot and prefill budgets, stop ids, tools), the engine's own loop (`engine.loop`) over a fake device
 gives every sequence exactly what a naive reference gives it alone (a fake model's tokens, cut at its first stop id
 or `max_new_tokens`, tool outputs appended at each call), and the scheduler keeps its invariants at every chunk:
-a cache row serves at most one sequence, batch buckets are buckets (`schedule.batch_bucket`: powers of two, or with 3/4
+a cache row serves at most one sequence, batch buckets are buckets (`scheduler.batch_bucket`: powers of two, or with 3/4
 steps) covering the live rows, each step reads
 past its longest live row, and each live row's cache holds exactly its sequence's tokens (compaction moved them)."""
 import random
 
 import torch
 
-from mfsdp_kit.rl.rollout.run import Run
-from mfsdp_kit.rl.rollout.schedule import batch_bucket, bucketed
+from mfsdp_kit.rl.rollout.engine import loop
+from mfsdp_kit.rl.rollout.scheduler import batch_bucket, bucketed
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
+from mfsdp_kit.rl.rollout.timing import CallTimer
 from mfsdp_kit.rl.rollout.tools import Tool, ToolConfig
 
 CASES = 200
@@ -36,8 +37,8 @@ def logprob(token: int) -> float:
     return -(token + 1) / 64
 
 
-class FakeRun(Run):
-    """`Run` with its launches on lists: a KV row is the list of tokens written into it, a step writes each row's
+class FakeRunner:
+    """`ModelRunner`'s launches on lists: a KV row is the list of tokens written into it, a step writes each row's
     token at its position and samples the fake model over the row; checks the scheduler's invariants per chunk."""
 
     def __init__(self, scheduler, model, rows, slots):
@@ -48,29 +49,28 @@ class FakeRun(Run):
     def sample(self, row, n):
         return self.model(self.kv[row][:n])
 
-    def prefill(self, group):
+    def prefill(self, group, sample):
         toks = []
         for s in group:
             self.kv[s.row][:len(s.prompt)] = s.prompt
             self.pos[s.row], self.tok[s.row] = len(s.prompt), self.sample(s.row, len(s.prompt))
             toks.append(self.tok[s.row])
-        self.scheduler.record(group, *as_tensors([[t] for t in toks]))
+        return as_tensors([[t] for t in toks])
 
-    def extend(self, items):
+    def extend(self, items, sample):
         toks = []
         for s, ids, start in items:
             self.kv[s.row][start:start + len(ids)] = ids
             self.pos[s.row], self.tok[s.row] = start + len(ids), self.sample(s.row, start + len(ids))
             toks.append(self.tok[s.row])
-        if items:
-            self.scheduler.record([s for s, _, _ in items], *as_tensors([[t] for t in toks]))
+        return as_tensors([[t] for t in toks])
 
-    def move(self, rows):
-        if rows is not None:
-            self.kv[:len(rows)] = [list(self.kv[r]) for r in rows]
-            self.tok[:len(rows)], self.pos[:len(rows)] = [self.tok[r] for r in rows], [self.pos[r] for r in rows]
+    def move(self, move):
+        rows = move.rows   # only the first `move.slots` slots go: any a row still reads past them would show
+        self.kv[:len(rows)] = [self.kv[r][:move.slots] + [None] * (self.slots - move.slots) for r in rows]
+        self.tok[:len(rows)], self.pos[:len(rows)] = [self.tok[r] for r in rows], [self.pos[r] for r in rows]
 
-    def chunk(self, chunk):
+    def decode(self, chunk, sample):
         self.check(chunk)
         b, out = chunk.batch, [[] for _ in range(chunk.batch)]
         for r in chunk.idle:
@@ -83,7 +83,7 @@ class FakeRun(Run):
                 self.tok[r] = self.sample(r, self.pos[r] + 1)
                 self.pos[r] += 1
                 out[r].append(self.tok[r])
-        self.scheduler.decoded(chunk, *as_tensors(out))
+        return as_tensors(out)
 
     def check(self, chunk):
         s, b = self.scheduler, chunk.batch
@@ -153,10 +153,10 @@ def test_random_workloads_equal_each_sequence_alone():
                               check_every=w["check_every"], slot_bucket=w["slot_bucket"],
                               prefill_tokens=w["prefill_tokens"], buckets_per_doubling=w["per_doubling"],
                               tools=w["tools"], tokenizer=tok)
-        run = FakeRun(scheduler, model, w["rows"], slots)
+        runner = FakeRunner(scheduler, model, w["rows"], slots)
         moves = []
-        run.move = lambda rows, move=run.move: (moves.append(rows), move(rows))
-        tokens, logprobs, mask = run.loop()
+        runner.move = lambda m, move=runner.move: (moves.append(m), move(m))
+        tokens, logprobs, mask = loop(scheduler, runner, None, CallTimer(torch.device("cpu"), {}))
         for i, p in enumerate(w["prompts"]):
             want_tokens, want_mask = naive(p, model=model, stops=w["stops"], max_new=w["max_new"], tools=w["tools"],
                                            tok=tok)

@@ -1,18 +1,19 @@
-"""rl.rollout.attention: the Triton decode kernels equal SDPA over the masked slot bucket (each row up to its own
-position, a sliding window's start, query groups of 1 to 8 heads, head sizes that are and are not powers of two,
+"""rl.rollout.kernels.attention: the Triton decode kernels equal SDPA over the masked slot bucket (each row up to its
+own position, a sliding window's start, query groups of 1 to 8 heads, head sizes that are and are not powers of two,
 one split or many), inside a CUDA graph too; and the engine decodes with them (`DecodeConfig.kernels="triton"`) the
 tokens it decodes with SDPA.
 
 On a GPU these run with Triton; on CPU they run in Triton's interpreter when asked (triton >= 3.9 installed,
-`TRITON_INTERPRET=1 pytest tests/rl/test_attention.py tests/rl/test_elementwise.py`, fp32 only), else they skip:
-CI installs no Triton."""
+`TRITON_INTERPRET=1 pytest tests/rl/rollout/kernels/test_attention.py tests/rl/rollout/kernels/test_elementwise.py`,
+fp32 only), else they skip: CI installs no Triton."""
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from mfsdp_kit.rl.rollout import attention, decoder
+from mfsdp_kit.rl.rollout import decoder
+from mfsdp_kit.rl.rollout.kernels import attention
 from mfsdp_kit.rl.rollout.decoder import masks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,7 +64,7 @@ def test_fused_rope_equals_rope_store_then_the_kernels(heads, kv_heads, dim, win
     launch: the same output and the same cache as `elementwise.rope_store` then the kernels, with q, k, v strided views
     of one q/k/v GEMM output; positions at the last slot, at 0 and on and beside the splits' edges (64, 127, 128);
     a window shorter than a share and one longer (a later split then holds the position)."""
-    from mfsdp_kit.rl.rollout import elementwise
+    from mfsdp_kit.rl.rollout.kernels import elementwise
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     shapes = [(40, 33, 192), (16, 5, 576)] if DEVICE == "cuda" else [(8, 5, 192), (4, 3, 320)]
     for rows, b, slots in shapes:
@@ -132,7 +133,7 @@ def test_the_engine_decodes_through_the_kernels_as_transformers_generate(fuse_ro
     """The engine's decode steps through the Triton glue and attention (forced here, as `kernels="triton"` asks on a
     GPU; with `fuse_rope`, RoPE and the cache write inside attention), fp32, rows refilled and moved: greedy tokens
     equal transformers' `generate`."""
-    from tests.rl.test_continuous import ROWS, SMALL, hf_greedy, load
+    from tests.rl.rollout.test_engine import ROWS, SMALL, hf_greedy, load
     from mfsdp_kit.rl.rollout import ContinuousRollout
     model, tok = load("Qwen2ForCausalLM", tmp_path)
     kit = ContinuousRollout(model, tok, config=SMALL)
