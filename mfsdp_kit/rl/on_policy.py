@@ -2,8 +2,8 @@
 
 PPO's ratio pi_theta / pi_old needs pi_old, the policy's log-probs of the sampled tokens before the update. The
 naive way runs a no-grad forward over the whole batch first (`core.token_logprobs`), then the update's forward
-over the same tokens at the same weights: at 1.7 B and 82k tokens on an H200, 0.74 s of a 4.5 s GRPO iteration
-(docs/benchmarks.md, grpo_iteration). When the update is one optimizer step (`ppo_epochs` x `num_minibatches`
+over the same tokens at the same weights: about a sixth of a GRPO iteration at 1.7 B (docs/benchmarks.md,
+"grpo_iteration at the defaults"). When the update is one optimizer step (`ppo_epochs` x `num_minibatches`
 == 1), every micro-batch's forward runs before that step, at pi_old's weights, so its own log-probs ARE pi_old's:
 the loss takes them detached (ratio exactly 1, gradient grad log pi_theta; verl's actor does the same when it is
 on-policy). What the separate pass also fed is made here, per micro-batch, from the same detached log-probs:

@@ -28,7 +28,7 @@ def optimizer_state_bytes(chunks) -> int:
     """Bytes Adam's moments take on this rank: its data-parallel share of the trainable parameters (the distributed
     optimizer shards them). The first optimizer step makes them, after a training budget is decided, so the budget
     sets them aside (twice, where they already exist: a smaller budget, never an out-of-memory; at 7.6 B on one
-    H200 they are 61 GB, more than the headroom MEMORY_FRACTION leaves)."""
+    GPU they are 61 GB, more than the headroom MEMORY_FRACTION leaves)."""
     from megatron.core import parallel_state as ps
     trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
     return ADAM_STATE_BYTES_PER_PARAM * trainable // ps.get_data_parallel_world_size()
@@ -47,10 +47,10 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
       through v), q and k rotated (h + gd), attention out h, fc1 out (2 if gated else 1) f, fc2 in f
       -> e (8h + 3gd + 3f) for a gated MLP; the loss: logits e V, megatron's fp32 copy, exp and grad 12 V;
       no grad: one layer's widest tensors at a time, e (5h + 3gd + 3f), and the loss's (e + 8) V.
-    h hidden, g kv heads, d head dim, f ffn width, V vocabulary. Measured at 1.37 B on an H200: ~2.5 MB a
-    token in training, this formula 2.0 (docs/benchmarks.md, "GRPO iteration"); at tiny `l` with the Triton
-    fusions on an H100: 1.71, this formula 2.38. Hence a model's first training call only plans with it
-    (`memory_budget` then measures)."""
+    h hidden, g kv heads, d head dim, f ffn width, V vocabulary. Measured, a token took about a quarter more than
+    this formula at 1.37 B and over a quarter less at tiny `l` with the Triton fusions (docs/benchmarks.md, "The
+    update's host gaps, named; its token budget from a measured peak"). Hence a model's first training call only
+    plans with it (`memory_budget` then measures)."""
     tp = config.tensor_model_parallel_size
     e = config.params_dtype.itemsize if hasattr(config.params_dtype, "itemsize") else 4
     h, d, f = config.hidden_size, config.kv_channels, config.ffn_hidden_size // tp
@@ -64,8 +64,9 @@ def activation_bytes_per_token(config, *, vocab_size: int, forward_only: bool) -
 
 HEADROOM_FRACTION = 0.1
 """Share of the device's memory a measured training budget leaves unplanned: blocks the allocator has cut for
-other shapes (3.2 GiB of 79 GiB on an H100 when 16k tokens ran out of memory) and what grows outside torch's
-allocator (NCCL, cuBLAS workspaces)."""
+other shapes (a few percent of the device when 16k tokens ran out of memory: docs/benchmarks.md, "The update's
+host gaps, named; its token budget from a measured peak") and what grows outside torch's allocator (NCCL, cuBLAS
+workspaces)."""
 MEASURE_MIN_TOKENS = 1024
 """A first call whose largest micro-batch holds fewer tokens measures nothing (`measuring`): its one-off bytes (a
 rank given only a one-token filler, say) would pass for bytes per token, and the formula's budget stays."""

@@ -10,7 +10,7 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     a step runs one GEMM for each group, not three or two;
     the HF modules still work and `sync.load_into` still copies into them by name, into the views;
   - the cache is one K and one V tensor per layer, [rows, kv_heads, slots, head_dim]; row r holds one
-    sequence from slot 0, so rows of different lengths share a step (continuous batching, `continuous.py`);
+    sequence from slot 0, so rows of different lengths share a step (continuous batching, `engine.py`);
     a decode step writes each row's token at that row's position `pos[r]` and attends to slots <= pos[r];
   - a sliding-window layer (`layer_windows`, from the config: every layer, or those `layer_types` names) attends to
     the last `window` slots only, in prefill and decode alike;
@@ -19,13 +19,13 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     each KV head once per query head, and builds a plan per (batch, slots) shape. Tried and slower than cuDNN: a
     visibility-lane layout, flex_attention (its block mask alone cost more than the kernel), flash attention's
     varlen kernel with `seqused_k` (one query a row: it splits no row's keys over blocks), and q grouped per KV
-    head as a 4-query sequence (docs/benchmarks.md). `DecodeConfig.kernels` "auto" (the default) runs `attention.py`'s
-    Triton kernels instead: each row reads its own keys up to its position, once per KV head for its query group,
-    split over the keys at small batch (flash-decoding);
+    head as a 4-query sequence (docs/benchmarks.md). `DecodeConfig.kernels` "auto" (the default) runs
+    `kernels/attention.py`'s Triton kernels instead: each row reads its own keys up to its position, once per KV head
+    for its query group, split over the keys at small batch (flash-decoding);
   - the elementwise work between the GEMMs (RoPE + the cache write, act * up, residual add + RMSNorm) is a few
-    functions (`Glue`): on a GPU three Triton kernels (`elementwise.py`; with `DecodeConfig.fuse_rope`, RoPE and the
-    cache write inside the attention kernel instead), or with `kernels="torch"` compiled once with symbolic batch and
-    cache sizes;
+    functions (`Glue`): on a GPU three Triton kernels (`kernels/elementwise.py`; with `DecodeConfig.fuse_rope`, RoPE
+    and the cache write inside the attention kernel instead), or with `kernels="torch"` compiled once with symbolic
+    batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
@@ -197,7 +197,7 @@ def add_rms(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 class Glue:
     """The decode step's functions between the GEMMs (RoPE + the cache write, attention, act * up, residual add +
     RMSNorm), in one of three `mode`s:
-      - "triton" (`DecodeConfig.kernels` "auto" or "triton" on a GPU that runs them, `runner.glue_mode`):
+      - "triton" (`DecodeConfig.kernels` "auto" or "triton" on a GPU that runs them, `model_runner.glue_mode`):
         `elementwise`'s and `attention`'s Triton kernels; no dynamo frame;
       - "compiled" (on a GPU with `kernels="torch"`, or one the Triton kernels do not run on): the torch functions
         below, each `torch.compile`d once for every batch and cache size (the batch and cache dimensions symbolic:

@@ -65,16 +65,17 @@ class DecodeConfig:
     then, and a row may sample up to this many tokens past its stop id (cut on the host)."""
     min_batch: int = 16
     """The smallest decode batch bucket (rows) where steps are CUDA graphs: once fewer rows live, the step still runs
-    this many (idle rows decode junk). Below it a step should cost about the same (the weights' read dominates: on 1
-    H200 at 1.7 B a step's graph took 1.88 ms at 32 rows, 2.2 ms with its sampling, against 0.71 ms of weight read;
-    smaller batches were not timed), so smaller buckets only add graphs to capture (at 512 rows, 16 against 2 makes
+    this many (idle rows decode junk). Below it a step should cost about the same (a small step is mostly work that
+    does not shrink with rows: the weights' read and each layer's fixed kernels; smaller batches were not timed:
+    docs/benchmarks.md, "grpo_iteration: where a fresh machine's first iteration and a decode step go", "One decode
+    step's kernels"), so smaller buckets only add graphs to capture (at 512 rows, 16 against 2 makes
     54 graphs instead of 81). Eager steps (a CPU, MoE models) keep buckets down to 2:
     there a step costs what its rows cost."""
     buckets_per_doubling: Literal[1, 2] = 2
     """Decode batch buckets per doubling of the live rows (`scheduler.batch_bucket`): 2 (the default) adds 3/4 of each
     power of two (16, 24, 32, 48, ..., 384, 512 rows: 11 graphs at 512 rows and `min_batch` 16), so a step idles at
     most a third of its rows as sequences end; 1: the powers of two (6 graphs), up to half idle. A step at 512 rows
-    costs about 1.4x one at 256 (1 H100, 1.7 B: 4.9 against 3.5 ms), so idle rows there are time."""
+    costs about 1.4x one at 256 (docs/benchmarks.md, "Batch buckets at 3/4 steps"), so idle rows there are time."""
     slot_bucket: int = 64
     """A step reads the cache up to the next multiple of this past its longest live row (one graph each)."""
     cuda_graphs: bool = True
@@ -90,8 +91,8 @@ class DecodeConfig:
     over the masked slot bucket, cuDNN's kernel there, and the elementwise work through `compile_glue`; one CUDA graph
     per batch and slot bucket) | "triton" (the kit's Triton kernels, `kernels.attention` and `.elementwise`: a row
     reads its own keys, once per KV head, so one graph per batch bucket; no cuDNN plan per shape and no dynamo compile).
-    Measured on 1 H100 at 1.7 B, 512 rows: a fresh machine's first GRPO rollout 5.9 s against 16.9 s with "torch", later
-    ones 1.83-1.84 against 2.06-2.12 s (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops
+    Measured at 1.7 B, 512 rows: a fresh machine's first GRPO rollout about a third of "torch"'s, later ones about a
+    tenth faster (docs/benchmarks.md, "The Triton kernels by default"). Off a GPU the torch ops
     run eagerly either way. "triton" needs `graph_mode="capture"`."""
     compile_ahead: bool = True
     """With the Triton kernels: compile every kernel a new cache's steps launch at once, on a thread per CPU core,
@@ -105,9 +106,9 @@ class DecodeConfig:
     over [rows, vocab] fp32 after the head) | "triton" (`draw.draw`, in `kernels/`: one kernel reads each row's logits
     once; Philox draws, so other tokens than "torch" draws for the same seed; top_p 1 only: a top-p cut takes
     "torch"'s sort).
-    Elsewhere "torch". On 1 H100 at a 152k vocabulary: -13 % a decode step at 256 rows, +8 % at 32 (a program a row
+    Elsewhere "torch". At a 152k vocabulary it made a decode step faster at 256 rows and slower at 32 (a program a row
     left most SMs idle; since then fewer rows than SMs split each row over programs, not yet timed), so "torch" stays
-    the default (docs/benchmarks.md)."""
+    the default (docs/benchmarks.md, "RoPE inside decode attention and the draw kernel, first timed")."""
     fuse_rope: bool = False
     """Where the Triton kernels run (`kernels`): RoPE and the cache write of a step's k and v inside the attention
     kernel (`attention.decode_attention` with `new`), one launch a layer instead of two, and the rotated q kept in

@@ -4,8 +4,8 @@
 
 SDPA over the slot bucket (`decoder.decode` with `kernels="torch"`) reads every row up to the bucket and, in cuDNN's
 kernel for grouped heads, reads each K/V head once per query head of its group; and cuDNN builds a plan for every new
-(batch, slots) shape, 38-46 ms each, so a cache's 54 graphs cost ~2 s of plans at capture (1 H200, 16 query and 4 KV
-heads of 128; docs/benchmarks.md, 2026-12-05). Here, flash-decoding's split over the keys:
+(batch, slots) shape, so a cache's 54 graphs spend seconds on plans at capture (docs/benchmarks.md, "grpo_iteration:
+where a fresh machine's first iteration and a decode step go"). Here, flash-decoding's split over the keys:
   - `_attention_partial`: a program per (row, KV head, split of the slots) reads its keys once for the whole query
     group (the group's queries are the rows of one tile), only up to the row's position (and from its window's
     start), with an online softmax; it writes the split's unnormalised output, max and sum;

@@ -16,8 +16,9 @@ would give its token the key +inf whatever its probability). The same seed and s
 rank; they are not the torch generator's tokens (CPU tests keep the torch path). Top-p needs a sort: `sampling.pick`
 keeps it.
 
-With fewer rows than the GPU has SMs, a program per row leaves most of them idle (32 rows on an H100: 100 of 132
-SMs, and the step 8 % slower than the torch ops at a 152k vocabulary; docs/benchmarks.md). Then each row's
+With fewer rows than the GPU has SMs, a program per row leaves most of them idle (at 32 rows the step was slower
+than the torch ops at a 152k vocabulary; docs/benchmarks.md, "RoPE inside decode attention and the draw kernel,
+first timed"). Then each row's
 vocabulary is split over `splits` programs, each a run of whole blocks keeping its own running state, and a second
 launch merges them per row: the largest key wins (the lower split on a tie, so the lower token, as unsplit), and the
 log-sum-exps add. The draws are the same uniforms whatever the split (their counters count from the vocabulary's

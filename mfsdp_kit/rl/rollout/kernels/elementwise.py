@@ -3,8 +3,9 @@
 RMSNorm, and SiLU(gate) * up (`decoder.Glue` calls them; `decoder.rope_store`, `add_rms` and `gated` are the same
 functions in torch ops: the reference, compiled with `kernels="torch"`, eager on CPU).
 
-torch.compile makes the same fusions, but compiling its three functions with symbolic sizes took 9.8 s of a fresh
-1 H200 machine's first rollout (dynamo's own count, 2026-12-05). Triton compiles each kernel
+torch.compile makes the same fusions, but compiling its three functions with symbolic sizes took seconds of a fresh
+machine's first rollout (dynamo's own count: docs/benchmarks.md, "grpo_iteration: where a fresh machine's first
+iteration and a decode step go"). Triton compiles each kernel
 once per head size / hidden size and keeps it in its disk cache; there is no dynamo frame, so nothing can recompile
 or fall back to eager. Arithmetic in fp32, one rounding to the cache's dtype at each store.
 """

@@ -15,8 +15,9 @@ def pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator) -
     from p in a few elementwise passes, where `torch.multinomial` scans a cumulative sum per row).
     The log-prob: log softmax(logits / T) of the token, before the top-p cut (verl's convention: the trainer
     scores a sampled sequence at the sampling temperature, `rl.core.token_logprobs`); T 0 scores at T 1.
-    Without a top-p cut no log p is made (`scaled_race`). Compiling that race was measured on 1 H200 (a 1.7 B
-    model, 512 rows, 152k vocabulary): no faster per decode step, and 2.5-4.5 s of compile in the first call."""
+    Without a top-p cut no log p is made (`scaled_race`). Compiling that race was measured (a 1.7 B model, 512
+    rows): no faster per decode step, and seconds of compile in the first call (docs/benchmarks.md,
+    "grpo_iteration: fused kernels by default, and two rollout ideas that lost")."""
     if temperature == 0:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits.float(), -1).gather(-1, token[:, None]).squeeze(-1)
