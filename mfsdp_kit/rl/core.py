@@ -23,6 +23,7 @@ Each algorithm (`rl.algorithms`) adds its config, its loss and, where it has the
 """
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,10 +34,12 @@ import torch.distributed as dist
 
 from ..distributed import offload, runtime, stop
 from ..config import bad_value
+from ..models import router_replay
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
 from .correction import Mode, rollout_logprobs_like
 from .metrics import rollout_metrics, update_metrics  # noqa: F401 (core's public names)
+from .rewards import Reward, as_reward  # noqa: F401 (core's public names)
 from ..fieldtypes import COUNT, INDEX, check_fields, checked_args, is_int, number_in, optional
 from ..train import Batch, StepResult, data_parallel_slice, micro_batches, run_steps
 from ..train.options import StepOptions, takes_options
@@ -93,6 +96,9 @@ class RolloutConfig:
     """The masks' lower bound on a weight (the truncations ignore it)."""
     correction_high: float = 2.0
     """The cap of the truncations, and the masks' upper bound."""
+    router_replay: bool = False
+    """MoE models: the trainer's forwards route each token to the experts the rollout chose for it (the kit's engine
+    records them; `models.router_replay`), so no routing flip adds to the train-rollout mismatch."""
     seed: int = 0
     """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False
@@ -116,28 +122,6 @@ class RolloutConfig:
     def scoring_options(self) -> StepOptions:
         """The no-grad passes' options (log-probs, values): the update's rows and packing, their own token budget."""
         return self.step_options(max_tokens_per_micro_batch=None)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reward:
-    """A reward function and what counts as solved, so accuracy is the reward's own convention."""
-
-    fn: Callable[[str, str], float]
-    """`fn(prompt, completion_text) -> float`, e.g. `data.verify` (exact match, 0 or 1)."""
-    solved_threshold: float = 1.0
-    """A completion counts as solved when its reward >= this. 1.0 suits rewards in [0, 1] whose
-    maximum means right (`data.verify`, `data.digit_match`: partial credit < 1 is not solved)."""
-
-    def __call__(self, prompt: str, completion: str) -> float:
-        return float(self.fn(prompt, completion))
-
-    def solved(self, rewards: torch.Tensor) -> torch.Tensor:
-        return rewards >= self.solved_threshold
-
-
-def as_reward(reward_fn) -> Reward:
-    """A `Reward` as is; a plain callable gets the default threshold (1.0: reward 1 = solved)."""
-    return reward_fn if isinstance(reward_fn, Reward) else Reward(fn=reward_fn)
 
 
 # ---- collect ---------------------------------------------------------------------------------
@@ -165,6 +149,8 @@ class RolloutBatch:
     tools, of the model's tokens only."""
     model_mask: list[list[int]] | None = None
     """Per completion, 1 per token the model sampled, 0 per token a tool wrote (out of the loss); None: all model."""
+    routes: list[torch.Tensor] | None = None
+    """With `router_replay`: per completion, its tokens' MoE routes [tokens, moe_layers, k] (`rl.rollout.routes`)."""
 
     @property
     def num_groups(self) -> int:
@@ -177,7 +163,8 @@ class RolloutBatch:
                             completions=[self.completions[i] for i in rows], rewards=self.rewards[rows],
                             solved=self.solved[rows], group_size=self.group_size, stats=dict(self.stats),
                             logprobs=None if self.logprobs is None else [self.logprobs[i] for i in rows],
-                            model_mask=None if self.model_mask is None else [self.model_mask[i] for i in rows])
+                            model_mask=None if self.model_mask is None else [self.model_mask[i] for i in rows],
+                            routes=None if self.routes is None else [self.routes[i] for i in rows])
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -193,7 +180,8 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
                         group_size=batches[0].group_size, stats=stats,
                         logprobs=None if any(b.logprobs is None for b in batches) else
                         [lp for b in batches for lp in b.logprobs],
-                        model_mask=joined_masks([b.model_mask for b in batches], [b.completions for b in batches]))
+                        model_mask=joined_masks([b.model_mask for b in batches], [b.completions for b in batches]),
+                        routes=None if any(b.routes is None for b in batches) else [r for b in batches for r in b.routes])
 
 
 def rollout_seed(*, seed: int, iteration: int, round: int = 0) -> int:
@@ -215,17 +203,20 @@ def offloaded(chunks, optimizer):
 @stop.stoppable(then_interrupt="a rollout")   # it holds collectives: Stop lets it finish
 def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-            refresh: bool = True, offload_optimizer=None) -> RolloutBatch:
+            refresh: bool = True, offload_optimizer=None, routes: bool = False) -> RolloutBatch:
     """Sync (if `refresh`), sample `samples_per_prompt` completions for this data-parallel rank's
     share of `prompts` (same list on every rank) with seed `seed + dp_rank`, score them with
     `reward` (a `Reward`, or a plain callable: `as_reward`), gather.
 
-    `offload_optimizer`: move the training state to the host while sampling (`offloaded`)."""
+    `offload_optimizer`: move the training state to the host while sampling (`offloaded`); `routes`: keep MoE routes."""
     from megatron.core import parallel_state as ps
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp > 1:   # before any work: the share and gather below are by data-parallel rank, wrong across stages
         raise bad_value("pipeline_model_parallel_size", pp, "1 for RL (its rollouts split and gather by "
                         "data-parallel rank, which pipeline stages would each repeat)")
+    if routes and "routes" not in inspect.signature(backend.sample).parameters:
+        raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
+                        "ContinuousRollout)")
     reward, stats = as_reward(reward), {}
     if refresh:
         t0 = time.perf_counter()
@@ -237,27 +228,31 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
     t0 = time.perf_counter()
     with phase("rollout"), offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
         completions = backend.sample([p for p, _ in share], n=samples_per_prompt, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=seed + placement.replica())
+                                     temperature=temperature, top_p=top_p, seed=seed + placement.replica(),
+                                     **({"routes": True} if routes else {}))
         texts = [backend.tokenizer.decode(c) for c in completions]
         rewards = [reward(share[i // samples_per_prompt][0], t) for i, t in enumerate(texts)]
     stats["rollout_s"] = time.perf_counter() - t0
     parts = placement.gather((list(completions), getattr(completions, "logprobs", None), rewards,
-                              getattr(completions, "model_mask", None)))
-    rewards_t = torch.tensor([r for _, _, part, _ in parts for r in part])
-    scored = all(lp is not None for _, lp, _, _ in parts)
+                              getattr(completions, "model_mask", None), getattr(completions, "routes", None)))
+    rewards_t = torch.tensor([r for _, _, part, *_ in parts for r in part])
+    scored = all(lp is not None for _, lp, *_ in parts)
     return RolloutBatch(prompts=list(prompts), prompt_ids=prompt_ids(backend.tokenizer, prompts),
-                        completions=[c for part, _, _, _ in parts for c in part], rewards=rewards_t,
+                        completions=[c for part, *_ in parts for c in part], rewards=rewards_t,
                         solved=reward.solved(rewards_t), group_size=samples_per_prompt, stats=stats,
-                        logprobs=[lp for _, part, _, _ in parts for lp in part] if scored else None,
-                        model_mask=joined_masks([m for *_, m in parts], [c for c, *_ in parts]))
+                        logprobs=[lp for _, part, *_ in parts for lp in part] if scored else None,
+                        model_mask=joined_masks([m for *_, m, _ in parts], [c for c, *_ in parts]),
+                        routes=[r for *_, part in parts for r in part] if routes else None)
 
 
 # ---- the training batch and its log-probs ----------------------------------------------------
 def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, *,
-                  seq_len_tokens: int, pad_id: int, model_mask: list[list[int]] | None = None) -> Batch:
+                  seq_len_tokens: int, pad_id: int, model_mask: list[list[int]] | None = None,
+                  routes: list[torch.Tensor] | None = None) -> Batch:
     """Sequences prompt + completion as a training Batch; loss only on completion tokens the model sampled
     (`model_mask`, None: all; a tool's output is context, not an action). `prompt_ids` has one entry per
-    completion. old/ref log-probs start as zeros."""
+    completion. old/ref log-probs start as zeros. `routes` (per completion, [tokens, moe_layers, k]): the
+    trainer's forwards replay them (`extras["routes"]`, expert 0 on padding; `models.router_replay`)."""
     n = len(completions)
     tokens = torch.full((n, seq_len_tokens), pad_id, dtype=torch.long)
     labels, mask = tokens.clone(), torch.zeros(n, seq_len_tokens)
@@ -270,8 +265,12 @@ def rollout_batch(prompt_ids: list[list[int]], completions: list[list[int]], adv
         labels[i, :len(ids) - 1] = torch.tensor(ids[1:])
         mask[i, len(p) - 1:len(ids) - 1] = 1.0 if model_mask is None else torch.tensor(model_mask[i]).float()
     zeros = torch.zeros(n, seq_len_tokens)
-    return Batch(tokens, labels, mask, dict(advantages=advantages.float(), old_logprobs=zeros,
-                                            ref_logprobs=zeros.clone()))
+    extras = dict(advantages=advantages.float(), old_logprobs=zeros, ref_logprobs=zeros.clone())
+    if routes is not None:   # the fed tokens' routes: all but the last, as `tokens` holds
+        extras["routes"] = torch.zeros(n, seq_len_tokens, *routes[0].shape[1:], dtype=routes[0].dtype)
+        for i, r in enumerate(routes):
+            extras["routes"][i, :len(prompt_ids[i]) + len(completions[i]) - 1] = r[:-1]
+    return Batch(tokens, labels, mask, extras)
 
 
 def prompt_ids(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]:
@@ -319,11 +318,13 @@ def token_logprobs(chunks, batch: Batch, *, options: StepOptions) -> torch.Tenso
         positions = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
         for c in chunks:
             c.eval()
+        packing.replay_routes(chunks, mb)
         losses = chunks[0](mb.tokens, positions, None, labels=mb.labels)
         for c in chunks:
             c.train()
         rows = slice(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)
         out[rows] = -losses.float().cpu()
+    router_replay.clear(chunks)
     out = out.to(device)
     dist.all_reduce(out, group=ps.get_data_parallel_group())
     return out.cpu()
@@ -340,7 +341,7 @@ def training_batch(rollouts: RolloutBatch, advantages: torch.Tensor, *, chunks, 
     n = rollouts.group_size
     batch = rollout_batch([rollouts.prompt_ids[i // n] for i in range(len(rollouts.completions))],
                           rollouts.completions, advantages, seq_len_tokens=seq_len_tokens, pad_id=pad_id,
-                          model_mask=rollouts.model_mask)
+                          model_mask=rollouts.model_mask, routes=rollouts.routes)
     if not old:
         del batch.extras["old_logprobs"], batch.extras["ref_logprobs"]
         if rollouts.logprobs is not None:

@@ -1,21 +1,45 @@
-"""Rewards for real math data: GSM8K's `#### answer` and MATH's `\\boxed{...}`, graded against a gold answer after
-normalisation, in the spirit of the common math-verify rules (no network, no sympy): numbers compare as exact
-fractions ("1,234" = "1234.0", "0.5" = "1/2" = "\\frac{1}{2}"), other answers as normalised LaTeX strings.
+"""Rewards (`Reward`: a reward function and what counts as solved), and for real math data: GSM8K's `#### answer`
+and MATH's `\\boxed{...}`, graded against a gold answer after normalisation, in the spirit of the common
+math-verify rules (no network, no sympy): numbers compare as exact fractions ("1,234" = "1234.0", "0.5" = "1/2" =
+"\\frac{1}{2}"), other answers as normalised LaTeX strings.
 
     problems = load_problems("train.jsonl", prompt_field="question", answer_field="answer")   # rl.problems
-    reward = gold_reward(problems, grade=gsm8k)            # a core.Reward: fn(prompt, completion) -> 0 or 1
+    reward = gold_reward(problems, grade=gsm8k)            # a Reward: fn(prompt, completion) -> 0 or 1
     grpo.fit(..., prompt_pool=problems, reward_fn=reward)
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from .core import Reward
+import torch
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _GSM8K_MARK = "####"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reward:
+    """A reward function and what counts as solved, so accuracy is the reward's own convention."""
+
+    fn: Callable[[str, str], float]
+    """`fn(prompt, completion_text) -> float`, e.g. `data.verify` (exact match, 0 or 1)."""
+    solved_threshold: float = 1.0
+    """A completion counts as solved when its reward >= this. 1.0 suits rewards in [0, 1] whose
+    maximum means right (`data.verify`, `data.digit_match`: partial credit < 1 is not solved)."""
+
+    def __call__(self, prompt: str, completion: str) -> float:
+        return float(self.fn(prompt, completion))
+
+    def solved(self, rewards: torch.Tensor) -> torch.Tensor:
+        return rewards >= self.solved_threshold
+
+
+def as_reward(reward_fn) -> Reward:
+    """A `Reward` as is; a plain callable gets the default threshold (1.0: reward 1 = solved)."""
+    return reward_fn if isinstance(reward_fn, Reward) else Reward(fn=reward_fn)
 
 
 def extract_gsm8k(text: str) -> str | None:

@@ -89,11 +89,8 @@ def masked_token_loss(mb: Batch, token_losses: torch.Tensor):
 
 def _forward_step(loss_fn, data_iterator, model):
     mb = next(data_iterator)
-    packed = isinstance(mb, packing.PackedMicroBatch)
-    routes = (mb.rows if packed else mb).extras.get("routes")   # MoE router replay (models.router_replay)
-    if routes is not None:
-        router_replay.set_routes([model], mb.packed(routes) if packed else routes)
-    if packed:
+    packing.replay_routes([model], mb)   # MoE routes the batch carries (models.router_replay)
+    if isinstance(mb, packing.PackedMicroBatch):
         return mb.forward(model), packing.loss_func(loss_fn, mb)
     seq = mb.tokens.shape[1]
     position_ids = torch.arange(seq, device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)

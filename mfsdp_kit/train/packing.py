@@ -145,6 +145,16 @@ class PackedMicroBatch:
         return model(self.tokens, self.position_ids, None, labels=self.labels, packed_seq_params=self.params())
 
 
+def replay_routes(chunks, mb) -> None:
+    """Route a micro-batch's next forward by the MoE routes it carries (`extras["routes"]`, in its padded or packed
+    layout: `models.router_replay`); nothing without them."""
+    from ..models import router_replay
+    packed = isinstance(mb, PackedMicroBatch)
+    routes = (mb.rows if packed else mb).extras.get("routes")
+    if routes is not None:
+        router_replay.set_routes(chunks, mb.packed(routes) if packed else routes)
+
+
 def pack(batch: Batch, indices: list[int], lengths: list[int]) -> PackedMicroBatch:
     """Sequences `indices` of `batch`, each its first `lengths[i]` tokens, as one packed row. No indices: a
     one-token row of sequence 0 with its loss mask cleared (a forward that adds nothing to any sum)."""
@@ -262,10 +272,14 @@ def token_logprobs(chunks, batch: Batch, *, max_tokens_per_micro_batch: int) -> 
         c.eval()
     for mb in rank_micro_batches(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch):
         mb = mb.to(device)
+        replay_routes(chunks, mb)
         losses = mb.forward(chunks[0])
         if not mb.filler:
             out[mb.flat_index(global_batch=True)] = -losses.float().reshape(-1)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
+    if "routes" in batch.extras:
+        from ..models import router_replay
+        router_replay.clear(chunks)
     dist.all_reduce(out, group=ps.get_data_parallel_group())
     return out.view(batch.tokens.shape).cpu()

@@ -1,6 +1,8 @@
 """models.router_replay on 2 gloo ranks (tests/dist/scenarios_router_replay.py): Qwen3-MoE and OLMoE, EP 1 and 2
 under Megatron-FSDP, fp32. Replaying a forward's own routes changes nothing (logits and three training steps bit for
 bit, the load-balancing loss included); replaying other routes dispatches exactly them."""
+import math
+
 import pytest
 
 from tests.dist import launch
@@ -37,3 +39,19 @@ def test_flips_counts_expert_sets_not_order():
     b = torch.tensor([[[[0, 1]], [[2, 0]]]])
     assert flips(a, b) == 0.5
     assert flips(a, b, mask=torch.tensor([[1, 0]])) == 0.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("rollout_dtype", ["fp32", "bf16"])
+def test_rollout_routes_replayed_in_the_trainer(arch, rollout_dtype, tmp_path):
+    """The kit's engine records its routes during a GRPO collect; replayed, the trainer's log-probs of the samples
+    move towards the rollout's (fp32 rollout: as close as without, both fp32 roundoff; bf16 rollout: its flips are
+    gone from the mismatch); then GRPO runs with `router_replay=True`."""
+    r = launch.run("scenarios_router_replay:rl_replay", arch=arch, workdir=str(tmp_path), rollout_dtype=rollout_dtype)
+    print(arch, rollout_dtype, r)
+    assert r["shapes_ok"] and r["routes"] == r["completions"] == 8
+    if rollout_dtype == "fp32":
+        assert r["flips"] == 0.0 and r["diff"]["with"] < 1e-4 and r["diff"]["without"] < 1e-4
+    else:
+        assert r["diff"]["with"] <= r["diff"]["without"]
+    assert len(r["rewards"]) == 2 and all(math.isfinite(x) for x in r["kl"] + r["logprob_diff_max"])

@@ -77,7 +77,8 @@ def collect_round(models: Models, cfg: RolloutConfig, *, prompts: list[tuple[str
                         reward=reward, samples_per_prompt=cfg.samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.temperature, top_p=cfg.top_p,
                         seed=core.rollout_seed(seed=cfg.seed, iteration=index, round=round), refresh=round == 0,
-                        offload_optimizer=models.optimizer if cfg.offload_during_rollout else None)
+                        offload_optimizer=models.optimizer if cfg.offload_during_rollout else None,
+                        routes=cfg.router_replay)
 
 
 def sample_once(models: Models, cfg: RolloutConfig, *, draw: Callable[[int], list], reward: Reward,

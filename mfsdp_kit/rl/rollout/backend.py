@@ -31,9 +31,12 @@ class Completions(list):
     model's tokens only (None: every token is the model's)."""
 
     def __init__(self, tokens=(), *, logprobs: list[list[float]] | None = None,
-                 model_mask: list[list[int]] | None = None):
+                 model_mask: list[list[int]] | None = None, routes: list | None = None):
         super().__init__(tokens)
         self.logprobs, self.model_mask = logprobs, model_mask
+        self.routes = routes
+        """With `sample(..., routes=True)` (the kit's engine on an MoE model): per completion, the experts each MoE
+        layer chose for its prompt's and completion's tokens, [tokens, moe_layers, k] int16 (`routes.py`)."""
 
 
 @runtime_checkable

@@ -64,6 +64,14 @@ class Context:
                    lengths=torch.tensor([len(t) for t in tokens], device=device),
                    starts=None if starts is None else torch.tensor(starts, device=device))
 
+    def placed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's cache row and slot and whether it is real ([k, L] each), in `ids`' layout."""
+        k, L = self.ids.shape
+        offsets = torch.arange(L, device=self.ids.device)
+        starts = torch.zeros_like(self.lengths) if self.starts is None else self.starts
+        return (self.rows[:, None].expand(k, L), starts[:, None] + offsets[None],
+                offsets[None] < self.lengths[:, None])
+
     @property
     def ends(self) -> torch.Tensor:
         """[k] the slot after each row's last token: its next token's position."""

@@ -44,6 +44,7 @@ from . import backend
 from .backend import Completions
 from .kernels.sampling import Sampler
 from .model_runner import ModelRunner
+from .routes import RouteTable
 from .scheduler import Scheduler, bucketed
 from .timing import CallTimer
 from .tools import ToolConfig
@@ -151,6 +152,8 @@ class ContinuousRollout:
         the tool's output)."""
         self.runner = ModelRunner(self.model, config=self.config)
         """The device state across calls: weights' view, KV cache, the decode steps' graphs (`model_runner.py`)."""
+        self.routes: list | None = None
+        """The last call's MoE routes per row when it asked for them (`generate_turns(routes=True)`), else None."""
         self.stats: dict = {}
         """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
         GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
@@ -165,15 +168,16 @@ class ContinuousRollout:
         return backend.refresh(self.model, chunks, bridge)
 
     def sample(self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, top_p: float,
-               seed: int) -> Completions:
+               seed: int, routes: bool = False) -> Completions:
         """n completions per prompt, prompt-major, each cut after its first stop id, with their log-probs (of the
-        model's tokens) and, with tools, `model_mask`."""
+        model's tokens), with tools `model_mask`, and with `routes` each one's MoE routes (`routes.py`)."""
         if not prompts:
-            return Completions([], logprobs=[])
+            return Completions([], logprobs=[], routes=[] if routes else None)
         rows = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         tokens, logprobs, mask = self.generate_turns([r for r in rows for _ in range(n)], max_new_tokens=max_new_tokens,
-                                                     temperature=temperature, top_p=top_p, seed=seed)
-        return Completions(tokens, logprobs=logprobs, model_mask=mask if self.tools else None)
+                                                     temperature=temperature, top_p=top_p, seed=seed, routes=routes)
+        return Completions(tokens, logprobs=logprobs, model_mask=mask if self.tools else None,
+                           routes=self.routes if routes else None)
 
     def generate(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -185,9 +189,10 @@ class ContinuousRollout:
 
     @torch.no_grad()
     def generate_turns(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
-                       seed: int) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+                       seed: int, routes: bool = False) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """`generate` and each completion's model mask: 1 per token the model sampled, 0 per token a tool wrote
-        (`max_new_tokens` counts both, so the training sequence length does not change with tools)."""
+        (`max_new_tokens` counts both, so the training sequence length does not change with tools). `routes`: also
+        keep each row's MoE routes in `self.routes` ([prompt + completion tokens, moe_layers, k] int16 per row)."""
         cfg, runner = self.config, self.runner
         runner.check_weights()
         longest = max(map(len, rows))
@@ -202,13 +207,21 @@ class ContinuousRollout:
                               slot_bucket=cfg.slot_bucket, min_batch=runner.min_batch(),
                               buckets_per_doubling=cfg.buckets_per_doubling,
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
-                              tokenizer=self.tokenizer, stats=self.stats)
+                              tokenizer=self.tokenizer, stats=self.stats,
+                              on_finish=self._keep_routes if routes else None)
+        if routes:
+            runner.routes = RouteTable(self.model, rows=state.shape[0], slots=state.shape[1], device=state.tok.device)
         sample = Sampler(temperature=temperature, top_p=top_p, seed=seed, device=state.tok.device,
                          kernel=runner.kernel_draws())
         timer = CallTimer(state.tok.device, self.stats)
         try:
-            return loop(scheduler, runner, sample, timer)
+            out = loop(scheduler, runner, sample, timer)
+            self.routes = [s.routes for s in scheduler.seqs] if routes else None
+            return out
         finally:
+            if runner.routes is not None:
+                runner.routes.close()
+                runner.routes = None
             self.stats["capture_s"] = runner.capture_s - captured_s
             self.stats["kernels_s"] = runner.kernels_s - kernels_s
             self.stats["graphs"] = runner.made - made
@@ -218,6 +231,10 @@ class ContinuousRollout:
             self.stats["tokens_per_s"] = self.stats["tokens"] / self.stats["seconds"]
             if not cfg.keep_cache:
                 self.release()
+
+    def _keep_routes(self, s) -> None:
+        """A finished sequence's routes, read from its cache row before the row is reused."""
+        s.routes = self.runner.routes.take(s.row, len(s.prompt) + len(s.tokens))
 
     def release(self) -> None:
         """Free the KV cache and its CUDA graphs (`ModelRunner.release`); the next call makes them again."""

@@ -20,6 +20,7 @@ import torch
 
 from ...models import triton_launch
 from ...models.support import triton_available
+from .routes import RouteTable
 from .context import Context, ModelConstants
 from .decoder import EAGER, Glue, check_model, decode, extend, fuse_projections, is_moe, prefill, rope_table
 from .kernels.sampling import Sampler
@@ -55,6 +56,8 @@ class ModelRunner:
         """Of `capture_s`: seconds compiling the Triton kernels ahead of the captures (`compile_kernels`)."""
         self._glue: Glue | None = None
         self._compiled = None
+        self.routes: RouteTable | None = None
+        """Where the MoE layers' choices are recorded during a call that asks for them (`routes.py`), else None."""
 
     @property
     def probes(self) -> dict[tuple[int, int, int], int]:
@@ -154,6 +157,8 @@ class ModelRunner:
         token after each row's last one sampled and made the row's next input (token and position). Returns the
         sampled tokens and their log-probs [k, 1] on the host."""
         st, kw = self.cache, self.constants.decoder_kwargs()
+        if self.routes is not None:
+            self.routes.expect(*ctx.placed())
         if ctx.starts is None:
             logits = prefill(self.model, ctx.ids, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
         else:
@@ -176,6 +181,8 @@ class ModelRunner:
             for k, v in st.kv:
                 k[to, :, :held], v[to, :, :held] = k[src, :, :held], v[src, :, :held]
             st.tok[to], st.pos[to] = st.tok[src], st.pos[src]
+            if self.routes is not None:
+                self.routes.move(src, to, held)
 
     def decode(self, chunk: Chunk, sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's decode steps over its first `chunk.batch` rows (`step`), each step's token sampled and made the
@@ -184,6 +191,8 @@ class ModelRunner:
         if chunk.idle:   # a free row in the batch decodes junk at slot 0 of its own row until it is refilled
             st.pos[torch.tensor(chunk.idle, device=st.pos.device)] = 0
         sampled, head = [], self.model.lm_head
+        if self.routes is not None:   # row r's token goes to slot pos[r], read at each step's hook
+            self.routes.expect(torch.arange(b, device=st.pos.device), st.pos[:b])
         for slots in chunk.slots:
             hidden = self.step(b, slots)()
             tok, logp = sample(head(hidden))

@@ -84,6 +84,8 @@ class Sequence:
     """Tokens in its cache row = the slot its next token goes to."""
     done: bool = False
     """Ended (stop id, max_new_tokens or the turn limit): its tokens are final."""
+    routes: object = None
+    """Its MoE routes [prompt + completion tokens, moe_layers, k] when the call records them (`routes.py`)."""
     waiting: tuple | None = None
     """(tool, future of its output text, paused at) while it waits on a tool."""
 
@@ -115,7 +117,7 @@ class Scheduler:
     def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
                  check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
                  buckets_per_doubling: int = 2, tools: ToolConfig | None = None, tokenizer=None,
-                 stats: dict | None = None):
+                 stats: dict | None = None, on_finish=None):
         self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
         self.queue = deque(self.seqs)
         self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
@@ -125,6 +127,8 @@ class Scheduler:
         self.tools = tools if tools is not None and tools.tools else None
         self.tokenizer = tokenizer
         self.stats = stats if stats is not None else {}
+        self.on_finish = on_finish
+        """Called with a sequence that ends, before its cache row is freed (what the device keeps of it is read)."""
         self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
         self.batch = self.bucket(min(len(prompts), rows))
         if self.tools:
@@ -220,6 +224,8 @@ class Scheduler:
 
     def finish(self, s: Sequence) -> None:
         """The sequence ends; its cache row is free for the queue at the next `admit`."""
+        if self.on_finish is not None:
+            self.on_finish(s)
         self.cache[s.row], s.row, s.done = None, -1, True
 
     def results(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
