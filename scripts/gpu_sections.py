@@ -80,6 +80,10 @@ def ckpt(name: str, args: str, writes: str, *, after: str = "") -> Row:
 SECTIONS = {
     "parity": [Row(name="parity", script="bench/parity.py", args="--dtype bf16", writes="parity.json")],
     "roundtrip": [Row(name="roundtrip", script="bench/roundtrip.py", args="--size m --dtype bf16", writes="roundtrip.json")],
+    # MoE router replay in bf16: routing flips between the rollout engine and the trainer, the log-prob mismatch
+    # with and without replay (issue 71; error figures, no floor)
+    "router_replay": [Row(name="router_replay", script="bench/router_replay.py",
+                          args="--dtype bf16 --prompts 16 --samples 4 --max-new-tokens 64", writes="router_replay.json")],
     # GRPO, in two steps that share runs/ on one warm node (a call's machine stays warm ~30 s):
     # grpo_start: 2-digit SFT, then 3-digit SFT rounds until held-out >= 0.2 (reached at 600 steps: 0.233);
     # saves the start. grpo: GRPO_ITERS iterations of 64 prompts x 16 samples at GRPO_LR, sampling at T 0.5

@@ -57,3 +57,31 @@ def drift(sums: torch.Tensor) -> dict:
     """logprob_diff_mean and logprob_diff_max from `drift_sums` (0 without loss tokens)."""
     tokens, total, top = sums.tolist()
     return dict(logprob_diff_mean=total / tokens if tokens else 0.0, logprob_diff_max=top if tokens else 0.0)
+
+
+def routing_mismatch(chunks, rollouts, *, seq_len_tokens: int, pad_id: int, micro_batch_size: int) -> dict:
+    """What MoE router replay changes (`RolloutConfig.router_replay`), on a `RolloutBatch` sampled with its routes
+    (`core.collect(routes=True)`): `flips`, the share of (fed token, MoE layer) pairs whose experts the trainer's own
+    router picks differently from the rollout's, and the log-prob mismatch (`drift`: mean and max over the
+    completions' tokens) of the trainer scoring them at T 1 without replay and with it. Collective (every rank)."""
+    from ..models import router_replay
+    from ..train.generate import logits
+    from .core import token_logprobs
+    from .samples import rollout_batch
+    n = len(rollouts.completions)
+    ids = [rollouts.prompt_ids[i // rollouts.group_size] for i in range(n)]
+    plain = rollout_batch(ids, rollouts.completions, torch.zeros(n), seq_len_tokens=seq_len_tokens, pad_id=pad_id)
+    routed = rollout_batch(ids, rollouts.completions, torch.zeros(n), seq_len_tokens=seq_len_tokens, pad_id=pad_id,
+                           routes=rollouts.routes)
+    with router_replay.recording(chunks) as rec:
+        logits(chunks, plain.tokens)
+    lengths = torch.tensor([len(p) + len(c) - 1 for p, c in zip(ids, rollouts.completions)])
+    fed = torch.arange(seq_len_tokens)[None] < lengths[:, None]
+    out = dict(flips=router_replay.flips(rec.routes(batch=n, seq=seq_len_tokens).cpu(), routed.extras["routes"],
+                                         mask=fed), tokens=int(plain.loss_mask.sum()))
+    behaviour = rollout_logprobs_like(rollouts.logprobs, plain.loss_mask)
+    for name, batch in (("without", plain), ("with", routed)):
+        trainer = token_logprobs(chunks, batch, micro_batch_size=micro_batch_size)
+        d = drift(drift_sums(trainer, behaviour, plain.loss_mask))
+        out.update({f"diff_mean_{name}": d["logprob_diff_mean"], f"diff_max_{name}": d["logprob_diff_max"]})
+    return out

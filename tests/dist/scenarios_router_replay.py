@@ -126,7 +126,7 @@ def rl_replay(*, arch: str, workdir: str, rollout_dtype: str) -> dict:
     import transformers
 
     from mfsdp_kit import data
-    from mfsdp_kit.rl import core, grpo
+    from mfsdp_kit.rl import core, grpo, scoring
     from mfsdp_kit.rl.rollout import ContinuousRollout
     from mfsdp_kit.config import OptimConfig
     cfg = EngineConfig(use_megatron_fsdp=True, dtype="fp32", seed=3)
@@ -140,25 +140,14 @@ def rl_replay(*, arch: str, workdir: str, rollout_dtype: str) -> dict:
     batch = core.collect(chunks=model.chunks, bridge=model.bridge, backend=rollout, prompts=pool[:4],
                          reward=data.verify, samples_per_prompt=2, max_new_tokens=8, temperature=1.0, top_p=1.0,
                          seed=5, routes=True)
-    n, seq = len(batch.completions), 40
-    ids = [batch.prompt_ids[i // 2] for i in range(n)]
+    ids = [batch.prompt_ids[i // 2] for i in range(len(batch.completions))]
     shapes_ok = all(r.shape[0] == len(p) + len(c) for r, p, c in zip(batch.routes, ids, batch.completions))
-    plain = core.rollout_batch(ids, batch.completions, torch.zeros(n), seq_len_tokens=seq, pad_id=0)
-    routed = core.rollout_batch(ids, batch.completions, torch.zeros(n), seq_len_tokens=seq, pad_id=0,
-                                routes=batch.routes)
-    with router_replay.recording(model.chunks) as rec:
-        logits(model.chunks, plain.tokens)
-    fed = (torch.arange(seq)[None] < torch.tensor([len(p) + len(c) - 1 for p, c in zip(ids, batch.completions)])[:, None])
-    flips = router_replay.flips(rec.routes(batch=n, seq=seq), routed.extras["routes"], mask=fed)
-    rollout_lp = core.rollout_logprobs_like(batch.logprobs, plain.loss_mask)
-    on = plain.loss_mask != 0
-    diff = {name: (core.token_logprobs(model.chunks, b, micro_batch_size=4) - rollout_lp)[on].abs().max().item()
-            for name, b in (("without", plain), ("with", routed))}
+    measured = scoring.routing_mismatch(model.chunks, batch, seq_len_tokens=40, pad_id=0, micro_batch_size=4)
     opt = engine.build_optimizer(model.chunks, OptimConfig(lr=1e-3), cfg)
     history = grpo.fit(chunks=model.chunks, optimizer=opt, bridge=model.bridge, rollout=rollout, prompt_pool=pool,
                        reward_fn=data.verify, iterations=2, progress=False,
                        cfg=grpo.GRPOConfig(prompts_per_iteration=4, samples_per_prompt=2, max_new_tokens=8,
                                            micro_batch_size=4, router_replay=True))
     runtime.shutdown()
-    return dict(shapes_ok=shapes_ok, routes=len(batch.routes), completions=n, flips=flips, diff=diff,
+    return dict(shapes_ok=shapes_ok, routes=len(batch.routes), completions=len(batch.completions), **measured,
                 rewards=history.reward, kl=history.kl, logprob_diff_max=history.logprob_diff_max)
