@@ -90,6 +90,8 @@ class History:
     """Partial rollouts (`rl.partial`): over the trained tokens, policy versions between the one that sampled each
     token and the one it trains under, mean."""
     staleness_max: list[int] = field(default_factory=list)
+    staleness_tokens: list[list[int]] = field(default_factory=list)
+    """Partial rollouts: trained tokens per staleness, [0 versions behind, 1, ..., staleness_max] (a histogram)."""
     off_policy_token_frac: list[float] = field(default_factory=list)
     """Partial rollouts: share of the trained tokens an older policy sampled."""
     stale_rows_dropped: list[int] = field(default_factory=list)

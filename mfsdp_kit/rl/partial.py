@@ -211,10 +211,10 @@ def rollout_batch(groups: list[Group], *, reward: Reward, stats: dict) -> Rollou
 
 
 def staleness(batch: RolloutBatch, *, version: int) -> dict:
-    """Over the batch's tokens, version - the token's version: mean, max, and the share of tokens an older policy
-    sampled (off_policy_token_frac)."""
-    lag = torch.tensor([version - v for row in batch.versions for v in row], dtype=torch.float64)
+    """Over the batch's tokens, version - the token's version: mean, max, the share of tokens an older policy
+    sampled (off_policy_token_frac), and the tokens at each lag 0, 1, ..., max (staleness_tokens: a histogram)."""
+    lag = torch.tensor([version - v for row in batch.versions for v in row], dtype=torch.long)
     if lag.numel() == 0:
-        return dict(staleness_mean=math.nan, staleness_max=0, off_policy_token_frac=math.nan)
-    return dict(staleness_mean=lag.mean().item(), staleness_max=int(lag.max()),
-                off_policy_token_frac=(lag > 0).float().mean().item())
+        return dict(staleness_mean=math.nan, staleness_max=0, off_policy_token_frac=math.nan, staleness_tokens=[])
+    return dict(staleness_mean=lag.double().mean().item(), staleness_max=int(lag.max()),
+                off_policy_token_frac=(lag > 0).double().mean().item(), staleness_tokens=torch.bincount(lag).tolist())

@@ -43,7 +43,7 @@ def test_trained_batch_keeps_each_tokens_logprob_and_version():
     assert batch.solved.tolist() == [True, False, False, False] and len(batch.logprobs[3]) == 3
     lag = partial.staleness(batch, version=3)
     assert lag["staleness_max"] == 2 and math.isclose(lag["staleness_mean"], 4 / 12)
-    assert math.isclose(lag["off_policy_token_frac"], 3 / 12)
+    assert math.isclose(lag["off_policy_token_frac"], 3 / 12) and lag["staleness_tokens"] == [9, 2, 1]
 
 
 def test_what_partial_rollouts_cannot_continue_is_refused_by_name(tmp_path):
@@ -91,11 +91,12 @@ def test_versions_are_right_and_staleness_is_bounded(run, max_staleness):
 
 def test_grpo_with_partial_rollouts_trains_end_to_end(run):
     h = run["history"]
-    print({k: [round(x, 4) for x in v] for k, v in h.items()})
+    print({k: [x if isinstance(x, list) else round(x, 4) for x in v] for k, v in h.items()})
     assert len(h["reward"]) == 4 and h["groups_kept"] == [4] * 4
     for key in ("reward", "kl", "clip_frac", "rollout_s", "train_s", "is_weight_mean", "staleness_mean"):
         assert all(math.isfinite(x) for x in h[key]), key
     assert max(h["staleness_max"]) <= 1 and h["rows_carried"][0] > 0
+    assert [len(c) - 1 for c in h["staleness_tokens"]] == h["staleness_max"]
 
 
 def test_carried_groups_are_dealt_round_robin_and_come_back_in_pool_order():
