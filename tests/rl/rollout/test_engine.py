@@ -294,3 +294,20 @@ def test_enough_groups_is_refused_with_tools(tmp_path):
     with pytest.raises(ConfigError, match="enough_groups"):
         ContinuousRollout(model, tok, config=SMALL, tools=tools).generate_turns(
             ROWS, max_new_tokens=4, temperature=0, top_p=1.0, seed=0, groups=[0] * len(ROWS), enough_groups=1)
+
+
+def test_a_row_continued_after_new_weights_is_prefilled_with_them(tmp_path):
+    """Across an iteration's weight refresh: the continued rows (prompt + tokens so far) are prefilled with the new
+    weights, so their greedy continuation is HF `generate`'s from prompt + tokens under the new weights."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    part, _, _ = rollout.generate_turns(ROWS, max_new_tokens=[2] + [16] * (len(ROWS) - 1), temperature=0, top_p=1.0,
+                                        seed=0, groups=list(range(len(ROWS))), enough_groups=1)
+    todo = [i for i, e in enumerate(rollout.ended) if not e and part[i]]
+    attn = model.model.layers[0].self_attn   # new weights, as a refresh that re-points them (`backend.refresh`)
+    attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(attn.q_proj.weight) * 0.5, requires_grad=False)
+    rows = [ROWS[i] + part[i] for i in todo]
+    more, _ = rollout.generate(rows, max_new_tokens=[16 - len(part[i]) for i in todo], temperature=0, top_p=1.0,
+                               seed=0)
+    want = hf_greedy(model, tok, rows, 16)
+    assert len(todo) >= 3 and more == [w[:16 - len(part[i])] for w, i in zip(want, todo)]
