@@ -108,8 +108,9 @@ class RolloutConfig:
     iteration trains on its first prompts_per_iteration complete groups. None: off, every group sampled to its end.
     Needs the kit's engine (ContinuousRollout), without tools or router_replay."""
     max_staleness: int = 1
-    """Partial rollouts: the most policy versions (optimizer updates of the RL loop) a token may lag the policy it is
-    trained under; a row holding an older token starts again from its prompt (History's stale_rows_dropped)."""
+    """Partial rollouts: the most policy versions (one per iteration's policy update) a token may lag the policy it
+    is trained under; a row holding an older token starts again from its prompt (History's stale_rows_dropped). 0:
+    no token of an earlier iteration trains (unfinished rows are sampled again from their prompts)."""
     seed: int = 0
     """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False

@@ -140,7 +140,8 @@ def iteration(*, models: Models, cfg: RolloutConfig, draw: Callable[[int], list]
 def fit(*, models: Models, cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], reward_fn, iterations: int,
         seq_len_tokens: int | None = None, progress: bool = True, on_iteration=None) -> History:
     """`iterations` of `iteration`, each drawing its prompts from `prompt_pool` [(prompt, answer)] (deterministic
-    from `cfg.seed`, `core.PromptDraw`).
+    from `cfg.seed`, `core.PromptDraw`). With `cfg.partial_fraction`, one `partial.Pool` carries the groups in flight
+    from each iteration to the next (`rl.partial`; what partial rollouts cannot continue is refused first).
 
     `seq_len_tokens` (the training sequences' length): None = what the longest prompt of the pool plus
     `max_new_tokens` needs (`core.seq_len_needed`); a shorter value is refused before any rollout.
