@@ -101,6 +101,16 @@ class RolloutConfig:
     router_replay: bool = False
     """MoE models: the trainer's forwards route each token to the experts the rollout chose for it (the kit's engine
     records them; `models.router_replay`), so no routing flip adds to the train-rollout mismatch."""
+    partial_fraction: float | None = None
+    """Partial rollouts (`rl.partial`): the share of the groups in flight (prompts_per_iteration / partial_fraction
+    of them, rounded up to a multiple of the data-parallel size) whose completion ends an iteration's sampling; the
+    rows still running are kept (tokens, their log-probs and policy versions) and continued next iteration, and each
+    iteration trains on its first prompts_per_iteration complete groups. None: off, every group sampled to its end.
+    Needs the kit's engine (ContinuousRollout), without tools or router_replay."""
+    max_staleness: int = 1
+    """Partial rollouts: the most policy versions (one per iteration's policy update) a token may lag the policy it
+    is trained under; a row holding an older token starts again from its prompt (History's stale_rows_dropped). 0:
+    no token of an earlier iteration trains (unfinished rows are sampled again from their prompts)."""
     seed: int = 0
     """Seed of the rollouts' sampling (each iteration and rank derives its own from it)."""
     offload_during_rollout: bool = False
@@ -111,10 +121,14 @@ class RolloutConfig:
         """Checked when made (each field's type, `fieldtypes.check_fields`), not in the
         middle of the first iteration."""
         check_fields(self, prompts_per_iteration=COUNT, samples_per_prompt=COUNT, max_new_tokens=COUNT,
-                     ppo_epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX,
+                     ppo_epochs=COUNT, num_minibatches=COUNT, micro_batch_size=COUNT, seed=INDEX, max_staleness=INDEX,
+                     partial_fraction=optional(number_in(0, 1, low_open=True)),
                      max_tokens_per_micro_batch=optional(COUNT),
                      temperature=number_in(0, low_open=True), top_p=number_in(0, 1, low_open=True),
                      kl_coef=number_in(0), correction_low=number_in(0, 1), correction_high=number_in(1))
+        if self.partial_fraction is not None and self.router_replay:   # a row cut mid-call keeps no routes
+            raise bad_value("partial_fraction", self.partial_fraction, "None with router_replay=True (a row continued "
+                            "across iterations has no routes of its earlier tokens)")
 
     def step_options(self, **more) -> StepOptions:
         """The update's `train.StepOptions`: this config's micro-batch fields, and `more` (loss_fn, scheduler)."""
@@ -127,6 +141,14 @@ class RolloutConfig:
 
 
 # ---- collect ---------------------------------------------------------------------------------
+def synced(*, chunks, bridge, backend: RolloutBackend) -> dict:
+    """The training weights copied into `backend` (`RolloutBackend.refresh`): {sync_s, sync_bytes}."""
+    t0 = time.perf_counter()
+    with phase("sync"):
+        nbytes = backend.refresh(chunks, bridge)["bytes"]
+    return dict(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
+
+
 def rollout_seed(*, seed: int, iteration: int, round: int = 0) -> int:
     """Base sampling seed of one collect (`collect` adds the data-parallel rank). Round 0 is the
     seed GRPO has always used; dynamic sampling's later rounds are offset by 101 each."""
@@ -143,6 +165,16 @@ def offloaded(chunks, optimizer):
         offload.reload(chunks, optimizer)
 
 
+def no_pipeline() -> None:
+    """Pipeline parallelism refused before any work: rollouts split and gather by data-parallel rank, wrong across
+    pipeline stages."""
+    from megatron.core import parallel_state as ps
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        raise bad_value("pipeline_model_parallel_size", pp, "1 for RL (its rollouts split and gather by "
+                        "data-parallel rank, which pipeline stages would each repeat)")
+
+
 @stop.stoppable(then_interrupt="a rollout")   # it holds collectives: Stop lets it finish
 def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
@@ -152,20 +184,12 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
     `reward` (a `Reward`, or a plain callable: `as_reward`), gather.
 
     `offload_optimizer`: move the training state to the host while sampling (`offloaded`); `routes`: keep MoE routes."""
-    from megatron.core import parallel_state as ps
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp > 1:   # before any work: the share and gather below are by data-parallel rank, wrong across stages
-        raise bad_value("pipeline_model_parallel_size", pp, "1 for RL (its rollouts split and gather by "
-                        "data-parallel rank, which pipeline stages would each repeat)")
+    no_pipeline()
     if routes and "routes" not in inspect.signature(backend.sample).parameters:
         raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
                         "ContinuousRollout)")
-    reward, stats = as_reward(reward), {}
-    if refresh:
-        t0 = time.perf_counter()
-        with phase("sync"):
-            nbytes = backend.refresh(chunks, bridge)["bytes"]
-        stats.update(sync_s=time.perf_counter() - t0, sync_bytes=nbytes)
+    reward = as_reward(reward)
+    stats = synced(chunks=chunks, bridge=bridge, backend=backend) if refresh else {}
     placement = getattr(backend, "placement", None) or ReplicaPlacement()
     share = placement.share(prompts)
     t0 = time.perf_counter()

@@ -11,6 +11,10 @@ are what make it noisy, hence the modes (`RolloutConfig.rollout_correction`):
     sequence-truncate  W = min(prod_t pi_old / q, high) on every token of the sequence
     sequence-mask      W = prod_t pi_old / q, the whole sequence out of the loss outside [low, high]
 
+With partial rollouts (`rl.partial`) a completion's tokens may come from several policy versions; q is still each
+token's own log-prob, recorded when it was sampled, so the weight corrects the staleness of an older token as well
+as the engine's numerics, with no change here.
+
 A masked token leaves the loss mask, so it leaves the loss's denominator too (the count megatron divides by), not
 only its numerator (slime #657). Diagnostics per iteration: the weights' mean and max, the share truncated or
 masked, the k3 estimate of KL(q || pi_old) and the perplexity ratio pi_old / q.

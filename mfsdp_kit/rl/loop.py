@@ -8,7 +8,8 @@
                     sampling temperature (`scoring.scored_at`), plus the train-inference mismatch of the rollout's
                     log-probs (`scoring.mismatch`)
     fit             prompts drawn from a pool each iteration (`core.PromptDraw`), the training length checked
-                    before any rollout, metrics into a `History` (`run_iterations`)
+                    before any rollout, metrics into a `History` (`run_iterations`); with `partial_fraction`, the
+                    groups in flight kept across iterations (`rl.partial`)
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..config import bad_value
 from ..fieldtypes import COUNT, checked_args, optional
 from ..perf.timeline import phase
 from ..train import chat
-from . import core, correction, on_policy
+from . import core, correction, on_policy, partial
 from .algorithms import registration
 from .algorithms.registration import Models  # noqa: F401 (the loop's public name: what fit trains)
 from .core import RolloutBatch, RolloutConfig
@@ -84,6 +86,20 @@ class History:
     """Mean |A| over the completion tokens, before whitening."""
     critic_s: list[float] = field(default_factory=list)
     """The critic's forward (values) and update."""
+    staleness_mean: list[float] = field(default_factory=list)
+    """Partial rollouts (`rl.partial`): over the trained tokens, policy versions between the one that sampled each
+    token and the one it trains under, mean."""
+    staleness_max: list[int] = field(default_factory=list)
+    staleness_tokens: list[list[int]] = field(default_factory=list)
+    """Partial rollouts: trained tokens per staleness, [0 versions behind, 1, ..., staleness_max] (a histogram)."""
+    off_policy_token_frac: list[float] = field(default_factory=list)
+    """Partial rollouts: share of the trained tokens an older policy sampled."""
+    stale_rows_dropped: list[int] = field(default_factory=list)
+    """Partial rollouts: rows emptied before sampling, older than `max_staleness` allows (they start again)."""
+    rows_resumed: list[int] = field(default_factory=list)
+    """Partial rollouts: rows continued from tokens an earlier iteration sampled."""
+    rows_carried: list[int] = field(default_factory=list)
+    """Partial rollouts: rows left in the pool for the next iteration (of groups complete or not)."""
 
 
 NO_UPDATE = dict(logprob_s=0.0, update_s=0.0, train_s=0.0, logprob_passes=0, kl=math.nan, clip_frac=math.nan,
@@ -93,13 +109,20 @@ NO_UPDATE = dict(logprob_s=0.0, update_s=0.0, train_s=0.0, logprob_passes=0, kl=
 
 
 def iteration(*, models: Models, cfg: RolloutConfig, draw: Callable[[int], list], reward_fn, seq_len_tokens: int,
-              index: int = 0) -> dict:
+              index: int = 0, pool: partial.Pool | None = None) -> dict:
     """One iteration of the algorithm `cfg` registers (module docstring): prompts from `draw(k)` (k prompts, the
     same on every rank), scored by `reward_fn` (a callable or a `core.Reward`, which says what counts as solved:
-    `accuracy`); `index` seeds its rollouts. Returns the iteration's metrics (`History`'s names, and the last
-    step's loss)."""
+    `accuracy`); `index` seeds its rollouts (and is the policy's version). With `cfg.partial_fraction`, `pool` (a
+    `partial.Pool` kept across iterations) holds the groups in flight (`partial.sample`). Returns the iteration's
+    metrics (`History`'s names, and the last step's loss)."""
     algorithm = registration.of(cfg)
-    sampled = algorithm.sample(models, cfg, draw=draw, reward=core.as_reward(reward_fn), index=index)
+    if cfg.partial_fraction is None:
+        sampled = algorithm.sample(models, cfg, draw=draw, reward=core.as_reward(reward_fn), index=index)
+    elif pool is None:
+        raise bad_value("pool", pool, f"a partial.Pool() kept across iterations (partial_fraction="
+                        f"{cfg.partial_fraction})")
+    else:
+        sampled = partial.sample(models, cfg, pool=pool, draw=draw, reward=core.as_reward(reward_fn), index=index)
     metrics = dict(**sampled.everything.stats, **core.rollout_metrics(sampled.everything), **sampled.metrics)
     if sampled.kept.num_groups == 0:
         return dict(metrics, **NO_UPDATE)
@@ -117,7 +140,8 @@ def iteration(*, models: Models, cfg: RolloutConfig, draw: Callable[[int], list]
 def fit(*, models: Models, cfg: RolloutConfig, prompt_pool: list[tuple[str, str]], reward_fn, iterations: int,
         seq_len_tokens: int | None = None, progress: bool = True, on_iteration=None) -> History:
     """`iterations` of `iteration`, each drawing its prompts from `prompt_pool` [(prompt, answer)] (deterministic
-    from `cfg.seed`, `core.PromptDraw`).
+    from `cfg.seed`, `core.PromptDraw`). With `cfg.partial_fraction`, one `partial.Pool` carries the groups in flight
+    from each iteration to the next (`rl.partial`; what partial rollouts cannot continue is refused first).
 
     `seq_len_tokens` (the training sequences' length): None = what the longest prompt of the pool plus
     `max_new_tokens` needs (`core.seq_len_needed`); a shorter value is refused before any rollout.
@@ -129,8 +153,12 @@ def fit(*, models: Models, cfg: RolloutConfig, prompt_pool: list[tuple[str, str]
     seq_len_tokens = core.checked_seq_len(seq_len_tokens, prompt_pool, models.rollout.tokenizer,
                                           max_new_tokens=cfg.max_new_tokens)
     draw = core.PromptDraw(prompt_pool, seed=cfg.seed)
+    pool = None
+    if cfg.partial_fraction is not None:   # refused before any work
+        partial.check(models, cfg)
+        pool = partial.Pool()
     return run_iterations(iteration=lambda it: iteration(models=models, cfg=cfg, draw=draw, reward_fn=reward_fn,
-                                                         seq_len_tokens=seq_len_tokens, index=it),
+                                                         seq_len_tokens=seq_len_tokens, index=it, pool=pool),
                           iterations=iterations, history=History(), desc=algorithm.name, progress=progress,
                           on_iteration=on_iteration)
 

@@ -152,6 +152,9 @@ class ContinuousRollout:
         the tool's output)."""
         self.runner = ModelRunner(self.model, config=self.config)
         """The device state across calls: weights' view, KV cache, the decode steps' graphs (`model_runner.py`)."""
+        self.ended: list[bool] = []
+        """The last call's rows: True where the row ended (stop id or budget), False where `enough_groups` ended
+        the call first (partial rollouts: a later call continues it)."""
         self.routes: list | None = None
         """The last call's MoE routes per row when it asked for them (`generate_turns(routes=True)`), else None."""
         self.stats: dict = {}
@@ -188,15 +191,26 @@ class ContinuousRollout:
                                    seed=seed)[:2]
 
     @torch.no_grad()
-    def generate_turns(self, rows: list[list[int]], *, max_new_tokens: int, temperature: float, top_p: float,
-                       seed: int, routes: bool = False) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
+    def generate_turns(self, rows: list[list[int]], *, max_new_tokens: int | list[int], temperature: float,
+                       top_p: float, seed: int, routes: bool = False, groups: list[int] | None = None,
+                       enough_groups: int | None = None) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """`generate` and each completion's model mask: 1 per token the model sampled, 0 per token a tool wrote
         (`max_new_tokens` counts both, so the training sequence length does not change with tools). `routes`: also
-        keep each row's MoE routes in `self.routes` ([prompt + completion tokens, moe_layers, k] int16 per row)."""
+        keep each row's MoE routes in `self.routes` ([prompt + completion tokens, moe_layers, k] int16 per row).
+
+        Partial rollouts (`rl.partial`): `max_new_tokens` per row (a continued row is prompt + its tokens so far,
+        prefilled with the current weights, and what is left of its budget); with `groups` (an id per row) and
+        `enough_groups`, the call ends at the first check point where that many groups have every row ended, and
+        `self.ended` says which rows did (the others keep what they sampled so far)."""
+        if enough_groups is not None and (routes or self.tools):
+            raise bad_value("enough_groups", enough_groups, "None with tools or MoE routes (a row cut mid-call keeps "
+                            "neither its tool turn nor its routes)")
         cfg, runner = self.config, self.runner
         runner.check_weights()
         longest = max(map(len, rows))
-        slots = bucketed(longest + max_new_tokens + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
+        each = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
+        reach = max(len(r) + b for r, b in zip(rows, each))   # the longest row's prompt and budget
+        slots = bucketed(reach + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
         t0, made = time.perf_counter(), runner.made
         captured_s, kernels_s = runner.capture_s, runner.kernels_s
         state = runner.prepare(len(rows), slots=slots, longest=longest)
@@ -208,7 +222,8 @@ class ContinuousRollout:
                               buckets_per_doubling=cfg.buckets_per_doubling,
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats,
-                              on_finish=self._keep_routes if routes else None)
+                              on_finish=self._keep_routes if routes else None, groups=groups,
+                              enough_groups=enough_groups)
         if routes:
             runner.routes = RouteTable(self.model, rows=state.shape[0], slots=state.shape[1], device=state.tok.device)
         sample = Sampler(temperature=temperature, top_p=top_p, seed=seed, device=state.tok.device,
@@ -216,6 +231,7 @@ class ContinuousRollout:
         timer = CallTimer(state.tok.device, self.stats)
         try:
             out = loop(scheduler, runner, sample, timer)
+            self.ended = [s.done for s in scheduler.seqs]
             self.routes = [s.routes for s in scheduler.seqs] if routes else None
             return out
         finally:

@@ -17,11 +17,16 @@ and the next token is sampled from the last one. The naive loop (a new prompt pe
 every earlier turn again each time. Resuming at the next check point, whatever the tool's speed, keeps the samples a
 function of the seed alone (ranks of one replica must draw the same tokens); sequences wait on their tool for
 `stats["tool_wait_s"]`.
+
+Partial rollouts (`rl.partial`): each sequence has its own `budget` of new tokens (a row continued from an earlier
+call comes as prompt + its tokens so far, with what is left of its budget), and with `groups` (a group id per row) and
+`enough_groups` the call ends at the first check point where that many groups have every row ended; the rows still
+running keep what they sampled (`Sequence.done` False) and are continued by a later call.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,6 +73,8 @@ class Sequence:
     index: int
     """Its place in the call's input (and output) rows."""
     prompt: list[int]
+    budget: int = 0
+    """New tokens it may add in this call (`max_new_tokens`, or its own with partial rollouts)."""
     tokens: list[int] = field(default_factory=list)
     """The completion: the model's tokens and the tools' outputs."""
     logprobs: list[float] = field(default_factory=list)
@@ -114,14 +121,16 @@ class Scheduler:
     launch (`resume`, `admit`, `compact`, `next_chunk`) and hands back what the launches sampled (`record`,
     `decoded`); `results()` gives per input row (tokens, log-probs of the model's tokens, model mask)."""
 
-    def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int, stops: set[int],
-                 check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
+    def __init__(self, prompts: list[list[int]], *, rows: int, slots: int, max_new_tokens: int | list[int],
+                 stops: set[int], check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
                  buckets_per_doubling: int = 2, tools: ToolConfig | None = None, tokenizer=None,
-                 stats: dict | None = None, on_finish=None):
-        self.seqs = [Sequence(index=i, prompt=list(p)) for i, p in enumerate(prompts)]
+                 stats: dict | None = None, on_finish=None, groups: list[int] | None = None,
+                 enough_groups: int | None = None):
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        self.seqs = [Sequence(index=i, prompt=list(p), budget=b) for i, (p, b) in enumerate(zip(prompts, budgets))]
         self.queue = deque(self.seqs)
         self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
-        self.slots, self.max_new, self.check_every, self.slot_bucket = slots, max_new_tokens, check_every, slot_bucket
+        self.slots, self.check_every, self.slot_bucket = slots, check_every, slot_bucket
         self.prefill_tokens, self.min_batch, self.per_doubling = prefill_tokens, min_batch, buckets_per_doubling
         self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
         self.tools = tools if tools is not None and tools.tools else None
@@ -131,6 +140,10 @@ class Scheduler:
         """Called with a sequence that ends, before its cache row is freed (what the device keeps of it is read)."""
         self.pool = ThreadPoolExecutor(self.tools.workers) if self.tools and self.tools.workers else None
         self.batch = self.bucket(min(len(prompts), rows))
+        self.groups, self.enough, self.complete = groups, enough_groups, 0
+        """Partial rollouts: a group id per row; end the call once `enough` groups are complete (None: once every
+        row has ended); groups complete so far."""
+        self.left = Counter(groups if enough_groups is not None else [])   # group id -> its rows not ended yet
         if self.tools:
             self.stats.update(tool_calls=0, tool_tokens=0, tool_s=0.0, tool_wait_s=0.0, extend_s=0.0)
 
@@ -140,8 +153,14 @@ class Scheduler:
         return batch_bucket(live, rows=len(self.cache), least=self.min_batch, per_doubling=self.per_doubling)
 
     def busy(self) -> bool:
-        """Sequences are queued, decoding or waiting on a tool."""
+        """Sequences are queued, decoding or waiting on a tool, and `enough_groups` are not complete yet."""
+        if self.satisfied():
+            return False
         return bool(self.queue) or any(s is not None for s in self.cache)
+
+    def satisfied(self) -> bool:
+        """`enough_groups` groups are complete: the call ends (partial rollouts)."""
+        return self.enough is not None and self.complete >= self.enough
 
     def live(self) -> list[int]:
         """Cache rows whose sequence decodes (not waiting on a tool)."""
@@ -185,10 +204,10 @@ class Scheduler:
         reading the cache up to the next `slot_bucket` past the longest live row; None when none decodes."""
         b = self.batch
         live = [s for s in self.cache[:b] if s is not None and s.waiting is None]
-        if not live:
+        if not live or self.satisfied():   # a prefill may have completed the last group needed
             return None
         top = max(s.length for s in live)
-        left = max(self.max_new - len(s.tokens) for s in live)
+        left = max(s.budget - len(s.tokens) for s in live)
         slots = [min(self.slots, bucketed(top + k + 1, self.slot_bucket)) for k in range(min(self.check_every, left))]
         return Chunk(batch=b, slots=slots, idle=[r for r in range(b) if self.cache[r] is None])
 
@@ -212,7 +231,7 @@ class Scheduler:
         for j, s in enumerate(seqs):
             if s is None or s.done or s.waiting is not None:
                 continue
-            room = self.max_new - len(s.tokens)
+            room = s.budget - len(s.tokens)
             keep = min(first[j], k, room)
             s.tokens += tokens[j][:keep]
             s.logprobs += logprobs[j][:keep]
@@ -227,6 +246,10 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(s)
         self.cache[s.row], s.row, s.done = None, -1, True
+        if self.enough is not None:
+            g = self.groups[s.index]
+            self.left[g] -= 1
+            self.complete += self.left[g] == 0
 
     def results(self) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Per input row, in input order: (tokens, log-probs of the model's tokens, model mask)."""
@@ -247,7 +270,7 @@ class Scheduler:
         n, tool = found
         del s.tokens[n:], s.mask[n:]
         del s.logprobs[sum(s.mask):]
-        if s.calls >= self.tools.max_calls or len(s.tokens) >= self.max_new:
+        if s.calls >= self.tools.max_calls or len(s.tokens) >= s.budget:
             self.finish(s)   # the turn limit (or the length limit): the sequence ends at this call
             return True
         s.calls += 1
@@ -272,7 +295,7 @@ class Scheduler:
             s.waiting = None
             text, seconds = future.result()
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][:tool.max_output_tokens]
-            ids = ids[:self.max_new - len(s.tokens)]
+            ids = ids[:s.budget - len(s.tokens)]
             start = len(s.prompt) + len(s.tokens) - 1   # the slot of the sequence's last token
             item = (s, [s.tokens[-1]] + ids, start)
             s.tokens += ids
@@ -282,7 +305,7 @@ class Scheduler:
             self.stats["tool_tokens"] += len(ids)
             self.stats["tool_s"] += seconds
             self.stats["tool_wait_s"] += time.perf_counter() - since
-            if len(s.tokens) >= self.max_new:
+            if len(s.tokens) >= s.budget:
                 self.finish(s)
                 continue
             s.length = start + len(item[1])

@@ -261,3 +261,53 @@ def test_queue_stops_and_compaction_keep_the_models_tokens(config, tmp_path):
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
         want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         assert (torch.tensor(lp) - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_a_row_continued_after_a_break_equals_one_sampled_without(arch, tmp_path):
+    """Partial rollouts (`rl.partial`): a call ended by `enough_groups` (row 0 has a budget of 2 tokens, every row is
+    a group of its own, one group is enough) leaves the other rows part-way or queued (`ended` False); continuing
+    them from prompt + their tokens (re-prefilled: the break's weights are the same) with what is left of their
+    budgets gives, greedy, the tokens of a call without the break, and each token's log-prob to fp32 rounding."""
+    model, tok = load(arch, tmp_path)
+    budgets = [2] + [16] * (len(ROWS) - 1)
+    greedy = dict(temperature=0, top_p=1.0, seed=0)
+    whole, whole_lp = ContinuousRollout(model, tok, config=SMALL).generate(ROWS, max_new_tokens=budgets, **greedy)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    part, part_lp, _ = rollout.generate_turns(ROWS, max_new_tokens=budgets, groups=list(range(len(ROWS))),
+                                              enough_groups=1, **greedy)
+    todo = [i for i, e in enumerate(rollout.ended) if not e]
+    assert rollout.ended[0] and all(len(part[i]) < 16 for i in todo)   # queued rows (4 cache rows) have none
+    assert sum(len(part[i]) > 0 for i in todo) >= 3
+    more, more_lp = rollout.generate([ROWS[i] + part[i] for i in todo],
+                                     max_new_tokens=[budgets[i] - len(part[i]) for i in todo], **greedy)
+    for j, i in enumerate(todo):
+        part[i], part_lp[i] = part[i] + more[j], part_lp[i] + more_lp[j]
+    assert part == whole
+    assert max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(part_lp, whole_lp)) < 1e-4
+
+
+def test_enough_groups_is_refused_with_tools(tmp_path):
+    from mfsdp_kit.rl.rollout.tools import Tool, ToolConfig
+    model, tok = load("LlamaForCausalLM", tmp_path)
+    tools = ToolConfig(tools=[Tool(name="echo", stop="]", fn=lambda call: call)])
+    with pytest.raises(ConfigError, match="enough_groups"):
+        ContinuousRollout(model, tok, config=SMALL, tools=tools).generate_turns(
+            ROWS, max_new_tokens=4, temperature=0, top_p=1.0, seed=0, groups=[0] * len(ROWS), enough_groups=1)
+
+
+def test_a_row_continued_after_new_weights_is_prefilled_with_them(tmp_path):
+    """Across an iteration's weight refresh: the continued rows (prompt + tokens so far) are prefilled with the new
+    weights, so their greedy continuation is HF `generate`'s from prompt + tokens under the new weights."""
+    model, tok = load("Qwen2ForCausalLM", tmp_path)
+    rollout = ContinuousRollout(model, tok, config=SMALL)
+    part, _, _ = rollout.generate_turns(ROWS, max_new_tokens=[2] + [16] * (len(ROWS) - 1), temperature=0, top_p=1.0,
+                                        seed=0, groups=list(range(len(ROWS))), enough_groups=1)
+    todo = [i for i, e in enumerate(rollout.ended) if not e and part[i]]
+    attn = model.model.layers[0].self_attn   # new weights, as a refresh that re-points them (`backend.refresh`)
+    attn.q_proj.weight = torch.nn.Parameter(torch.randn_like(attn.q_proj.weight) * 0.5, requires_grad=False)
+    rows = [ROWS[i] + part[i] for i in todo]
+    more, _ = rollout.generate(rows, max_new_tokens=[16 - len(part[i]) for i in todo], temperature=0, top_p=1.0,
+                               seed=0)
+    want = hf_greedy(model, tok, rows, 16)
+    assert len(todo) >= 3 and more == [w[:16 - len(part[i])] for w, i in zip(want, todo)]

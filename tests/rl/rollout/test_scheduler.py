@@ -167,3 +167,46 @@ def test_random_workloads_equal_each_sequence_alone():
         kinds["compacted"] += any(m is not None for m in moves)
         kinds["queued"] += len(w["prompts"]) > w["rows"]
     assert min(kinds.values()) >= 20, kinds   # every path ran in many cases
+
+
+def test_a_call_ended_by_enough_groups_continues_to_each_sequence_alone():
+    """Partial rollouts on 100 workloads without tools: each row has its own budget and a group; the call ends at the
+    first check point where `enough_groups` groups have every row ended (never earlier: fewer were complete at the
+    check point before); a second call given the unfinished rows as prompt + tokens so far, with what is left of
+    their budgets, ends every row where the sequence alone ends (the fake model reads the whole prefix, as a
+    re-prefill does)."""
+    stopped = 0
+    for case in range(100):
+        w = workload(case)
+        rng = random.Random(1000 + case)
+        model, tok, n = fake_model(case, w["vocab"]), CharTokenizer(), len(w["prompts"])
+        budgets = [rng.randint(1, 20) for _ in range(n)]
+        groups = [i // rng.randint(1, 3) for i in range(n)]
+        enough = rng.randint(1, len(set(groups)))
+        slots = bucketed(max(len(p) + b for p, b in zip(w["prompts"], budgets)) + w["check_every"], w["slot_bucket"])
+        complete_at_checks = []
+        first = Scheduler(w["prompts"], rows=w["rows"], slots=slots, max_new_tokens=budgets, stops=w["stops"],
+                          check_every=w["check_every"], slot_bucket=w["slot_bucket"],
+                          prefill_tokens=w["prefill_tokens"], groups=groups, enough_groups=enough)
+        runner = FakeRunner(first, model, w["rows"], slots)
+        runner.decode = lambda c, s, d=runner.decode: (complete_at_checks.append(first.complete), d(c, s))[1]
+        tokens, logprobs, _ = loop(first, runner, None, CallTimer(torch.device("cpu"), {}))
+        ended = [s.done for s in first.seqs]
+        complete = sum(all(ended[i] for i in range(n) if groups[i] == g) for g in set(groups))
+        assert complete >= enough or all(ended), case
+        assert all(c < enough for c in complete_at_checks), case   # no check point passed with enough complete
+        todo = [i for i in range(n) if not ended[i]]
+        stopped += bool(todo)
+        if todo:
+            rest = Scheduler([w["prompts"][i] + tokens[i] for i in todo], rows=w["rows"], slots=slots + 20,
+                             max_new_tokens=[budgets[i] - len(tokens[i]) for i in todo], stops=w["stops"],
+                             check_every=w["check_every"], slot_bucket=w["slot_bucket"],
+                             prefill_tokens=w["prefill_tokens"])
+            more, more_lp, _ = loop(rest, FakeRunner(rest, model, w["rows"], slots + 20), None,
+                                    CallTimer(torch.device("cpu"), {}))
+            for j, i in enumerate(todo):
+                tokens[i], logprobs[i] = tokens[i] + more[j], logprobs[i] + more_lp[j]
+        for i, p in enumerate(w["prompts"]):
+            want, _ = naive(p, model=model, stops=w["stops"], max_new=budgets[i], tools=None, tok=tok)
+            assert tokens[i] == want and logprobs[i] == [logprob(t) for t in want], (case, i)
+    assert stopped >= 20, stopped   # many calls did end early
