@@ -81,11 +81,11 @@ def _kept(history) -> dict:
 
 
 def _trainer(src: str, link_ports: list[int], world_port: int) -> dict:
-    from mfsdp_kit.config import EngineConfig
+    from mfsdp_kit.config import EngineConfig, Wrapper
     from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.rl import decoupled, loop
     from mfsdp_kit.weights import push
-    ecfg = EngineConfig(use_megatron_fsdp=True, dtype="fp32", seed=3)
+    ecfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="fp32", seed=3)
     runtime.init(ecfg, rank=0, world_size=1, master_port=world_port)
     out = {}
     rollout = _hf_rollout(src)
@@ -129,7 +129,7 @@ def two_worlds(*, src: str, link_ports: list[int], world_port: int) -> dict:
 def trainer_world_of_two(*, src: str, link_port: int, world_port: int) -> dict:
     """Processes 0 and 1: a trainer world of two (Megatron-FSDP over both); process 2: the rollout process. Every
     trainer rank gets the samples (rank 0 reads the store and broadcasts them) and the ranks stay in step."""
-    from mfsdp_kit.config import EngineConfig
+    from mfsdp_kit.config import EngineConfig, Wrapper
     from mfsdp_kit.distributed import engine, runtime
     from mfsdp_kit.rl import decoupled
     from mfsdp_kit.weights import push
@@ -137,7 +137,7 @@ def trainer_world_of_two(*, src: str, link_port: int, world_port: int) -> dict:
     if rank == 2:
         _rollout(src, [link_port])
         return {}
-    ecfg = EngineConfig(use_megatron_fsdp=True, dtype="fp32", seed=3)
+    ecfg = EngineConfig(wrapper=Wrapper(use_megatron_fsdp=True), dtype="fp32", seed=3)
     runtime.init(ecfg, rank=rank, world_size=2, master_port=world_port)
     models = _models(src, ecfg, None)
     link = push.connect(host="127.0.0.1", port=link_port, rank=0, size=2) if rank == 0 else None
