@@ -20,6 +20,7 @@ version (`RolloutBatch.versions`); the trainer drops the groups older than s ver
 """
 from __future__ import annotations
 
+import inspect
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ def serve(*, link: push.Link, backend, prompt_pool: list[tuple[str, str]], rewar
         raise ValueError("decoupled.serve: link rank 0 is the trainer's; rollout processes are link ranks 1..")
     plan = pickle.loads(link.store.get(PLAN_KEY))
     cfg, iterations, staleness = plan["cfg"], plan["iterations"], plan["max_staleness"]
+    if cfg.router_replay and "routes" not in inspect.signature(backend.sample).parameters:
+        raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
+                        "ContinuousRollout)")
     draw, per = core.PromptDraw(prompt_pool, seed=cfg.seed), cfg.prompts_per_iteration // (link.size - 1)
     version, versions = -1, []
     for j in range(iterations):

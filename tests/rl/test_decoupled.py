@@ -81,3 +81,21 @@ def test_a_trainer_world_of_two_shares_the_samples(tmp_path):
                    link_port=launch.free_port())
     assert r["versions"] == [0, 0, 1] and r["policy_version"] == [0, 1, 2] and r["staleness_max"] == [0, 1, 1]
     assert r["weights_agree"] and len(r["samples"]) == 3 and len(set(r["reward"])) > 1
+
+
+def test_serve_refuses_router_replay_on_a_backend_without_routes(tmp_path):
+    import pickle
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from mfsdp_kit.models.tiny import tiny
+    from mfsdp_kit.rl.rollout import HFRollout
+    from mfsdp_kit.weights import push
+    src = tiny(tmp_path / "xs", size="xs", seed=0)
+    store = dist.HashStore()   # the plan is read before the link's group is used
+    store.set(decoupled.PLAN_KEY, pickle.dumps(dict(cfg=GRPOConfig(router_replay=True), iterations=1,
+                                                    max_staleness=0)))
+    link = push.Link(group=None, rank=1, size=2, device=torch.device("cpu"), store=store)
+    backend = HFRollout(AutoModelForCausalLM.from_pretrained(src), AutoTokenizer.from_pretrained(src))
+    with pytest.raises(ValueError, match="router_replay=True.*ContinuousRollout"):
+        decoupled.serve(link=link, backend=backend, prompt_pool=[("1+1=", "2")], reward_fn=lambda p, c: 0.0)
