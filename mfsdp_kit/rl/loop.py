@@ -231,3 +231,21 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
                 on_iteration(it, m)
     bar.close()
     return history
+
+
+def learn(sampled: registration.Sampled, *, models: Models, cfg: RolloutConfig, seq_len_tokens: int,
+          pad_id: int) -> dict:
+    """The update half of `iteration` for samples made elsewhere (`rl.decoupled`: rollout processes): `sampled`'s
+    metrics, then the algorithm's advantages of its kept groups, `policy_update` and what the estimator runs after;
+    `NO_UPDATE` when no group is kept. `models.rollout` is not read."""
+    algorithm = registration.of(cfg)
+    metrics = dict(**sampled.everything.stats, **core.rollout_metrics(sampled.everything), **sampled.metrics)
+    if sampled.kept.num_groups == 0:
+        return dict(metrics, **NO_UPDATE)
+    estimate = algorithm.advantages(sampled.kept, cfg, models=models, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
+    policy = policy_update(sampled.kept, advantages=estimate.advantages, chunks=models.chunks,
+                           optimizer=models.optimizer, cfg=cfg, loss_fn=algorithm.loss(cfg),
+                           seq_len_tokens=seq_len_tokens, pad_id=pad_id, ref_chunks=models.ref_chunks,
+                           scheduler=models.scheduler)
+    after = estimate.after_update() if estimate.after_update is not None else {}
+    return dict(metrics, **estimate.metrics, **policy, **after)
