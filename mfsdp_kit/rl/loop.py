@@ -123,17 +123,8 @@ def iteration(*, models: Models, cfg: RolloutConfig, draw: Callable[[int], list]
                         f"{cfg.partial_fraction})")
     else:
         sampled = partial.sample(models, cfg, pool=pool, draw=draw, reward=core.as_reward(reward_fn), index=index)
-    metrics = dict(**sampled.everything.stats, **core.rollout_metrics(sampled.everything), **sampled.metrics)
-    if sampled.kept.num_groups == 0:
-        return dict(metrics, **NO_UPDATE)
-    pad_id = chat.pad_id(models.rollout.tokenizer)
-    estimate = algorithm.advantages(sampled.kept, cfg, models=models, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
-    policy = policy_update(sampled.kept, advantages=estimate.advantages, chunks=models.chunks,
-                           optimizer=models.optimizer, cfg=cfg, loss_fn=algorithm.loss(cfg),
-                           seq_len_tokens=seq_len_tokens, pad_id=pad_id, ref_chunks=models.ref_chunks,
-                           scheduler=models.scheduler)
-    after = estimate.after_update() if estimate.after_update is not None else {}
-    return dict(metrics, **estimate.metrics, **policy, **after)
+    pad_id = chat.pad_id(models.rollout.tokenizer) if sampled.kept.num_groups else 0   # 0 groups: no batch is made
+    return learn(sampled, models=models, cfg=cfg, seq_len_tokens=seq_len_tokens, pad_id=pad_id)
 
 
 @checked_args(iterations=COUNT, seq_len_tokens=optional(COUNT))
@@ -235,9 +226,9 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
 
 def learn(sampled: registration.Sampled, *, models: Models, cfg: RolloutConfig, seq_len_tokens: int,
           pad_id: int) -> dict:
-    """The update half of `iteration` for samples made elsewhere (`rl.decoupled`: rollout processes): `sampled`'s
-    metrics, then the algorithm's advantages of its kept groups, `policy_update` and what the estimator runs after;
-    `NO_UPDATE` when no group is kept. `models.rollout` is not read."""
+    """The update half of `iteration` (and all of it for samples made elsewhere: `rl.decoupled`'s rollout
+    processes): `sampled`'s metrics, then the algorithm's advantages of its kept groups, `policy_update` and what the
+    estimator runs after; `NO_UPDATE` when no group is kept. `models.rollout` is not read."""
     algorithm = registration.of(cfg)
     metrics = dict(**sampled.everything.stats, **core.rollout_metrics(sampled.everything), **sampled.metrics)
     if sampled.kept.num_groups == 0:
