@@ -4,9 +4,9 @@ EP 2 under Megatron-FSDP.
 Per layout: the routes a forward chose, recorded; replaying them gives the same logits bit for bit; replaying other
 routes (every expert index shifted by one) makes each router dispatch exactly those experts (read from the routing
 map megatron's router returns) and changes the logits; and three training steps whose batches carry the routes the
-current weights choose (`extras["routes"]`, replayed per micro-batch by `train.step`, padded and packed) give the
-losses and grad norms of three plain steps bit for bit (the load-balancing loss included: it reads the router's own
-scores either way).
+current weights choose (`extras["routes"]`, replayed per micro-batch by `train.step`; padded at EP 1, packed at
+EP 2) give the losses and grad norms of three plain steps bit for bit (the load-balancing loss included: it reads
+the router's own scores either way).
 """
 from __future__ import annotations
 
@@ -97,11 +97,12 @@ def _layout(src: str, *, ep: int, fsdp: bool) -> dict:
                dispatched_layers=len(dispatched), other_maxdiff=(moved - plain).abs().max().item(),
                flips_other=router_replay.flips(routes, other), flips_self=router_replay.flips(routes, routes))
     engine.release(model.chunks)
-    sdpa = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend="sdpa"))
-    for name, c, packed in (("padded", cfg, False), ("packed", sdpa, True)):   # packed rows need the kit's SDPA
-        out[f"plain_{name}"] = _train(hf_models.load(src, c), c, replay=False, packed=packed)
-        out[f"replayed_{name}"] = _train(hf_models.load(src, c), c, replay=True, packed=packed)
-        out[f"shifted_{name}"] = _train(hf_models.load(src, c), c, replay=True, packed=packed, shift=1)
+    packed = ep > 1   # EP 1 trains padded, EP 2 packed: each way and each layout once (packed rows need SDPA)
+    c = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend="sdpa")) if packed else cfg
+    out["train_way"] = "packed" if packed else "padded"
+    out["plain"] = _train(hf_models.load(src, c), c, replay=False, packed=packed)
+    out["replayed"] = _train(hf_models.load(src, c), c, replay=True, packed=packed)
+    out["shifted"] = _train(hf_models.load(src, c), c, replay=True, packed=packed, shift=1)
     runtime.shutdown()
     return out
 

@@ -26,9 +26,9 @@ def test_replay_routes_exactly_and_changes_nothing_when_they_agree(runs, arch, l
     assert r["self_replay_equal"] and r["cleared_equal"]
     assert r["dispatched_layers"] == r["layers"] and r["dispatched_as_replayed"]
     assert r["other_maxdiff"] > 1e-4 and r["flips_other"] == 1.0 and r["flips_self"] == 0.0
-    for layout in ("padded", "packed"):
-        assert r[f"replayed_{layout}"] == r[f"plain_{layout}"], (layout, r[f"plain_{layout}"], r[f"replayed_{layout}"])
-        assert r[f"shifted_{layout}"]["losses"][0] != r[f"plain_{layout}"]["losses"][0]   # the steps do replay
+    assert r["train_way"] == ("packed" if layout == "ep2-fsdp" else "padded")
+    assert r["replayed"] == r["plain"], (r["plain"], r["replayed"])
+    assert r["shifted"]["losses"][0] != r["plain"]["losses"][0]   # the steps do replay
 
 
 def test_flips_counts_expert_sets_not_order():
