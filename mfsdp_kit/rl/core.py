@@ -175,6 +175,23 @@ def no_pipeline() -> None:
                         "data-parallel rank, which pipeline stages would each repeat)")
 
 
+def check_records_routes(backend, *, routes: bool) -> None:
+    """Refuse `router_replay` (before any work) on a backend whose `sample` records no MoE routes."""
+    if routes and "routes" not in inspect.signature(backend.sample).parameters:
+        raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
+                        "ContinuousRollout)")
+
+
+def sample_and_reward(backend, prompts: list[tuple[str, str]], *, n: int, max_new_tokens: int, temperature: float,
+                      top_p: float, seed: int, reward: Reward, routes: bool = False) -> tuple[list, list[float]]:
+    """`backend`'s `n` completions of each of `prompts` (with their MoE routes when `routes`), and the reward of each
+    one's text: one replica's sampling, no collective."""
+    completions = backend.sample([p for p, _ in prompts], n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, seed=seed, **({"routes": True} if routes else {}))
+    texts = [backend.tokenizer.decode(c) for c in completions]
+    return completions, [reward(prompts[i // n][0], t) for i, t in enumerate(texts)]
+
+
 @stop.stoppable(then_interrupt="a rollout")   # it holds collectives: Stop lets it finish
 def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str, str]], reward: Reward | Callable,
             samples_per_prompt: int, max_new_tokens: int, temperature: float, top_p: float, seed: int,
@@ -185,20 +202,16 @@ def collect(*, chunks, bridge, backend: RolloutBackend, prompts: list[tuple[str,
 
     `offload_optimizer`: move the training state to the host while sampling (`offloaded`); `routes`: keep MoE routes."""
     no_pipeline()
-    if routes and "routes" not in inspect.signature(backend.sample).parameters:
-        raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
-                        "ContinuousRollout)")
+    check_records_routes(backend, routes=routes)
     reward = as_reward(reward)
     stats = synced(chunks=chunks, bridge=bridge, backend=backend) if refresh else {}
     placement = getattr(backend, "placement", None) or ReplicaPlacement()
     share = placement.share(prompts)
     t0 = time.perf_counter()
     with phase("rollout"), offloaded(chunks, offload_optimizer) if offload_optimizer is not None else nullcontext():
-        completions = backend.sample([p for p, _ in share], n=samples_per_prompt, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=seed + placement.replica(),
-                                     **({"routes": True} if routes else {}))
-        texts = [backend.tokenizer.decode(c) for c in completions]
-        rewards = [reward(share[i // samples_per_prompt][0], t) for i, t in enumerate(texts)]
+        completions, rewards = sample_and_reward(backend, share, n=samples_per_prompt, max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, top_p=top_p, seed=seed + placement.replica(),
+                                                 reward=reward, routes=routes)
     stats["rollout_s"] = time.perf_counter() - t0
     parts = placement.gather((list(completions), getattr(completions, "logprobs", None), rewards,
                               getattr(completions, "model_mask", None), getattr(completions, "routes", None)))

@@ -20,7 +20,6 @@ version (`RolloutBatch.versions`); the trainer drops the groups older than s ver
 """
 from __future__ import annotations
 
-import inspect
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -74,11 +73,10 @@ def sample_scored(backend, cfg: RolloutConfig, *, prompts: list[tuple[str, str]]
     with no collective (a rollout process has no world)."""
     reward, n = core.as_reward(reward), cfg.samples_per_prompt
     t0 = time.perf_counter()
-    completions = backend.sample([p for p, _ in prompts], n=n, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
-                                 **({"routes": True} if cfg.router_replay else {}))
-    texts = [backend.tokenizer.decode(c) for c in completions]
-    rewards = torch.tensor([reward(prompts[i // n][0], t) for i, t in enumerate(texts)])
+    completions, rewards = core.sample_and_reward(backend, prompts, n=n, max_new_tokens=cfg.max_new_tokens,
+                                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
+                                                  reward=reward, routes=cfg.router_replay)
+    rewards = torch.tensor(rewards)
     return RolloutBatch(prompts=list(prompts), prompt_ids=core.prompt_ids(backend.tokenizer, prompts),
                         completions=list(completions), rewards=rewards, solved=reward.solved(rewards), group_size=n,
                         stats=dict(rollout_s=time.perf_counter() - t0), logprobs=completions.logprobs,
@@ -95,9 +93,7 @@ def serve(*, link: push.Link, backend, prompt_pool: list[tuple[str, str]], rewar
         raise ValueError("decoupled.serve: link rank 0 is the trainer's; rollout processes are link ranks 1..")
     plan = pickle.loads(link.store.get(PLAN_KEY))
     cfg, iterations, staleness = plan["cfg"], plan["iterations"], plan["max_staleness"]
-    if cfg.router_replay and "routes" not in inspect.signature(backend.sample).parameters:
-        raise bad_value("router_replay", True, "False, or a rollout backend that records MoE routes (the kit's "
-                        "ContinuousRollout)")
+    core.check_records_routes(backend, routes=cfg.router_replay)
     draw, per = core.PromptDraw(prompt_pool, seed=cfg.seed), cfg.prompts_per_iteration // (link.size - 1)
     version, versions = -1, []
     for j in range(iterations):
