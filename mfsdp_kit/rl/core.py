@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from ..distributed import offload, runtime, stop
 from ..config import bad_value
-from ..models import router_replay
 from ..perf.timeline import phase
 from .advantages import ADV_EPS, Estimator, group_advantages  # noqa: F401 (core's public names)
 from .correction import Mode, rollout_logprobs_like
@@ -242,17 +241,17 @@ def token_logprobs(chunks, batch: Batch, *, options: StepOptions) -> torch.Tenso
     local = data_parallel_slice(batch)
     out = torch.zeros(batch.tokens.shape)
     start = ps.get_data_parallel_rank() * local.num_sequences
-    for i, mb in enumerate(micro_batches(local.to(device), micro_batch_size)):
-        positions = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
-        for c in chunks:
-            c.eval()
-        packing.replay_routes(chunks, mb)
-        losses = chunks[0](mb.tokens, positions, None, labels=mb.labels)
-        for c in chunks:
-            c.train()
-        rows = slice(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)
-        out[rows] = -losses.float().cpu()
-    router_replay.clear(chunks)
+    with packing.routes_replayed(chunks, batch):
+        for i, mb in enumerate(micro_batches(local.to(device), micro_batch_size)):
+            positions = torch.arange(mb.tokens.shape[1], device=device).expand_as(mb.tokens)
+            for c in chunks:
+                c.eval()
+            packing.replay_routes(chunks, mb)
+            losses = chunks[0](mb.tokens, positions, None, labels=mb.labels)
+            for c in chunks:
+                c.train()
+            rows = slice(start + i * micro_batch_size, start + (i + 1) * micro_batch_size)
+            out[rows] = -losses.float().cpu()
     out = out.to(device)
     dist.all_reduce(out, group=ps.get_data_parallel_group())
     return out.cpu()

@@ -70,9 +70,10 @@ def routing_mismatch(chunks, rollouts, *, seq_len_tokens: int, pad_id: int, micr
     from .samples import rollout_batch
     n = len(rollouts.completions)
     ids = [rollouts.prompt_ids[i // rollouts.group_size] for i in range(n)]
-    plain = rollout_batch(ids, rollouts.completions, torch.zeros(n), seq_len_tokens=seq_len_tokens, pad_id=pad_id)
     routed = rollout_batch(ids, rollouts.completions, torch.zeros(n), seq_len_tokens=seq_len_tokens, pad_id=pad_id,
                            routes=rollouts.routes)
+    plain = Batch(routed.tokens, routed.labels, routed.loss_mask,
+                  {k: v for k, v in routed.extras.items() if k != "routes"})
     with router_replay.recording(chunks) as rec:
         logits(chunks, plain.tokens)
     lengths = torch.tensor([len(p) + len(c) - 1 for p, c in zip(ids, rollouts.completions)])

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import engine, introspect, keep_gathered, runtime, stop
-from ..models import router_replay
 from . import packing, token_budget
 from ..config import ConfigError, bad_value
 from .data import Batch  # noqa: F401  (train.Batch: the step's input, owned by data)
@@ -133,15 +132,12 @@ def _forward_backward(chunks, batch: Batch, *, options: StepOptions,
     largest = packing.largest_packed(mbs) if options.max_tokens_per_micro_batch is None else None
     measured = token_budget.measuring(chunks, largest=largest, forward_only=forward_only)
     loss_fn = options.loss_fn or masked_token_loss
-    with keep_gathered.held(chunks), measured:   # held: a no-op unless built with fsdp_keep_gathered
-        try:
-            logged = get_forward_backward_func()(
-                forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
-                num_microbatches=len(mbs), seq_length=batch.tokens.shape[1],
-                micro_batch_size=options.micro_batch_size, forward_only=forward_only)
-        finally:
-            if "routes" in batch.extras:
-                router_replay.clear(chunks)
+    # held: a no-op unless built with fsdp_keep_gathered; routes: MoE routes the batch carries, replayed
+    with keep_gathered.held(chunks), measured, packing.routes_replayed(chunks, batch):
+        logged = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn), data_iterator=iter(mbs), model=chunks,
+            num_microbatches=len(mbs), seq_length=batch.tokens.shape[1], micro_batch_size=options.micro_batch_size,
+            forward_only=forward_only)
         engine.settle_param_gathers(chunks)
     return _reduce_logged(logged, rt.device)
 

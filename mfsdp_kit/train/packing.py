@@ -23,12 +23,14 @@ stays padded - every rank holds it, loss functions read it - but the forwards se
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..distributed import runtime
+from ..models import router_replay
 from . import token_budget
 from .data import Batch
 from .options import StepOptions, takes_options
@@ -145,10 +147,20 @@ class PackedMicroBatch:
         return model(self.tokens, self.position_ids, None, labels=self.labels, packed_seq_params=self.params())
 
 
+@contextmanager
+def routes_replayed(chunks, batch: Batch):
+    """The forwards over `batch`'s micro-batches inside, each started by `replay_routes`; after them the routers go
+    back to their own choice (nothing to undo when the batch carries no routes)."""
+    try:
+        yield
+    finally:
+        if "routes" in batch.extras:
+            router_replay.clear(chunks)
+
+
 def replay_routes(chunks, mb) -> None:
     """Route a micro-batch's next forward by the MoE routes it carries (`extras["routes"]`, in its padded or packed
     layout: `models.router_replay`); nothing without them."""
-    from ..models import router_replay
     packed = isinstance(mb, PackedMicroBatch)
     routes = (mb.rows if packed else mb).extras.get("routes")
     if routes is not None:
@@ -270,16 +282,14 @@ def token_logprobs(chunks, batch: Batch, *, max_tokens_per_micro_batch: int) -> 
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
-    for mb in rank_micro_batches(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch):
-        mb = mb.to(device)
-        replay_routes(chunks, mb)
-        losses = mb.forward(chunks[0])
-        if not mb.filler:
-            out[mb.flat_index(global_batch=True)] = -losses.float().reshape(-1)
+    with routes_replayed(chunks, batch):
+        for mb in rank_micro_batches(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch):
+            mb = mb.to(device)
+            replay_routes(chunks, mb)
+            losses = mb.forward(chunks[0])
+            if not mb.filler:
+                out[mb.flat_index(global_batch=True)] = -losses.float().reshape(-1)
     for c, mode in zip(chunks, was_training):
         c.train(mode)
-    if "routes" in batch.extras:
-        from ..models import router_replay
-        router_replay.clear(chunks)
     dist.all_reduce(out, group=ps.get_data_parallel_group())
     return out.view(batch.tokens.shape).cpu()

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ROUTE_DTYPE = torch.int16
-"""As `models.router_replay.ROUTE_DTYPE`: the trainer's routes arrive in it."""
+from ...models.router_replay import ROUTE_DTYPE
 
 
 def routers(model) -> list[tuple[torch.nn.Module, int]]:
