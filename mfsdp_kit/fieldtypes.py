@@ -114,9 +114,15 @@ def number_in(low: float, high: float = math.inf, *, low_open: bool = False) -> 
 
 
 def check_fields(obj: Any, **ranges: Range) -> None:
-    """A dataclass's fields' types (`check_field_types`), then each field named in `ranges` against its range:
-    the first bad one raises `bad_value`'s ConfigError (field, value, allowed)."""
+    """A dataclass's fields' types (`check_field_types`), then each field named in `ranges` against its range
+    (`check_ranges`)."""
     check_field_types(obj)
+    check_ranges(obj, ranges)
+
+
+def check_ranges(obj: Any, ranges: dict[str, Range]) -> None:
+    """Each field of `obj` named in `ranges` against its range, in order: the first bad one raises `bad_value`'s
+    ConfigError (field, value, allowed). No type walk: cheap enough for an object made at every call."""
     for name, (ok, allowed) in ranges.items():
         if not ok(getattr(obj, name)):
             raise bad_value(name, getattr(obj, name), allowed)

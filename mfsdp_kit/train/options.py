@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-from ..fieldtypes import COUNT, Range, bad_value, optional
+from ..fieldtypes import COUNT, Range, bad_value, check_ranges, optional
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -50,9 +50,7 @@ class StepOptions:
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first field that is not allowed, its value and what is."""
-        for name, (ok, allowed) in ALLOWED.items():
-            if not ok(getattr(self, name)):
-                raise bad_value(name, getattr(self, name), allowed)
+        check_ranges(self, ALLOWED)
 
 
 ALLOWED: dict[str, Range] = {
