@@ -54,11 +54,8 @@ class History(loop.History):
     """`loop.History` and what the decoupled roles add."""
 
     policy_version: list[int] = field(default_factory=list)
-    """The trainer's version when it updated (its updates so far)."""
-    staleness_max: list[int] = field(default_factory=list)
-    """The largest policy_version - (a token's version) among the iteration's samples."""
-    staleness_mean: list[float] = field(default_factory=list)
-    """Mean of that per completion (its oldest token)."""
+    """The trainer's version when it updated (its updates so far). `staleness_max` / `staleness_mean` are
+    `loop.History`'s, per completion here (`staleness`: its oldest token)."""
     groups_stale: list[int] = field(default_factory=list)
     """Groups dropped for staleness above `max_staleness` (`fresh`)."""
     wait_s: list[float] = field(default_factory=list)

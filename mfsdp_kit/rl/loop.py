@@ -87,9 +87,11 @@ class History:
     critic_s: list[float] = field(default_factory=list)
     """The critic's forward (values) and update."""
     staleness_mean: list[float] = field(default_factory=list)
-    """Partial rollouts (`rl.partial`): over the trained tokens, policy versions between the one that sampled each
-    token and the one it trains under, mean."""
+    """Policy versions between the one that sampled a token and the one it trains under, mean: over the trained
+    tokens with partial rollouts (`rl.partial.staleness`), over the completions' oldest tokens with decoupled
+    rollouts (`rl.decoupled.staleness`)."""
     staleness_max: list[int] = field(default_factory=list)
+    """Its largest value."""
     staleness_tokens: list[list[int]] = field(default_factory=list)
     """Partial rollouts: trained tokens per staleness, [0 versions behind, 1, ..., staleness_max] (a histogram)."""
     off_policy_token_frac: list[float] = field(default_factory=list)
