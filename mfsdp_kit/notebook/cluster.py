@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from . import gpus, interrupt, launch, on_engine, stall, status as status_view, watchdog
+from . import gpus, interrupt, launch, on_engine, stacks, stall, status as status_view, watchdog
 from ..config import EngineConfig
 from ..distributed import ports
 from ..distributed.stopwatch import Stopwatch
@@ -153,8 +153,10 @@ class ClusterHandle:
             raise (ClusterError(watchdog.describe(self, err)) if self.abort_reason else err) from err
 
     def _timed_out(self, result: Any, timeout_s: float, what: str) -> ClusterError:
-        if what:   # a step of forming the world
-            return ClusterError(f"{what}: no answer within timeout_s={timeout_s} (an engine busy or stuck?)")
+        if what:   # a step of forming the world: where each local engine is, from its own stacks
+            where = stacks.describe(profile_dir=self.cluster.profile_dir, cluster_id=self.cluster.cluster_id)
+            return ClusterError(f"{what}: no answer within timeout_s={timeout_s} (an engine busy or stuck?)"
+                                + (f"\nwhere the engines are:\n{where}" if where else ""))
         watchdog.abort_world(self, f"the cell ran past timeout_s={timeout_s} s")
         result.wait(interrupt.ESCALATED_WAIT_S)   # aborted collectives return at once
         return ClusterError(f"the cell ran past timeout_s={timeout_s} s: the world's process groups are aborted on "
@@ -232,6 +234,7 @@ class ClusterHandle:
         launch.kill_engines(self.cluster, self.client)
         watch.lap("kill_engines")
         launch.stop(self.cluster, self.client)
+        stacks.remove(profile_dir=self.cluster.profile_dir, cluster_id=self.cluster.cluster_id)
         watch.lap("stop_cluster")
         self.stop_s = dict(watch.phases, total=watch.total())
         self.view = None
@@ -363,6 +366,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         return handle
     except BaseException:
         launch.stop(cluster, client)
+        stacks.remove(profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id)
         raise
 
 

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Callable
 
+from . import stacks
+
 MODULES = ("torch", "torch.distributed", "megatron.core.parallel_state", "mfsdp_kit.distributed.runtime")
 """What `runtime.init` imports first, heaviest first."""
 PRELOAD_ENV = "MFSDP_KIT_PRELOAD"
@@ -116,6 +118,7 @@ def watch_parent(*, poll_s: float = 1.0, on_orphan: Callable[[], None] = _exit_n
 
 def main() -> None:
     watch_parent()
+    stacks.arm(profile_dir=os.environ.get("IPP_PROFILE_DIR"), cluster_id=os.environ.get("IPP_CLUSTER_ID", ""))
     if os.environ.get(PRELOAD_ENV, "1") != "0":
         start()
     from ipyparallel.engine.app import main as engine_main   # the engine's own imports, while the controller boots

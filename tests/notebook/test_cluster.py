@@ -306,11 +306,12 @@ def test_engines_not_up_in_time_raise_and_leave_nothing():
     assert {p.pid for p in _engine_processes() if p.is_running()} <= before
 
 
-STALLS = {   # a step of forming a world, and code that makes one engine (by rank) never finish it
-    "leaving the old world": (1, "import time; time.sleep(600)"),   # a cell that does not end
-    "asking the engines who they are": (1, "import socket, time; socket.gethostname = lambda: time.sleep(600)"),
+STALLS = {   # a step of forming a world, code that makes one engine (by rank) never finish it, where it then is
+    "leaving the old world": (1, "import time; time.sleep(600)", "in <module>"),   # an endless cell
+    "asking the engines who they are": (1, "import socket, time; socket.gethostname = lambda: time.sleep(600)",
+                                        "in identity"),
     "reserving rank 0's rendezvous port": (0, "import socket, time; socket.create_server = lambda *a, **k: "
-                                              "time.sleep(600)"),
+                                              "time.sleep(600)", "in reserve"),
 }
 
 
@@ -318,15 +319,18 @@ STALLS = {   # a step of forming a world, and code that makes one engine (by ran
 def test_a_world_whose_engine_never_answers_fails_reinit_in_time_and_restart_recovers(step):
     """Every step of forming a world is bounded by the start's timeout_s: an engine that never answers one (busy with
     an endless cell, a hostname lookup that hangs, a bind that hangs) fails reinit naming the step, instead of
-    hanging the notebook; restart then rebuilds the world with the same ranks."""
-    rank, stall = STALLS[step]
+    hanging the notebook, and shows where each engine is (stacks.py); restart then rebuilds the world with the same
+    ranks."""
+    rank, stall, where = STALLS[step]
     h = cluster.start(2, device="cpu", timeout_s=8)
     try:
         h.client[h.engine_of[rank]].execute(stall, block=step != "leaving the old world")
         t0 = time.monotonic()
-        with pytest.raises(ClusterError, match=f"^{step}: no answer within timeout_s=8"):
+        with pytest.raises(ClusterError, match=f"^{step}: no answer within timeout_s=8") as err:
             h.reinit()
         assert time.monotonic() - t0 < 30   # unbounded, it waited for the stalled engine: 600 s
+        stuck = str(err.value).split("where the engines are:\n")[1]
+        assert stuck.count("engine pid") == 2 and where in stuck, stuck
         if step == "asking the engines who they are":   # failed midway through: the handle still restarts
             h.restart()
             h.run("import torch, torch.distributed as dist\nx = torch.tensor([rank + 1.0])\ndist.all_reduce(x)")
