@@ -181,7 +181,7 @@ def worker(out: Path, *, steps: int | None = None) -> None:
     after = accuracy(model)
     _log(f"held-out accuracy after: {after['accuracy']:.2f}")
 
-    hf_model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(rt.device).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(rt.device).eval()
     stats = sync.load_into(hf_model, model.chunks, model.bridge)
     samples = _samples(hf_model, tok, [p for p, _ in heldout[:4]], rt.device, max_new_tokens=plan_["max_new_tokens"],
                        stop_ids=stop_ids)

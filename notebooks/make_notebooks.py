@@ -1,4 +1,4 @@
-"""Write the course notebooks (01_wrap .. 09_tools, widgets_demo) without outputs.
+"""Write the course notebooks (01_wrap .. 10_async, widgets_demo) without outputs.
 
 The notebooks are generated so their source stays reviewable as plain Python: edit this file,
 run `python notebooks/make_notebooks.py`, commit both. Every notebook follows 00_cluster: a
@@ -303,7 +303,7 @@ history = fit(model.chunks, opt, batches, steps=60, micro_batch_size=32 // world
     md("Load the trained weights into a `transformers` model on every rank:"),
     code('''
 %%px
-hf_model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device).eval()
+hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
 stats = sync.load_into(hf_model, model.chunks, model.bridge)
 print(f"rank {rank}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.2f} MiB in {stats['seconds']:.3f} s")
 '''),
@@ -343,7 +343,7 @@ print(f"rank {rank}: max |logit diff| {logits_maxdiff:.2e} (logit scale {logit_s
     code('''
 %%px
 out_dir = sync.save_hf(model.chunks, model.bridge, nbm.out("sft"))
-reloaded = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32).to(device).eval()
+reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device).eval()
 reload_equal = all(torch.equal(reloaded.state_dict()[n], t) for n, t in hf_model.state_dict().items())
 '''),
     md('''
@@ -609,19 +609,7 @@ assert handle.view["meta"][0]["step"] == 20
 ]
 
 # -------------------------------------------------------------------------------------------------
-GRPO = [
-    md("""
-# 05 · GRPO: reinforcement learning from synced Megatron-FSDP weights
-
-Each iteration (`rl.loop.iteration`): sync the training weights into the HF rollout model on every
-rank; sample several completions per prompt; score them with a verifiable reward
-(`data.verify`: exact match); turn rewards into advantages within each prompt's group
-((r - mean) / std); update the policy with the clipped-ratio loss plus a KL penalty to a frozen
-reference (the model GRPO started from). A short SFT first, so some rewards are non-zero.
-"""),
-    code(START),
-    FP32_NOTE,
-    code('''
+RL_SFT = '''
 %%px
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -641,7 +629,21 @@ pairs = task.train_pairs(90)
 seq = data.seq_len_needed(pairs, tok, multiple_of=16)   # tiny model: 16; a long template: more
 sft = fit(model.chunks, opt, data.batches(pairs, tok, seq_len_tokens=seq, global_batch=32),
           steps=40, micro_batch_size=32 // world_size, progress=False)
-'''),
+'''
+
+GRPO = [
+    md("""
+# 05 · GRPO: reinforcement learning from synced Megatron-FSDP weights
+
+Each iteration (`rl.loop.iteration`): sync the training weights into the HF rollout model on every
+rank; sample several completions per prompt; score them with a verifiable reward
+(`data.verify`: exact match); turn rewards into advantages within each prompt's group
+((r - mean) / std); update the policy with the clipped-ratio loss plus a KL penalty to a frozen
+reference (the model GRPO started from). A short SFT first, so some rewards are non-zero.
+"""),
+    code(START),
+    FP32_NOTE,
+    code(RL_SFT),
     md("""
 The reference (frozen, unwrapped) is the SFT policy. The rollout model is a `transformers` model that
 `grpo.Rollout` (`rl.rollout.default_backend`) hands to the kit's rollout engine, `ContinuousRollout`, for the
@@ -653,7 +655,7 @@ sampled token returned with its log-prob. Any other architecture gets `HFRollout
 from mfsdp_kit import packing
 ref_dir = sync.save_hf(model.chunks, model.bridge, nbm.out("sft"))
 ref = load(ref_dir, cfg, wrap=False).chunks
-rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).to(device), tok)
+rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device), tok)
 backend = type(rollout).__name__
 packed = packing.can_pack(model.chunks)   # the update's micro-batches run packed (no padding computed)
 grpo_cfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=4, kl_coef=0.05,
@@ -1151,8 +1153,139 @@ if nbm.size:   # the tiny models' pace; a folder of yours may call from the star
     *STOP,
 ]
 
+# -------------------------------------------------------------------------------------------------
+ASYNC = [
+    md("""
+# 10 · Past synchronous GRPO: partial rollouts and MoE router replay
+
+05_grpo samples every group of an iteration to its end, then trains: each iteration waits for its longest
+completion, and an MoE policy's trainer may route a token to other experts than the rollout engine did. Two
+opt-in switches of the shared RL config (`rl.core.RolloutConfig`) change that, as verl and slime do:
+
+* **partial rollouts** (`partial_fraction`, `max_staleness`; `rl.partial`): an iteration stops sampling once enough
+  groups are complete; the unfinished rows stay in a pool and continue next iteration from their last token, after
+  the weight refresh. Every token keeps the log-prob and the policy version it was sampled with, so the rollout
+  correction weighs it by its own behaviour policy, and a row older than `max_staleness` versions starts again;
+* **router replay** (`router_replay`; `models.router_replay`): the rollout engine records the experts it chose for
+  every token and MoE layer; the trainer's forwards dispatch those tokens to those experts.
+
+Both on the tiny models, trained in fp32 as in 05 (the router replay section puts the rollout engine in bf16).
+"""),
+    code(START),
+    code(RL_SFT),
+    md("""
+## Partial rollouts
+
+The same GRPO from the same SFT policy twice: synchronous, then with `partial_fraction=0.5` (twice as many groups
+in flight as an iteration trains on; it stops at half of them) and `max_staleness=2`. A longer budget
+(`max_new_tokens=24`) at a higher temperature makes some completions run long: the tail that partial rollouts stop
+waiting for.
+"""),
+    code('''
+%%px
+sft_dir = sync.save_hf(model.chunks, model.bridge, nbm.out("sft"))
+rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32).to(device), tok)
+pool = task.rl_prompts(80)
+
+def grpo_from_sft(iterations=6, **partial):   # partial: partial_fraction=, max_staleness=
+    policy = load(sft_dir, cfg)
+    policy_opt = engine.build_optimizer(policy.chunks, OptimConfig(lr=nbm.lr(1e-3)), cfg)
+    run_cfg = grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=24, temperature=1.5,
+                              micro_batch_size=8, rollout_correction="token-truncate", **partial)
+    return grpo.fit(chunks=policy.chunks, optimizer=policy_opt, bridge=policy.bridge, rollout=rollout,
+                    prompt_pool=pool, reward_fn=data.verify, cfg=run_cfg, iterations=iterations, progress=False)
+'''),
+    code('''
+_, progress = cluster.run_with_progress(handle, """
+synchronous = grpo_from_sft()
+with_partial = grpo_from_sft(partial_fraction=0.5, max_staleness=2)
+""")
+'''),
+    md("""
+Where the trained tokens came from: the policy being trained, or rows carried over from one or two versions
+before. Then the rollout seconds per iteration of both runs, and their rewards (one seed each: a picture, not a
+significance test).
+"""),
+    code('''
+from mfsdp_kit import plots
+synchronous, with_partial = handle.view["synchronous"][0], handle.view["with_partial"][0]
+print("rows carried:", with_partial.rows_carried, "| dropped as stale:", with_partial.stale_rows_dropped,
+      "| staleness max:", with_partial.staleness_max)
+plots.staleness_histogram(with_partial)
+'''),
+    code('''
+runs = {"synchronous": synchronous, "partial (f=0.5, s=2)": with_partial}
+print({name: round(sum(h.rollout_s), 2) for name, h in runs.items()}, "rollout seconds in all")
+plots.loss_curves({name: h.rollout_s for name, h in runs.items()}, title="rollout seconds per iteration",
+                  ylabel="seconds")
+'''),
+    code('''
+plots.loss_curves({name: h.reward for name, h in runs.items()}, title="mean reward", ylabel="reward")
+'''),
+    md("""
+## MoE router replay
+
+A tiny Qwen3-MoE written by `transformers` itself (`models.archs.write_tiny`). The rollout engine samples with its
+routes recorded (`core.collect(routes=True)`); the trainer scores the samples without and with replaying them
+(`rl.scoring.routing_mismatch`). With the engine's weights in fp32 both sides compute the same function: no token
+changes experts. In bf16 (a GPU's rollout dtype, here on any hardware) some tokens may, and those flips add to the
+log-prob mismatch, which replay removes. Then GRPO runs on the MoE with `router_replay=True`.
+"""),
+    code('''
+from mfsdp_kit.models import archs
+moe_src = str(archs.write_tiny("Qwen3MoeForCausalLM", nbm.out("qwen3_moe")))
+_ = handle.view.push(dict(moe_src=moe_src))
+'''),
+    code('''
+%%px
+from mfsdp_kit.rl import core, scoring
+from mfsdp_kit.rl.rollout import ContinuousRollout
+from mfsdp_kit.train import chat
+moe, moe_tok = load(moe_src, cfg), AutoTokenizer.from_pretrained(moe_src)
+moe_pool = data.ArithmeticTask(digits=1).rl_prompts(40)
+moe_seq = core.seq_len_needed(moe_pool, moe_tok, max_new_tokens=8)
+replay = {}
+for name, dtype in (("fp32 rollout", torch.float32), ("bf16 rollout", torch.bfloat16)):
+    moe_rollout = ContinuousRollout(AutoModelForCausalLM.from_pretrained(moe_src, dtype=dtype).to(device), moe_tok)
+    batch = core.collect(chunks=moe.chunks, bridge=moe.bridge, backend=moe_rollout, prompts=moe_pool[:8],
+                         reward=data.verify, samples_per_prompt=4, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                         seed=5, routes=True)
+    replay[name] = scoring.routing_mismatch(moe.chunks, batch, seq_len_tokens=moe_seq, pad_id=chat.pad_id(moe_tok),
+                                            micro_batch_size=len(batch.completions) // world_size)
+moe_opt = engine.build_optimizer(moe.chunks, OptimConfig(lr=1e-3), cfg)
+moe_history = grpo.fit(chunks=moe.chunks, optimizer=moe_opt, bridge=moe.bridge, rollout=moe_rollout,
+                       prompt_pool=moe_pool, reward_fn=data.verify, iterations=3, progress=False,
+                       cfg=grpo.GRPOConfig(prompts_per_iteration=8, samples_per_prompt=4, max_new_tokens=8,
+                                           micro_batch_size=8, router_replay=True))
+'''),
+    code('''
+replay, moe_history = handle.view["replay"][0], handle.view["moe_history"][0]
+print({name: {k: f"{v:.3g}" for k, v in r.items()} for name, r in replay.items()})
+print("GRPO with router replay:", {k: [round(x, 4) for x in getattr(moe_history, k)]
+                                   for k in ("reward", "kl", "logprob_diff_max")})
+plots.router_replay(replay)
+'''),
+    md("""
+The check: both runs trained every iteration; the partial one never trained a token more than `max_staleness`
+versions old, and its histogram counts every trained token; an fp32 rollout flips (almost) no route and keeps
+its log-probs at roundoff; a bf16 rollout's mismatch is no larger with replay than without; GRPO ran with replay.
+"""),
+    code('''
+import math
+assert len(synchronous.reward) == len(with_partial.reward) == 6
+assert max(with_partial.staleness_max) <= 2 and all(len(h) <= 3 for h in with_partial.staleness_tokens)
+assert all(sum(h) > 0 for h in with_partial.staleness_tokens) and not any(synchronous.staleness_tokens)
+fp32, bf16 = replay["fp32 rollout"], replay["bf16 rollout"]
+assert fp32["flips"] < 0.01 and fp32["diff_max_with"] < 1e-4, fp32   # CPU: 0 flips; a GPU's kernels may tie-break
+assert bf16["diff_max_with"] <= bf16["diff_max_without"] and bf16["diff_mean_with"] <= bf16["diff_mean_without"] + 1e-6
+assert len(moe_history.reward) == 3 and all(math.isfinite(x) for x in moe_history.kl + moe_history.logprob_diff_max)
+'''),
+    *STOP,
+]
+
+
 NOTEBOOKS = {"01_wrap": WRAP, "02_sft": SFT, "03_sync": SYNC, "04_checkpoint": CKPT, "05_grpo": GRPO,
-             "06_memory": MEMORY, "07_profile": PROFILE, "08_lora": LORA, "09_tools": TOOLS,
+             "06_memory": MEMORY, "07_profile": PROFILE, "08_lora": LORA, "09_tools": TOOLS, "10_async": ASYNC,
              "widgets_demo": WIDGETS}
 
 

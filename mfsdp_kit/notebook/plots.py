@@ -2,7 +2,7 @@
 
 Every function builds its own `Figure` (no pyplot global state, so it is safe with the Agg
 backend in scripts and CI and inside a notebook alike), returns it, and writes a PNG when
-`path` is given. In a notebook the returned Figure displays itself as the cell's value.
+`path` is given. In a notebook the returned Figure displays itself as the cell's value (`_show_in_ipython`).
 """
 from __future__ import annotations
 
@@ -10,6 +10,23 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
+
+
+
+def _show_in_ipython() -> None:
+    """Have IPython draw a bare `Figure` as a PNG. It does so only once a backend has been activated (pyplot imported,
+    or `%matplotlib inline`), which this module never does: without this a cell's Figure showed as its text,
+    `<Figure size 640x360 with 1 Axes>`."""
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import select_figure_formats
+    except ImportError:   # no IPython: scripts and CI write PNGs through `path`
+        return
+    if (shell := get_ipython()) is not None:
+        select_figure_formats(shell, {"png"}, bbox_inches="tight")
+
+
+_show_in_ipython()
 
 MEMORY_KINDS = ("params_bytes", "grads_bytes", "main_params_bytes", "optimizer_states_bytes")
 """The model-state kinds a `memory.MemoryReport` measures, bottom to top of each stacked bar."""
@@ -143,6 +160,44 @@ def logprob_mismatch(history, path=None, *, title: str = "rollout vs trainer log
     ax.legend()
     return _save(fig, path)
 
+
+
+def staleness_histogram(history, path=None, *, title: str = "how old the trained tokens were") -> Figure:
+    """Partial rollouts (`rl.partial`): the tokens trained on, by how many policy versions behind the trainer they
+    were sampled, summed over the iterations (`History.staleness_tokens`), each bar labelled with its share."""
+    fig, ax = _figure()
+    width = max(map(len, history.staleness_tokens), default=0)
+    counts = [sum(h[k] for h in history.staleness_tokens if k < len(h)) for k in range(width)]
+    bars = ax.bar(range(width), counts, width=0.6)
+    ax.bar_label(bars, labels=[f"{c / max(sum(counts), 1):.0%}" for c in counts], fontsize=8)
+    ax.set_xticks(range(width))
+    ax.set(xlabel="versions behind the policy trained", ylabel="tokens", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def router_replay(results: Mapping[str, Mapping[str, float]], path=None, *,
+                  title: str = "MoE router replay") -> Figure:
+    """Per setting (e.g. the rollout engine's dtype -> `rl.scoring.routing_mismatch`'s dict): on the left the share
+    of (token, MoE layer) pairs the trainer's router sends to other experts than the rollout did; on the right the
+    mean and max |log-prob difference| without replay and with it."""
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    flips, drift = fig.subplots(1, 2)
+    names = list(results)
+    bars = flips.bar(names, [100 * results[n]["flips"] for n in names], width=0.5, color="C3")
+    flips.bar_label(bars, fmt="%.2f%%", fontsize=8)
+    flips.set(ylabel="% of (token, layer) routed elsewhere", title="routing flips (no replay)")
+    for i, (stat, replay) in enumerate((s, r) for s in ("mean", "max") for r in ("without", "with")):
+        drift.bar([j + (i - 1.5) * 0.2 for j in range(len(names))], [results[n][f"diff_{stat}_{replay}"] for n in names],
+                  width=0.2, color=f"C{i // 2}", alpha=1.0 if replay == "without" else 0.5,
+                  hatch=None if replay == "without" else "//", label=f"{stat}, {replay} replay")
+    drift.set_xticks(range(len(names)), names)
+    drift.set(ylabel="|log-prob difference|", title="rollout vs trainer log-probs")
+    drift.legend(fontsize=8)
+    for ax in (flips, drift):
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title)
+    return _save(fig, path)
 
 TIMELINE_COLORS = dict(compute="tab:green", all_gather="tab:blue", reduce_scatter="tab:orange",
                        all_reduce="tab:purple", other_comm="tab:gray", wait="tab:brown")

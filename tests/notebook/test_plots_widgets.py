@@ -152,3 +152,34 @@ def test_iteration_time_stacks_the_parts_and_mismatch_draws_both_lines():
     assert len(bars) == 16 and sum(p.get_height() for p in bars if p.get_hatch()) == pytest.approx(2 * 1.7)
     lines = plots.logprob_mismatch(h).axes[0].lines
     assert [list(line.get_ydata()) for line in lines] == [h.logprob_diff_mean, h.logprob_diff_max]
+
+
+def test_staleness_histogram_sums_the_iterations_and_router_replay_draws_each_setting():
+    from mfsdp_kit.rl.loop import History
+    h = History(staleness_tokens=[[10], [6, 4], [5, 3, 2]])
+    bars = plots.staleness_histogram(h).axes[0].patches
+    assert [p.get_height() for p in bars] == [21, 7, 2]
+    results = {"fp32": dict(flips=0.0, diff_mean_without=1e-7, diff_max_without=1e-6, diff_mean_with=1e-7,
+                            diff_max_with=1e-6),
+               "bf16": dict(flips=0.012, diff_mean_without=0.02, diff_max_without=0.9, diff_mean_with=0.01,
+                            diff_max_with=0.1)}
+    flips, drift = plots.router_replay(results).axes
+    assert [p.get_height() for p in flips.patches] == pytest.approx([0.0, 1.2])
+    assert sorted(p.get_height() for p in drift.patches) == sorted(v for r in results.values()
+                                                                   for k, v in r.items() if k != "flips")
+
+
+def test_a_figure_is_a_cells_picture_in_a_real_kernel():
+    """A bare Figure showed as its text (`<Figure size 640x360 with 1 Axes>`) until a backend was active: plots
+    registers IPython's PNG formatter itself, so the first plot of a notebook is a picture."""
+    from jupyter_client.manager import start_new_kernel
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outputs = []
+        kc.execute_interactive("from mfsdp_kit.notebook import plots\nplots.reward_curve([0.1, 0.3])",
+                               timeout=120, output_hook=outputs.append)
+        shown = [m["content"]["data"] for m in outputs if m["msg_type"] == "execute_result"]
+        assert len(shown) == 1 and shown[0]["image/png"], shown
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
