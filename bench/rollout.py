@@ -19,10 +19,19 @@ random model writes the stop "!" about once in 64 tokens; the tool answers --too
 the tool (summed over rows), in the tool, and prefilling its outputs (stats of `ContinuousRollout`).
 
     python bench/rollout.py --shape qwen2-1.8b --batches 64,256 --tools --variants compiled   # 1 GPU
+
+--shared-prefill PROMPTS: the prefill of PROMPTS random prompts of --prompt-tokens tokens x --samples samples each
+(GRPO's rows: a prompt's samples queued together), one new token (the call is its prefill), with
+`DecodeConfig.share_prefill` off (every row prefilled) and on (each prompt once, its KV copied into its samples'
+rows): the median `prefill_s` of --repeats calls after a warm-up call, the prompt tokens each ran, and whether both
+sampled the same tokens. --batches "" skips the decode rows.
+
+    python bench/rollout.py --shape qwen2-1.8b --batches "" --prompt-tokens 1024 --shared-prefill 16 --samples 8
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -101,6 +110,33 @@ def tool_rows(model, vocab: int, batches: list[int], *, prompt_tokens: int, new_
         print(f"{batch:>9} {row['plain']['tokens_per_s']:>9.0f} {t['tokens_per_s']:>12.0f} {t['tool_calls']:>6} "
               f"{t['tool_wait_s']:>8.3f} {t['tool_s']:>8.3f} {t['extend_s']:>9.3f} {t['seconds']:>8.2f}")
         out.append(row)
+    return out
+
+
+def shared_prefill(model, vocab: int, *, prompts: int, samples: int, prompt_tokens: int, repeats: int,
+                   device: str) -> dict:
+    """The module docstring's --shared-prefill: per setting ("off", "on") the median prefill_s of `repeats` calls
+    after a warm-up (the cache and its graphs), its first call's, and prefill_tokens; "on / off" and "same_tokens"."""
+    ids = torch.randint(0, vocab - 1, (prompts, prompt_tokens), generator=torch.Generator().manual_seed(11)).tolist()
+    rows = [r for r in ids for _ in range(samples)]
+    out, tokens = dict(prompts=prompts, samples=samples, prompt_tokens=prompt_tokens), {}
+    for name, share in (("off", False), ("on", True)):
+        kit = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True, share_prefill=share))
+        seconds = []
+        for _ in range(repeats + 1):
+            tokens[name], _ = kit.generate(rows, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=0)
+            clock.synchronize(device)
+            seconds.append(kit.stats["prefill_s"])
+        out[name] = dict(prefill_s=statistics.median(seconds[1:]), first_prefill_s=seconds[0],
+                         prefill_tokens=kit.stats["prefill_tokens"])
+        kit.release()
+    out["on / off"] = out["on"]["prefill_s"] / out["off"]["prefill_s"]
+    out["same_tokens"] = tokens["on"] == tokens["off"]
+    print(f"{'prompts x samples':>17} {'prompt tokens':>13} {'ran off':>8} {'ran on':>7} {'prefill s off':>13} "
+          f"{'on':>8} {'on / off':>8} {'same tokens':>11}")
+    print(f"{f'{prompts} x {samples}':>17} {prompt_tokens:>13} {out['off']['prefill_tokens']:>8} "
+          f"{out['on']['prefill_tokens']:>7} {out['off']['prefill_s']:>13.4f} {out['on']['prefill_s']:>8.4f} "
+          f"{out['on / off']:>8.3f} {str(out['same_tokens']):>11}")
     return out
 
 
@@ -255,6 +291,10 @@ def main() -> None:
     p.add_argument("--tools", action="store_true", help="also the engine with a tool (module docstring)")
     p.add_argument("--tool-tokens", type=int, default=16, help="tokens of each tool output")
     p.add_argument("--tool-latency-ms", type=float, default=0.0, help="each tool call sleeps this long")
+    p.add_argument("--shared-prefill", type=int, default=0, metavar="PROMPTS",
+                   help="also time a shared prefill against a prefill per row (module docstring); 0: not")
+    p.add_argument("--samples", type=int, default=8, help="--shared-prefill: samples per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="--shared-prefill: timed calls per setting")
     p.add_argument("--out", default="runs/bench/rollout.json")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,9 +309,11 @@ def main() -> None:
             for v in args.variants.split(",")}
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
-    print(f"{'sequences':>9} {'variant':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
-          f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if batches:
+        print(f"{'sequences':>9} {'variant':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
+              f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
+    for batch in batches:
         g = torch.Generator().manual_seed(batch)
         rows = torch.randint(0, vocab - 1, (batch, args.prompt_tokens), generator=g).tolist()
         timed_hf(model, rows, 2, device)
@@ -311,11 +353,14 @@ def main() -> None:
                            new_tokens=min(args.new_tokens, 64), device=device) if args.profile_batch else None)
     capture = (capture_split(model, vocab, **dict(zip(("rows", "slots"), map(int, args.capture_split.split(",")))))
                if args.capture_split else None)
-    with_tools = (tool_rows(model, vocab, [int(b) for b in args.batches.split(",")], prompt_tokens=args.prompt_tokens,
+    with_tools = (tool_rows(model, vocab, batches, prompt_tokens=args.prompt_tokens,
                             new_tokens=args.new_tokens, tool_tokens=args.tool_tokens, latency_ms=args.tool_latency_ms,
                             device=device) if args.tools else None)
-    write_json(args.out, dict(tools=with_tools, profile=prof, capture=capture, shape=args.shape, device=device,
-                              dtype=str(dtype), weight_bytes=weight_bytes,
+    shared = (shared_prefill(model, vocab, prompts=args.shared_prefill, samples=args.samples,
+                             prompt_tokens=args.prompt_tokens, repeats=args.repeats, device=device)
+              if args.shared_prefill else None)
+    write_json(args.out, dict(tools=with_tools, profile=prof, capture=capture, shared_prefill=shared, shape=args.shape,
+                              device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results, agreement=checks))
 

@@ -311,6 +311,13 @@ SECTIONS.update({
     "rollout": [Row(name="rollout", script="bench/rollout.py", launch="python",
                     args="--shape qwen2-1.8b --batches 1,64,256,512 --variants {ROLLOUT_VARIANTS}",
                     writes="rollout.json")],
+    # issue 72 item 3: the prefill of 16 prompts of 1,024 tokens x 8 samples (GRPO's rows) with each prompt prefilled
+    # once and its KV copied to its samples (`DecodeConfig.share_prefill`, the default) against a prefill per row:
+    # prefill seconds, the prompt tokens each ran, the same tokens sampled (no decode rows: --batches '')
+    "rollout_prefill": [Row(name="rollout_prefill", script="bench/rollout.py", launch="python",
+                            writes="rollout_prefill.json",
+                            args="--shape qwen2-1.8b --batches '' --prompt-tokens 1024 --shared-prefill 16 --samples 8 "
+                                 "--repeats 5 --agreement-rows 0")],
     # issue 40: LoRA rank 16 on every linear vs full fine-tuning on 1 GPU, the Qwen2.5-7B-shaped folder of load_7b
     # (written under LOAD_ROOT, removed after): peak GiB, tokens/s, optimizer state against 12 B per trainable param;
     # then the largest 7b-width GPT each trains on 1 GPU (max_model's search, the fsdp-lora16 variant)

@@ -1,7 +1,8 @@
 """scripts/gpu_sections.py, gpu_check's sections as rows of one table, run as gpu_check.sh runs it (a process, no
 import): every row's script and test files exist, a section's rows write distinct logs and JSON files, the default
 SECTIONS are rows; and gpu_check.sh's own loop, with `section` stubbed to print, turns SECTIONS="a,b" (or "a b")
-into the commands the hand-written script ran (checkpoint_shm's default-format run and its raw A/B; rollout)."""
+into the commands the hand-written script ran (checkpoint_shm's default-format run and its raw A/B; rollout), an
+empty argument kept."""
 import importlib.util
 import json
 import re
@@ -79,6 +80,12 @@ def test_gpu_check_runs_the_rows_by_name(sections):
     assert len(lines) == 12 and lines[-1] == "status=0"
     assert lines[-2] == ("section rollout python3 bench/rollout.py --shape qwen2-1.8b --batches 1,64,256,512 "
                          "--variants compiled,eager --out runs/gpu/rollout.json")
+
+
+def test_an_empty_argument_reaches_the_script():
+    """rollout_prefill's `--batches ''` (no decode rows) stays one empty word through the table and the shell's eval."""
+    (line, status) = gpu_check_loop("rollout_prefill")
+    assert status == "status=0" and "bench/rollout.py --shape qwen2-1.8b --batches  --prompt-tokens 1024" in line
 
 
 def test_unknown_section_fails_the_run_and_the_rest_still_run():

@@ -21,3 +21,14 @@ def test_rollout_bench_with_a_tool(tmp_path):
     (row,) = res["tools"]
     assert row["plain"]["tokens_per_s"] > 0 and row["tools"]["tokens_per_s"] > 0
     assert row["tools"]["tool_calls"] > 0 and row["tools"]["tool_wait_s"] > 0 and "tool_calls" not in row["plain"]
+
+
+def test_rollout_bench_shared_prefill(tmp_path):
+    """--shared-prefill alone (--batches ""): 2 prompts of 256 tokens x 4 samples prefilled with `share_prefill` off
+    and on; on runs each prompt once (a quarter of the tokens) and samples the same tokens."""
+    res = run("rollout.py", "--shape", "tiny", "--batches", "", "--prompt-tokens", "256", "--shared-prefill", "2",
+              "--samples", "4", "--repeats", "2", "--agreement-rows", "0", out=tmp_path / "r.json", nproc=1)
+    shared = res["shared_prefill"]
+    assert res["results"] == [] and shared["prompts"] == 2 and shared["samples"] == 4
+    assert shared["off"]["prefill_tokens"] == 4 * shared["on"]["prefill_tokens"] == 4 * 2 * 256
+    assert shared["same_tokens"] and shared["on"]["prefill_s"] > 0 and shared["on / off"] > 0

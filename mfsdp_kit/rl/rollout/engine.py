@@ -16,6 +16,8 @@ dynamic cache and launches every kernel of every step from Python: a step costs 
   - a queue feeds the rows: a prompt is prefilled into a free row while the others wait, and every
     `check_every` decode steps the host reads what the steps sampled (the loop's only sync), cuts each row
     at its first stop id (`chat.stop_ids`) or at `max_new_tokens`, and refills finished rows from the queue;
+  - the n samples of a prompt (`sample`) share one prefill: the prompt runs once and its KV is copied into the
+    other rows (`DecodeConfig.share_prefill`), where the naive batch computes the same prompt n times;
   - once the queue is empty and the rows still running fit a smaller batch bucket (powers of two and 3/4 of each:
     `buckets_per_doubling`), they move to the front and the steps run that bucket: the long tail of a GRPO batch
     costs what its live rows cost;
@@ -116,8 +118,15 @@ class DecodeConfig:
     registers. Off (two kernels: `elementwise.rope_store`, then attention) until it is timed faster on a GPU
     (gpu_sections `decode_levers`). Elsewhere no effect."""
     prefill_tokens: int = 16384
-    """Most tokens one prefill computes (its rows x its longest prompt): queued prompts are prefilled in groups of
-    similar length under it (`prefill_groups`), so a wave of long prompts never needs one [rows, longest] batch."""
+    """Most tokens one prefill computes (its rows x its longest prompt; with `share_prefill`, its distinct prompts x
+    its longest): queued prompts are prefilled in groups of similar length under it (`prefill_groups`), so a wave of
+    long prompts never needs one [rows, longest] batch."""
+    share_prefill: bool = True
+    """Prefill each distinct prompt of a prefill group once (GRPO's n samples of a prompt, which `sample` queues
+    together) and copy its KV into the other rows (`ModelRunner.prefill`): 8 samples of a 1,024-token prompt cost
+    one prefill of 1,024 tokens and a copy of its KV, not 8,192 tokens. The same tokens and log-probs as a prefill
+    of every row for the same seed (the sampler draws over every row's logits). False: every row its own prefill
+    (for comparison)."""
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
@@ -159,7 +168,8 @@ class ContinuousRollout:
         """The last call's MoE routes per row when it asked for them (`generate_turns(routes=True)`), else None."""
         self.stats: dict = {}
         """The last call's: sequences, rows, transient_bytes (the measured peak its cache was sized beside: 0 off a
-        GPU), steps (decode), prefill_s, capture_s and graphs (steps made: on a GPU all
+        GPU), steps (decode), prefill_s, prefill_tokens (prompt tokens the prefills ran: a prompt shared by rows once,
+        `share_prefill`), capture_s and graphs (steps made: on a GPU all
         of a new cache's graphs, in the call that makes it), kernels_s (of capture_s: the Triton kernels compiled
         ahead of the graphs, `ModelRunner.compile_kernels`), seconds, tokens
         (the model's), tokens_per_s, by_batch (`timing.CallTimer.by_batch`); with tools: tool_calls, tool_tokens,
@@ -211,7 +221,7 @@ class ContinuousRollout:
         each = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
         reach = max(len(r) + b for r, b in zip(rows, each))   # the longest row's prompt and budget
         slots = bucketed(reach + cfg.check_every, cfg.slot_bucket)   # a stopped row runs on
-        t0, made = time.perf_counter(), runner.made
+        t0, made, prefilled = time.perf_counter(), runner.made, runner.prefilled
         captured_s, kernels_s = runner.capture_s, runner.kernels_s
         state = runner.prepare(len(rows), slots=slots, longest=longest)
         self.stats = dict(sequences=len(rows), rows=state.shape[0], steps=0, prefill_s=0.0,
@@ -223,7 +233,7 @@ class ContinuousRollout:
                               prefill_tokens=cfg.prefill_tokens, tools=self.tools,
                               tokenizer=self.tokenizer, stats=self.stats,
                               on_finish=self._keep_routes if routes else None, groups=groups,
-                              enough_groups=enough_groups)
+                              enough_groups=enough_groups, share_prefill=cfg.share_prefill)
         if routes:
             runner.routes = RouteTable(self.model, rows=state.shape[0], slots=state.shape[1], device=state.tok.device)
         sample = Sampler(temperature=temperature, top_p=top_p, seed=seed, device=state.tok.device,
@@ -241,6 +251,7 @@ class ContinuousRollout:
             self.stats["capture_s"] = runner.capture_s - captured_s
             self.stats["kernels_s"] = runner.kernels_s - kernels_s
             self.stats["graphs"] = runner.made - made
+            self.stats["prefill_tokens"] = runner.prefilled - prefilled
             self.stats["by_batch"] = timer.by_batch()
             self.stats["seconds"] = time.perf_counter() - t0
             self.stats["tokens"] = sum(map(sum, scheduler.results()[2]))

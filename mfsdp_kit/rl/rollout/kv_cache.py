@@ -69,7 +69,8 @@ class Sizer:
             alone): max(prefill_tokens, longest) tokens in rows of the call's longest possible length, run on a
             scratch cache whose own bytes are not counted (activations, the attention mask, logits);
           - one decode step's sampling at `rows` rows (logits, the top-p sort, the exponential draws);
-          - a compaction's copies (`ModelRunner.move`: one layer's K and V of half the rows), by their size.
+          - a compaction's or a shared prefill's copies (`ModelRunner.copy_rows`: one layer's K and V of half the
+            rows), by their size (a shared prefill samples at most the call's rows, as a decode step does).
         Not counted: the graphs' pool (a decode step's activations, a few MB) and a tool output's `extend`.
         `rows` sizes the cache beside it. Resets torch's peak counter, as `perf.peaks` does at its phase
         boundaries."""

@@ -25,7 +25,7 @@ from .context import Context, ModelConstants
 from .decoder import EAGER, Glue, check_model, decode, extend, fuse_projections, is_moe, prefill, rope_table
 from .kernels.sampling import Sampler
 from .kv_cache import Cache, Sizer, zero_kv
-from .scheduler import Chunk, Move, Sequence, batch_bucket
+from .scheduler import Chunk, Move, Sequence, batch_bucket, first_copies
 
 
 def buckets(*, rows: int, slots: int, slot_bucket: int, min_batch: int = 2,
@@ -54,6 +54,9 @@ class ModelRunner:
         made, summed over the runner's life."""
         self.kernels_s = 0.0
         """Of `capture_s`: seconds compiling the Triton kernels ahead of the captures (`compile_kernels`)."""
+        self.prefilled = 0
+        """Prompt tokens run through the model by `prefill` (a shared prefill counts a prompt once; padding not
+        counted), summed over the runner's life."""
         self._glue: Glue | None = None
         self._compiled = None
         self.routes: RouteTable | None = None
@@ -141,9 +144,25 @@ class ModelRunner:
 
     # ---- one call's launches ----------------------------------------------------------------------
     def prefill(self, group: list[Sequence], sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        """One padded prefill of the group's prompts into their cache rows (`run`)."""
-        return self.run(Context.of(rows=[s.row for s in group], tokens=[s.prompt for s in group],
-                                   device=self.cache.tok.device), sample)
+        """One padded prefill of the group's prompts into their cache rows (`run`). With `DecodeConfig.share_prefill`
+        each distinct prompt runs once (GRPO's n samples of a prompt: `scheduler.first_copies`): its KV and MoE routes
+        are copied into its copies' rows (`copy_rows`) and its last logits stand for each copy's, so the sampler draws
+        over the same [rows, vocab] as a prefill of every row would, and the same seed gives the same tokens."""
+        prompts, device = [s.prompt for s in group], self.cache.tok.device
+        firsts = first_copies(prompts) if self.config.share_prefill else list(range(len(group)))
+        ran = sorted(set(firsts))
+        self.prefilled += sum(len(prompts[j]) for j in ran)
+        ctx = Context.of(rows=[group[j].row for j in ran], tokens=[prompts[j] for j in ran], device=device)
+        if len(ran) == len(group):
+            return self.run(ctx, sample)
+        logits = self.forward(ctx)
+        copies = [j for j, f in enumerate(firsts) if f != j]
+        self.copy_rows(src=[group[firsts[j]].row for j in copies], dst=[group[j].row for j in copies],
+                       slots=ctx.ids.shape[1])
+        at = {j: i for i, j in enumerate(ran)}   # a group row's first copy -> its logits row
+        return self.sampled(torch.tensor([s.row for s in group], device=device),
+                            torch.tensor([len(p) for p in prompts], device=device),
+                            logits[torch.tensor([at[f] for f in firsts], device=device)], sample)
 
     def extend(self, items: list[tuple[Sequence, list[int], int]],
                sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,36 +172,49 @@ class ModelRunner:
                                    starts=[start for *_, start in items], device=self.cache.tok.device), sample)
 
     def run(self, ctx: Context, sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prefill (`ctx.starts` None) or extend: the context's tokens through the model into its cache rows, the
-        token after each row's last one sampled and made the row's next input (token and position). Returns the
-        sampled tokens and their log-probs [k, 1] on the host."""
+        """One prefill (`ctx.starts` None) or extend (`forward`), the token after each row's last one sampled and made
+        the row's next input (`sampled`). Returns the sampled tokens and their log-probs [k, 1] on the host."""
+        return self.sampled(ctx.rows, ctx.ends, self.forward(ctx), sample)
+
+    def forward(self, ctx: Context) -> torch.Tensor:
+        """The context's tokens through the model into its cache rows (and their MoE routes into `routes`); returns
+        the logits after each row's last token [k, vocab]."""
         st, kw = self.cache, self.constants.decoder_kwargs()
         if self.routes is not None:
             self.routes.expect(*ctx.placed())
         if ctx.starts is None:
-            logits = prefill(self.model, ctx.ids, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
-        else:
-            logits = extend(self.model, ctx.ids, ctx.starts, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
+            return prefill(self.model, ctx.ids, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
+        return extend(self.model, ctx.ids, ctx.starts, ctx.lengths, st.kv, ctx.rows, st.rope, **kw)
+
+    def sampled(self, rows: torch.Tensor, ends: torch.Tensor, logits: torch.Tensor,
+                sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token after `logits` [k, vocab] sampled for cache rows `rows` [k] and made each row's next input, at
+        position `ends` [k]; the tokens and their log-probs [k, 1] on the host."""
         tok, logp = sample(logits)
-        st.tok[ctx.rows], st.pos[ctx.rows] = tok, ctx.ends
+        self.cache.tok[rows], self.cache.pos[rows] = tok, ends
         return tok[:, None].cpu(), logp[:, None].cpu()
 
     def move(self, move: Move) -> None:
-        """Cache rows `move.rows` (KV, next token, position) copied to rows 0..len(rows)-1, from the first row not
-        already in place, their first `move.slots` slots only, at most half the cache's rows at a time
-        (`Sizer.transient_bytes` holds one layer's copy of half the rows). Piece by piece is safe in ascending order:
-        the j-th row moved comes from a row >= j, so a piece writes no row that a later piece reads."""
-        st, rows, held = self.cache, move.rows, move.slots
-        piece = max(1, (st.tok.shape[0] + 1) // 2)
+        """Cache rows `move.rows` copied to rows 0..len(rows)-1 (`copy_rows`), from the first row not already in
+        place, their first `move.slots` slots only. Piece by piece is safe in ascending order: the j-th row moved
+        comes from a row >= j, so a piece writes no row that a later piece reads."""
+        rows = move.rows
         first = next((j for j, r in enumerate(rows) if r != j), len(rows))   # rows already in place stay
-        for start in range(first, len(rows), piece):
-            src = torch.tensor(rows[start:start + piece], device=st.tok.device)
-            to = slice(start, start + len(src))
+        self.copy_rows(src=rows[first:], dst=list(range(first, len(rows))), slots=move.slots)
+
+    def copy_rows(self, *, src: list[int], dst: list[int], slots: int) -> None:
+        """Cache rows `src` (KV of their first `slots` slots, next token, position, MoE routes) copied to rows `dst`,
+        pair by pair in order, at most half the cache's rows at a time (`Sizer.transient_bytes` holds one layer's
+        copy of half the rows): the caller sees that no piece writes a row that a later piece reads."""
+        st = self.cache
+        piece = max(1, (st.tok.shape[0] + 1) // 2)
+        for start in range(0, len(src), piece):
+            frm, to = (torch.tensor(r[start:start + piece], device=st.tok.device) for r in (src, dst))
             for k, v in st.kv:
-                k[to, :, :held], v[to, :, :held] = k[src, :, :held], v[src, :, :held]
-            st.tok[to], st.pos[to] = st.tok[src], st.pos[src]
+                k[to, :, :slots], v[to, :, :slots] = k[frm, :, :slots], v[frm, :, :slots]
+            st.tok[to], st.pos[to] = st.tok[frm], st.pos[frm]
             if self.routes is not None:
-                self.routes.move(src, to, held)
+                self.routes.move(frm, to, slots)
 
     def decode(self, chunk: Chunk, sample: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's decode steps over its first `chunk.batch` rows (`step`), each step's token sampled and made the

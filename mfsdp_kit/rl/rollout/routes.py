@@ -5,9 +5,10 @@ A forward hook on each MoE block's router (`mlp.gate`, the linear layer whose lo
 takes the top-k of) computes the same top-k from the same logits and writes it into a table [moe_layers, rows,
 slots, k] int16 at the cache row and slot of each token: the runner says where the next forward's tokens sit
 (`expect`: a prefill's rows and slots 0..L-1, an extend's slots from its start, a decode step's row positions, read
-at the hook, so a chunk of steps needs one call). Rows move with their K/V (`move`); a finished sequence's routes
-are copied out before its row is reused (`take`). The sampled token that ends a sequence is never fed, so its
-route is whatever the slot held: its output is no log-prob the trainer keeps.
+at the hook, so a chunk of steps needs one call). Rows are copied with their K/V (`move`: a compaction, or a shared
+prefill's copies of a prompt); a finished sequence's routes are copied out before its row is reused (`take`). The
+sampled token that ends a sequence is never fed, so its route is whatever the slot held: its output is no log-prob
+the trainer keeps.
 
 MoE layers run eagerly (no CUDA graphs: `ModelRunner.graphs`), so the hooks run at every step.
 """
@@ -59,8 +60,8 @@ class RouteTable:
         cache row and slot, and which to keep (None: all)."""
         self.where = (rows, slots, keep)
 
-    def move(self, src: torch.Tensor, dst: slice, slots: int) -> None:
-        """Rows `src` copied to rows `dst`, their first `slots` slots (as `ModelRunner.move` copies K/V)."""
+    def move(self, src: torch.Tensor, dst: torch.Tensor, slots: int) -> None:
+        """Rows `src` copied to rows `dst`, their first `slots` slots (as `ModelRunner.copy_rows` copies K/V)."""
         self.table[:, dst, :slots] = self.table[:, src, :slots]
 
     def take(self, row: int, tokens: int) -> torch.Tensor:

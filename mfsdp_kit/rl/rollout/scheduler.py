@@ -52,16 +52,29 @@ def batch_bucket(n: int, *, rows: int, least: int = 2, per_doubling: int = 2) ->
     return min(rows, bucket)
 
 
-def prefill_groups(lengths: list[int], *, budget_tokens: int) -> list[list[int]]:
+def first_copies(prompts: list[list[int]]) -> list[int]:
+    """For each prompt, the index of the first prompt equal to it (its own where it is the first): a shared prefill
+    (`DecodeConfig.share_prefill`) runs the prompts i with first[i] == i, and every other row takes its first's KV."""
+    seen: dict[tuple[int, ...], int] = {}
+    return [seen.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+
+
+def prefill_groups(lengths: list[int], *, budget_tokens: int, firsts: list[int] | None = None) -> list[list[int]]:
     """Indices of `lengths` (prompt tokens) in prefill groups: shortest first, each group's padded batch
     (its rows x its longest prompt) at most `budget_tokens`; a prompt longer than the budget is a group alone.
-    Sorting keeps the padding small: the naive batch of every free row pads all of them to the longest prompt."""
+    Sorting keeps the padding small: the naive batch of every free row pads all of them to the longest prompt.
+    With `firsts` (`first_copies`: a shared prefill) equal prompts sit together and a group costs its distinct
+    prompts only, so GRPO's n samples of a prompt are one prefill of its tokens, however long."""
+    firsts = list(range(len(lengths))) if firsts is None else firsts
     groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget_tokens:
+    distinct: set[int] = set()   # the last group's first copies
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], firsts[i], i)):
+        if groups and (firsts[i] in distinct or (len(distinct) + 1) * lengths[i] <= budget_tokens):
             groups[-1].append(i)
         else:
             groups.append([i])
+            distinct = set()
+        distinct.add(firsts[i])
     return groups
 
 
@@ -125,13 +138,15 @@ class Scheduler:
                  stops: set[int], check_every: int, slot_bucket: int, prefill_tokens: int, min_batch: int = 2,
                  buckets_per_doubling: int = 2, tools: ToolConfig | None = None, tokenizer=None,
                  stats: dict | None = None, on_finish=None, groups: list[int] | None = None,
-                 enough_groups: int | None = None):
+                 enough_groups: int | None = None, share_prefill: bool = True):
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         self.seqs = [Sequence(index=i, prompt=list(p), budget=b) for i, (p, b) in enumerate(zip(prompts, budgets))]
         self.queue = deque(self.seqs)
         self.cache: list[Sequence | None] = [None] * rows   # the sequence each cache row serves
         self.slots, self.check_every, self.slot_bucket = slots, check_every, slot_bucket
         self.prefill_tokens, self.min_batch, self.per_doubling = prefill_tokens, min_batch, buckets_per_doubling
+        self.share_prefill = share_prefill
+        """Prefill groups count each distinct prompt once (the runner prefills it once: `DecodeConfig.share_prefill`)."""
         self.stop_ids = torch.tensor(sorted(stops), dtype=torch.long)
         self.tools = tools if tools is not None and tools.tools else None
         self.tokenizer = tokenizer
@@ -168,8 +183,8 @@ class Scheduler:
 
     def admit(self) -> list[list[Sequence]]:
         """Queued sequences placed in the free rows (left-aligned from slot 0), in prefill groups of similar length
-        under the prefill token budget (`prefill_groups`); the runner prefills each group, and its first
-        tokens come back through `record`."""
+        under the prefill token budget (`prefill_groups`, counting each distinct prompt once with `share_prefill`);
+        the runner prefills each group, and its first tokens come back through `record`."""
         free = [r for r, s in enumerate(self.cache) if s is None][:len(self.queue)]
         if not free:
             return []
@@ -177,7 +192,8 @@ class Scheduler:
         for r, s in zip(free, take):
             s.row, s.length, self.cache[r] = r, len(s.prompt), s
         self.batch = max(self.batch, self.bucket(max(free) + 1))
-        groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens)
+        firsts = first_copies([s.prompt for s in take]) if self.share_prefill else None
+        groups = prefill_groups([len(s.prompt) for s in take], budget_tokens=self.prefill_tokens, firsts=firsts)
         return [[take[j] for j in group] for group in groups]
 
     def compact(self) -> Move | None:

@@ -1,6 +1,9 @@
 """rl.rollout.model_runner: the bucket set covers every step the scheduler can ask for, a kept cache serves later calls
 with the steps it has, and on a GPU every graph is captured when the cache is made: a second call captures nothing,
-and its tokens equal a fresh engine's; the cache is sized beside a measured transient peak that covers a call."""
+and its tokens equal a fresh engine's; the cache is sized beside a measured transient peak that covers a call. A
+shared prefill (a prompt's samples prefilled once, `DecodeConfig.share_prefill`) samples what a prefill per row samples
+(tokens, log-probs to fp32 rounding, MoE routes), running each distinct prompt once, in GRPO's, mixed and partial
+rollouts' calls (fp32 on CPU)."""
 import random
 import threading
 from contextlib import contextmanager
@@ -181,3 +184,126 @@ def test_the_measured_peak_covers_a_calls_memory_beside_its_cache_on_a_gpu(tmp_p
     with pytest.raises(ConfigError, match=r"cache_memory_fraction.*measured peak"):
         small.generate(budget, seed=0, **kw)
     assert small.runner.cache is None
+
+
+TEXTS = ["ab", "hello there", "x y z w"]
+"""Three prompts of 1, 2 and 4 tokens under the tiny models' tokenizers (each word is one unknown token): distinct."""
+
+
+def tiny(arch, tmp_path):
+    folder = write_tiny(arch, tmp_path / arch)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+
+
+def both(model, tok, call, **config):
+    """`call(rollout)` with `share_prefill` on and off: {True: (its result, the call's stats), False: ...}."""
+    out = {}
+    for share in (True, False):
+        rollout = ContinuousRollout(model, tok, config=DecodeConfig(share_prefill=share, **config))
+        out[share] = (call(rollout), rollout.stats)
+    return out
+
+
+def same_logprobs(a, b, *, atol: float = 1e-6) -> bool:
+    """Equal to fp32 rounding: a prefill of fewer rows rounds its GEMMs otherwise (1 ulp of a log-prob on CPU)."""
+    return len(a) == len(b) and all(torch.allclose(torch.tensor(x), torch.tensor(y), rtol=0, atol=atol)
+                                    for x, y in zip(a, b))
+
+
+def compare_shared(arch: str, tmp_path, *, device: str, atol: float) -> None:
+    """GRPO's n samples of a prompt prefilled once (`share_prefill`, the default) against a prefill per row, 12 rows
+    on 8 cache rows (the queue splits the last prompt's samples over later admissions), T 1 and top-p 0.9, one seed:
+    the same tokens, log-probs within `atol`, the same MoE routes (copied with the KV); the prefills ran each prompt
+    once per admission, against once per row."""
+    model, tok = tiny(arch, tmp_path)
+    model, moe = model.to(device), "Moe" in arch
+    runs = both(model, tok, lambda r: r.sample(TEXTS, n=4, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=3,
+                                               routes=moe), max_batch_size=8, check_every=3, slot_bucket=8)
+    (on, on_stats), (off, off_stats) = runs[True], runs[False]
+    assert list(on) == list(off) and same_logprobs(on.logprobs, off.logprobs, atol=atol)
+    if moe:
+        assert len(on.routes) == 12 and all(torch.equal(a, b) for a, b in zip(on.routes, off.routes))
+    lengths = [len(ids) for ids in tok(TEXTS, add_special_tokens=False)["input_ids"]]
+    assert off_stats["prefill_tokens"] == 4 * sum(lengths)
+    assert sum(lengths) <= on_stats["prefill_tokens"] <= lengths[0] + lengths[1] + 4 * lengths[2]
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_a_shared_prefill_samples_what_a_prefill_per_row_samples(arch, tmp_path):
+    """`compare_shared` in fp32 on CPU: log-probs within 1e-6 (a prefill of fewer rows rounds its GEMMs otherwise)."""
+    compare_shared(arch, tmp_path, device="cpu", atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU")
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_a_shared_prefill_samples_what_a_prefill_per_row_samples_on_a_gpu(arch, tmp_path):
+    """`compare_shared` in fp32 on a GPU (the dense model's steps CUDA graphs of the Triton kernels): within 1e-5."""
+    compare_shared(arch, tmp_path, device="cuda", atol=1e-5)
+
+
+def test_a_shared_prefill_runs_each_prompt_once(tmp_path):
+    """The issue's shape on a tiny model: 2 prompts of 1,024 tokens x 8 samples in one admission; the model's
+    embedding sees 2,048 prompt tokens in prefills (16,384 with a prefill per row), as `stats["prefill_tokens"]` says,
+    and the samples are the same."""
+    model, tok = tiny("Qwen2ForCausalLM", tmp_path)
+    ids = torch.randint(3, 200, (2, 1024), generator=torch.Generator().manual_seed(0)).tolist()
+    seen = []   # tokens of each prefill ([k, L] ids; a decode step embeds [b])
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].numel()) if args[0].dim() == 2 else None)
+
+    def call(rollout):
+        seen.clear()
+        out = rollout.generate([p for p in ids for _ in range(8)], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=0)
+        return out, sum(seen)
+    try:
+        runs = both(model, tok, call, max_batch_size=16, check_every=2)
+    finally:
+        hook.remove()
+    ((on, on_seen), on_stats), ((off, off_seen), off_stats) = runs[True], runs[False]
+    assert on_seen == on_stats["prefill_tokens"] == 2048 and off_seen == off_stats["prefill_tokens"] == 8 * 2048
+    assert on[0] == off[0] and same_logprobs(on[1], off[1])
+
+
+def test_repeated_prompts_among_others_and_single_samples(tmp_path):
+    """Prompts repeated apart from each other beside prompts alone, under a prefill budget (12 tokens) that a group of
+    a prompt's copies passes (they cost one prompt): greedy and at T 1, the same tokens and log-probs on and off, each
+    distinct prompt run once. n = 1 (nothing repeats) runs today's path: the same tokens, log-probs bit for bit and
+    prefill tokens."""
+    model, tok = tiny("LlamaForCausalLM", tmp_path)
+    a, b, c = ROWS[0], ROWS[1], ROWS[2]
+    rows = [a, b, a, c, c, a, ROWS[3]]
+    for temperature in (0, 1.0):
+        runs = both(model, tok, lambda r: r.generate(rows, max_new_tokens=12, temperature=temperature, top_p=1.0,
+                                                     seed=1), max_batch_size=8, check_every=3, slot_bucket=8,
+                    prefill_tokens=12)
+        (on, on_stats), (off, off_stats) = runs[True], runs[False]
+        assert on[0] == off[0] and same_logprobs(on[1], off[1]), temperature
+        assert on_stats["prefill_tokens"] == len(a) + len(b) + len(c) + 1
+        assert off_stats["prefill_tokens"] == sum(map(len, rows))
+    single = both(model, tok, lambda r: r.sample(TEXTS, n=1, max_new_tokens=10, temperature=1.0,
+                                                 top_p=0.9, seed=3), max_batch_size=4, check_every=3, slot_bucket=8)
+    (on, on_stats), (off, off_stats) = single[True], single[False]
+    assert list(on) == list(off) and on.logprobs == off.logprobs
+    assert on_stats["prefill_tokens"] == off_stats["prefill_tokens"]
+
+
+def test_partial_rollouts_are_unchanged_by_a_shared_prefill(tmp_path):
+    """`generate_turns` as `rl.partial` calls it: 3 prompts x 3 samples on 4 cache rows, a budget per row, a group per
+    prompt, the call ended once one group is complete; then the unfinished rows continued (prompt + tokens so far:
+    distinct rows). On and off: the same tokens, log-probs, masks and ended rows in both calls."""
+    model, tok = tiny("Qwen2ForCausalLM", tmp_path)
+    rows = [p for p in ROWS[:3] for _ in range(3)]
+    budgets, groups = [2] * 3 + [16] * 6, [i // 3 for i in range(9)]
+
+    def call(rollout):
+        first = rollout.generate_turns(rows, max_new_tokens=budgets, temperature=1.0, top_p=1.0, seed=4, groups=groups,
+                                       enough_groups=1)
+        todo = [i for i, e in enumerate(rollout.ended) if not e]
+        more = rollout.generate_turns([rows[i] + first[0][i] for i in todo], temperature=1.0, top_p=1.0, seed=5,
+                                      max_new_tokens=[budgets[i] - len(first[0][i]) for i in todo])
+        return first, more, todo
+    runs = both(model, tok, call, max_batch_size=4, check_every=3, slot_bucket=8)
+    (on, _), (off, _) = runs[True], runs[False]
+    assert on[2] == off[2] and len(on[2]) >= 3   # the same rows left unfinished
+    for mine, theirs in zip(on[:2], off[:2]):
+        assert mine[0] == theirs[0] and mine[2] == theirs[2] and same_logprobs(mine[1], theirs[1])

@@ -1,16 +1,17 @@
 """rl.rollout.scheduler without a model: on 200 seeded random workloads (prompt lengths, max_new_tokens, cache rows,
-check_every, slot and prefill budgets, stop ids, tools), the engine's own loop (`engine.loop`) over a fake device
-gives every sequence exactly what a naive reference gives it alone (a fake model's tokens, cut at its first stop id
-or `max_new_tokens`, tool outputs appended at each call), and the scheduler keeps its invariants at every chunk:
-a cache row serves at most one sequence, batch buckets are buckets (`scheduler.batch_bucket`: powers of two, or with 3/4
-steps) covering the live rows, each step reads
-past its longest live row, and each live row's cache holds exactly its sequence's tokens (compaction moved them)."""
+check_every, slot and prefill budgets, stop ids, tools, samples per prompt, shared prefills), the engine's own loop
+(`engine.loop`) over a fake device gives every sequence exactly what a naive reference gives it alone (a fake model's
+tokens, cut at its first stop id or `max_new_tokens`, tool outputs appended at each call), and the scheduler keeps its
+invariants at every chunk: a cache row serves at most one sequence, batch buckets are buckets
+(`scheduler.batch_bucket`: powers of two, or with 3/4 steps) covering the live rows, each step reads past its longest
+live row, each live row's cache holds exactly its sequence's tokens (compaction moved them), and each prefill group
+stays under the budget (counting distinct prompts with a shared prefill)."""
 import random
 
 import torch
 
 from mfsdp_kit.rl.rollout.engine import loop
-from mfsdp_kit.rl.rollout.scheduler import batch_bucket, bucketed
+from mfsdp_kit.rl.rollout.scheduler import batch_bucket, bucketed, first_copies, prefill_groups
 from mfsdp_kit.rl.rollout.scheduler import Scheduler
 from mfsdp_kit.rl.rollout.timing import CallTimer
 from mfsdp_kit.rl.rollout.tools import Tool, ToolConfig
@@ -50,6 +51,9 @@ class FakeRunner:
         return self.model(self.kv[row][:n])
 
     def prefill(self, group, sample):
+        s = self.scheduler   # the group's cost (distinct prompts with a shared prefill, else rows) x its longest
+        cost = len({tuple(q.prompt) for q in group}) if s.share_prefill else len(group)
+        assert cost * max(len(q.prompt) for q in group) <= s.prefill_tokens or cost == 1
         toks = []
         for s in group:
             self.kv[s.row][:len(s.prompt)] = s.prompt
@@ -137,9 +141,12 @@ def workload(case: int):
                                        vocab) * 3, max_output_tokens=out) for m in marks],
                            max_calls=rng.randint(1, 3), workers=rng.choice([0, 0, 0, 1]))
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 12))]
-    return dict(vocab=vocab, stops=stops, tools=tools, prompts=prompts, rows=rng.randint(2, 6),
-                max_new=rng.randint(1, 20), check_every=rng.randint(1, 6), slot_bucket=rng.randint(1, 8),
-                prefill_tokens=rng.randint(1, 30), per_doubling=rng.choice([1, 2]))
+    w = dict(vocab=vocab, stops=stops, tools=tools, prompts=prompts, rows=rng.randint(2, 6),
+             max_new=rng.randint(1, 20), check_every=rng.randint(1, 6), slot_bucket=rng.randint(1, 8),
+             prefill_tokens=rng.randint(1, 30), per_doubling=rng.choice([1, 2]))
+    samples = rng.choice([1, 2, 4])   # GRPO's layout: each prompt's samples side by side (drawn last: the rest stays)
+    w.update(prompts=[p for p in prompts for _ in range(samples)], share_prefill=rng.random() < 0.7)
+    return w
 
 
 def test_random_workloads_equal_each_sequence_alone():
@@ -152,7 +159,7 @@ def test_random_workloads_equal_each_sequence_alone():
         scheduler = Scheduler(w["prompts"], rows=w["rows"], slots=slots, max_new_tokens=w["max_new"], stops=w["stops"],
                               check_every=w["check_every"], slot_bucket=w["slot_bucket"],
                               prefill_tokens=w["prefill_tokens"], buckets_per_doubling=w["per_doubling"],
-                              tools=w["tools"], tokenizer=tok)
+                              tools=w["tools"], tokenizer=tok, share_prefill=w["share_prefill"])
         runner = FakeRunner(scheduler, model, w["rows"], slots)
         moves = []
         runner.move = lambda m, move=runner.move: (moves.append(m), move(m))
@@ -210,3 +217,16 @@ def test_a_call_ended_by_enough_groups_continues_to_each_sequence_alone():
             want, _ = naive(p, model=model, stops=w["stops"], max_new=budgets[i], tools=None, tok=tok)
             assert tokens[i] == want and logprobs[i] == [logprob(t) for t in want], (case, i)
     assert stopped >= 20, stopped   # many calls did end early
+
+
+def test_prefill_groups_count_each_distinct_prompt_once():
+    """With `first_copies` (a shared prefill), a group costs its distinct prompts x its longest: 8 samples of a
+    1,024-token prompt are one group at a budget of 1,024 tokens (8 groups without); copies sit with their first
+    (apart in the input or not) and join it past the budget; every index is in one group."""
+    assert first_copies([[1, 2], [3], [1, 2], [3], [4]]) == [0, 1, 0, 1, 4]
+    assert prefill_groups([1024] * 8, budget_tokens=1024, firsts=[0] * 8) == [list(range(8))]
+    assert prefill_groups([1024] * 8, budget_tokens=1024) == [[i] for i in range(8)]
+    lengths, firsts = [5, 3, 5, 3, 11, 5, 11], [0, 1, 0, 1, 4, 0, 4]   # 11 > the budget: one prompt, two rows
+    groups = prefill_groups(lengths, budget_tokens=10, firsts=firsts)
+    assert groups == [[1, 3, 0, 2, 5], [4, 6]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
