@@ -143,7 +143,7 @@ def _rendezvous(*, addr: str, port: int, rank: int, world_size: int, timeout: ti
     key = (addr, port, rank, world_size, agent)
     if _tcp_store is None or _tcp_store[0] != key:
         _tcp_store = None   # drop the old one first: rank 0's server closes its socket, freeing the port
-        store = _new_tcp_store(addr=addr, port=port, rank=rank, world_size=world_size, timeout=timeout, agent=agent)
+        store = new_tcp_store(addr=addr, port=port, rank=rank, world_size=world_size, timeout=timeout, agent=agent)
         _tcp_store = (key, store)
     _tcp_store[1].set_timeout(timeout)
     _incarnation += 1
@@ -151,7 +151,7 @@ def _rendezvous(*, addr: str, port: int, rank: int, world_size: int, timeout: ti
     return dist.PrefixStore(f"mfsdp_kit/{restart}/{_incarnation}/", _tcp_store[1])
 
 
-def _new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta,
+def new_tcp_store(*, addr: str, port: int, rank: int, world_size: int, timeout: timedelta,
                    agent: bool) -> dist.TCPStore:
     """A client of torchrun's agent store, or (elsewhere) rank 0's server listening on `addr` only.
 

@@ -35,34 +35,16 @@ from typing import Any, Callable
 
 import ipyparallel as ipp
 
-from . import gpus, interrupt, launch, on_engine, stacks, stall, status as status_view, watchdog
+from . import gpus, interrupt, launch, on_engine, roles, stacks, stall, status as status_view, watchdog
 from ..config import EngineConfig
 from ..distributed import ports
 from ..distributed.stopwatch import Stopwatch
 from .launch import ClusterConfigError, ClusterError  # noqa: F401  (re-exported)
+from .roles import assign_ranks  # noqa: F401  (cluster.assign_ranks, re-exported)
 from .progress import ProgressPanel, report, run_with_panel, run_with_progress  # noqa: F401  (cluster.X, re-exported)
 
 LOCALHOST = "127.0.0.1"
 # ---- client side ---------------------------------------------------------------------------------
-def assign_ranks(identities: dict[int, dict]) -> dict[int, tuple[int, int]]:
-    """engine id -> (rank, local_rank): the launcher's ranks when it set them all, else engine-id order.
-
-    local_rank is the launcher's too when it gave one, else the position among engines on the same host.
-    """
-    eids = sorted(identities)
-    env_ranks = [identities[e]["env_rank"] for e in eids]
-    from_launcher = None not in env_ranks and sorted(env_ranks) == list(range(len(eids)))
-    rank = {e: (identities[e]["env_rank"] if from_launcher else i) for i, e in enumerate(eids)}
-    by_rank = sorted(eids, key=rank.get)
-    out = {}
-    for e in eids:
-        local = identities[e]["env_local_rank"] if from_launcher else None
-        if local is None:
-            local = [x for x in by_rank if identities[x]["host"] == identities[e]["host"]].index(e)
-        out[e] = (rank[e], local)
-    return out
-
-
 @dataclass
 class ClusterHandle:
     """A running world: `.view` (DirectView in rank order), `.ranks`, `.wait`, `.restart()`, `.stop()`."""
@@ -101,6 +83,12 @@ class ClusterHandle:
     """rank -> its log file."""
     inflight: list = field(default_factory=list)
     """AsyncResults submitted through the view and not known to be done (watchdog.guard)."""
+    rollout_engines: int = 0
+    """Engines outside the world, linked to trainer rank 0 (roles.py): the last ranks of the n started."""
+    rollout_ids: list[int] = field(default_factory=list)
+    rollout_view: Any = None
+    """The rollout engines' DirectView (None without them)."""
+    rollout_devices: list[str] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
@@ -118,8 +106,9 @@ class ClusterHandle:
 
     def __repr__(self) -> str:
         master = f"{self.init_kwargs['master_addr']}:{self.master_port}"
+        rollouts = f", rollout_engines={self.rollout_devices}" if self.rollout_ids else ""
         return (f"ClusterHandle(engines={len(self.rank_of)}, ranks={self.ranks}, devices={self.devices}, "
-                f"backend={self.backend!r}, master={master})")
+                f"backend={self.backend!r}, master={master}{rollouts})")
 
     # ---- running code --------------------------------------------------------------------------
     def dead_ranks(self) -> list[int]:
@@ -200,7 +189,13 @@ class ClusterHandle:
         is named before anything is sent (`watchdog.check_not_stuck`, as for every cell)."""
         self.wait(self.view.apply_async(on_engine.shutdown), timeout_s=self.init_kwargs["timeout_s"],
                   what="leaving the old world")
-        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get), Stopwatch())
+        _setup_world(self, sorted(self.rank_of, key=self.rank_of.get) + self.rollout_ids, Stopwatch())
+        return self
+
+    def relink(self) -> "ClusterHandle":
+        """A new trainer -> rollout link (`link` on trainer rank 0 and the rollout engines), e.g. after Stop closed
+        it (roles.py)."""
+        roles.relink(self, get=lambda ar, what: _get(self, ar, self.init_kwargs["timeout_s"], what=what))
         return self
 
     def restart(self, *, timeout_s: float | None = None) -> "ClusterHandle":
@@ -247,14 +242,14 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.rank_of = {e: i for i, e in enumerate(sorted(engine_ids))}
     idents = dict(zip(engine_ids, _get(handle, client[engine_ids].apply_async(on_engine.identity), kw["timeout_s"],
                                        what="asking the engines who they are")))
-    ranks = assign_ranks(idents)
-    handle.rank_of = {e: r for e, (r, _) in ranks.items()}
-    handle.local_rank_of = {e: lr for e, (_, lr) in ranks.items()}
-    order = sorted(engine_ids, key=handle.rank_of.get)
+    ranks = roles.assign_ranks(idents)
+    order, handle.rollout_ids = roles.split(ranks, handle.rollout_engines)   # trainers form the world
+    handle.rank_of = {e: ranks[e][0] for e in order}
+    handle.local_rank_of = {e: ranks[e][1] for e in order}
     handle.master_port = _get(handle, client[order[0]].apply_async(ports.reserve, kw["master_addr"]), kw["timeout_s"],
                               what="reserving rank 0's rendezvous port")   # held until init takes it
     handle.world_key, handle.abort_reason = watchdog.new_key(), None
-    handle.idents = {handle.rank_of[e]: idents[e] for e in engine_ids}
+    handle.idents = {handle.rank_of[e]: idents[e] for e in order}
     status_prefix = f"mfsdp_kit/status/{uuid.uuid4().hex}"
     pushed = [client[e].push(dict(rank=handle.rank_of[e], world_size=len(order), local_rank=handle.local_rank_of[e]),
                              block=False) for e in order]   # the names %%px cells use
@@ -275,6 +270,9 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.logs = {handle.rank_of[e]: i["log"] for e, i in zip(order, inits) if i["log"]}
     handle.monitor = stall.Monitor(addr=kw["master_addr"], port=handle.master_port, prefix=status_prefix,
                                    ranks=handle.ranks, idents=handle.idents, stall_s=handle.stall_s)
+    if handle.rollout_ids:
+        roles.start_rollouts(handle, local_ranks={e: ranks[e][1] for e in handle.rollout_ids},
+                             get=lambda ar, what: _get(handle, ar, kw["timeout_s"], what=what))
     _secure_connection_files(handle)
     interrupt.activate(handle)
     handle.startup_s = dict(watch.phases, total=watch.total())
@@ -301,7 +299,8 @@ def _secure_connection_files(handle: ClusterHandle) -> None:
 def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | None = None, ip: str = LOCALHOST,
           master_addr: str | None = None, timeout_s: float = 120.0, device_count: int | None = None,
           device: str = "auto", stall_s: float = stall.STALL_S, collective_timeout_s: int | None = None,
-          cell_timeout_s: float | None = None, log_dir: str | None = None, **launcher: Any) -> ClusterHandle:
+          cell_timeout_s: float | None = None, log_dir: str | None = None, rollout_engines: int = 0,
+          **launcher: Any) -> ClusterHandle:
     """Start n engines (default: one per visible GPU, else 2) as one torch.distributed world.
 
     ip: address the controller binds to (127.0.0.1 unless you need other hosts to reach it).
@@ -318,6 +317,8 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     cell_timeout_s: opt-in: a cell running longer aborts the world (`reinit()` then builds a new one).
     log_dir: each engine's stdout and stderr also go to `<log_dir>/<cluster id>/rank<r>.log` (None: a new folder
       under the system's temporary folder; `handle.logs` and `handle.status()` name the files).
+    rollout_engines: of the n engines, how many (the last ranks) stay out of the world as rollout processes, each
+      linked to trainer rank 0 (`link`, `handle.rollout_view`; roles.py, `rl.decoupled`). 0: every engine trains.
     launcher: passed to `ipyparallel.Cluster` (engines="mpi" | "slurm" | "ssh", profile_dir=, config=, ...); the
       kit's defaults fill only what neither it nor the profile's ipcluster_config.py sets.
       engines="mpi" needs mpiexec and mpi4py; on OpenMPI the kit allows oversubscription and, as root only,
@@ -338,8 +339,9 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
     elif device_count is None:
         device_count = gpus.visible()   # the driver's count: no torch yet
     n = n if n is not None else (device_count or 2)
+    roles.check(n=n, rollout_engines=rollout_engines)
     if cfg is not None:   # a bad cfg fails here, not on every engine after launch (each re-checks on its device)
-        cfg.validate(world_size=n, on_gpu=bool(device_count) or not local)   # other hosts: their GPUs unknown
+        cfg.validate(world_size=n - rollout_engines, on_gpu=bool(device_count) or not local)   # other hosts: unknown
     if local and device_count and n > device_count:
         raise ClusterConfigError(f"n={n} engines asked for, but this machine has {device_count} GPUs (one GPU per "
                                  f"engine); allowed: n <= {device_count}, device='cpu' for engines on the CPU, or "
@@ -354,7 +356,7 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         engine_ids = launch.wait_for_new_engines(cluster, client, set(), n, timeout_s)
         watch.lap("register")
         handle = ClusterHandle(cluster=cluster, client=client, n=n, init_kwargs=init_kwargs, stall_s=stall_s,
-                               cell_timeout_s=cell_timeout_s,
+                               cell_timeout_s=cell_timeout_s, rollout_engines=rollout_engines,
                                log_dir=str(Path(log_dir or tempfile.mkdtemp(prefix="mfsdp_kit-logs-")).resolve()
                                            / cluster.cluster_id))
         if not local and master_addr is None:
@@ -390,6 +392,6 @@ def _import_in_background(module: str) -> None:
 
 
 def _rank0_host(engine_ids: list[int], idents: list[dict]) -> str:
-    ranks = assign_ranks(dict(zip(engine_ids, idents)))
+    ranks = roles.assign_ranks(dict(zip(engine_ids, idents)))
     rank0 = next(e for e, (r, _) in ranks.items() if r == 0)
     return idents[engine_ids.index(rank0)]["host"]

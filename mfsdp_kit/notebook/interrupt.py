@@ -33,8 +33,9 @@ ESCALATED_WAIT_S = 10.0
 
 
 def signal_ranks(handle: Any) -> None:
-    """SIGINT to every engine of the world (through ipyparallel's nannies: works while an engine is busy)."""
-    handle.client.send_signal("SIGINT", targets=sorted(handle.rank_of), block=True)
+    """SIGINT to every engine of the world and to its rollout engines (roles.py: their loop stops too, and closes
+    the link), through ipyparallel's nannies: works while an engine is busy."""
+    handle.client.send_signal("SIGINT", targets=sorted(handle.rank_of) + list(handle.rollout_ids), block=True)
 
 
 def pause(handle: Any, ar: Any) -> list | None:

@@ -87,3 +87,29 @@ def shutdown() -> None:
     from mfsdp_kit.distributed import runtime, stop
     stop.disable()
     runtime.shutdown(destroy_process_group=True)
+
+
+def init_rollout(*, local_rank: int) -> dict:
+    """A rollout engine (`roles.py`): no world; its GPU (`local_rank`, as a trainer's), Stop as a pause of its own
+    loop (`rl.decoupled.serve` asks `stop.agreed()`, which without a world is this engine's flag)."""
+    from mfsdp_kit.notebook import ipengine
+    ipengine.wait()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    from mfsdp_kit.distributed import stop
+    stop.enable()
+    _clear_stop_at_each_cell()
+    return dict(device=f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+
+
+def join_link(*, host: str, port: int, rank: int, size: int, backend: str) -> int:
+    """Join the trainer -> rollout link (`weights.push.connect`; rank 0 takes the port `ports.reserve` holds here)
+    and keep it as `link` in this engine's namespace, for the cells."""
+    from IPython import get_ipython
+    from mfsdp_kit.weights import push
+    names = get_ipython().user_ns
+    if isinstance(old := names.get("link"), push.Link):   # its watcher thread ends, its store with it
+        push.close(old, reason="replaced by handle.relink()")
+    names["link"] = push.connect(host=host, port=port, rank=rank, size=size, backend=backend)
+    return rank

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, bad_value
+from ..distributed import stop
 from ..fieldtypes import COUNT, INDEX, checked_args, optional
 from ..train import chat
 from ..weights import push
@@ -85,7 +86,9 @@ def serve(*, link: push.Link, backend, prompt_pool: list[tuple[str, str]], rewar
     """A rollout process's loop (link rank r >= 1): read the trainer's plan from the link's store, then per iteration
     j receive the pushes up to version `needed(j)` into `backend.model`, sample this process's consecutive share of
     the prompts (drawn as `loop.fit` draws them, `core.PromptDraw(prompt_pool, seed=cfg.seed)`; seed
-    `core.rollout_seed` + r - 1) and put them in the store. Returns {"versions": the version of each iteration}."""
+    `core.rollout_seed` + r - 1) and put them in the store. Returns {"versions": the version of each iteration,
+    "stopped": None, or why the link closed first (the trainer stopped or failed: `push.LinkClosed`)}. Stop on a
+    notebook engine ends it between two iterations; then, as on a failure, the link is closed for the trainer."""
     if link.rank == 0:
         raise ValueError("decoupled.serve: link rank 0 is the trainer's; rollout processes are link ranks 1..")
     plan = pickle.loads(link.store.get(PLAN_KEY))
@@ -93,15 +96,29 @@ def serve(*, link: push.Link, backend, prompt_pool: list[tuple[str, str]], rewar
     core.check_records_routes(backend, routes=cfg.router_replay)
     draw, per = core.PromptDraw(prompt_pool, seed=cfg.seed), cfg.prompts_per_iteration // (link.size - 1)
     version, versions = -1, []
-    for j in range(iterations):
-        while version < needed(j, staleness):
-            version = push.receive(backend.model, link=link)
-        share = draw(cfg.prompts_per_iteration)[(link.rank - 1) * per:link.rank * per]
-        batch = sample_scored(backend, cfg, prompts=share, reward=reward_fn, version=version,
-                              seed=core.rollout_seed(seed=cfg.seed, iteration=j) + link.rank - 1)
-        link.store.set(samples_key(j, link.rank), pickle.dumps(batch))
-        versions.append(version)
-    return dict(versions=versions)
+    try:
+        with stop.stoppable():
+            for j in range(iterations):
+                push.check_open(link)
+                if stop.agreed():   # no world here: this process's own Stop
+                    stop.record(what="decoupled.serve", step=j, total=iterations)
+                    push.close(link, reason=f"rollout process {link.rank} stopped before iteration {j}")
+                    break
+                while version < needed(j, staleness):
+                    version = push.receive(backend.model, link=link)
+                share = draw(cfg.prompts_per_iteration)[(link.rank - 1) * per:link.rank * per]
+                batch = sample_scored(backend, cfg, prompts=share, reward=reward_fn, version=version,
+                                      seed=core.rollout_seed(seed=cfg.seed, iteration=j) + link.rank - 1)
+                link.store.set(samples_key(j, link.rank), pickle.dumps(batch))
+                versions.append(version)
+    except push.LinkClosed as closed:
+        return dict(versions=versions, stopped=str(closed))
+    except BaseException as err:
+        push.close(link, reason=f"rollout process {link.rank} failed at iteration {len(versions)}: {err!r}")
+        raise
+    finally:   # a Stop that came here is spent: no notebook reads a rollout engine's record, and `handle.run` cells
+        stop.clear()   # (silent) do not clear it as a %%px cell's pre_run_cell does
+    return dict(versions=versions, stopped=push.closed(link))
 
 
 # ---- the trainer side ------------------------------------------------------------------------
@@ -138,17 +155,32 @@ def _checked(cfg: RolloutConfig, link: push.Link | None) -> None:
                         f"a multiple of the {link.size - 1} rollout processes")
 
 
-def _samples(link: push.Link | None, j: int) -> RolloutBatch:
-    """Iteration `j`'s samples from every rollout process (trainer rank 0 reads the store), on every trainer rank."""
-    parts = [None]
+def _samples(link: push.Link | None, j: int) -> RolloutBatch | None:
+    """Iteration `j`'s samples from every rollout process (trainer rank 0 reads the store), on every trainer rank;
+    None when Stop came meanwhile. Raises `push.LinkClosed` on every trainer rank when a rollout process closed
+    the link (it stopped or failed) before they came."""
+    parts: list = [None]
     if link is not None:
-        parts = [core.concat([_take(link, samples_key(j, r)) for r in range(1, link.size)])]
+        try:
+            taken = [_take(link, samples_key(j, r)) for r in range(1, link.size)]
+            parts = [None if None in taken else core.concat(taken)]
+        except push.LinkClosed as closed:
+            parts = [str(closed)]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(parts, src=0)
+    if isinstance(parts[0], str):
+        raise push.LinkClosed(parts[0])
     return parts[0]
 
 
-def _take(link: push.Link, key: str) -> RolloutBatch:
+def _take(link: push.Link, key: str, *, poll_s: float = 0.05) -> RolloutBatch | None:
+    """The batch under `key` once it is there (then deleted); None if Stop came first. Polled, not a blocking get:
+    a Stop (a Python signal handler) or a closed link must not wait for a rollout that may never come."""
+    while not link.store.check([key]):
+        push.check_open(link)
+        if stop.requested():
+            return None
+        time.sleep(poll_s)
     batch = pickle.loads(link.store.get(key))
     link.store.delete_key(key)
     return batch
@@ -169,10 +201,12 @@ def fit(*, models: loop.Models, cfg: RolloutConfig, link: push.Link | None, toke
         link.store.set(PLAN_KEY, pickle.dumps(dict(cfg=cfg, iterations=iterations, max_staleness=max_staleness)))
     pushed = push.send(models.chunks, models.bridge, link=link, version=0)
 
-    def iteration(k: int) -> dict:
+    def iteration(k: int) -> dict | None:
         nonlocal pushed
         t0 = time.perf_counter()
         everything = _samples(link, k)
+        if everything is None:   # Stop while waiting for them: the loop ends here (`loop.run_iterations`)
+            return None
         wait_s = time.perf_counter() - t0
         kept, dropped = fresh(everything, version=k, max_staleness=max_staleness)
         m = loop.learn(registration.Sampled(everything=everything, kept=kept), models=models, cfg=cfg,
@@ -185,6 +219,15 @@ def fit(*, models: loop.Models, cfg: RolloutConfig, link: push.Link | None, toke
             pushed = dict(seconds=0.0, bytes=0)   # no rollout iteration needs a newer version
         return m
 
-    return loop.run_iterations(iteration=iteration, iterations=iterations, history=History(),
-                               desc=f"{registration.of(cfg).name} (decoupled)", progress=progress,
-                               on_iteration=on_iteration)
+    try:
+        history = loop.run_iterations(iteration=iteration, iterations=iterations, history=History(),
+                                      desc=f"{registration.of(cfg).name} (decoupled)", progress=progress,
+                                      on_iteration=on_iteration)
+    except BaseException as err:
+        if link is not None:   # the rollout processes must not wait for pushes that will not come
+            push.close(link, reason=f"the trainer failed: {err!r}")
+        raise
+    if link is not None and len(history.policy_version) < iterations:   # Stop
+        push.close(link, reason=f"the trainer stopped after {len(history.policy_version)} of {iterations} "
+                                "iterations")
+    return history

@@ -203,7 +203,8 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
     """Call `iteration(i)` for i < iterations; append each metric that names a `history` field to it;
     tqdm bar and `progress.report` on rank 0; `on_iteration(i, metrics)` on every rank after each. On a notebook
     engine Stop ends the loop between two iterations (an iteration under way, its rollout included, finishes
-    first), the same one on every rank (`distributed.stop`); the history so far is returned."""
+    first), the same one on every rank (`distributed.stop`), or inside one that returns None on every rank for it;
+    the history so far is returned."""
     from tqdm.auto import tqdm
 
     from ..distributed import runtime, stop
@@ -215,6 +216,9 @@ def run_iterations(*, iteration: Callable[[int], dict], iterations: int, history
                 stop.record(what=desc, step=it, total=iterations)
                 break
             m = iteration(it)
+            if m is None:   # the iteration saw Stop before it had anything to learn from (`rl.decoupled`)
+                stop.record(what=desc, step=it, total=iterations)
+                break
             for key in vars(history):
                 if key in m:
                     getattr(history, key).append(m[key])

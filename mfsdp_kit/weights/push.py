@@ -20,6 +20,7 @@ the stream is drained, so the sender is never left blocked in a broadcast.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,13 +28,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..distributed import engine
+from ..distributed import engine, runtime
 from . import sync
 
 HEADER_BYTES = 1024
 """Bytes of one tensor's header (JSON, NUL-padded): an HF name up to a few hundred characters fits."""
 STORE_PREFIX = "mfsdp_kit.push"
 """The link's keys in its TCPStore."""
+CLOSED_KEY = "closed"
+"""Set (to the reason) once a member closed the link (`close`)."""
+
+
+class LinkClosed(RuntimeError):
+    """A member closed the link (Stop, a failure); the message is the reason it gave."""
 
 
 @dataclass
@@ -41,7 +48,7 @@ class Link:
     """One side of the trainer -> rollout link."""
 
     group: object
-    """The link's own process group (gloo or NCCL), outside the default world."""
+    """The link's own process group (gloo or NCCL), outside the default world; None once this member `close`d it."""
     rank: int
     """This process's rank in it: 0 sends (the trainer's rank 0), 1.. receive."""
     size: int
@@ -59,20 +66,72 @@ def connect(*, host: str, port: int, rank: int, size: int, backend: str = "gloo"
         raise ValueError(f"backend={backend!r} is not allowed; allowed: gloo | nccl")
     if not 0 <= rank < size:
         raise ValueError(f"rank={rank} is not allowed; allowed: 0 <= rank < size={size}")
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout))
+    timeout = timedelta(seconds=timeout_s)   # rank 0's store listens on `host` only, as the world's does
+    store = dist.PrefixStore(STORE_PREFIX, runtime.new_tcp_store(addr=host, port=port, rank=rank, world_size=size,
+                                                                  timeout=timeout, agent=False))
     if backend == "gloo":
-        return Link(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu"), store)
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return Link(dist.ProcessGroupNCCL(store, rank, size, options), rank, size,
-                torch.device("cuda", torch.cuda.current_device()), store)
+        link = Link(dist.ProcessGroupGloo(store, rank, size, timeout), rank, size, torch.device("cpu"), store)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        link = Link(dist.ProcessGroupNCCL(store, rank, size, options), rank, size,
+                    torch.device("cuda", torch.cuda.current_device()), store)
+    _abort_when_closed(link, host=host, port=port)
+    return link
+
+
+def _abort_when_closed(link: Link, *, host: str, port: int) -> None:
+    """A daemon thread that aborts this member's group once another member closed the link: NCCL's abort wakes a
+    broadcast waiting here (gloo's does not, but the closer's sockets closing does). It waits on a store connection
+    of its own (GIL released) and ends with the store's server."""
+    watcher = dist.PrefixStore(STORE_PREFIX, dist.TCPStore(host, port, is_master=False, timeout=timedelta(days=1)))
+
+    def watch() -> None:
+        try:
+            watcher.wait([CLOSED_KEY])
+        except (RuntimeError, dist.DistError):   # the server (the trainer's rank 0) is gone: nothing to wake
+            return
+        if (group := link.group) is not None:
+            group.abort()
+    threading.Thread(target=watch, name="mfsdp_kit-link-closed", daemon=True).start()
+
+
+def close(link: Link, *, reason: str) -> None:
+    """End the link for every member: its store says `reason` (the first member's stays) and this member's group is
+    aborted, so a peer waiting in a broadcast on it returns with an error (gloo: the sockets close under it), which
+    `receive` / `send` then raise as `LinkClosed(reason)`."""
+    try:
+        link.store.compare_set(CLOSED_KEY, "", reason)
+    except (RuntimeError, dist.DistError):   # the store's server (link rank 0's process) is gone: no one to tell
+        pass
+    group, link.group = link.group, None
+    if group is not None:   # gloo's abort leaves the sockets open: the group's end (its last reference) closes them
+        group.abort()
+        del group
+
+
+def closed(link: Link) -> str | None:
+    """Why the link was closed, or None while it is open (no wait)."""
+    return link.store.get(CLOSED_KEY).decode() if link.store.check([CLOSED_KEY]) else None
+
+
+def check_open(link: Link) -> None:
+    """Raise `LinkClosed` with its reason once a member closed the link."""
+    if (reason := closed(link)) is not None:
+        raise LinkClosed(reason)
 
 
 def _broadcast(link: Link, tensor: torch.Tensor) -> None:
+    if link.group is None:   # this member closed it
+        raise LinkClosed(closed(link) or "closed")
     options = dist.BroadcastOptions()
     options.rootRank, options.rootTensor = 0, 0
-    link.group.broadcast([tensor], options).wait()
+    try:
+        link.group.broadcast([tensor], options).wait()
+    except (RuntimeError, dist.DistBackendError) as err:   # a peer closed it: say why, not "connection reset"
+        if (reason := closed(link)) is not None:
+            raise LinkClosed(reason) from err
+        raise
 
 
 def _header(link: Link, meta: dict | None = None) -> dict:
@@ -90,24 +149,42 @@ def _header(link: Link, meta: dict | None = None) -> dict:
 def send(chunks: list[torch.nn.Module], bridge, *, link: Link | None, version: int) -> dict:
     """Push every HF weight of `chunks` to the link's rollout processes, tagged `version` (an int the caller counts:
     the optimizer steps so far, say). Every trainer rank calls it; the one holding `link` (rank 0 of it) sends.
-    Returns {"seconds", "bytes", "tensors", "version"}."""
+    Returns {"seconds", "bytes", "tensors", "version"}. A link closed meanwhile raises `LinkClosed` on every trainer
+    rank, after the export (collective in the trainer's world) has run to its end on all of them."""
     if link is not None and link.rank != 0:
         raise ValueError(f"push.send: link rank {link.rank}; only link rank 0 (the trainer's) sends")
-    start, nbytes, count = time.perf_counter(), 0, 0
+    start, nbytes, count, problem = time.perf_counter(), 0, 0, None
     engine.synchronize_fsdp_params(chunks)
     try:
         for name, tensor in sync.export_hf_weights(chunks, bridge, cpu=False):
             count += 1
             nbytes += tensor.numel() * tensor.element_size()
-            if link is None:
+            if link is None or problem is not None:
                 continue
-            _header(link, dict(name=name, shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")))
-            _broadcast(link, tensor.to(link.device).contiguous())
+            try:
+                _header(link, dict(name=name, shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")))
+                _broadcast(link, tensor.to(link.device).contiguous())
+            except LinkClosed as closed:   # the other trainer ranks are in the export's all-gathers: go on with them
+                problem = str(closed)
     finally:
         engine.restore_fsdp_params(chunks)
-    if link is not None:
-        _header(link, dict(end=True, version=version, tensors=count))
+    if link is not None and problem is None:
+        try:
+            _header(link, dict(end=True, version=version, tensors=count))
+        except LinkClosed as closed:
+            problem = str(closed)
+    if (problem := _from_trainer_rank0(problem)) is not None:
+        raise LinkClosed(problem)
     return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=count, version=version)
+
+
+def _from_trainer_rank0(value: str | None) -> str | None:
+    """Rank 0's `value` on every rank of the trainer's world (one small broadcast where it has several ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import os
 
 import torch
@@ -45,6 +46,15 @@ def _trainer(src: str, link_port: int, world_port: int) -> dict:
     out.pop("last")
     out["bad_send"] = push.send(model.chunks, model.bridge, link=link, version=9)["tensors"]
     out["bad_receive"] = link.store.get("bad").decode()
+    link.store.wait(["waiting"])   # the receiver is (about to be) inside a broadcast that no push will match
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    push.close(link, reason="the trainer stopped after iteration 3")
+    out["closed"] = json.loads(link.store.get("closed_seen"))
+    out["closed"]["seconds"] = time.monotonic() - t0
+    out["closed_again"] = push.closed(link)   # a later close keeps the first reason
+    push.close(link, reason="another reason")
+    out["first_reason_kept"] = push.closed(link) == out["closed_again"]
     engine.release(model.chunks)
     return out
 
@@ -63,6 +73,13 @@ def _rollout(src: str, link_port: int) -> None:
         link.store.set("bad", "no error")
     except KeyError as e:
         link.store.set("bad", str(e))
+    link.store.set("waiting", "1")
+    try:
+        push.receive(model, link=link)
+        seen = dict(error="no error")
+    except push.LinkClosed as e:
+        seen = dict(error=type(e).__name__, reason=str(e))
+    link.store.set("closed_seen", json.dumps(seen))
 
 
 def two_worlds(*, src: str, link_port: int, world_port: int) -> dict:

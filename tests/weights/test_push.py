@@ -1,6 +1,6 @@
 """weights.push (tests/dist/scenarios_push.py): a trainer in a world of its own pushes its weights to a rollout
 process outside it, bit for bit, with the version; a receiver that lacks the names fails by name and the sender
-returns."""
+returns; a closed link frees a receiver waiting in a broadcast with the reason."""
 from mfsdp_kit.models import archs
 from tests.dist import launch
 
@@ -16,6 +16,9 @@ def test_push_lands_bitwise_with_its_version_across_two_worlds(tmp_path):
         assert push["tensors"] == push["names"] > 5 and push["bytes"] > 0
     assert r["bad_send"] == r["push1"]["tensors"]
     assert "has no counterpart in Linear" in r["bad_receive"], r["bad_receive"]
+    # close: the receiver waiting in a broadcast returns at once with the reason, the first reason stays
+    assert r["closed"]["error"] == "LinkClosed" and r["closed"]["reason"] == "the trainer stopped after iteration 3"
+    assert r["closed"]["seconds"] < 30 and r["first_reason_kept"], r["closed"]
 
 
 def test_connect_refuses_bad_arguments_by_name():
