@@ -13,6 +13,13 @@ call (prefill included) / its new tokens, after a warm-up call of the same shape
 CUDA graphs stay across calls of one shape); "first call" is the warm-up (allocation, compiles, captures).
 Then bf16 correctness: the kit's greedy tokens against HF's and the kit's log-probs against HF's forward.
 
+--variants compiled,fp8: the projections' weights in FP8 (`DecodeConfig.weights="fp8"`) beside bf16's, each row with
+its weights' floor ("weights ms": `fp8_weights.step_weight_bytes` over the copy bandwidth: FP8 halves the projections'
+bytes), and in the greedy check the FP8 engine's log-probs against the bf16 model's forward (the mismatch a trainer
+sees). Off a GPU of sm89+ the variant is refused by name (JSON "refused") and the others still run.
+
+    python bench/rollout.py --shape qwen2-7b --batches 64 --variants compiled,fp8 --out runs/bench/rollout_fp8.json
+
 --tools: the same calls with a tool (rl.rollout.tools): the ids read as characters of a 64-letter alphabet, so a
 random model writes the stop "!" about once in 64 tokens; the tool answers --tool-tokens tokens after sleeping
 --tool-latency-ms. Printed: the model's tokens/s without and with the tool, calls, and the seconds rows waited on
@@ -38,7 +45,9 @@ import torch
 
 from mfsdp_kit.distributed import clock
 from mfsdp_kit.perf.report import write_json
+from mfsdp_kit.config import ConfigError
 from mfsdp_kit.rl.rollout import ContinuousRollout, DecodeConfig, Tool, ToolConfig
+from mfsdp_kit.rl.rollout.fp8_weights import step_weight_bytes
 
 SHAPES = {   # (layers, hidden, heads, kv heads, ffn, vocab)
     "qwen2-1.8b": (28, 2048, 16, 4, 8192, 32768),   # issue 37's model: 1.84 B
@@ -267,12 +276,13 @@ def capture_split(model, vocab: int, *, rows: int, slots: int) -> dict:
 
 VARIANTS = {"compiled": {}, "triton": dict(kernels="triton"), "eager": dict(compile_glue=False),
             "reduce-overhead": dict(graph_mode="reduce-overhead"), "sampler": dict(sampler="triton"),
-            "fused_rope": dict(fuse_rope=True)}
+            "fused_rope": dict(fuse_rope=True), "fp8": dict(weights="fp8")}
 """The kit's variants as DecodeConfig fields: compiled (the default: CUDA graphs captured by hand, with the kit's
 Triton kernels on a GPU that runs them, else compiled glue and SDPA), triton (the Triton kernels asked for by name),
 eager (glue eager), reduce-overhead (the whole step through torch.compile(mode="reduce-overhead")), sampler (the
 default with the draw in one kernel: `sampler="triton"`), fused_rope (the default with RoPE and the cache write inside
-the attention kernel: `fuse_rope=True`)."""
+the attention kernel: `fuse_rope=True`), fp8 (the default with the projections' weights in FP8: `weights="fp8"`;
+refused off a GPU of sm89+, the refusal printed and written under "refused", the other variants still run)."""
 
 
 def main() -> None:
@@ -305,14 +315,22 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     if bad := [v for v in args.variants.split(",") if v not in VARIANTS]:
         raise SystemExit(f"--variants: {bad} not allowed; allowed: {','.join(VARIANTS)}")
-    kits = {v: ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True, **VARIANTS[v]))
-            for v in args.variants.split(",")}
+    kits, refused = {}, {}
+    for v in args.variants.split(","):
+        try:
+            kits[v] = ContinuousRollout(model, NoTokenizer(vocab - 1), config=DecodeConfig(keep_cache=True, **VARIANTS[v]))
+        except ConfigError as e:   # fp8 off an sm89+ GPU: named, and the other variants' rows still made
+            refused[v] = str(e)
+            print(f"variant {v} refused: {e}")
+    # the weights' bytes alone over the copy bandwidth: the floor that FP8 weights lower (the KV bytes apart)
+    weights_floor_ms = {v: step_weight_bytes(model, fp8=VARIANTS[v].get("weights") == "fp8") / bandwidth * 1e3
+                        for v in kits}
     results = []
     print(f"{args.shape} on {device} ({dtype}): weights {weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e9:.0f} GB/s")
     batches = [int(b) for b in args.batches.split(",") if b]
     if batches:
         print(f"{'sequences':>9} {'variant':>9} {'HF ms/step':>11} {'HF tok/s':>10} {'kit ms/step':>12} "
-              f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'x HF':>6}")
+              f"{'kit tok/s':>10} {'kit decode ms':>14} {'floor ms':>9} {'weights ms':>10} {'x HF':>6}")
     for batch in batches:
         g = torch.Generator().manual_seed(batch)
         rows = torch.randint(0, vocab - 1, (batch, args.prompt_tokens), generator=g).tolist()
@@ -336,11 +354,11 @@ def main() -> None:
             kit_ms, decode_ms = whole / steps * 1e3, (whole - one) / max(steps - 1, 1) * 1e3
             row = dict(sequences=batch, variant=name, hf_ms_per_step=hf_ms, hf_tokens_per_s=batch / hf_ms * 1e3,
                        kit_ms_per_step=kit_ms, kit_tokens_per_s=batch / kit_ms * 1e3, kit_decode_ms_per_step=decode_ms,
-                       floor_ms=floor_ms, kit_steps=steps, first_call_s=first_s,
+                       floor_ms=floor_ms, weights_floor_ms=weights_floor_ms[name], kit_steps=steps, first_call_s=first_s,
                        peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else 0)
             results.append(row)
             print(f"{batch:>9} {name:>9} {hf_ms:>11.2f} {row['hf_tokens_per_s']:>10.0f} {kit_ms:>12.2f} "
-                  f"{row['kit_tokens_per_s']:>10.0f} {decode_ms:>14.2f} {floor_ms:>9.2f} {hf_ms / kit_ms:>6.1f}"
+                  f"{row['kit_tokens_per_s']:>10.0f} {decode_ms:>14.2f} {floor_ms:>9.2f} {weights_floor_ms[name]:>10.2f} {hf_ms / kit_ms:>6.1f}"
                   f"   (first call {first_s:.1f} s)")
     rows = torch.randint(0, vocab - 1, (args.agreement_rows, args.prompt_tokens),
                          generator=torch.Generator().manual_seed(7)).tolist()
@@ -359,7 +377,7 @@ def main() -> None:
     shared = (shared_prefill(model, vocab, prompts=args.shared_prefill, samples=args.samples,
                              prompt_tokens=args.prompt_tokens, repeats=args.repeats, device=device)
               if args.shared_prefill else None)
-    write_json(args.out, dict(tools=with_tools, profile=prof, capture=capture, shared_prefill=shared, shape=args.shape,
+    write_json(args.out, dict(refused=refused, tools=with_tools, profile=prof, capture=capture, shared_prefill=shared, shape=args.shape,
                               device=device, dtype=str(dtype), weight_bytes=weight_bytes,
                               copy_bytes_per_s=bandwidth, prompt_tokens=args.prompt_tokens,
                               new_tokens=args.new_tokens, results=results, agreement=checks))

@@ -39,6 +39,7 @@ from mfsdp_kit.distributed.memory import format_table, memory_report
 from mfsdp_kit.models.hf import load
 from mfsdp_kit.models.tiny import tiny
 from mfsdp_kit.rl import grpo
+from mfsdp_kit.rl.rollout import DecodeConfig
 from mfsdp_kit.train import StepOptions, fit
 from mfsdp_kit.train import step as train_step
 from mfsdp_kit.perf import options
@@ -109,6 +110,8 @@ def grpo_flags(ap: argparse.ArgumentParser, gpu: bool) -> None:
     g.add_argument("--grpo-eval-every", type=int, default=0, help="held-out accuracy every k iterations (0 = off)")
     g.add_argument("--grpo-eval-samples", type=int, default=4,
                    help="samples per held-out prompt for the sampled accuracy at --grpo-temperature (0 = greedy only)")
+    g.add_argument("--rollout-weights", default="model", choices=("model", "fp8"),
+                   help="the rollout engine's projection weights (DecodeConfig.weights): the model's, or FP8 (sm89+)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -196,7 +199,8 @@ def grpo_optimizer(args, cfg, model, tok):
 def run_grpo(args, rt, cfg, model, tok, src: str) -> dict:
     """GRPO from the current model; held-out accuracy (greedy and sampled) along the way."""
     from transformers import AutoModelForCausalLM
-    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(args.dtype)).to(rt.device), tok)
+    rollout = grpo.Rollout(AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype(args.dtype)).to(rt.device), tok,
+                           config=DecodeConfig(weights=args.rollout_weights))
     per_rank = args.grpo_prompts_per_iteration * args.grpo_samples_per_prompt // args.grpo_num_minibatches // rt.dp_size  # sequences/rank/update
     grpo_cfg = options.build(grpo.GRPOConfig, args, prefix="grpo", max_new_tokens=args.rl_digits + 3,
                              micro_batch_size=min(args.grpo_micro_batch_size or args.micro_batch_size, per_rank))
@@ -272,6 +276,7 @@ def report(args, rt, res: dict) -> None:
     print("  held-out by iteration (greedy/sampled):",
           " ".join(f"{i}:{g:.3f}/{'-' if p is None else f'{p:.3f}'}" for i, g, p in curve))
     print("  reward per iteration:", " ".join(f"{r:.3f}" for r in hist["reward"]))
+    print("  train-rollout |dlogp| mean per iteration:", " ".join(f"{r:.4f}" for r in hist["logprob_diff_mean"]))
     print("  exact-match rate of samples:", " ".join(f"{r:.3f}" for r in hist["accuracy"]))
     print(f"  sync per iteration: median {res['median_sync_s'] * 1e3:.1f} ms for {hist['sync_bytes'][0] / 1e6:.1f} MB "
           f"-> {res['sync_gbps']:.2f} GB/s; rollout median {_median(hist['rollout_s']):.3f} s; "

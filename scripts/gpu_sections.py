@@ -318,6 +318,27 @@ SECTIONS.update({
                             writes="rollout_prefill.json",
                             args="--shape qwen2-1.8b --batches '' --prompt-tokens 1024 --shared-prefill 16 --samples 8 "
                                  "--repeats 5 --agreement-rows 0")],
+    # issue 72 item 2: FP8 rollout weights (`DecodeConfig.weights="fp8"`) against bf16 at 7 B, 64 rows: decode ms a
+    # step beside each one's weights floor ("weights ms"), the greedy check's log-prob mismatch against the bf16 model;
+    # then the GPU tests of the FP8 GEMMs and of the engine with them (close to bf16, a refresh picked up)
+    "rollout_fp8": [Row(name="rollout_fp8", script="bench/rollout.py", launch="python", writes="rollout_fp8.json",
+                        args="--shape qwen2-7b --batches 64 --variants compiled,fp8 --agreement-rows 64 "
+                             "--hf-new-tokens 8"),
+                    Row(name="rollout_fp8_tests", script="-m pytest", launch="python",
+                        args="-q -p no:cacheprovider tests/rl/rollout/kernels/test_fp8.py "
+                             "tests/rl/rollout/test_fp8_weights.py")],
+    # GRPO from grpo_start's start with the rollout's weights bf16, then FP8, both with rollout_correction
+    # token-truncate: reward and train-rollout log-prob mismatch per iteration, held-out accuracy every 30
+    "grpo_fp8": [Row(name=f"grpo_rollout_{w}", script="bench/sft_grpo.py", writes=f"grpo_rollout_{w}.json",
+                     needs="runs/m3d_start", made_by="grpo_start",
+                     args="--size m --skip-sft1 --rl-digits 3 --heldout 400 --rl-sft-steps 0 --init-from runs/m3d_start "
+                          "--grpo-prompts 64 --grpo-samples 16 --grpo-minibatches 1 --grpo-reward digits "
+                          "--grpo-temperature 0.5 --grpo-lr {GRPO_LR} --grpo-warmup 10 --grpo-iterations 60 "
+                          "--grpo-eval-every 30 --grpo-micro-batch-size 256 --grpo-rollout-correction token-truncate "
+                          f"--rollout-weights {w}") for w in ("model", "fp8")] + [
+        # the same comparison at 1.7 B (`l`, untrained) in bench/grpo_iteration.py: each iteration's time split too
+        Row(name="grpo_iteration_fp8", script="bench/grpo_iteration.py", writes="grpo_iteration_fp8.json",
+            args="--size l --iterations 4 --backends continuous,continuous_fp8 --rollout-correction token-truncate")],
     # issue 40: LoRA rank 16 on every linear vs full fine-tuning on 1 GPU, the Qwen2.5-7B-shaped folder of load_7b
     # (written under LOAD_ROOT, removed after): peak GiB, tokens/s, optimizer state against 12 B per trainable param;
     # then the largest 7b-width GPT each trains on 1 GPU (max_model's search, the fsdp-lora16 variant)

@@ -27,3 +27,14 @@ def test_grpo_iteration_bench_with_lora_on_a_shape(tmp_path):
     assert res["args"]["lora_rank"] == 4 and len(h["update_s"]) == 2
     assert max(h["logprob_diff_max"]) <= 1e-5, h["logprob_diff_max"]
     assert not (tmp_path / "mfsdp_grpo_iteration_small").exists()
+
+
+def test_grpo_iteration_bench_fp8_rollout_is_refused_on_cpu(tmp_path):
+    """--backends continuous,continuous_fp8 with the rollout correction on CPU: the FP8 backend refused by name
+    (`DecodeConfig.weights`), the bf16 one's iteration recorded with its reward and log-prob mismatch."""
+    res = run("grpo_iteration.py", "--size", "xs", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8",
+              "--iterations", "1", "--micro-batch-size", "2", "--backends", "continuous,continuous_fp8",
+              "--rollout-correction", "token-truncate", out=tmp_path / "g.json", nproc=1)
+    h, refused = res["histories"]["continuous"], res["histories"]["continuous_fp8"]["refused"]
+    assert "weights='fp8' is not allowed" in refused and "no CUDA device" in refused
+    assert len(h["reward"]) == 1 and 0 <= h["logprob_diff_mean"][0] <= 1e-5

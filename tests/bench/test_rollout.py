@@ -32,3 +32,13 @@ def test_rollout_bench_shared_prefill(tmp_path):
     assert res["results"] == [] and shared["prompts"] == 2 and shared["samples"] == 4
     assert shared["off"]["prefill_tokens"] == 4 * shared["on"]["prefill_tokens"] == 4 * 2 * 256
     assert shared["same_tokens"] and shared["on"]["prefill_s"] > 0 and shared["on / off"] > 0
+
+
+def test_rollout_bench_fp8_is_refused_on_cpu_and_bf16_still_runs(tmp_path):
+    """--variants eager,fp8 on CPU: the FP8 variant refused by name (`DecodeConfig.weights`), the bf16 half of the
+    table made, with the weights' floor beside each row."""
+    res = run("rollout.py", "--shape", "tiny", "--batches", "2", "--prompt-tokens", "6", "--new-tokens", "8",
+              "--hf-new-tokens", "2", "--variants", "eager,fp8", "--agreement-rows", "0", out=tmp_path / "r.json", nproc=1)
+    assert "weights='fp8' is not allowed" in res["refused"]["fp8"] and "no CUDA device" in res["refused"]["fp8"]
+    (row,) = res["results"]
+    assert row["variant"] == "eager" and 0 < row["weights_floor_ms"] < row["floor_ms"]

@@ -27,6 +27,7 @@ and keeps q, k, v and gate, up as separate GEMMs. Here:
     and the cache write inside the attention kernel instead), or with `kernels="torch"` compiled once with symbolic
     batch and cache sizes;
   - the logits are the LM head of the step's last hidden state, outside any CUDA graph (nano-vllm's split).
+  - with `DecodeConfig.weights="fp8"` the four projections read e4m3 copies of their weights (`project`, `fp8_weights`).
   - a tool's output joins a paused row through `extend`: a prefill whose tokens start at the row's next slot and
     attend to its cached slots, where the naive way prefills the whole sequence again as a new prompt.
 Every function computes the HF model's own function: tests/rl/rollout/test_engine.py compares greedy tokens
@@ -125,7 +126,8 @@ def projections(layer, h: torch.Tensor, *, head_dim: int, clip_qkv: float | None
     attn = layer.self_attn
     lead = h.shape[:-1]
     sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-    q, k, v = F.linear(h, attn.kit_qkv_weight, getattr(attn, "kit_qkv_bias", None)).split(sizes, -1)
+    bias = getattr(attn, "kit_qkv_bias", None)
+    q, k, v = project(attn, "qkv", h, lambda y: F.linear(y, attn.kit_qkv_weight, bias)).split(sizes, -1)
     if qk_norm == "heads":   # over all heads at once
         q, k = rms(attn.q_norm, q), rms(attn.k_norm, k)
     if clip_qkv is not None:
@@ -144,7 +146,21 @@ def mlp(layer, x: torch.Tensor, glue: "Glue") -> torch.Tensor:
         out = m(x if x.dim() == 3 else x[:, None])
         out = out[0] if isinstance(out, tuple) else out
         return out if x.dim() == 3 else out[:, 0]
-    return m.down_proj(glue.gated(F.linear(x, fused), m.act_fn))
+    gate_up = project(m, "gate_up", x, lambda y: F.linear(y, fused))
+    return project(m, "down", glue.gated(gate_up, m.act_fn), m.down_proj)
+
+
+def project(owner, group: str, x: torch.Tensor, plain) -> torch.Tensor:
+    """`plain(x)` (the bf16 GEMM), or its FP8 twin where the runner keeps one on `owner` (`owner.kit_<group>_fp8`,
+    `fp8_weights.Fp8Linear`: `DecodeConfig.weights="fp8"`); groups qkv and o of `self_attn`, gate_up and down of
+    `mlp`."""
+    fp8 = getattr(owner, f"kit_{group}_fp8", None)
+    return plain(x) if fp8 is None else fp8(x)
+
+
+def o_proj(layer, out: torch.Tensor) -> torch.Tensor:
+    """The attention's output projection (`project`)."""
+    return project(layer.self_attn, "o", out, layer.self_attn.o_proj)
 
 
 def rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +313,7 @@ def prefill(hf_model, ids: torch.Tensor, lengths: torch.Tensor, cache, rows: tor
         k_cache[rows, :, :L], v_cache[rows, :, :L] = k, v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if window is None else windowed[window],
                                              enable_gqa=True, scale=_scale(layer, head_dim))
-        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
+        x = x + o_proj(layer, out.transpose(1, 2).reshape(k_rows, L, -1))
         x = x + mlp(layer, rms(layer.post_attention_layernorm, x), EAGER)
     return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
 
@@ -328,7 +344,7 @@ def extend(hf_model, ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Ten
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[rows, :, :seen], v_cache[rows, :, :seen],
                                              attn_mask=mask if window is None else windowed[window],
                                              enable_gqa=True, scale=_scale(layer, head_dim))
-        x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(k_rows, L, -1))
+        x = x + o_proj(layer, out.transpose(1, 2).reshape(k_rows, L, -1))
         x = x + mlp(layer, rms(layer.post_attention_layernorm, x), EAGER)
     return head(hf_model, x[torch.arange(k_rows, device=ids.device), lengths - 1])
 
@@ -356,7 +372,7 @@ def decode(hf_model, tok: torch.Tensor, pos: torch.Tensor, cache, rope, *, slots
         q, k, v = projections(layer, h, head_dim=head_dim, clip_qkv=clip_qkv, qk_norm=qk_norm)
         out = glue.rope_attend(q, k, v, cos, sin, k_cache, v_cache, pos, where, biases.get(window), slots=slots,
                                window=window, scale=_scale(layer, head_dim))
-        x, h = glue.add_rms(x, layer.self_attn.o_proj(out), layer.post_attention_layernorm)
+        x, h = glue.add_rms(x, o_proj(layer, out), layer.post_attention_layernorm)
         following = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         x, h = glue.add_rms(x, mlp(layer, h, glue), following)
     return h

@@ -42,7 +42,7 @@ import torch
 from ...config import bad_value
 from ...fieldtypes import COUNT, check_fields, number_in
 from ...train import chat
-from . import backend
+from . import backend, fp8_weights
 from .backend import Completions
 from .kernels.sampling import Sampler
 from .model_runner import ModelRunner
@@ -127,6 +127,14 @@ class DecodeConfig:
     one prefill of 1,024 tokens and a copy of its KV, not 8,192 tokens. The same tokens and log-probs as a prefill
     of every row for the same seed (the sampler draws over every row's logits). False: every row its own prefill
     (for comparison)."""
+    weights: Literal["model", "fp8"] = "model"
+    """The projections' weights a call reads (each layer's q/k/v, o, gate/up, down; the LM head stays the model's):
+    "model" (the HF model's own tensors, in its dtype) | "fp8" (e4m3 copies with a fp32 scale per output channel,
+    the activations quantized per token, `torch._scaled_mm` with row-wise scales: `fp8_weights`; re-quantized
+    before a call whenever the model's weights changed, so each `refresh` is picked up). A decode step then reads
+    about half the weight bytes; the sampled log-probs are the FP8 model's, so the train-rollout mismatch grows (the
+    kit's `rollout_correction` is made for it). Needs a CUDA GPU of compute capability 8.9+, a dense bf16 model and
+    `graph_mode="capture"`; refused by name elsewhere."""
     keep_cache: bool = True
     """Keep the KV cache and its graphs between calls: a later call that fits the kept rows and slots starts at once
     (re-capturing every graph each call costs a GRPO iteration more: docs/benchmarks.md, "grpo_iteration"); the
@@ -143,6 +151,11 @@ class DecodeConfig:
         if self.sampler == "triton" and torch_step:
             raise bad_value("sampler", self.sampler, '"torch" with kernels="torch" or graph_mode="reduce-overhead" '
                             '(the draw\'s kernel runs beside the Triton decode kernels)')
+        if self.weights == "fp8":
+            if self.graph_mode == "reduce-overhead":   # inductor would trace the copies' Triton launches: untested
+                raise bad_value("weights", self.weights, '"model" with graph_mode="reduce-overhead", or '
+                                'graph_mode="capture" for "fp8"')
+            fp8_weights.refuse_device()
         if self.fuse_rope and torch_step:
             raise bad_value("fuse_rope", self.fuse_rope, 'False with kernels="torch" or graph_mode="reduce-overhead" '
                             '(it is a mode of the Triton attention kernel)')

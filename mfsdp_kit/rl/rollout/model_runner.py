@@ -20,6 +20,7 @@ import torch
 
 from ...models import triton_launch
 from ...models.support import triton_available
+from . import fp8_weights
 from .routes import RouteTable
 from .context import Context, ModelConstants
 from .decoder import EAGER, Glue, check_model, decode, extend, fuse_projections, is_moe, prefill, rope_table
@@ -43,7 +44,12 @@ class ModelRunner:
 
     def __init__(self, model, *, config):
         self.model, self.config = model, config
+        if config.weights == "fp8":   # refused by name before the weights are touched
+            fp8_weights.check(model, moe=is_moe(model))
         fuse_projections(model)
+        self.fp8 = (fp8_weights.Fp8Weights(model, kernel=config.kernels != "torch" and triton_available(model.device))
+                    if config.weights == "fp8" else None)
+        """The projections' FP8 copies (`DecodeConfig.weights="fp8"`), made and kept current by `check_weights`."""
         self.constants = ModelConstants.of(model)
         """What the launches need of the model beyond its weights, read once."""
         self.sizer = Sizer(model, self.constants, config)
@@ -70,11 +76,14 @@ class ModelRunner:
     # ---- the cache of a call ----------------------------------------------------------------------
     def check_weights(self) -> None:
         """Before a call: the weights' fused view made again where a weight was re-pointed since the last call
-        (`fuse_projections`; the cache goes, as its graphs read the old tensors), and a model the decoder cannot run
-        refused by name before anything is allocated."""
-        if fuse_projections(self.model):
+        (`fuse_projections`; the cache goes, as its graphs read the old tensors), a model the decoder cannot run
+        refused by name before anything is allocated, and the FP8 copies quantized again where a weight changed."""
+        remade = fuse_projections(self.model)
+        if remade:
             self.release()
         check_model(self.model)
+        if self.fp8 is not None:   # into the same tensors: the kept graphs read the new weights
+            self.fp8.update(remake=remade)
 
     def prepare(self, sequences: int, *, slots: int, longest: int) -> Cache:
         """The cache for a call of `sequences` sequences, prompts at most `longest` tokens, `slots` slots a row: the
