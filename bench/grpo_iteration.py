@@ -9,6 +9,9 @@ rollout engine (`rl.rollout.ContinuousRollout`), the same model, prompts and see
 Qwen2.5-7B), given the tiny model's tokenizer (its ids are a small corner of the vocabulary; an untrained model
 rarely samples its stop id, so completions run to --max-new-tokens: the worst case). --lora-rank r: LoRA of rank r
 (alpha 2r) on every linear, the base frozen; the rollout's refresh merges W + s B A in the sync plan.
+--partial-fraction f --max-staleness s (GRPOConfig's, as every field is an option): partial rollouts (`rl.partial`);
+the history then has each iteration's staleness histogram and rows carried. A budget past 1,024 - 128 new tokens
+writes the tiny model with room for it (`positions_for`).
 
 The setting of issue 37: the tiny `l` model (1.7 B, bf16, Megatron-FSDP), untrained, so its responses run long
 (written with 1024 positions for that), 64 prompts x 8 samples of the 3-digit arithmetic
@@ -68,6 +71,11 @@ def shape_folder(shape: str, *, root: str) -> Path:
                 shutil.copy(Path(tokenizer) / name, path / name)
     dist.barrier()
     return path
+
+
+def positions_for(max_new_tokens: int) -> int:
+    """Rotary positions of the tiny model: 1024 (the issue-37 setting), or prompt room above a longer budget."""
+    return max(1024, -(-(max_new_tokens + 128) // 256) * 256)
 
 
 def model_folder(size: str, *, positions: int) -> str:
@@ -169,6 +177,8 @@ def main() -> None:
     p.add_argument("--size", default="l")
     p.add_argument("--shape", default="", help="a perf.hf_folder shape instead of --size (module docstring)")
     p.add_argument("--root", default="/dev/shm", help="where --shape's folder is written (removed at the end)")
+    p.add_argument("--init-from", default="", help="an HF folder to start from instead of --size (e.g. one "
+                                                   "bench/sft_grpo.py --save-rl-start wrote: rewards that move)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA of this rank on every linear (0: full fine-tuning)")
     p.add_argument("--iterations", type=int, default=3)
     options.add_options(p, grpo.GRPOConfig, prefix="", names=dict(prompts_per_iteration="prompts",
@@ -202,7 +212,8 @@ def main() -> None:
                                        fusion_kernels=args.fusion_kernels),
                        lora=LoRAConfig(rank=args.lora_rank, alpha=2 * args.lora_rank) if args.lora_rank else None)
     rt = runtime.init(cfg)
-    src = str(shape_folder(args.shape, root=args.root)) if args.shape else model_folder(args.size, positions=1024)
+    src = (args.init_from or str(shape_folder(args.shape, root=args.root)) if args.shape or args.init_from
+           else model_folder(args.size, positions=positions_for(args.max_new_tokens)))
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(src)
     model = load(src, cfg)

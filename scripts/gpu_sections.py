@@ -413,6 +413,23 @@ SECTIONS.update({
     "grpo_lora_7b": [Row(name="grpo_lora_7b", script="bench/grpo_iteration.py", writes="grpo_lora_7b.json",
                          args="--shape qwen2.5-7b --root {LOAD_ROOT} --lora-rank 16 --prompts 32 --samples 8 "
                               "--max-new-tokens 1024 --iterations 3 --backends continuous --profile")],
+    # issue 71, partial rollouts on 1 GPU: the tiny `l` GRPO setting (untrained: long responses) at <= 2,048 new
+    # tokens, rollout seconds per iteration without and with (half the groups in flight end an iteration's sampling,
+    # staleness <= 2); then the reward curves of both from the SFT'd start grpo_start writes (60 iterations each)
+    "grpo_partial": [Row(name=f"grpo_partial_{name}", script="bench/grpo_iteration.py", writes=f"grpo_partial_{name}.json",
+                         args=f"--size l --prompts 32 --samples 8 --max-new-tokens 2048 --iterations 4 "
+                              f"--backends continuous {extra}")
+                     for name, extra in (("off", ""), ("on", "--partial-fraction 0.5 --max-staleness 2"))],
+    "grpo_partial_rewards": [Row(name=f"grpo_partial_rewards_{name}", script="bench/sft_grpo.py",
+                                 writes=f"grpo_partial_rewards_{name}.json", needs="runs/m3d_start",
+                                 made_by="grpo_start",
+                                 args="--size m --skip-sft1 --rl-digits 3 --heldout 400 --rl-sft-steps 0 "
+                                      "--init-from runs/m3d_start --grpo-prompts 64 --grpo-samples 16 "
+                                      "--grpo-minibatches 1 --grpo-reward digits --grpo-temperature 0.5 "
+                                      "--grpo-lr {GRPO_LR} --grpo-warmup 10 --grpo-iterations 60 "
+                                      f"--grpo-eval-every 30 --grpo-micro-batch-size 256 {extra}")
+                             for name, extra in (("off", ""), ("on", "--grpo-partial-fraction 0.5 "
+                                                                     "--grpo-max-staleness 2"))],
     "grpo_iteration": [Row(name="grpo_iteration", script="bench/grpo_iteration.py",
                            args="--size l --iterations 4 --profile --backends {GRPO_BACKENDS} {GRPO_ITER_ARGS}",
                            writes="grpo_iteration.json")],

@@ -1,6 +1,6 @@
 """bench/grpo_iteration.py end to end on CPU (size xs, fp32, 1 rank): each backend's iteration split into sync,
 rollout, log-prob and update seconds, with the engine's own counters, and fp32 log-probs that agree."""
-from tests.bench.cli import run
+from tests.bench.cli import ROOT, run
 
 
 def test_grpo_iteration_bench(tmp_path):
@@ -38,3 +38,22 @@ def test_grpo_iteration_bench_fp8_rollout_is_refused_on_cpu(tmp_path):
     h, refused = res["histories"]["continuous"], res["histories"]["continuous_fp8"]["refused"]
     assert "weights='fp8' is not allowed" in refused and "no CUDA device" in refused
     assert len(h["reward"]) == 1 and 0 <= h["logprob_diff_mean"][0] <= 1e-5
+
+
+def test_grpo_iteration_bench_with_partial_rollouts(tmp_path):
+    """--partial-fraction 0.5 --max-staleness 2 (the grpo_partial GPU section's flags): twice the groups in flight,
+    each iteration trains on its prompts' worth, the staleness histogram recorded and within the bound."""
+    res = run("grpo_iteration.py", "--size", "xs", "--prompts", "2", "--samples", "2", "--max-new-tokens", "8",
+              "--iterations", "3", "--micro-batch-size", "2", "--backends", "continuous", "--partial-fraction", "0.5",
+              "--max-staleness", "2", out=tmp_path / "g.json", nproc=1)
+    h = res["histories"]["continuous"]
+    assert res["args"]["partial_fraction"] == 0.5 and len(h["rollout_s"]) == 3
+    assert len(h["staleness_tokens"]) == 3 and max(h["staleness_max"]) <= 2 and sum(h["rows_carried"]) > 0
+
+
+def test_positions_leave_room_for_the_budget():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("grpo_iteration", ROOT / "bench" / "grpo_iteration.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.positions_for(512) == 1024 and bench.positions_for(2048) == 2304
