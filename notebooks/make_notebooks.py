@@ -1277,7 +1277,8 @@ assert max(with_partial.staleness_max) <= 2 and all(len(h) <= 3 for h in with_pa
 assert all(sum(h) > 0 for h in with_partial.staleness_tokens) and not any(synchronous.staleness_tokens)
 fp32, bf16 = replay["fp32 rollout"], replay["bf16 rollout"]
 assert fp32["flips"] < 0.01 and fp32["diff_max_with"] < 1e-4, fp32   # CPU: 0 flips; a GPU's kernels may tie-break
-assert bf16["diff_max_with"] <= bf16["diff_max_without"] and bf16["diff_mean_with"] <= bf16["diff_mean_without"] + 1e-6
+assert bf16["diff_max_with"] <= bf16["diff_max_without"] + 1e-5, bf16   # no flips: the same up to kernel order
+assert bf16["diff_mean_with"] <= bf16["diff_mean_without"] + 1e-6, bf16
 assert len(moe_history.reward) == 3 and all(math.isfinite(x) for x in moe_history.kl + moe_history.logprob_diff_max)
 '''),
     *STOP,
