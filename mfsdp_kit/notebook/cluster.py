@@ -86,6 +86,8 @@ class ClusterHandle:
     rollout_engines: int = 0
     """Engines outside the world, linked to trainer rank 0 (roles.py): the last ranks of the n started."""
     rollout_ids: list[int] = field(default_factory=list)
+    rollout_ranks: list[int] = field(default_factory=list)
+    """Their launcher ranks (after the world's): their rows in `status()` and their log files."""
     rollout_view: Any = None
     """The rollout engines' DirectView (None without them)."""
     rollout_devices: list[str] = field(default_factory=list)
@@ -271,7 +273,7 @@ def _setup_world(handle: ClusterHandle, engine_ids: list[int], watch: Stopwatch)
     handle.monitor = stall.Monitor(addr=kw["master_addr"], port=handle.master_port, prefix=status_prefix,
                                    ranks=handle.ranks, idents=handle.idents, stall_s=handle.stall_s)
     if handle.rollout_ids:
-        roles.start_rollouts(handle, local_ranks={e: ranks[e][1] for e in handle.rollout_ids},
+        roles.start_rollouts(handle, ranks=ranks, idents=idents,
                              get=lambda ar, what: _get(handle, ar, kw["timeout_s"], what=what))
     _secure_connection_files(handle)
     interrupt.activate(handle)

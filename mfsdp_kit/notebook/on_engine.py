@@ -89,18 +89,22 @@ def shutdown() -> None:
     runtime.shutdown(destroy_process_group=True)
 
 
-def init_rollout(*, local_rank: int) -> dict:
+def init_rollout(*, local_rank: int, rank: int, status_addr: str, status_port: int, status_prefix: str,
+                 log_dir: str | None) -> dict:
     """A rollout engine (`roles.py`): no world; its GPU (`local_rank`, as a trainer's), Stop as a pause of its own
-    loop (`rl.decoupled.serve` asks `stop.agreed()`, which without a world is this engine's flag)."""
+    loop (`rl.decoupled.serve` asks `stop.agreed()`, which without a world is this engine's flag), and a heartbeat
+    under its launcher `rank` in the world's store, so `handle.status()` shows it beside the trainers."""
     from mfsdp_kit.notebook import ipengine
     ipengine.wait()
     import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     from mfsdp_kit.distributed import stop
+    from mfsdp_kit.notebook import heartbeat
     stop.enable()
     _clear_stop_at_each_cell()
-    return dict(device=f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    log = heartbeat.start(addr=status_addr, port=status_port, prefix=status_prefix, rank=rank, log_dir=log_dir)
+    return dict(device=f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu", log=log)
 
 
 def join_link(*, host: str, port: int, rank: int, size: int, backend: str) -> int:

@@ -55,16 +55,23 @@ def split(ranks: dict[int, tuple[int, int]], rollout_engines: int) -> tuple[list
     return order[:cut], order[cut:]
 
 
-def start_rollouts(handle: Any, *, local_ranks: dict[int, int], get: Any) -> None:
-    """Give the rollout engines their GPU, Stop and names (`role`, `link_rank`), then connect the link.
-    `get(async_result, what=)`: the handle's bounded wait of cluster.py."""
-    client, ids = handle.client, handle.rollout_ids
-    inits = [client[e].apply_async(on_engine.init_rollout, local_rank=local_ranks[e]) for e in ids]
+def start_rollouts(handle: Any, *, ranks: dict[int, tuple[int, int]], idents: dict[int, dict], get: Any) -> None:
+    """Give the rollout engines their GPU, Stop, heartbeat (under their launcher rank: `handle.status()` rows) and
+    names (`role`, `link_rank`), then connect the link. `get(async_result, what=)`: cluster.py's bounded wait."""
+    client, ids, monitor = handle.client, handle.rollout_ids, handle.monitor
+    handle.rollout_ranks = [ranks[e][0] for e in ids]
+    inits = [client[e].apply_async(on_engine.init_rollout, local_rank=ranks[e][1], rank=ranks[e][0],
+                                   status_addr=handle.init_kwargs["master_addr"], status_port=handle.master_port,
+                                   status_prefix=monitor.prefix, log_dir=handle.log_dir) for e in ids]
     names = [client[e].push(dict(role="rollout", link_rank=1 + i), block=False) for i, e in enumerate(ids)]
     names += [client[e].push(dict(role="trainer"), block=False) for e in handle.rank_of]
     for ar in names:
         get(ar, what="handing the engines their roles")
-    handle.rollout_devices = [get(ar, what="preparing the rollout engines")["device"] for ar in inits]
+    started = [get(ar, what="preparing the rollout engines") for ar in inits]
+    handle.rollout_devices = [i["device"] for i in started]
+    handle.logs.update({r: i["log"] for r, i in zip(handle.rollout_ranks, started) if i["log"]})
+    monitor.ranks = handle.ranks + handle.rollout_ranks
+    monitor.idents.update({ranks[e][0]: idents[e] for e in ids})   # their pid: frozen or gone, as a trainer's
     handle.rollout_view = client[ids]
     relink(handle, get=get)
 

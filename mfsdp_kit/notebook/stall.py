@@ -95,6 +95,12 @@ def states(handle: Any, ar: Any = None) -> dict[int, dict]:
         else:
             state = "done" if ar is not None else "idle"
         out[rank] = dict(rec, state=state, process=process)
+    for rank in getattr(handle, "rollout_ranks", []):   # outside the world (roles.py): what it does, not a cell's state
+        rec = dict(records.get(rank) or {})
+        process = monitor.process_state(rank) if monitor is not None else "unknown"
+        frozen = process == "stopped" or (monitor is not None and rec.get("beat_age_s", 0) >= monitor.stall_s)
+        out[rank] = dict(rec, process=process, state="dead" if process == "gone" else
+                         "frozen" if frozen else "rollout")
     return out
 
 

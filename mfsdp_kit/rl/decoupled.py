@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, bad_value
 from ..distributed import stop
+from ..distributed.progress import report
 from ..fieldtypes import COUNT, INDEX, checked_args, optional
 from ..train import chat
 from ..weights import push
@@ -111,6 +112,7 @@ def serve(*, link: push.Link, backend, prompt_pool: list[tuple[str, str]], rewar
                                       seed=core.rollout_seed(seed=cfg.seed, iteration=j) + link.rank - 1)
                 link.store.set(samples_key(j, link.rank), pickle.dumps(batch))
                 versions.append(version)
+                report(step=j + 1, total=iterations, version=version)   # a notebook's handle.status() row
     except push.LinkClosed as closed:
         return dict(versions=versions, stopped=str(closed))
     except BaseException as err:

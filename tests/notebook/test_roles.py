@@ -1,6 +1,6 @@
 """roles.py on real CPU engines (ipyparallel, gloo): `cluster.start(3, rollout_engines=1)` gives a trainer world of
 two and one rollout engine outside it, linked to trainer rank 0; `rl.decoupled` runs across them from the notebook
-(one-step off-policy: versions, updates, the rollout's record); Stop (SIGINT to this process, the notebook) while
+(one-step off-policy: versions, updates, the rollout's record, its row in `handle.status()`); Stop (SIGINT to this process, the notebook) while
 the trainers wait for samples stops both sides within seconds, the trainers at one iteration with one line, the
 rollout engine's `serve` with the trainer's reason; `relink()` then runs them again. Bad `rollout_engines` values
 are refused by name before anything starts; `restart()` keeps the roles."""
@@ -82,6 +82,12 @@ def test_decoupled_runs_across_the_roles_one_step_off_policy(h):
     assert h.rollout_view["served"] == [dict(versions=[0, 0, 1], stopped=None)]
     assert h.view["history.policy_version"] == [[0, 1, 2]] * 2 and h.view["history.staleness_max"] == [[0, 1, 1]] * 2
     assert h.view["history.groups_stale"] == [[0, 0, 0]] * 2
+    deadline = time.monotonic() + 10   # the rollout engine's row in handle.status(): its last report, its log
+    while (h.status().ranks[2].get("progress") or {}).get("step") != 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    row = h.status().ranks[2]
+    assert row["state"] == "rollout" and row["progress"]["step"] == 3 and row["progress"]["version"] == 1, row
+    assert sorted(h.status().ranks) == [0, 1, 2] and os.path.isfile(h.logs[2])
 
 
 def test_stop_while_the_trainers_wait_stops_the_rollout_engine_too_and_relink_runs_again(h, capsys):
