@@ -3,7 +3,7 @@ two and one rollout engine outside it, linked to trainer rank 0; `rl.decoupled` 
 (one-step off-policy: versions, updates, the rollout's record, its row in `handle.status()`); Stop (SIGINT to this process, the notebook) while
 the trainers wait for samples stops both sides within seconds, the trainers at one iteration with one line, the
 rollout engine's `serve` with the trainer's reason; `relink()` then runs them again. Bad `rollout_engines` values
-are refused by name before anything starts; `restart()` keeps the roles."""
+are refused by name before anything starts; `reinit()` and `restart()` keep the roles."""
 import os
 import signal
 import threading
@@ -113,8 +113,9 @@ def test_stop_while_the_trainers_wait_stops_the_rollout_engine_too_and_relink_ru
     assert h.view["history.policy_version"] == [[0, 1]] * 2
 
 
-def test_restart_gives_new_engines_the_same_roles_and_a_link(h):
-    h.restart()
+@pytest.mark.parametrize("how", ["reinit", "restart"])
+def test_a_new_world_keeps_the_roles_and_links_again(h, how):
+    getattr(h, how)()
     assert h.ranks == [0, 1] and len(h.rollout_ids) == 1 and h.view["role"] == ["trainer"] * 2
     h.run("import torch.distributed as dist\nworld, has_link = dist.get_world_size(), link is not None")
     assert h.view["world"] == [2, 2] and h.view["has_link"] == [True, False]
