@@ -13,7 +13,7 @@ from mfsdp_kit.models.tiny import tiny
 
 def hf_greedy(src: str, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int] | None) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     out = []
     for p in prompts:   # one at a time: no padding, so stop ids are the only thing ending a row
         gen = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,

@@ -249,7 +249,7 @@ def single_rank_checks(*, roots: dict, crash_root: str, hf_workdir: str) -> dict
     import transformers
     out = ckpt.to_hf(f"{hf_workdir}/hf_ckpt/step_000001", f"{hf_workdir}/hf_out")
     live = torch.load(f"{hf_workdir}/live_logits.pt")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         result["to_hf_logits_maxdiff"] = (hf(live["tokens"]).logits - live["logits"]).abs().max().item()
     return result

@@ -48,7 +48,7 @@ def _pool():
 def _hf_rollout(src: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from mfsdp_kit.rl.rollout import HFRollout
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     return Recording(HFRollout(model, AutoTokenizer.from_pretrained(src)))
 
 

@@ -109,7 +109,7 @@ def grpo_offload(*, workdir: str) -> dict:
 
     from mfsdp_kit.rl import grpo
     cfg, src, tok = _setup(fsdp=True, workdir=workdir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     rollout = grpo.Rollout(hf, tok)
     prompts = data.ArithmeticTask(digits=1).rl_prompts(8)
     out, states = {}, {}

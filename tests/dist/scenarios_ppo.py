@@ -85,7 +85,7 @@ def ppo_end_to_end(*, workdir: str, iterations: int = 6, critic_lr: float = 1e-3
     is mostly the sampling noise of the rewards and says little about the critic."""
     import transformers
     cfg, src, tok, model, task = _sft_start(workdir)
-    rollout = HFRollout(transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32), tok)
+    rollout = HFRollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
     # the base model's trunk and a zero head; SDPA attention, so the critic's forwards and steps run packed rows
     # (`packing`) while the policy's (megatron's local attention) run padded ones
     ccfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, attention_backend="sdpa"))

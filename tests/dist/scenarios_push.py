@@ -62,7 +62,7 @@ def _trainer(src: str, link_port: int, world_port: int) -> dict:
 def _rollout(src: str, link_port: int) -> None:
     from transformers import AutoModelForCausalLM
     from mfsdp_kit.weights import push
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     link = push.connect(host="127.0.0.1", port=link_port, rank=1, size=2)
     for expected in (1, 2):
         version = push.receive(model, link=link)

@@ -41,7 +41,7 @@ def grpo_end_to_end(*, workdir: str, iterations: int = 3) -> dict:
     result = {}
 
     # sync: rollout weights == Megatron export, rollout logits == Megatron logits
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     rollout = grpo.Rollout(hf, tok)
     stats = rollout.refresh(model.chunks, model.bridge)
     exported = dict(sync.export_hf_weights(model.chunks, model.bridge))
@@ -132,7 +132,7 @@ def _on_policy_vs_recompute(cfg, model, rollout, tok, task) -> dict:
 def dapo_end_to_end(*, workdir: str, iterations: int = 2) -> dict:
     import transformers
     cfg, src, tok, model, task = _sft_start(workdir)
-    rollout = HFRollout(transformers.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32), tok)
+    rollout = HFRollout(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), tok)
     assert isinstance(rollout, RolloutBackend)
     exact = core.Reward(fn=data.verify, solved_threshold=1.0)
     draw = core.PromptDraw(task.rl_prompts(80), seed=0)
