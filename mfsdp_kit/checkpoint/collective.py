@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..distributed.runtime import broadcast  # noqa: F401  (collective.broadcast: rank 0's object on every rank)
 from .errors import CheckpointCorruptError, CheckpointError
 
 ERROR_CHARS = 2000
@@ -31,15 +32,6 @@ def rank() -> int:
 
 def world() -> int:
     return dist.get_world_size() if initialized() else 1
-
-
-def broadcast(obj):
-    """Rank 0's `obj` on every rank."""
-    if not initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def all_gather(obj) -> list:

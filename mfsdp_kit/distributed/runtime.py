@@ -273,6 +273,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def broadcast(obj):
+    """Rank 0's `obj` on every rank (pickled); `obj` itself without a process group."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def current_config() -> EngineConfig:
     current()
     return _cfg

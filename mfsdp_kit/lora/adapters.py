@@ -92,11 +92,9 @@ def save_adapter(*, chunks, bridge, path, base_path=None) -> Path:
     shape = adapter_shape(chunks)
     path = Path(path)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    verdict = [refusal(path) if rank0 else None]   # rank 0's verdict, on every rank, before the collective export
-    if dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise FileExistsError(verdict[0])
+    verdict = runtime.broadcast(refusal(path) if rank0 else None)   # rank 0's, on every rank, before the export
+    if verdict:
+        raise FileExistsError(verdict)
     weights = {f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in export_adapter_weights(chunks, bridge)}
     if rank0:
         targets = {name.split(".")[-3] for name in weights}   # ...<module>.lora_A.weight

@@ -61,15 +61,14 @@ def write_for_world(name: str, shape: str, *, root: str, shard_gb: float) -> tup
     """(path, `write_folder`'s dict) on every rank: rank 0 writes `shape` as the folder `name` under `root` (or
     where `pick_root` finds room for its bf16 weights), replacing an earlier one. Collective where a process
     group exists."""
-    box = [None]
+    made = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         need_bytes = 2 * sum(s.numel() for s in tensor_shapes(shape).values())   # bf16
         path = pick_root(root, need_bytes) / name
         shutil.rmtree(path, ignore_errors=True)
-        box = [dict(path=str(path), write=write_folder(path, shape, shard_gb=shard_gb))]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-    return Path(box[0]["path"]), box[0]["write"]
+        made = dict(path=str(path), write=write_folder(path, shape, shard_gb=shard_gb))
+    made = runtime.broadcast(made)   # rank 0's, on every rank
+    return Path(made["path"]), made["write"]
 
 
 def remove_for_world(path: Path, *, keep: bool) -> None:

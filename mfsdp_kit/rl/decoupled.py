@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, bad_value
-from ..distributed import stop
+from ..distributed import runtime, stop
 from ..distributed.progress import report
 from ..fieldtypes import COUNT, INDEX, checked_args, optional
 from ..train import chat
@@ -161,18 +161,17 @@ def _samples(link: push.Link | None, j: int) -> RolloutBatch | None:
     """Iteration `j`'s samples from every rollout process (trainer rank 0 reads the store), on every trainer rank;
     None when Stop came meanwhile. Raises `push.LinkClosed` on every trainer rank when a rollout process closed
     the link (it stopped or failed) before they came."""
-    parts: list = [None]
+    got = None
     if link is not None:
         try:
             taken = [_take(link, samples_key(j, r)) for r in range(1, link.size)]
-            parts = [None if None in taken else core.concat(taken)]
+            got = None if None in taken else core.concat(taken)
         except push.LinkClosed as closed:
-            parts = [str(closed)]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(parts, src=0)
-    if isinstance(parts[0], str):
-        raise push.LinkClosed(parts[0])
-    return parts[0]
+            got = str(closed)
+    got = runtime.broadcast(got)   # rank 0's, on every trainer rank
+    if isinstance(got, str):
+        raise push.LinkClosed(got)
+    return got
 
 
 def _take(link: push.Link, key: str, *, poll_s: float = 0.05) -> RolloutBatch | None:

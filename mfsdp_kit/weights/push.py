@@ -104,10 +104,9 @@ def close(link: Link, *, reason: str) -> None:
         link.store.compare_set(CLOSED_KEY, "", reason)
     except (RuntimeError, dist.DistError):   # the store's server (link rank 0's process) is gone: no one to tell
         pass
-    group, link.group = link.group, None
-    if group is not None:   # gloo's abort leaves the sockets open: the group's end (its last reference) closes them
+    group, link.group = link.group, None   # gloo's abort leaves the sockets open: dropping the group closes them
+    if group is not None:
         group.abort()
-        del group
 
 
 def closed(link: Link) -> str | None:
@@ -173,18 +172,9 @@ def send(chunks: list[torch.nn.Module], bridge, *, link: Link | None, version: i
             _header(link, dict(end=True, version=version, tensors=count))
         except LinkClosed as closed:
             problem = str(closed)
-    if (problem := _from_trainer_rank0(problem)) is not None:
+    if (problem := runtime.broadcast(problem)) is not None:   # rank 0's, on every trainer rank
         raise LinkClosed(problem)
     return dict(seconds=time.perf_counter() - start, bytes=nbytes, tensors=count, version=version)
-
-
-def _from_trainer_rank0(value: str | None) -> str | None:
-    """Rank 0's `value` on every rank of the trainer's world (one small broadcast where it has several ranks)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 @torch.no_grad()
