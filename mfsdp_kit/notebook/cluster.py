@@ -231,7 +231,6 @@ class ClusterHandle:
         launch.kill_engines(self.cluster, self.client)
         watch.lap("kill_engines")
         launch.stop(self.cluster, self.client)
-        stacks.remove(profile_dir=self.cluster.profile_dir, cluster_id=self.cluster.cluster_id)
         watch.lap("stop_cluster")
         self.stop_s = dict(watch.phases, total=watch.total())
         self.view = None
@@ -370,7 +369,6 @@ def start(n: int | None = None, *, backend: str = "auto", cfg: EngineConfig | No
         return handle
     except BaseException:
         launch.stop(cluster, client)
-        stacks.remove(profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id)
         raise
 
 

@@ -23,6 +23,7 @@ from .. import cache
 from ..config import BACKENDS, ConfigError, bad_value
 from ..fieldtypes import is_int
 from ..distributed.stopwatch import Stopwatch
+from . import stacks
 
 LOCAL_LAUNCHERS = ("local", "localengine", "localenginesetlauncher", "")
 LOCAL_CONTROLLERS = ("local", "localcontroller", "localcontrollerlauncher", "")
@@ -316,7 +317,8 @@ def kill_engines(cluster: ipp.Cluster, client: ipp.Client) -> None:
 
 def stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
     """Close the client, stop engines and controller (ipyparallel), then end what the controller left
-    (`end_controller_group`): nothing of the cluster runs or listens afterwards."""
+    (`end_controller_group`) and remove the engines' stack files (`stacks.py`): nothing of the cluster runs, listens
+    or stays on disk afterwards."""
     controller = controller_process(cluster)   # ipyparallel forgets it when it stops the cluster
     if client is not None:
         client.close()
@@ -325,6 +327,7 @@ def stop(cluster: ipp.Cluster, client: ipp.Client | None) -> None:
     finally:
         if controller is not None:
             end_controller_group(controller.pid)
+        stacks.remove(profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id)
 
 
 # ---- the controller: its death named, its process group ended ----------------------------------

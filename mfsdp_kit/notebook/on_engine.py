@@ -58,15 +58,21 @@ def init(*, cfg: EngineConfig | None, backend: str, rank: int, world_size: int, 
     watch.lap("runtime_init")
     if abort_key:   # watchdog.py: the client aborts every rank's groups when one rank fails
         watchdog.arm(master_addr, master_port, abort_key)
-    from mfsdp_kit.distributed import stop
-    from mfsdp_kit.notebook import heartbeat, progress
+    from mfsdp_kit.notebook import progress
     from mfsdp_kit.distributed import progress as loop_progress
     loop_progress.listen(progress.publish)   # the loops' reports reach this notebook's bars and panels
-    stop.enable()   # collective (its gloo group on NCCL worlds): every rank here at once
-    _clear_stop_at_each_cell()
-    log = heartbeat.start(addr=master_addr, port=master_port, prefix=status_prefix, rank=rank,
-                          log_dir=log_dir) if status_prefix else None
+    log = _stop_and_heartbeat(addr=master_addr, port=master_port, prefix=status_prefix, rank=rank, log_dir=log_dir)
     return dict(device=f"{rt.device}", backend=rt.backend, log=log, phases=watch.phases)
+
+
+def _stop_and_heartbeat(*, addr: str, port: int, prefix: str, rank: int, log_dir: str | None) -> str | None:
+    """Stop as a pause (`distributed.stop`; collective in a world: every rank here at once), cleared at each new
+    cell, and the heartbeat under `prefix` in the store at addr:port (none without a prefix); returns the log."""
+    from mfsdp_kit.distributed import stop
+    from mfsdp_kit.notebook import heartbeat
+    stop.enable()
+    _clear_stop_at_each_cell()
+    return heartbeat.start(addr=addr, port=port, prefix=prefix, rank=rank, log_dir=log_dir) if prefix else None
 
 
 def _clear_stop(_info: Any = None) -> None:
@@ -94,16 +100,14 @@ def init_rollout(*, local_rank: int, rank: int, status_addr: str, status_port: i
     """A rollout engine (`roles.py`): no world; its GPU (`local_rank`, as a trainer's), Stop as a pause of its own
     loop (`rl.decoupled.serve` asks `stop.agreed()`, which without a world is this engine's flag), and a heartbeat
     under its launcher `rank` in the world's store, so `handle.status()` shows it beside the trainers."""
+    from mfsdp_kit import compat
     from mfsdp_kit.notebook import ipengine
     ipengine.wait()
+    compat.apply("startup")   # before megatron's import (the link's push imports it), as `init` does
     import torch
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    from mfsdp_kit.distributed import stop
-    from mfsdp_kit.notebook import heartbeat
-    stop.enable()
-    _clear_stop_at_each_cell()
-    log = heartbeat.start(addr=status_addr, port=status_port, prefix=status_prefix, rank=rank, log_dir=log_dir)
+    log = _stop_and_heartbeat(addr=status_addr, port=status_port, prefix=status_prefix, rank=rank, log_dir=log_dir)
     return dict(device=f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu", log=log)
 
 

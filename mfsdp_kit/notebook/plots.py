@@ -12,7 +12,6 @@ from typing import Mapping, Sequence
 from matplotlib.figure import Figure
 
 
-
 def _show_in_ipython() -> None:
     """Have IPython draw a bare `Figure` as a PNG. It does so only once a backend has been activated (pyplot imported,
     or `%matplotlib inline`), which this module never does: without this a cell's Figure showed as its text,
@@ -159,7 +158,6 @@ def logprob_mismatch(history, path=None, *, title: str = "rollout vs trainer log
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
-
 
 
 def staleness_histogram(history, path=None, *, title: str = "how old the trained tokens were") -> Figure:

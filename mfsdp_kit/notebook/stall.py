@@ -82,25 +82,22 @@ def states(handle: Any, ar: Any = None) -> dict[int, dict]:
     records = monitor.read() if monitor is not None else {}
     running = _running_ranks(handle, ar)
     dead = set(handle.dead_ranks())
+    rollouts = getattr(handle, "rollout_ranks", [])   # outside the world (roles.py): no cell state of theirs
     out = {}
-    for rank in handle.ranks:
+    for rank in handle.ranks + rollouts:
         rec = dict(records.get(rank) or {})
         process = monitor.process_state(rank) if monitor is not None else "unknown"
         if process == "gone" or (rank in dead and process == "unknown"):
             state = "dead"
         elif process == "stopped" or rank in dead or rec.get("beat_age_s", 0) >= monitor.stall_s:
             state = "frozen"
+        elif rank in rollouts:
+            state = "rollout"
         elif rank in running:
             state = "stuck" if _still(rec, monitor.stall_s) else "running"
         else:
             state = "done" if ar is not None else "idle"
         out[rank] = dict(rec, state=state, process=process)
-    for rank in getattr(handle, "rollout_ranks", []):   # outside the world (roles.py): what it does, not a cell's state
-        rec = dict(records.get(rank) or {})
-        process = monitor.process_state(rank) if monitor is not None else "unknown"
-        frozen = process == "stopped" or (monitor is not None and rec.get("beat_age_s", 0) >= monitor.stall_s)
-        out[rank] = dict(rec, process=process, state="dead" if process == "gone" else
-                         "frozen" if frozen else "rollout")
     return out
 
 
